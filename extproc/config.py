@@ -1,0 +1,286 @@
+"""kvgate's one configuration file, validated by pydantic v2.
+
+Every knob has a default, so the smallest useful file names one tier, one tenant and one
+pool. Errors are reported with the path of the offending value (``tiers.gold.limits.
+requests_per_second: …``) so ``kvgate check`` can print them all at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors: a typo in a limit must not silently mean 'unlimited'."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SlidingWindow(_Strict):
+    """A second shaping stage: at most ``requests`` in any window of ``window_ms``."""
+
+    requests: PositiveInt
+    window_ms: PositiveInt = 1000
+
+
+class Limits(_Strict):
+    """One tenant's limits. ``None`` means that dimension is not limited."""
+
+    requests_per_second: PositiveFloat | None = None
+    request_burst: PositiveInt | None = Field(
+        None, description="bucket capacity; default 2 × requests_per_second (at least 1)"
+    )
+    tokens_per_minute: PositiveInt | None = None
+    token_burst: PositiveInt | None = Field(
+        None, description="bucket capacity in tokens; default one minute's worth"
+    )
+    max_concurrency: PositiveInt | None = None
+    max_context_tokens: PositiveInt | None = None
+    sliding_window: SlidingWindow | None = None
+
+    @property
+    def effective_request_burst(self) -> int | None:
+        if self.requests_per_second is None:
+            return None
+        return self.request_burst or max(1, round(2 * self.requests_per_second))
+
+    @property
+    def effective_token_burst(self) -> int | None:
+        if self.tokens_per_minute is None:
+            return None
+        return self.token_burst or self.tokens_per_minute
+
+    def merged(self, override: Limits | None) -> Limits:
+        """This tier's limits with a tenant's explicitly set fields on top."""
+        if override is None:
+            return self
+        return self.model_copy(update=override.model_dump(exclude_unset=True))
+
+
+class Tier(_Strict):
+    weight: PositiveFloat = 1.0
+    limits: Limits = Limits()
+
+
+class RequestClass(_Strict):
+    priority: int = Field(0, description="vLLM priority: lower is served earlier")
+
+
+def hash_api_key(key: str) -> str:
+    """The form API keys are stored in: ``sha256:<hex>``. Plain keys never sit in config."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+class Tenant(_Strict):
+    name: str = Field(min_length=1)
+    tier: str
+    api_keys: list[str] = Field(min_length=1, description="sha256:<64 hex> hashes of the keys")
+    default_class: str = "interactive"
+    limits: Limits | None = Field(None, description="overrides of the tier's limits")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _hashed(cls, keys: list[str]) -> list[str]:
+        out = []
+        for key in keys:
+            digest = key.removeprefix("sha256:").lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(
+                    "API keys are stored as sha256 hashes ('sha256:<64 hex digits>'); "
+                    "make one with `kvgate hash-key`"
+                )
+            out.append("sha256:" + digest)
+        return out
+
+
+class Model(_Strict):
+    name: str = Field(min_length=1)
+    tokenizer: Path | None = Field(None, description="local HF tokenizer.json for exact counts")
+    default_max_tokens: PositiveInt = Field(
+        1024, description="output tokens reserved when the request sets no max_tokens"
+    )
+
+
+class Pool(_Strict):
+    name: str = Field(min_length=1)
+    models: list[Model] = Field(min_length=1)
+    endpoints: list[str] = Field(min_length=1, description="ip:port of each engine")
+    priority_scheduling: bool = Field(
+        False, description="the engines run vLLM with --scheduling-policy priority"
+    )
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _names_as_models(cls, models: Any) -> Any:
+        if isinstance(models, list):
+            return [{"name": m} if isinstance(m, str) else m for m in models]
+        return models
+
+    @field_validator("endpoints")
+    @classmethod
+    def _ip_port(cls, endpoints: list[str]) -> list[str]:
+        for endpoint in endpoints:
+            parse_endpoint(endpoint)
+        return endpoints
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``ip:port`` → (ip, port). Envoy's ORIGINAL_DST cluster needs a literal IP."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        port_number = int(port)
+    except ValueError:
+        raise ValueError(f"{endpoint!r} is not ip:port (a literal IP address and a port)") from None
+    if not sep or not 0 < port_number < 65536:
+        raise ValueError(f"{endpoint!r} is not ip:port (a literal IP address and a port)")
+    return host, port_number
+
+
+class Server(_Strict):
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(9001, ge=0, lt=65536)
+    admin_port: int = Field(9002, ge=0, lt=65536, description="/metrics, /healthz; 0 = off")
+    max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
+    chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")
+    max_stream_seconds: PositiveFloat = Field(
+        3600, description="a stream still open after this is failed and its lease released"
+    )
+
+
+class EnvoySettings(_Strict):
+    """What ``kvgate render-envoy`` puts into the Envoy bootstrap."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(10000, ge=0, lt=65536)
+    admin_port: int = Field(9901, ge=0, lt=65536)
+    ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate")
+    message_timeout_s: PositiveFloat = Field(
+        1000, description="per ext_proc message; must outlast the longest queueing"
+    )
+    route_timeout_s: float = Field(
+        0, ge=0, description="whole upstream request; 0 = none (long generations)"
+    )
+    connect_timeout_s: PositiveFloat = 2.0
+
+
+class Config(_Strict):
+    server: Server = Server()
+    envoy: EnvoySettings = EnvoySettings()
+    tiers: dict[str, Tier] = Field(min_length=1)
+    classes: dict[str, RequestClass] = Field(
+        default_factory=lambda: {
+            "interactive": RequestClass(priority=0),
+            "batch": RequestClass(priority=1),
+            "offline": RequestClass(priority=2),
+        }
+    )
+    tenants: list[Tenant] = Field(min_length=1)
+    pools: list[Pool] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _references(self) -> Config:
+        errors = list(self._reference_errors())
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    def _reference_errors(self) -> Iterable[str]:
+        seen_keys: dict[str, str] = {}
+        for i, tenant in enumerate(self.tenants):
+            if tenant.tier not in self.tiers:
+                yield f"tenants[{i}].tier: unknown tier {tenant.tier!r} (known: {_names(self.tiers)})"
+            if tenant.default_class not in self.classes:
+                yield (
+                    f"tenants[{i}].default_class: unknown class {tenant.default_class!r} "
+                    f"(known: {_names(self.classes)})"
+                )
+            for key in tenant.api_keys:
+                if key in seen_keys:
+                    yield f"tenants[{i}].api_keys: key already belongs to {seen_keys[key]!r}"
+                seen_keys[key] = tenant.name
+        names = [t.name for t in self.tenants]
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                yield f"tenants[{i}].name: duplicate tenant {name!r}"
+        owners: dict[str, str] = {}
+        for p, pool in enumerate(self.pools):
+            for m, model in enumerate(pool.models):
+                if model.name in owners:
+                    yield f"pools[{p}].models[{m}]: {model.name!r} already served by {owners[model.name]!r}"
+                owners[model.name] = pool.name
+
+    def limits_for(self, tenant: Tenant) -> Limits:
+        return self.tiers[tenant.tier].limits.merged(tenant.limits)
+
+
+def _names(mapping: dict[str, Any]) -> str:
+    return ", ".join(sorted(mapping)) or "none"
+
+
+class ConfigError(Exception):
+    """All problems found in one config file, each prefixed with its path."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += ("." if path else "") + str(part)
+    return path
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data if data is not None else {})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = _format_loc(tuple(p for p in err["loc"] if p not in ("function-after",)))
+            message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "value_error" and not loc:
+                problems.extend(message.split("; "))
+            else:
+                problems.append(f"{loc or '<root>'}: {message}")
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
+    return parse_config(data, str(path))
+
+
+EXAMPLE_CONFIG = Path(__file__).parent / "examples" / "kvgate.yaml"
