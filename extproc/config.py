@@ -157,8 +157,10 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 class Server(_Strict):
     host: str = "127.0.0.1"
-    grpc_port: int = Field(9001, ge=0, lt=65536)
-    admin_port: int = Field(9002, ge=0, lt=65536, description="/metrics, /healthz; 0 = off")
+    grpc_port: int = Field(9001, ge=0, lt=65536, description="0 = any free port")
+    admin_port: int | None = Field(
+        9002, ge=0, lt=65536, description="/metrics, /healthz; null = off, 0 = any free port"
+    )
     max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
     chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")
     max_stream_seconds: PositiveFloat = Field(

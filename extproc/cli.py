@@ -1,0 +1,116 @@
+"""The ``kvgate`` command: serve, check, hash-key, render-envoy, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import logging
+import sys
+from pathlib import Path
+
+from extproc.config import EXAMPLE_CONFIG, ConfigError, hash_api_key, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except ConfigError as error:
+        _print_config_error(error)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the ext_proc server")
+    serve.add_argument("--config", "-c", type=Path, required=True)
+    serve.set_defaults(func=_serve)
+
+    check = commands.add_parser("check", help="validate a config file; print every error")
+    check.add_argument("config", type=Path)
+    check.set_defaults(func=_check)
+
+    hash_key = commands.add_parser("hash-key", help="print the sha256 form of an API key")
+    hash_key.add_argument("key", nargs="?", help="the key (prompted for when omitted)")
+    hash_key.set_defaults(func=_hash_key)
+
+    render = commands.add_parser("render-envoy", help="write the Envoy bootstrap for a config")
+    render.add_argument("config", type=Path)
+    render.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    render.set_defaults(func=_render_envoy)
+
+    demo = commands.add_parser(
+        "demo", help="Envoy + kvgate + two simulated engines on the bundled config"
+    )
+    demo.add_argument("--config", "-c", type=Path, default=EXAMPLE_CONFIG)
+    demo.add_argument(
+        "--smoke", action="store_true", help="send a few requests through, print them, exit"
+    )
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def _print_config_error(error: ConfigError) -> None:
+    print(f"{error.source}: {len(error.problems)} problem(s)", file=sys.stderr)
+    for problem in error.problems:
+        print(f"  {problem}", file=sys.stderr)
+
+
+def _check(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    print(
+        f"{args.config}: OK — {len(config.tenants)} tenant(s), {len(config.tiers)} tier(s), "
+        f"{len(config.pools)} pool(s)"
+    )
+    return 0
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    key = args.key or getpass.getpass("API key: ")
+    if not key:
+        print("no key given", file=sys.stderr)
+        return 2
+    print(hash_api_key(key))
+    return 0
+
+
+def _render_envoy(args: argparse.Namespace) -> int:
+    from extproc.envoy_config import render_to_file, render_yaml
+
+    config = load_config(args.config)
+    if args.output:
+        render_to_file(config, args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(render_yaml(config))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from extproc.server import KvgateServer, install_uvloop
+
+    config = load_config(args.config)
+    install_uvloop()
+    asyncio.run(KvgateServer(config).serve_forever())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from extproc.demo import run_demo
+
+    return run_demo(load_config(args.config), smoke=args.smoke)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

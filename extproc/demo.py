@@ -1,0 +1,140 @@
+"""``kvgate demo``: the whole data path on one machine, on the embedded defaults.
+
+Simulated vLLM engines on the pool's endpoints, kvgate in this process (no Redis), and the
+real Envoy in front. The end-to-end tests drive the same ``LocalStack`` on free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+
+from extproc.config import Config, parse_endpoint
+from extproc.server import KvgateServer
+
+DEMO_KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "hobbyist": "sk-demo-free"}
+
+
+class ServerThread:
+    """kvgate's asyncio server on a thread of its own, so callers can stay synchronous."""
+
+    def __init__(self, config: Config):
+        self.server = KvgateServer(config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvgate", daemon=True)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as exc:  # reported to start()'s caller
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.server.stop(grace=0.5))
+        self.loop.close()
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self._started.wait(timeout=30)
+        if self._error is not None:
+            raise RuntimeError(f"kvgate failed to start: {self._error}") from self._error
+        return self
+
+    def call(self, coro, timeout: float = 10):  # type: ignore[no-untyped-def]
+        """Run a coroutine on kvgate's loop (tests inspect the store this way)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterator[ServerThread]:
+    """Engines for every pool endpoint, kvgate, then Envoy; torn down in reverse order."""
+    from bench.engine import EngineProcess
+    from extproc.envoy_proc import EnvoyProcess
+
+    with contextlib.ExitStack() as stack:
+        for pool in config.pools:
+            for endpoint in pool.endpoints:
+                host, port = parse_endpoint(endpoint)
+                stack.enter_context(
+                    EngineProcess(
+                        port=port,
+                        host=host,
+                        model=pool.models[0].name,
+                        scheduling_policy="priority" if pool.priority_scheduling else "fcfs",
+                        **(engine_options or {}),
+                    )
+                )
+        kvgate = ServerThread(config).start()
+        stack.callback(kvgate.stop)
+        stack.enter_context(EnvoyProcess(config))
+        yield kvgate
+
+
+def _gateway_url(config: Config) -> str:
+    return f"http://{config.envoy.listen_host}:{config.envoy.listen_port}"
+
+
+def curl_line(config: Config, key: str = DEMO_KEYS["acme"], stream: bool = True) -> str:
+    model = config.pools[0].models[0].name
+    body = (
+        f'{{"model": "{model}", "max_tokens": 32, "stream": {str(stream).lower()}, '
+        '"messages": [{"role": "user", "content": "Tell me about admission control."}]}'
+    )
+    return (
+        f"curl -sN {_gateway_url(config)}/v1/chat/completions "
+        f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' -d '{body}'"
+    )
+
+
+def _smoke(config: Config) -> int:
+    """A few requests through the stack, to show (and test) that the demo works."""
+    url = _gateway_url(config) + "/v1/chat/completions"
+    model = config.pools[0].models[0].name
+    body = {"model": model, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    with httpx.Client(timeout=30) as client:
+        ok = client.post(url, json=body, headers={"Authorization": f"Bearer {DEMO_KEYS['acme']}"})
+        print(f"acme     → {ok.status_code} {ok.json().get('usage')}")
+        bad = client.post(url, json=body, headers={"Authorization": "Bearer sk-wrong"})
+        print(f"bad key  → {bad.status_code} {bad.json()['error']['message']}")
+        statuses = []
+        for _ in range(6):
+            r = client.post(url, json=body, headers={"Authorization": f"Bearer {DEMO_KEYS['hobbyist']}"})
+            statuses.append(r.status_code)
+            if r.status_code == 429:
+                print(f"hobbyist → 429 after {len(statuses) - 1} admitted; retry-after-ms="
+                      f"{r.headers['retry-after-ms']} ({r.json()['error']['message']})")
+                break
+    return 0 if ok.status_code == 200 and bad.status_code == 401 and 429 in statuses else 1
+
+
+def run_demo(config: Config, *, smoke: bool = False) -> int:
+    print("starting 2 simulated vLLM engines, kvgate (in-memory limits) and Envoy …")
+    with local_stack(config) as kvgate:
+        print(f"\nEnvoy gateway : {_gateway_url(config)}")
+        print(f"kvgate ext_proc: {config.server.host}:{kvgate.server.grpc_port}, metrics: "
+              f"http://{config.server.host}:{kvgate.server.admin_port}/metrics")
+        print("demo API keys : " + ", ".join(f"{k} ({t})" for t, k in DEMO_KEYS.items()))
+        print("\nTry:\n  " + curl_line(config) + "\n")
+        if smoke:
+            return _smoke(config)
+        print("Ctrl-C to stop.")
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+    return 0

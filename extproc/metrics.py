@@ -1,0 +1,48 @@
+"""Prometheus metrics kvgate exports on its admin port (``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    """One registry per server, so tests can run several servers in one process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.decisions = Counter(
+            "kvgate_decisions_total",
+            "Admission outcomes by tenant and outcome (admitted, or the rejection reason).",
+            ["tenant", "outcome"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "kvgate_tokens_total",
+            "Tokens by tenant: reserved at admission, used per the engine's usage.",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "kvgate_in_flight_requests",
+            "Admitted requests not yet finished, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.messages = Counter(
+            "kvgate_extproc_messages_total",
+            "ext_proc messages received, by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.stream_errors = Counter(
+            "kvgate_extproc_stream_errors_total",
+            "ext_proc streams that ended abnormally (client disconnect, reset, internal error).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "kvgate_admission_seconds",
+            "Time to decide admission (store round trip included).",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=self.registry,
+        )

@@ -1,0 +1,200 @@
+"""OpenAI-compatible request bodies: what kvgate must know to admit them, and how it edits them.
+
+Parsing is strict where a mistake would let a request dodge its limits (the model, the
+output cap) and lenient elsewhere: vLLM validates the rest and answers in its own words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+INFERENCE_PATHS = (CHAT, COMPLETIONS, EMBEDDINGS)
+PER_MESSAGE_OVERHEAD_TOKENS = 3  # chat-template tokens around each message
+
+
+class BadRequest(Exception):
+    """A client error that becomes a 4xx with an OpenAI-style JSON body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        code: str | None = "invalid_request_error",
+        param: str | None = None,
+        error_type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param
+        self.error_type = error_type
+
+
+@dataclass
+class InferenceRequest:
+    """A parsed body: the JSON document plus the fields admission needs."""
+
+    path: str
+    body: dict[str, Any]
+    model: str
+    prompt_texts: list[str]
+    message_count: int
+    max_output_tokens: int | None  # None: the request set no cap
+    stream: bool
+
+    @property
+    def wants_usage_chunk(self) -> bool:
+        options = self.body.get("stream_options")
+        return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def route_path(path: str) -> str:
+    """The request path without query string, as matched against INFERENCE_PATHS."""
+    return path.split("?", 1)[0].rstrip("/") or "/"
+
+
+def parse_body(path: str, raw: bytes) -> InferenceRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("you must provide a model parameter", param="model")
+    texts, messages = _prompt_texts(path, body)
+    return InferenceRequest(
+        path=path,
+        body=body,
+        model=model,
+        prompt_texts=texts,
+        message_count=messages,
+        max_output_tokens=_max_output_tokens(path, body),
+        stream=_flag(body, "stream"),
+    )
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def _prompt_texts(path: str, body: dict[str, Any]) -> tuple[list[str], int]:
+    if path == CHAT:
+        return _chat_texts(body.get("messages"))
+    field = "prompt" if path == COMPLETIONS else "input"
+    return _plain_texts(body.get(field), field), 0
+
+
+def _chat_texts(messages: Any) -> tuple[list[str], int]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    texts: list[str] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
+        texts.extend(_content_texts(message.get("content"), f"messages[{i}].content"))
+    return texts, len(messages)
+
+
+def _content_texts(content: Any, param: str) -> list[str]:
+    """Message content is a string, null (tool calls), or a list of typed parts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    raise BadRequest(f"'{param}' must be a string or an array of content parts", param=param)
+
+
+def _plain_texts(value: Any, field: str) -> list[str]:
+    """``prompt`` / ``input``: a string, a list of strings, or token ids (counted as given)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return value
+        if all(isinstance(v, int) for v in value):
+            return [" " * 4 * len(value)]  # token ids: one token each at 4 chars/token
+        if all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value):
+            return [" " * 4 * len(v) for v in value]
+    raise BadRequest(f"'{field}' must be a string, an array of strings, or token ids", param=field)
+
+
+def _max_output_tokens(path: str, body: dict[str, Any]) -> int | None:
+    if path == EMBEDDINGS:
+        return 0
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BadRequest(f"'{name}' must be a positive integer", param=name)
+        return value
+    return None
+
+
+def mutate_body(
+    request: InferenceRequest, *, priority: int | None, inject_usage: bool
+) -> bytes:
+    """The body sent upstream: kvgate's priority (never the client's) and, for streams whose
+    client did not ask for it, the usage chunk kvgate needs to reconcile tokens."""
+    body = request.body
+    if priority is None:
+        body.pop("priority", None)
+    else:
+        body["priority"] = priority
+    if inject_usage:
+        options = body.get("stream_options")
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                  "include_usage": True}
+    return orjson.dumps(body)
+
+
+def error_body(error: BadRequest) -> bytes:
+    return orjson.dumps(
+        {
+            "error": {
+                "message": error.message,
+                "type": error.error_type,
+                "param": error.param,
+                "code": error.code,
+            }
+        }
+    )
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def usage_from(document: Any) -> Usage | None:
+    """``usage`` of a response or of the final stream chunk, if it has a valid one."""
+    if not isinstance(document, dict):
+        return None
+    usage = document.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0) or 0
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return Usage(prompt, completion)

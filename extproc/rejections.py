@@ -1,0 +1,80 @@
+"""What a client sees when kvgate says no: status, OpenAI-style JSON, and retry headers.
+
+Clients (openai-python and friends) read ``retry-after-ms`` first, then ``retry-after``;
+they honour it only up to 60–120 s, so ``retry-after`` is capped at 60 while
+``retry-after-ms`` stays exact. ``x-should-retry: false`` stops retries that cannot help.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+
+from extproc.openai import BadRequest, error_body
+from limiter import Reason, Reject, Remaining, format_duration
+
+MAX_RETRY_AFTER_S = 60
+
+_CODES = {
+    Reason.REQUESTS: "rate_limit_exceeded",
+    Reason.WINDOW: "rate_limit_exceeded",
+    Reason.TOKENS: "rate_limit_exceeded",
+    Reason.CONCURRENCY: "concurrency_limit_exceeded",
+    Reason.TOO_LARGE: "tokens_exceed_capacity",
+}
+
+
+def ratelimit_headers(remaining: Remaining) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` family, for the dimensions this tenant has."""
+    headers: dict[str, str] = {}
+    for kind, limit, left, reset in (
+        ("requests", remaining.request_limit, remaining.requests_remaining,
+         remaining.requests_reset_ms),
+        ("tokens", remaining.token_limit, remaining.tokens_remaining, remaining.tokens_reset_ms),
+    ):
+        if limit is None:
+            continue
+        headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, left or 0))
+        headers[f"x-ratelimit-reset-{kind}"] = format_duration(reset or 0)
+    return headers
+
+
+def retry_headers(retry_after_ms: int) -> dict[str, str]:
+    seconds = max(1, math.ceil(retry_after_ms / 1000))
+    return {
+        "retry-after": str(min(MAX_RETRY_AFTER_S, seconds)),
+        "retry-after-ms": str(retry_after_ms),
+    }
+
+
+def rejection(reject: Reject) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers) for a limiter rejection."""
+    headers = {"x-kvgate-reject": reject.reason.value, **ratelimit_headers(reject.remaining)}
+    if reject.reason is Reason.CONTEXT:
+        error = BadRequest(reject.message, code="context_length_exceeded", param="messages")
+        headers["x-should-retry"] = "false"
+        return 400, error_body(error), headers
+    error = BadRequest(
+        reject.message, status=429, code=_CODES[reject.reason], error_type="rate_limit_error"
+    )
+    if reject.retry_after_ms is None:
+        headers["x-should-retry"] = "false"
+    else:
+        headers.update(retry_headers(reject.retry_after_ms))
+    return 429, error_body(error), headers
+
+
+def client_error(error: BadRequest) -> tuple[int, bytes, dict[str, str]]:
+    headers = {"x-kvgate-reject": error.code or "invalid_request"}
+    if error.status in (400, 401, 404, 413):
+        headers["x-should-retry"] = "false"
+    return error.status, error_body(error), headers
+
+
+def internal_error(message: str) -> tuple[int, bytes, dict[str, str]]:
+    """kvgate's own failure: 503 (retryable), never a bare 500."""
+    body = orjson.dumps({"error": {"message": message, "type": "server_error",
+                                   "param": None, "code": "gateway_unavailable"}})
+    return 503, body, {"x-kvgate-reject": "internal", **retry_headers(1000)}

@@ -1,0 +1,121 @@
+"""The kvgate process: the ext_proc gRPC service, gRPC health, and the admin HTTP port.
+
+grpc.aio (with uvloop where available) because kvgate holds a stream open for the whole
+LLM call; a thread per stream would not scale (REFERENCE.md measurements).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from extproc.config import Config
+from extproc.director import Director
+from extproc.metrics import Metrics
+from extproc.stream import RequestStream
+from limiter import LimiterStore, MemoryStore
+
+log = logging.getLogger(__name__)
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, director: Director, metrics: Metrics, config: Config):
+        self.director = director
+        self.metrics = metrics
+        self.settings = config.server
+
+    async def Process(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = RequestStream(self.director, self.metrics, self.settings)
+        ending: str | None = "envoy_closed"
+        try:
+            async for message in request_iterator:
+                yield await stream.handle(message)
+                if stream.done:
+                    ending = None
+                    return  # ending the RPC here lets Envoy close the stream gracefully
+            if stream.meter is None:
+                ending = None  # a headers-only request: Envoy closes once routed
+        except asyncio.CancelledError:
+            ending = "cancelled"
+            raise
+        finally:
+            # shielded: a second cancellation must not skip the release
+            await asyncio.shield(stream.close(ending))
+
+
+class KvgateServer:
+    """Owns the gRPC server and the admin site; ports 0 bind ephemeral ports (tests)."""
+
+    def __init__(self, config: Config, store: LimiterStore | None = None):
+        self.config = config
+        self.metrics = Metrics()
+        self.director = Director(config, store or MemoryStore())
+        self.grpc_port = 0
+        self.admin_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._admin: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        settings = self.config.server
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(self.director, self.metrics, self.config), self._grpc
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+        await self._grpc.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        if settings.admin_port is not None:
+            await self._start_admin(settings.host, settings.admin_port)
+        log.info("kvgate ext_proc on %s:%d, admin on %s:%d", settings.host, self.grpc_port,
+                 settings.host, self.admin_port)
+
+    async def _start_admin(self, host: str, port: int) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        self._admin = web.AppRunner(app, access_log=None)
+        await self._admin.setup()
+        site = web.TCPSite(self._admin, host, port)
+        await site.start()
+        self.admin_port = self._admin.addresses[0][1]
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._admin is not None:
+            await self._admin.cleanup()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await self._grpc.wait_for_termination()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.stop()
+
+
+def install_uvloop() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

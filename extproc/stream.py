@@ -1,0 +1,213 @@
+"""One ext_proc stream = one HTTP request: the protocol state machine.
+
+Envoy sends, in order: request headers, the request body (BUFFERED, one message), then the
+response body chunk by chunk (STREAMED); response headers and trailers are skipped to save
+messages. Each message gets exactly one reply. Whatever ends the stream — completion, an
+error, the client going away — ``close`` releases what the request held, exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import messages
+from extproc.accounting import ResponseMeter
+from extproc.config import Server
+from extproc.director import Admission, Director
+from extproc.metrics import Metrics
+from extproc.openai import (
+    INFERENCE_PATHS,
+    BadRequest,
+    InferenceRequest,
+    mutate_body,
+    parse_body,
+    route_path,
+)
+from extproc.rejections import client_error, internal_error, rejection
+from limiter import Reject
+
+log = logging.getLogger(__name__)
+
+SPOOFABLE_PREFIXES = ("x-kvgate-",)
+SPOOFABLE_HEADERS = ("x-gateway-destination-endpoint",)
+
+
+class RequestStream:
+    def __init__(self, director: Director, metrics: Metrics, settings: Server):
+        self.director = director
+        self.metrics = metrics
+        self.settings = settings
+        self.done = False  # the last reply this stream owes Envoy has been produced
+        self.path = ""
+        self.tenant = None
+        self.request: InferenceRequest | None = None
+        self.admission: Admission | None = None
+        self.meter: ResponseMeter | None = None
+        self._released = False
+
+    async def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        kind = message.WhichOneof("request")
+        self.metrics.messages.labels(kind).inc()
+        try:
+            if kind == "request_headers":
+                return await self._on_request_headers(message.request_headers)
+            if kind == "request_body":
+                return await self._on_request_body(message.request_body)
+            if kind == "response_body":
+                return await self._on_response_body(message.response_body)
+            return _continue_other(kind)
+        except BadRequest as error:
+            return self._answer(*client_error(error), details=error.code or "bad_request")
+        except Exception:
+            log.exception("ext_proc %s failed", kind)
+            self.metrics.stream_errors.labels("internal").inc()
+            if kind.startswith("response"):
+                return _continue_other(kind)
+            return self._answer(*internal_error("kvgate could not process the request"),
+                                details="kvgate_internal")
+
+    # -- request path ----------------------------------------------------------------------
+
+    async def _on_request_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
+        values = messages.header_map(headers)
+        self.path = route_path(values.get(":path", "/"))
+        self.tenant = self.director.authenticate(values.get("authorization"))
+        spoofed = [h for h in values if h.startswith(SPOOFABLE_PREFIXES)]
+        remove = [*SPOOFABLE_HEADERS, *spoofed]
+        length = values.get("content-length", "")
+        if length.isdigit() and int(length) > self.settings.max_body_bytes:
+            raise _too_large(self.settings.max_body_bytes)
+        reject = await self.director.precheck(self.tenant)
+        if reject is not None:
+            return self._reject(reject)
+        if headers.end_of_stream or self.path not in INFERENCE_PATHS:
+            return await self._admit_without_body(remove)
+        return messages.continue_request_headers(remove=remove)
+
+    async def _admit_without_body(self, remove: list[str]) -> pb.ProcessingResponse:
+        """GETs and non-inference paths: one request's worth, decided on headers alone."""
+        assert self.tenant is not None
+        decision = await self.director.admit_request_only(self.tenant)
+        if isinstance(decision, Reject):
+            return self._reject(decision)
+        reply = self._route(decision, body=None, in_body_phase=False)
+        reply.request_headers.response.header_mutation.remove_headers.extend(remove)
+        reply.mode_override.CopyFrom(HEADERS_ONLY)
+        return reply
+
+    async def _on_request_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+        assert self.tenant is not None
+        if len(body.body) > self.settings.max_body_bytes:
+            raise _too_large(self.settings.max_body_bytes)
+        self.request = parse_body(self.path, body.body)
+        started = time.perf_counter()
+        decision = await self.director.admit(self.tenant, self.request)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if isinstance(decision, Reject):
+            return self._reject(decision)
+        inject_usage = self.request.stream and not self.request.wants_usage_chunk
+        new_body = mutate_body(self.request, priority=decision.priority, inject_usage=inject_usage)
+        self.meter = ResponseMeter(stream=self.request.stream, strip_usage_event=inject_usage)
+        return self._route(decision, body=new_body, in_body_phase=True)
+
+    def _route(
+        self, admission: Admission, *, body: bytes | None, in_body_phase: bool
+    ) -> pb.ProcessingResponse:
+        self.admission = admission
+        tenant = admission.tenant.name
+        self.metrics.decisions.labels(tenant, "admitted").inc()
+        self.metrics.tokens.labels(tenant, "reserved").inc(admission.cost.tokens)
+        self.metrics.in_flight.labels(tenant).inc()
+        headers = {
+            "x-kvgate-tenant": tenant,
+            "x-kvgate-class": admission.request_class,
+            "x-gateway-destination-endpoint": admission.endpoint,
+        }
+        if admission.priority is not None:
+            headers["x-kvgate-priority"] = str(admission.priority)
+        metadata = {"tenant": tenant, "lease": admission.lease_id, "pool": admission.pool.name}
+        return messages.route_request(
+            set_headers=headers,
+            endpoint=admission.endpoint,
+            body=body,
+            in_body_phase=in_body_phase,
+            metadata=metadata,
+        )
+
+    # -- response path ---------------------------------------------------------------------
+
+    async def _on_response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+        replacement = self.meter.feed(body.body) if self.meter else None
+        if body.end_of_stream:
+            if self.meter:
+                self.meter.finish()
+            await self.close(None)
+            self.done = True
+        return messages.continue_body(response_phase=True, body=replacement)
+
+    # -- endings ---------------------------------------------------------------------------
+
+    def _reject(self, reject: Reject) -> pb.ProcessingResponse:
+        if self.tenant is not None:
+            self.metrics.decisions.labels(self.tenant.name, reject.reason.value).inc()
+        return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
+
+    def _answer(
+        self, status: int, body: bytes, headers: dict[str, str], *, details: str
+    ) -> pb.ProcessingResponse:
+        self.done = True
+        return messages.immediate(status, body, headers, details)
+
+    async def close(self, abnormal: str | None) -> None:
+        """Release the admission's lease and reconcile its tokens. Safe to call repeatedly."""
+        if self.admission is None or self._released:
+            return
+        self._released = True
+        if abnormal:
+            self.metrics.stream_errors.labels(abnormal).inc()
+        used = self._used_tokens()
+        tenant = self.admission.tenant.name
+        self.metrics.in_flight.labels(tenant).dec()
+        if used is not None:
+            self.metrics.tokens.labels(tenant, "used").inc(used)
+        await self.director.release(self.admission, used)
+
+    def _used_tokens(self) -> int:
+        """The engine's usage when it reported one; for a response cut off before that, the
+        prompt plus the tokens streamed so far (the engine stops on disconnect)."""
+        assert self.admission is not None
+        if self.meter is None:
+            return 0
+        if self.meter.usage is not None:
+            return self.meter.usage.total
+        return self.admission.cost.prompt_tokens + self.meter.events
+
+
+HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this
+    request_header_mode=ProcessingMode.SEND,
+    response_header_mode=ProcessingMode.SKIP,
+    request_body_mode=ProcessingMode.NONE,
+    response_body_mode=ProcessingMode.NONE,
+    request_trailer_mode=ProcessingMode.SKIP,
+    response_trailer_mode=ProcessingMode.SKIP,
+)
+
+
+def _too_large(limit: int) -> BadRequest:
+    return BadRequest(
+        f"request body is larger than this gateway's limit of {limit} bytes",
+        status=413, code="request_too_large",
+    )
+
+
+def _continue_other(kind: str) -> pb.ProcessingResponse:
+    """Phases kvgate does not act on (enabled by a hand-edited Envoy config): pass through."""
+    if kind in ("request_headers", "response_headers"):
+        return pb.ProcessingResponse(**{kind: pb.HeadersResponse()})
+    if kind in ("request_body", "response_body"):
+        return pb.ProcessingResponse(**{kind: pb.BodyResponse()})
+    return pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
