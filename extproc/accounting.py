@@ -43,11 +43,10 @@ class ResponseMeter:
     def finish(self) -> None:
         """End of body: a JSON response carries its usage near the end."""
         if not self.stream and self.usage is None:
-            match = None
-            for match in _USAGE_PRESENT.finditer(self._tail):
-                pass  # the last one: the response's own usage, after any nested documents
-            if match:
-                obj = _balanced_object(self._tail, match.end() - 1)
+            # the last one: the response's own usage, after any nested documents
+            starts = [m.end() - 1 for m in _USAGE_PRESENT.finditer(self._tail)]
+            if starts:
+                obj = _balanced_object(self._tail, starts[-1])
                 self.usage = obj and _parse_usage(b'{"usage":' + obj + b"}")
 
     def _feed_sse(self, chunk: bytes) -> bytes | None:

@@ -209,7 +209,10 @@ class Config(_Strict):
         seen_keys: dict[str, str] = {}
         for i, tenant in enumerate(self.tenants):
             if tenant.tier not in self.tiers:
-                yield f"tenants[{i}].tier: unknown tier {tenant.tier!r} (known: {_names(self.tiers)})"
+                yield (
+                    f"tenants[{i}].tier: unknown tier {tenant.tier!r} "
+                    f"(known: {_names(self.tiers)})"
+                )
             if tenant.default_class not in self.classes:
                 yield (
                     f"tenants[{i}].default_class: unknown class {tenant.default_class!r} "
@@ -227,7 +230,10 @@ class Config(_Strict):
         for p, pool in enumerate(self.pools):
             for m, model in enumerate(pool.models):
                 if model.name in owners:
-                    yield f"pools[{p}].models[{m}]: {model.name!r} already served by {owners[model.name]!r}"
+                    yield (
+                        f"pools[{p}].models[{m}]: {model.name!r} "
+                        f"already served by {owners[model.name]!r}"
+                    )
                 owners[model.name] = pool.name
 
     def limits_for(self, tenant: Tenant) -> Limits:

@@ -11,11 +11,17 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
 from extproc.config import Config, parse_endpoint
 from extproc.server import KvgateServer
+
+if TYPE_CHECKING:
+    from bench.engine import EngineProcess
+    from extproc.envoy_proc import EnvoyProcess
 
 DEMO_KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "hobbyist": "sk-demo-free"}
 
@@ -60,17 +66,29 @@ class ServerThread:
             self._thread.join(timeout=10)
 
 
+@dataclass
+class Stack:
+    kvgate: ServerThread
+    envoy: EnvoyProcess
+    engines: dict[str, EngineProcess]  # by endpoint
+
+    @property
+    def url(self) -> str:
+        return self.envoy.url
+
+
 @contextlib.contextmanager
-def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterator[ServerThread]:
+def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterator[Stack]:
     """Engines for every pool endpoint, kvgate, then Envoy; torn down in reverse order."""
     from bench.engine import EngineProcess
     from extproc.envoy_proc import EnvoyProcess
 
     with contextlib.ExitStack() as stack:
+        engines = {}
         for pool in config.pools:
             for endpoint in pool.endpoints:
                 host, port = parse_endpoint(endpoint)
-                stack.enter_context(
+                engines[endpoint] = stack.enter_context(
                     EngineProcess(
                         port=port,
                         host=host,
@@ -81,8 +99,8 @@ def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterat
                 )
         kvgate = ServerThread(config).start()
         stack.callback(kvgate.stop)
-        stack.enter_context(EnvoyProcess(config))
-        yield kvgate
+        envoy = stack.enter_context(EnvoyProcess(config))
+        yield Stack(kvgate, envoy, engines)
 
 
 def _gateway_url(config: Config) -> str:
@@ -113,8 +131,9 @@ def _smoke(config: Config) -> int:
         bad = client.post(url, json=body, headers={"Authorization": "Bearer sk-wrong"})
         print(f"bad key  → {bad.status_code} {bad.json()['error']['message']}")
         statuses = []
+        hobbyist = {"Authorization": f"Bearer {DEMO_KEYS['hobbyist']}"}
         for _ in range(6):
-            r = client.post(url, json=body, headers={"Authorization": f"Bearer {DEMO_KEYS['hobbyist']}"})
+            r = client.post(url, json=body, headers=hobbyist)
             statuses.append(r.status_code)
             if r.status_code == 429:
                 print(f"hobbyist → 429 after {len(statuses) - 1} admitted; retry-after-ms="
@@ -125,7 +144,8 @@ def _smoke(config: Config) -> int:
 
 def run_demo(config: Config, *, smoke: bool = False) -> int:
     print("starting 2 simulated vLLM engines, kvgate (in-memory limits) and Envoy …")
-    with local_stack(config) as kvgate:
+    with local_stack(config) as stack:
+        kvgate = stack.kvgate
         print(f"\nEnvoy gateway : {_gateway_url(config)}")
         print(f"kvgate ext_proc: {config.server.host}:{kvgate.server.grpc_port}, metrics: "
               f"http://{config.server.host}:{kvgate.server.admin_port}/metrics")

@@ -115,7 +115,8 @@ def _content_texts(content: Any, param: str) -> list[str]:
     if isinstance(content, str):
         return [content]
     if isinstance(content, list):
-        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        parts = [p for p in content if isinstance(p, dict)]
+        return [p["text"] for p in parts if isinstance(p.get("text"), str)]
     raise BadRequest(f"'{param}' must be a string or an array of content parts", param=param)
 
 

@@ -33,8 +33,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.metrics = metrics
         self.settings = config.server
 
-    async def Process(  # noqa: N802 (gRPC method name)
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = RequestStream(self.director, self.metrics, self.settings)
         ending: str | None = "envoy_closed"
@@ -68,7 +70,13 @@ class KvgateServer:
 
     async def start(self) -> None:
         settings = self.config.server
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # the whole buffered request body arrives as one gRPC message
+        max_message = settings.max_body_bytes + 1024 * 1024
+        self._grpc = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
+        ])
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.director, self.metrics, self.config), self._grpc
         )

@@ -106,7 +106,8 @@ async def test_unknown_key_is_401_json():
 @pytest.mark.parametrize(
     ("body", "status"),
     [(b"{not json", 400), (b"[1,2]", 400), ({"messages": []}, 400),
-     ({"model": "m", "messages": "hi"}, 400), ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+     ({"model": "m", "messages": "hi"}, 400),
+     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
      (chat(max_tokens=-1), 400)],
 )
 async def test_bad_bodies_are_4xx_and_hold_nothing(body, status):

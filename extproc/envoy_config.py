@@ -1,0 +1,468 @@
+"""Render the Envoy bootstrap (gateway mode) from kvgate's config.
+
+The bootstrap is built from typed ``envoy_data_plane`` messages (betterproto2 dataclasses of
+the Envoy API), so a misspelt field or a wrong type fails here, in Python, and the real
+``envoy --mode validate`` checks the rest in the tests. ``kvgate render-envoy`` writes it to
+``envoy/gateway.yaml``.
+
+``envoy_data_plane`` costs ~1 s and ~50 MB to import: it is imported inside the functions
+only, so this module stays cheap to import and out of ``kvgate serve``'s way.
+
+Traffic path::
+
+    client ─▶ listener (HCM) ─▶ ext_proc filter ──gRPC/HTTP2──▶ kvgate (cluster kvgate_ext_proc)
+                                     │
+                                     └─▶ router ─▶ kvgate_upstream (ORIGINAL_DST: the endpoint
+                                                   named by x-gateway-destination-endpoint)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from extproc.config import Config
+
+GATEWAY_LISTENER = "kvgate_gateway"
+EXT_PROC_CLUSTER = "kvgate_ext_proc"
+UPSTREAM_CLUSTER = "kvgate_upstream"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.
+RECEIVING_NAMESPACES = ("envoy.lb", "kvgate")
+
+# Envoy buffers the whole request body for ext_proc (BUFFERED mode); its limit is the
+# connection's buffer limit. It sits above server.max_body_bytes so that kvgate, not Envoy,
+# answers 413 (with a JSON error) for every body up to that size, headers included.
+BUFFER_HEADROOM_BYTES = 64 * 1024
+EXT_PROC_CONNECT_TIMEOUT = dt.timedelta(seconds=1)
+# Envoy's own default stream idle timeout; the floor for the route's idle timeout.
+MIN_IDLE_TIMEOUT_S = 300.0
+# Extra time on top of the longest expected silence, so the more specific timers (the
+# ext_proc message timeout, the route timeout) fire first and name the cause.
+IDLE_TIMEOUT_MARGIN_S = 30.0
+# Envoy's default circuit breakers allow 1024 requests per cluster. kvgate holds one ext_proc
+# stream, and the upstream one connection, for the whole LLM call (queueing included), so
+# 1024 concurrent generations would overflow them; kvgate is the admission controller.
+CIRCUIT_BREAKER_LIMIT = 1_000_000
+MAX_DOWNSTREAM_CONNECTIONS = 50_000
+
+RUNTIME_FLAGS = {
+    # Close ext_proc streams with a half-close instead of a reset (REFERENCE.md pitfall 4).
+    "envoy.reloadable_features.ext_proc_graceful_grpc_close": True,
+}
+
+# Local replies that Envoy makes itself get an OpenAI-style JSON body. Filters that set a
+# content-type on their local reply (kvgate's ext_proc ImmediateResponse always does) are
+# left untouched: the header mutation of an immediate response is applied *before* the
+# local-reply mapper runs, and Envoy's own replies carry no content-type at that point.
+_ENVOY_OWN_REPLY = "!('content-type' in response.headers)"
+_EXT_PROC_FAILED = "response.code_details.startsWith('ext_proc_error')"
+EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
+
+
+def _seconds(value: float) -> dt.timedelta:
+    return dt.timedelta(seconds=value)
+
+
+def _socket_address(host: str, port: int) -> Any:
+    from envoy_data_plane.envoy.config.core.v3 import Address, SocketAddress
+
+    return Address(socket_address=SocketAddress(address=host, port_value=port))
+
+
+def idle_timeout_s(config: Config) -> float:
+    """How long a request may see no bytes either way: queueing in kvgate (up to the ext_proc
+    message timeout) or a non-streamed generation (up to the route timeout)."""
+    env = config.envoy
+    return max(MIN_IDLE_TIMEOUT_S, env.message_timeout_s, env.route_timeout_s) + (
+        IDLE_TIMEOUT_MARGIN_S
+    )
+
+
+def buffer_limit_bytes(config: Config) -> int:
+    return config.server.max_body_bytes + BUFFER_HEADROOM_BYTES
+
+
+def _ext_proc_filter(config: Config) -> Any:
+    from envoy_data_plane.envoy.config.core.v3 import GrpcService, GrpcServiceEnvoyGrpc
+    from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+        ExternalProcessor,
+        MetadataOptions,
+        MetadataOptionsMetadataNamespaces,
+        ProcessingMode,
+        ProcessingModeBodySendMode,
+        ProcessingModeHeaderSendMode,
+    )
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpFilter,
+    )
+    from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    env = config.envoy
+    message_timeout = _seconds(env.message_timeout_s)
+    # kvgate may extend one stream's timeout (override_message_timeout) up to the longest it
+    # ever holds a stream.
+    max_message_timeout = _seconds(max(env.message_timeout_s, config.server.max_stream_seconds))
+    ext_proc = ExternalProcessor(
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)),
+        failure_mode_allow=False,
+        # kvgate down, failing or silent: 503 (retryable) rather than Envoy's default 500.
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+        message_timeout=message_timeout,
+        max_message_timeout=max_message_timeout,
+        allow_mode_override=True,
+        processing_mode=ProcessingMode(
+            request_header_mode=ProcessingModeHeaderSendMode.SEND,
+            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
+            response_header_mode=ProcessingModeHeaderSendMode.SKIP,
+            response_body_mode=ProcessingModeBodySendMode.STREAMED,
+            response_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
+        ),
+        metadata_options=MetadataOptions(
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(
+                untyped=list(RECEIVING_NAMESPACES)
+            )
+        ),
+    )
+    return HttpFilter(name="envoy.filters.http.ext_proc", typed_config=AnyMsg.pack(ext_proc))
+
+
+def _router_filter() -> Any:
+    from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpFilter,
+    )
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    return HttpFilter(name="envoy.filters.http.router", typed_config=AnyMsg.pack(Router()))
+
+
+def _cel_filter(expression: str) -> Any:
+    from envoy_data_plane.envoy.config.accesslog.v3 import AccessLogFilter, ExtensionFilter
+    from envoy_data_plane.envoy.extensions.access_loggers.filters.cel.v3 import ExpressionFilter
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    return AccessLogFilter(
+        extension_filter=ExtensionFilter(
+            name="envoy.access_loggers.extension_filters.cel",
+            typed_config=AnyMsg.pack(ExpressionFilter(expression=expression)),
+        )
+    )
+
+
+def _json_error_format(error_type: str) -> Any:
+    from envoy_data_plane.envoy.config.core.v3 import SubstitutionFormatString
+    from envoy_data_plane.google.protobuf import Struct
+
+    return SubstitutionFormatString(
+        json_format=Struct.from_dict(
+            {
+                "error": {
+                    "message": "%LOCAL_REPLY_BODY%",
+                    "type": error_type,
+                    "code": "%RESPONSE_CODE%",
+                }
+            }
+        ),
+        content_type="application/json",
+    )
+
+
+def _local_reply_config() -> Any:
+    """Envoy's own local replies (413 over the buffer limit, 503 no healthy upstream, 504
+    upstream timeout, kvgate unreachable, …) as OpenAI-style JSON errors.
+
+    No top-level ``body_format``: it would apply to *every* local reply, kvgate's immediate
+    responses included. Each mapper carries the "Envoy's own reply" condition instead.
+    """
+    from envoy_data_plane.envoy.config.core.v3 import DataSource
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        LocalReplyConfig,
+        ResponseMapper,
+    )
+
+    own = _ENVOY_OWN_REPLY
+    return LocalReplyConfig(
+        mappers=[
+            # ext_proc could not reach kvgate, the stream failed or a message timed out:
+            # Envoy's body is empty, so say what happened.
+            ResponseMapper(
+                filter=_cel_filter(f"{own} && {_EXT_PROC_FAILED}"),
+                body=DataSource(inline_string=EXT_PROC_FAILURE_MESSAGE),
+                body_format_override=_json_error_format("server_error"),
+            ),
+            ResponseMapper(
+                filter=_cel_filter(f"{own} && response.code >= 500"),
+                body_format_override=_json_error_format("server_error"),
+            ),
+            ResponseMapper(
+                filter=_cel_filter(f"{own} && response.code >= 400"),
+                body_format_override=_json_error_format("invalid_request_error"),
+            ),
+        ]
+    )
+
+
+def _http_connection_manager(config: Config) -> Any:
+    from envoy_data_plane.envoy.config.route.v3 import (
+        Route,
+        RouteAction,
+        RouteConfiguration,
+        RouteMatch,
+        VirtualHost,
+    )
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpConnectionManager,
+        HttpConnectionManagerCodecType,
+    )
+
+    env = config.envoy
+    idle = _seconds(idle_timeout_s(config))
+    route = Route(
+        name="all",
+        match=RouteMatch(prefix="/"),
+        route=RouteAction(
+            cluster=UPSTREAM_CLUSTER,
+            # 0 s disables the whole-request timeout (Envoy's default is 15 s, far too short
+            # for a long generation).
+            timeout=_seconds(env.route_timeout_s),
+            idle_timeout=idle,
+        ),
+    )
+    return HttpConnectionManager(
+        stat_prefix=GATEWAY_LISTENER,
+        codec_type=HttpConnectionManagerCodecType.AUTO,
+        # Also covers replies produced before a route is chosen.
+        stream_idle_timeout=idle,
+        use_remote_address=True,
+        normalize_path=True,
+        merge_slashes=True,
+        route_config=RouteConfiguration(
+            name="kvgate_routes",
+            virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=[route])],
+        ),
+        http_filters=[_ext_proc_filter(config), _router_filter()],
+        local_reply_config=_local_reply_config(),
+    )
+
+
+def _listener(config: Config) -> Any:
+    from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    env = config.envoy
+    return Listener(
+        name=GATEWAY_LISTENER,
+        address=_socket_address(env.listen_host, env.listen_port),
+        per_connection_buffer_limit_bytes=buffer_limit_bytes(config),
+        filter_chains=[
+            FilterChain(
+                filters=[
+                    Filter(
+                        name="envoy.filters.network.http_connection_manager",
+                        typed_config=AnyMsg.pack(_http_connection_manager(config)),
+                    )
+                ]
+            )
+        ],
+    )
+
+
+def _circuit_breakers() -> Any:
+    from envoy_data_plane.envoy.config.cluster.v3 import (
+        CircuitBreakers,
+        CircuitBreakersThresholds,
+    )
+
+    limit = CIRCUIT_BREAKER_LIMIT
+    return CircuitBreakers(
+        thresholds=[
+            CircuitBreakersThresholds(
+                max_connections=limit, max_pending_requests=limit, max_requests=limit
+            )
+        ]
+    )
+
+
+def _upstream_cluster(config: Config) -> Any:
+    from envoy_data_plane.envoy.config.cluster.v3 import (
+        Cluster,
+        ClusterDiscoveryType,
+        ClusterLbPolicy,
+        ClusterOriginalDstLbConfig,
+    )
+
+    return Cluster(
+        name=UPSTREAM_CLUSTER,
+        # The endpoint is whatever kvgate put in x-gateway-destination-endpoint (ip:port).
+        # Without the header there is no host (the listener does not restore original
+        # destinations), so a request kvgate did not route gets 503, never a loop.
+        type=ClusterDiscoveryType.ORIGINAL_DST,
+        lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
+        original_dst_lb_config=ClusterOriginalDstLbConfig(
+            use_http_header=True, http_header_name=DESTINATION_HEADER
+        ),
+        connect_timeout=_seconds(config.envoy.connect_timeout_s),
+        circuit_breakers=_circuit_breakers(),
+    )
+
+
+def _ext_proc_cluster(config: Config) -> Any:
+    from envoy_data_plane.envoy.config.cluster.v3 import Cluster, ClusterDiscoveryType
+    from envoy_data_plane.envoy.config.core.v3 import Http2ProtocolOptions, KeepaliveSettings
+    from envoy_data_plane.envoy.config.endpoint.v3 import (
+        ClusterLoadAssignment,
+        Endpoint,
+        LbEndpoint,
+        LocalityLbEndpoints,
+    )
+    from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
+        HttpProtocolOptions,
+        HttpProtocolOptionsExplicitHttpConfig,
+    )
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    # gRPC needs HTTP/2 to the processor; without it every request fails with 500.
+    http2 = HttpProtocolOptions(
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+            http2_protocol_options=Http2ProtocolOptions(
+                # Notice a dead or wedged kvgate on an idle connection.
+                connection_keepalive=KeepaliveSettings(
+                    interval=dt.timedelta(seconds=30), timeout=dt.timedelta(seconds=5)
+                )
+            )
+        )
+    )
+    endpoint = LbEndpoint(
+        endpoint=Endpoint(
+            address=_socket_address(config.envoy.ext_proc_host, config.server.grpc_port)
+        )
+    )
+    return Cluster(
+        name=EXT_PROC_CLUSTER,
+        type=ClusterDiscoveryType.STATIC,
+        connect_timeout=EXT_PROC_CONNECT_TIMEOUT,
+        typed_extension_protocol_options={
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMsg.pack(http2)
+        },
+        load_assignment=ClusterLoadAssignment(
+            cluster_name=EXT_PROC_CLUSTER,
+            endpoints=[LocalityLbEndpoints(lb_endpoints=[endpoint])],
+        ),
+        circuit_breakers=_circuit_breakers(),
+    )
+
+
+def _overload_manager() -> Any:
+    from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
+    from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
+        DownstreamConnectionsConfig,
+    )
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    # An explicit cap on downstream connections (and no start-up warning about its absence).
+    return OverloadManager(
+        resource_monitors=[
+            ResourceMonitor(
+                name="envoy.resource_monitors.global_downstream_max_connections",
+                typed_config=AnyMsg.pack(
+                    DownstreamConnectionsConfig(
+                        max_active_downstream_connections=MAX_DOWNSTREAM_CONNECTIONS
+                    )
+                ),
+            )
+        ]
+    )
+
+
+def build_bootstrap(config: Config) -> Any:
+    """The typed ``envoy.config.bootstrap.v3.Bootstrap`` message for ``config``."""
+    from envoy_data_plane.envoy.config.bootstrap.v3 import (
+        Admin,
+        Bootstrap,
+        BootstrapStaticResources,
+        LayeredRuntime,
+        RuntimeLayer,
+    )
+    from envoy_data_plane.google.protobuf import Struct
+
+    return Bootstrap(
+        admin=Admin(address=_socket_address("127.0.0.1", config.envoy.admin_port)),
+        static_resources=BootstrapStaticResources(
+            listeners=[_listener(config)],
+            clusters=[_upstream_cluster(config), _ext_proc_cluster(config)],
+        ),
+        layered_runtime=LayeredRuntime(
+            layers=[RuntimeLayer(name="static", static_layer=Struct.from_dict(RUNTIME_FLAGS))]
+        ),
+        overload_manager=_overload_manager(),
+    )
+
+
+def render_bootstrap(config: Config) -> dict[str, Any]:
+    """The Envoy bootstrap for ``config`` as proto3 JSON (snake_case keys, ``@type`` on every
+    typed_config, durations as ``"60s"``), ready for ``yaml.safe_dump``/``json.dumps``."""
+    from betterproto2 import Casing
+
+    rendered = build_bootstrap(config).to_dict(casing=Casing.SNAKE)
+    _spell_out_failure_mode(rendered)
+    # Proto field order puts admin last; read top-down: admin, resources, runtime, overload.
+    order = ["admin", "static_resources", "layered_runtime", "overload_manager"]
+    return {key: rendered[key] for key in order if key in rendered} | {
+        key: value for key, value in rendered.items() if key not in order
+    }
+
+
+def ext_proc_filter_config(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """The ext_proc filter's typed_config inside a rendered bootstrap."""
+    listener = bootstrap["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for http_filter in hcm["http_filters"]:
+        if http_filter["name"] == "envoy.filters.http.ext_proc":
+            return http_filter["typed_config"]
+    raise KeyError("no envoy.filters.http.ext_proc filter")
+
+
+def _spell_out_failure_mode(bootstrap: dict[str, Any]) -> None:
+    """proto3 JSON omits fields at their default; ``failure_mode_allow: false`` is a security
+    decision (with ``true`` a dead kvgate lets requests through unadmitted, and the routing
+    header becomes client-controlled), so the rendered file states it."""
+    ext_proc = ext_proc_filter_config(bootstrap)
+    items = list(ext_proc.items())
+    ext_proc.clear()
+    for key, value in items:
+        ext_proc[key] = value
+        if key == "grpc_service":
+            ext_proc["failure_mode_allow"] = False
+    ext_proc.setdefault("failure_mode_allow", False)
+
+
+HEADER = """\
+# Envoy bootstrap for kvgate (gateway mode).
+# GENERATED by `kvgate render-envoy` from kvgate's config; do not edit by hand. Regenerate with:
+#   kvgate render-envoy extproc/examples/kvgate.yaml -o envoy/gateway.yaml
+"""
+
+
+def render_yaml(config: Config) -> str:
+    body = yaml.safe_dump(
+        render_bootstrap(config), sort_keys=False, default_flow_style=False, width=1000
+    )
+    return HEADER + body
+
+
+def render_to_file(config: Config, path: str | Path) -> Path:
+    """Write the YAML bootstrap to ``path`` (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = render_yaml(config)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path

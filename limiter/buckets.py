@@ -1,0 +1,249 @@
+"""Bucket math with exact integer state and an injected clock (``now_ms`` on every call).
+
+Why integers: the promise "retry after ``wait_ms`` and you are admitted, 1 ms earlier and you
+are not" only holds if no rounding happens anywhere. Levels are therefore stored *scaled* by
+the rate's period (``level_scaled = tokens × period_ms``), so one elapsed millisecond adds
+exactly ``rate.amount`` and every wait is an exact ceiling division.
+
+Why tolerate time going backwards: the clock is injected and may come from several sources
+(replicas, Redis ``TIME``); a step back is treated as no elapsed time, never as negative refill.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from limiter.rates import Rate, require_int
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Exact ceiling of ``a / b`` for ``b > 0`` (no float on the way)."""
+    return -(-a // b)
+
+
+class TokenBucket:
+    """Classic token bucket: refills at ``rate`` up to ``capacity``; starts full.
+
+    The state is just ``(level_scaled, last_ms)`` so a Redis Lua script can mirror it.
+    ``level_scaled`` may go negative after :meth:`charge` (debt from an output overshoot).
+    """
+
+    __slots__ = ("capacity", "last_ms", "level_scaled", "rate")
+
+    def __init__(self, rate: Rate, capacity: int, now_ms: int) -> None:
+        self.rate = rate
+        self.capacity = require_int("capacity", capacity, 1)
+        self.level_scaled = capacity * rate.period_ms
+        self.last_ms = now_ms
+
+    @property
+    def full_scaled(self) -> int:
+        """The capacity in scaled units (tokens × period_ms)."""
+        return self.capacity * self.rate.period_ms
+
+    def level_at(self, now_ms: int) -> int:
+        """Scaled level at ``now_ms`` without mutating anything (peeks stay peeks)."""
+        elapsed = now_ms - self.last_ms
+        if elapsed <= 0 or self.level_scaled >= self.full_scaled:
+            return self.level_scaled
+        return min(self.full_scaled, self.level_scaled + elapsed * self.rate.amount)
+
+    def _advance(self, now_ms: int) -> None:
+        self.level_scaled = self.level_at(now_ms)
+        self.last_ms = max(self.last_ms, now_ms)
+
+    def _check_cost(self, cost: int) -> int:
+        require_int("cost", cost, 0)
+        if cost > self.capacity:
+            raise ValueError(f"cost {cost} exceeds capacity {self.capacity}: it can never fit")
+        return cost
+
+    def available(self, now_ms: int) -> int:
+        """Whole tokens available now (floor); negative while in debt."""
+        return self.level_at(now_ms) // self.rate.period_ms
+
+    def wait_ms(self, cost: int, now_ms: int) -> int:
+        """Exact ms until ``cost`` fits (0 if it fits now). Raises ValueError if cost > capacity."""
+        deficit = self._check_cost(cost) * self.rate.period_ms - self.level_at(now_ms)
+        return ceil_div(deficit, self.rate.amount) if deficit > 0 else 0
+
+    def consume(self, cost: int, now_ms: int) -> None:
+        """Take ``cost`` tokens; only legal when :meth:`wait_ms` is 0 (else ValueError)."""
+        if self.wait_ms(cost, now_ms):
+            raise ValueError(f"cost {cost} does not fit at {now_ms} ms; check wait_ms first")
+        self._advance(now_ms)
+        self.level_scaled -= cost * self.rate.period_ms
+
+    def refund(self, amount: int, now_ms: int) -> None:
+        """Give back unused tokens; never above capacity (a refund is not a bonus)."""
+        require_int("amount", amount, 0)
+        self._advance(now_ms)
+        self.level_scaled = min(self.full_scaled, self.level_scaled + amount * self.rate.period_ms)
+
+    def charge(self, amount: int, now_ms: int) -> None:
+        """Unconditional debit, possibly into debt: the output overshot its reservation."""
+        require_int("amount", amount, 0)
+        self._advance(now_ms)
+        self.level_scaled -= amount * self.rate.period_ms
+
+    def reset_ms(self, now_ms: int) -> int:
+        """Ms until the bucket is full again (``x-ratelimit-reset-*``)."""
+        return ceil_div(max(0, self.full_scaled - self.level_at(now_ms)), self.rate.amount)
+
+    def reconfigure(self, rate: Rate, capacity: int, now_ms: int) -> None:
+        """Swap rate/capacity on a config reload, keeping the current level (floored, clamped)."""
+        require_int("capacity", capacity, 1)
+        self._advance(now_ms)
+        # Floor division rounds debt further down: a reload never hands out free tokens.
+        level = self.level_scaled * rate.period_ms // self.rate.period_ms
+        self.rate, self.capacity = rate, capacity
+        self.level_scaled = min(level, self.full_scaled)
+
+
+class SlidingWindow:
+    """Exact sliding log at ms granularity: at most ``limit`` cost in any ``window_ms``.
+
+    An entry stamped ``ts`` counts while ``ts > now - window_ms``. Unlike a fixed window it
+    never lets 2× through at a boundary. Entries have cost ≥ 1 and same-ms entries are merged,
+    so memory is bounded by ``limit`` entries.
+    """
+
+    __slots__ = ("_log", "_now_ms", "_used", "limit", "window_ms")
+
+    def __init__(self, limit: int, window_ms: int) -> None:
+        self.limit = require_int("limit", limit, 1)
+        self.window_ms = require_int("window_ms", window_ms, 1)
+        self._log: deque[tuple[int, int]] = deque()
+        self._used = 0
+        self._now_ms: int | None = None
+
+    def __len__(self) -> int:
+        """Number of log entries held (for memory-bound checks)."""
+        return len(self._log)
+
+    def _advance(self, now_ms: int) -> int:
+        """Clamp to the latest time seen (a step back is no elapsed time) and evict expired."""
+        if self._now_ms is not None:
+            now_ms = max(now_ms, self._now_ms)
+        self._now_ms = now_ms
+        horizon = now_ms - self.window_ms
+        while self._log and self._log[0][0] <= horizon:
+            self._used -= self._log.popleft()[1]
+        return now_ms
+
+    def used(self, now_ms: int) -> int:
+        """Cost counted in the window ending at ``now_ms``."""
+        self._advance(now_ms)
+        return self._used
+
+    def remaining(self, now_ms: int) -> int:
+        """Cost that would fit right now."""
+        return max(0, self.limit - self.used(now_ms))
+
+    def wait_ms(self, cost: int, now_ms: int) -> int:
+        """Exact ms until ``cost`` fits: when enough of the oldest entries have expired."""
+        require_int("cost", cost, 0)
+        if cost > self.limit:
+            raise ValueError(f"cost {cost} exceeds window limit {self.limit}: it can never fit")
+        now_ms = self._advance(now_ms)
+        excess = self._used + cost - self.limit
+        if excess <= 0:
+            return 0
+        freed = 0
+        for ts, entry_cost in self._log:
+            freed += entry_cost
+            if freed >= excess:
+                return ts + self.window_ms - now_ms
+        raise AssertionError("unreachable: the log holds more than the excess")
+
+    def consume(self, cost: int, now_ms: int) -> None:
+        """Log ``cost`` at ``now_ms``; only legal when :meth:`wait_ms` is 0 (else ValueError)."""
+        if self.wait_ms(cost, now_ms):
+            raise ValueError(f"cost {cost} does not fit at {now_ms} ms; check wait_ms first")
+        now_ms = self._advance(now_ms)
+        if cost == 0:
+            return
+        self._used += cost
+        if self._log and self._log[-1][0] == now_ms:
+            cost += self._log.pop()[1]
+        self._log.append((now_ms, cost))
+
+    def refund(self, cost: int, now_ms: int) -> None:
+        """Un-count ``cost`` from the newest entries (a later dimension said no)."""
+        require_int("cost", cost, 0)
+        self._advance(now_ms)
+        while cost > 0 and self._log:
+            ts, entry_cost = self._log.pop()
+            take = min(cost, entry_cost)
+            cost -= take
+            self._used -= take
+            if entry_cost > take:
+                self._log.append((ts, entry_cost - take))
+
+    def reset_ms(self, now_ms: int) -> int:
+        """Ms until the window is empty again (the newest entry expires)."""
+        now_ms = self._advance(now_ms)
+        return self._log[-1][0] + self.window_ms - now_ms if self._log else 0
+
+    def reconfigure(self, limit: int, window_ms: int, now_ms: int) -> None:
+        """Swap the limit on a config reload; logged usage keeps counting."""
+        self.limit = require_int("limit", limit, 1)
+        self.window_ms = require_int("window_ms", window_ms, 1)
+        self._advance(now_ms)
+
+
+class LeakyBucket:
+    """A *shaper*: admitted work drains at ``rate``; at most ``capacity`` may be queued.
+
+    :meth:`admit` returns the delay before the request may be sent: the time for the water
+    already in the bucket (the work ahead of it) to drain. So an empty bucket sends at once and
+    back-to-back requests depart spaced by ``cost / rate``. ``None`` means adding the request
+    would overflow ``capacity``; :meth:`wait_ms` says how long until it would not.
+    """
+
+    __slots__ = ("capacity", "last_ms", "level_scaled", "rate")
+
+    def __init__(self, rate: Rate, capacity: int) -> None:
+        self.rate = rate
+        self.capacity = require_int("capacity", capacity, 1)
+        self.level_scaled = 0
+        self.last_ms: int | None = None
+
+    @property
+    def full_scaled(self) -> int:
+        """The capacity in scaled units (cost × period_ms)."""
+        return self.capacity * self.rate.period_ms
+
+    def level_at(self, now_ms: int) -> int:
+        """Scaled water level at ``now_ms`` without mutating anything."""
+        if self.last_ms is None or now_ms <= self.last_ms:
+            return self.level_scaled
+        return max(0, self.level_scaled - (now_ms - self.last_ms) * self.rate.amount)
+
+    def _advance(self, now_ms: int) -> None:
+        self.level_scaled = self.level_at(now_ms)
+        self.last_ms = now_ms if self.last_ms is None else max(self.last_ms, now_ms)
+
+    def admit(self, cost: int, now_ms: int) -> int | None:
+        """Queue ``cost``; returns its send delay in ms, or None if it would overflow."""
+        require_int("cost", cost, 0)
+        if cost > self.capacity:
+            return None
+        level = self.level_at(now_ms)
+        if level + cost * self.rate.period_ms > self.full_scaled:
+            return None
+        self._advance(now_ms)
+        self.level_scaled += cost * self.rate.period_ms
+        return ceil_div(level, self.rate.amount)
+
+    def wait_ms(self, cost: int, now_ms: int) -> int:
+        """Exact ms until ``cost`` would not overflow. Raises ValueError if cost > capacity."""
+        require_int("cost", cost, 0)
+        if cost > self.capacity:
+            raise ValueError(f"cost {cost} exceeds capacity {self.capacity}: it can never fit")
+        overflow = self.level_at(now_ms) + cost * self.rate.period_ms - self.full_scaled
+        return ceil_div(overflow, self.rate.amount) if overflow > 0 else 0
+
+    def drain_ms(self, now_ms: int) -> int:
+        """Ms until the bucket is empty: a Retry-After estimate for a saturated shaper."""
+        return ceil_div(self.level_at(now_ms), self.rate.amount)

@@ -1,0 +1,49 @@
+"""The embedded default store: one :class:`TenantLimiter` per tenant, in this process.
+
+Limits are per replica with this store; configure Redis for global limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from limiter.clock import monotonic_ms
+from limiter.decision import Admit, Cost, Reject, TenantLimiter, TenantPolicy
+
+
+class MemoryStore:
+    """A :class:`~limiter.store.LimiterStore` in a dict. Methods are ``async`` only to match
+    the protocol: none of them awaits, so each call is atomic on the event loop."""
+
+    def __init__(self, clock: Callable[[], int] = monotonic_ms) -> None:
+        self._clock = clock
+        self._tenants: dict[str, TenantLimiter] = {}
+
+    def limiter(self, tenant: str, policy: TenantPolicy, now_ms: int) -> TenantLimiter:
+        """The tenant's limiter, created lazily and brought up to date with ``policy``."""
+        limiter = self._tenants.get(tenant)
+        if limiter is None:
+            limiter = self._tenants[tenant] = TenantLimiter(policy, now_ms)
+        elif limiter.policy != policy:
+            limiter.update_policy(policy, now_ms)
+        return limiter
+
+    async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
+        now_ms = self._clock()
+        return self.limiter(tenant, policy, now_ms).check_requests(now_ms)
+
+    async def admit(
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+    ) -> Admit | Reject:
+        now_ms = self._clock()
+        return self.limiter(tenant, policy, now_ms).admit(cost, lease_id, now_ms)
+
+    async def release(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> bool:
+        now_ms = self._clock()
+        return self.limiter(tenant, policy, now_ms).release(lease_id, used_tokens, now_ms)
+
+    async def in_flight(self, tenant: str) -> int:
+        limiter = self._tenants.get(tenant)
+        return 0 if limiter is None else limiter.in_flight

@@ -1,0 +1,96 @@
+"""Config validation: every error reported with the path of the offending value."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from extproc.cli import main
+from extproc.config import EXAMPLE_CONFIG, ConfigError, hash_api_key, load_config, parse_config
+
+GOOD = {
+    "tiers": {"gold": {"weight": 3, "limits": {"requests_per_second": 2}}},
+    "tenants": [{"name": "a", "tier": "gold", "api_keys": [hash_api_key("k")]}],
+    "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:8000"]}],
+}
+
+
+def problems(data) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.problems
+
+
+def test_example_config_is_valid():
+    config = load_config(EXAMPLE_CONFIG)
+    assert {t.name for t in config.tenants} == {"acme", "globex", "hobbyist"}
+
+
+def test_defaults_fill_the_gaps():
+    config = parse_config(GOOD)
+    limits = config.limits_for(config.tenants[0])
+    assert limits.effective_request_burst == 4  # 2 × rate
+    assert limits.tokens_per_minute is None  # unlimited unless configured
+    assert config.classes["interactive"].priority == 0
+    assert config.pools[0].models[0].default_max_tokens == 1024
+
+
+def test_errors_name_their_paths():
+    bad = yaml.safe_load(yaml.safe_dump(GOOD))
+    bad["tiers"]["gold"]["limits"]["requests_per_second"] = -1
+    bad["tiers"]["gold"]["limits"]["tokens_per_minuet"] = 5
+    bad["pools"][0]["endpoints"] = ["vllm.svc:8000"]
+    bad["tenants"][0]["api_keys"] = ["plain-text-key"]
+    found = problems(bad)
+    assert any(p.startswith("tiers.gold.limits.requests_per_second:") for p in found)
+    assert any(p.startswith("tiers.gold.limits.tokens_per_minuet:") for p in found)
+    assert any(p.startswith("pools[0].endpoints:") and "ip:port" in p for p in found)
+    assert any(p.startswith("tenants[0].api_keys:") and "hash-key" in p for p in found)
+
+
+def test_cross_references_are_checked():
+    bad = yaml.safe_load(yaml.safe_dump(GOOD))
+    bad["tenants"].append({"name": "a", "tier": "platinum", "default_class": "vip",
+                           "api_keys": [hash_api_key("k")]})
+    found = problems(bad)
+    assert "tenants[1].tier: unknown tier 'platinum' (known: gold)" in found
+    assert any(p.startswith("tenants[1].default_class:") for p in found)
+    assert any(p.startswith("tenants[1].api_keys: key already belongs") for p in found)
+    assert any(p.startswith("tenants[1].name: duplicate") for p in found)
+
+
+def test_tenant_limits_override_the_tier():
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["tenants"][0]["limits"] = {"max_concurrency": 3}
+    config = parse_config(data)
+    limits = config.limits_for(config.tenants[0])
+    assert (limits.max_concurrency, limits.requests_per_second) == (3, 2)
+
+
+def test_kvgate_check_prints_every_problem(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("tiers: {}\ntenants: []\npools: []\nserver: {grpc_port: 99999}\n")
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "4 problem(s)" in err
+    assert "server.grpc_port:" in err and "tiers:" in err
+    assert main(["check", str(EXAMPLE_CONFIG)]) == 0
+
+
+def test_kvgate_check_reports_unreadable_and_bad_yaml(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "missing.yaml")]) == 2
+    (tmp_path / "x.yaml").write_text("tiers: [\n")
+    assert main(["check", str(tmp_path / "x.yaml")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_hash_key_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc.cli", "hash-key", "sk-demo-acme"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert out == hash_api_key("sk-demo-acme")
+    assert out in EXAMPLE_CONFIG.read_text()

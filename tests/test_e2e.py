@@ -1,0 +1,201 @@
+"""End to end through the real Envoy binary: client → Envoy → kvgate ext_proc → engine."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import orjson
+import pytest
+
+from extproc.config import hash_api_key, parse_config
+from extproc.demo import local_stack
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.e2e
+
+KEYS = {"acme": "sk-e2e-acme", "slow": "sk-e2e-slow", "solo": "sk-e2e-solo",
+        "tokens": "sk-e2e-tokens"}
+MAX_BODY = 64 * 1024
+
+
+def e2e_config():
+    engines = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    return parse_config({
+        "server": {"grpc_port": free_port(), "admin_port": 0, "max_body_bytes": MAX_BODY},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "tiers": {
+            "big": {"limits": {"requests_per_second": 100, "tokens_per_minute": 1_000_000}},
+            "tight": {"limits": {"requests_per_second": 1, "request_burst": 1}},
+            "single": {"limits": {"max_concurrency": 1}},
+            "tokens": {"limits": {"tokens_per_minute": 600, "token_burst": 60}},
+        },
+        "classes": {"interactive": {"priority": 0}, "batch": {"priority": 5}},
+        "tenants": [
+            {"name": name, "tier": tier, "api_keys": [hash_api_key(KEYS[name])],
+             "default_class": klass}
+            for name, tier, klass in [("acme", "big", "batch"), ("slow", "tight", "interactive"),
+                                      ("solo", "single", "interactive"),
+                                      ("tokens", "tokens", "interactive")]
+        ],
+        "pools": [{"name": "tiny", "models": [{"name": "tiny-llama", "default_max_tokens": 16}],
+                   "endpoints": engines, "priority_scheduling": True}],
+    })
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with local_stack(e2e_config(), engine_options={"ms_per_token": 5}) as running:
+        yield running
+
+
+def chat(tenant="acme", max_tokens=8, **extra):
+    return {"model": "tiny-llama", "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hello there gateway"}], **extra}
+
+
+def post(stack, tenant, body, path="/v1/chat/completions", **kwargs):
+    content = body if isinstance(body, bytes) or body is None else orjson.dumps(body)
+    content = kwargs.pop("content", content)
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    if tenant:
+        headers["authorization"] = f"Bearer {KEYS.get(tenant, tenant)}"
+    return httpx.post(stack.url + path, content=content, headers=headers, timeout=30, **kwargs)
+
+
+def in_flight(stack, tenant):
+    return stack.kvgate.call(stack.kvgate.server.director.store.in_flight(tenant))
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_admitted_request_reaches_engine_with_priority_and_content_length(stack):
+    for engine in stack.engines.values():
+        engine.clear_requests()
+    response = post(stack, "acme", chat(priority=-100, **{"x": "y"}),
+                    headers={"x-gateway-destination-endpoint": "10.9.9.9:1",
+                             "x-kvgate-tenant": "someone-else"})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+    served = response.headers["x-bench-engine"]
+    received = stack.engines[served].requests()[-1]
+    assert received["body"]["priority"] == 5  # acme's class (batch), not the client's -100
+    assert int(received["content_length"]) == received["body_bytes"]
+    assert received["headers"]["x-kvgate-tenant"] == "acme"
+    assert received["headers"]["x-kvgate-priority"] == "5"
+    assert received["headers"]["x-gateway-destination-endpoint"] == served
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
+def test_requests_spread_over_both_engines(stack):
+    served = {post(stack, "acme", chat(max_tokens=1)).headers["x-bench-engine"]
+              for _ in range(12)}
+    assert served == set(stack.engines)
+
+
+def test_streamed_response_arrives_intact(stack):
+    with httpx.stream("POST", stack.url + "/v1/chat/completions", json=chat(max_tokens=20,
+                      stream=True), headers={"authorization": f"Bearer {KEYS['acme']}"},
+                      timeout=30) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [orjson.loads(e.removeprefix("data:")) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert len(text.split()) == 20
+    assert all(c["choices"] for c in chunks)  # kvgate's own usage chunk was stripped
+
+
+def test_client_asking_for_usage_gets_it(stack):
+    body = chat(max_tokens=4, stream=True, stream_options={"include_usage": True})
+    response = post(stack, "acme", body)
+    events = [e for e in response.text.split("\n\n") if e.startswith("data: {")]
+    usage = orjson.loads(events[-1].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 4
+
+
+def test_unknown_key_is_401(stack):
+    response = post(stack, "sk-unknown", chat())
+    assert response.status_code == 401
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert post(stack, None, chat()).status_code == 401
+
+
+def test_malformed_json_is_400(stack):
+    response = post(stack, "acme", b'{"model": "tiny-llama", "messages": [')
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+    assert in_flight(stack, "acme") == 0
+
+
+def test_missing_fields_and_unknown_model(stack):
+    assert post(stack, "acme", {"messages": [{"role": "user", "content": "x"}]}).status_code == 400
+    response = post(stack, "acme", chat() | {"model": "gpt-9"})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_oversized_body_is_413(stack):
+    big = chat() | {"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}
+    response = post(stack, "acme", big)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    chunked = post(stack, "acme", None, content=iter([orjson.dumps(big)]))  # no content-length
+    assert chunked.status_code == 413
+
+
+def test_over_limit_gets_429_and_succeeds_after_retry_after(stack):
+    first = post(stack, "slow", chat(max_tokens=1))
+    assert first.status_code == 200
+    rejected = post(stack, "slow", chat(max_tokens=1))
+    assert rejected.status_code == 429
+    h = rejected.headers
+    assert rejected.json()["error"]["type"] == "rate_limit_error"
+    assert 0 < int(h["retry-after-ms"]) <= 1000 and h["retry-after"] == "1"
+    assert h["x-ratelimit-limit-requests"] == "1"
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    assert h["x-ratelimit-reset-requests"].endswith("ms")
+    time.sleep(int(h["retry-after-ms"]) / 1000)
+    assert post(stack, "slow", chat(max_tokens=1)).status_code == 200
+
+
+def test_token_limit_429_names_tokens_and_recovers(stack):
+    body = chat(max_tokens=40)  # ~45 tokens of a 60-token bucket refilling 10/s
+    assert post(stack, "tokens", body).status_code == 200
+    rejected = post(stack, "tokens", body)
+    assert rejected.status_code == 429, rejected.text
+    assert rejected.headers["x-ratelimit-limit-tokens"] == "60"
+    time.sleep(int(rejected.headers["retry-after-ms"]) / 1000)
+    assert post(stack, "tokens", body).status_code == 200
+
+
+def test_concurrency_slot_released_after_completion(stack):
+    assert post(stack, "solo", chat(max_tokens=2)).status_code == 200
+    assert wait_for(lambda: in_flight(stack, "solo") == 0)
+    assert post(stack, "solo", chat(max_tokens=2)).status_code == 200
+
+
+def test_concurrency_slot_released_after_client_disconnect(stack):
+    body = orjson.dumps(chat("solo", max_tokens=2000, stream=True))
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+               b"Authorization: Bearer " + KEYS["solo"].encode() + b"\r\n"
+               b"Content-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with socket.create_connection((stack.envoy.listen_host, stack.envoy.listen_port)) as sock:
+        sock.sendall(request)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert in_flight(stack, "solo") == 1
+        busy = post(stack, "solo", chat(max_tokens=1))
+        assert busy.status_code == 429
+        assert busy.json()["error"]["code"] == "concurrency_limit_exceeded"
+    assert wait_for(lambda: in_flight(stack, "solo") == 0)
+    assert post(stack, "solo", chat(max_tokens=1)).status_code == 200
