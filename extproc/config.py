@@ -43,7 +43,7 @@ class SlidingWindow(_Strict):
 class Limits(_Strict):
     """One tenant's limits. ``None`` means that dimension is not limited."""
 
-    requests_per_second: PositiveFloat | None = None
+    requests_per_second: Annotated[float, Field(ge=0.001)] | None = None
     request_burst: PositiveInt | None = Field(
         None, description="bucket capacity; default 2 × requests_per_second (at least 1)"
     )
@@ -163,8 +163,11 @@ class Server(_Strict):
     )
     max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
     chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")
+    shutdown_grace_s: float = Field(
+        30, ge=0, description="on SIGTERM, how long open streams may finish"
+    )
     max_stream_seconds: PositiveFloat = Field(
-        3600, description="a stream still open after this is failed and its lease released"
+        3600, description="Envoy's max_message_timeout: the longest one ext_proc message may wait"
     )
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -154,7 +154,8 @@ def run_demo(config: Config, *, smoke: bool = False) -> int:
         if smoke:
             return _smoke(config)
         print("Ctrl-C to stop.")
+        stopped = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
         with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                time.sleep(3600)
+            stopped.wait()
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
 
 import grpc
@@ -114,12 +115,16 @@ class KvgateServer:
             await self._admin.cleanup()
 
     async def serve_forever(self) -> None:
+        """Serve until SIGTERM/SIGINT, then drain: open streams get ``shutdown_grace_s``."""
         await self.start()
-        try:
-            await self._grpc.wait_for_termination()
-        finally:
-            with contextlib.suppress(Exception):
-                await self.stop()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down; draining streams for up to %.0f s",
+                 self.config.server.shutdown_grace_s)
+        await self.stop(self.config.server.shutdown_grace_s)
 
 
 def install_uvloop() -> None:

@@ -288,9 +288,10 @@ class TenantLimiter:
     def _reject(self, waits: list[tuple[Reason, int]], now_ms: int) -> Reject:
         """The longest wait wins: retrying after it satisfies every other dimension too."""
         reason, wait = max(waits, key=lambda rw: rw[1])
-        names = " and ".join(_LIMIT_NAMES[r] for r, _ in waits)
-        plural = "s" if len(waits) > 1 else ""
-        message = f"tenant over its {names} limit{plural}; retry after {_seconds(wait)} s"
+        names = [_LIMIT_NAMES[r] for r, _ in waits]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        plural = "s" if len(names) > 1 else ""
+        message = f"tenant over its {listed} limit{plural}; retry after {_seconds(wait)} s"
         return Reject(reason, wait, self.remaining(now_ms), message)
 
     def _static_reject(self, cost: Cost, now_ms: int) -> Reject | None:

@@ -24,7 +24,7 @@ class MemoryStore:
         limiter = self._tenants.get(tenant)
         if limiter is None:
             limiter = self._tenants[tenant] = TenantLimiter(policy, now_ms)
-        elif limiter.policy != policy:
+        elif limiter.policy is not policy and limiter.policy != policy:
             limiter.update_policy(policy, now_ms)
         return limiter
 

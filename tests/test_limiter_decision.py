@@ -251,3 +251,21 @@ async def test_memory_store_per_tenant_state_and_policy_reload() -> None:
     assert await store.release("acme", looser, "l1", 1) is True
     assert await store.release("acme", looser, "l1", 1) is False
     assert await store.in_flight("acme") == 1
+
+
+def test_message_lists_every_dimension_that_said_no() -> None:
+    policy = TenantPolicy(
+        request_rate=Rate(1, 1000),
+        request_burst=1,
+        token_rate=Rate(1, 10),
+        token_burst=100,
+        max_concurrency=1,
+        concurrency_retry_ms=2000,
+    )
+    limiter = TenantLimiter(policy, now_ms=0)
+    _admit(limiter, Cost(100, 0), "a", 0)
+    rejected = _reject(limiter, Cost(1, 0), "b", 0)
+    assert (rejected.reason, rejected.retry_after_ms) == (Reason.CONCURRENCY, 2000)
+    assert rejected.message == (
+        "tenant over its request rate, token rate and concurrency limits; retry after 2.000 s"
+    )
