@@ -1,0 +1,327 @@
+"""The scrape loop: every endpoint's vLLM ``/metrics`` (and GPU readings) every ~100 ms.
+
+Each round fetches every address in the store once, at most ``max_concurrency`` at a time,
+each bounded by ``timeout_s``, over one reused ``aiohttp.ClientSession`` (keep-alive: a
+round is a handful of requests on open connections). GPU sources are read in the same
+round, each source once however many endpoints it serves. The round's results are applied
+to the store in one swap, then ``on_update`` is called so a queue can dispatch on fresh
+data.
+
+Rounds run at a fixed rate (the next starts ``interval_s`` after the previous started, or
+at once if that one overran). So the age of a healthy endpoint's metrics is bounded by
+``interval_s`` plus one round; a round is bounded by ``timeout_s`` per wave of
+``max_concurrency`` scrapes (defaults: 0.1 + 0.5 s for up to 16 endpoints, well inside the
+2 s staleness bound). GPU reads, local NVML calls included, get the same timeout.
+
+Nothing that goes wrong in a round stops the loop. Logging is by transition only: one line
+when an endpoint turns unhealthy or recovers, one when a GPU source starts or stops failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from extproc.datalayer.endpoints import (
+    DEFAULT_STALENESS_S,
+    DEFAULT_UNHEALTHY_AFTER,
+    EndpointState,
+    EndpointStore,
+    ScrapeResult,
+    StoreSnapshot,
+)
+from extproc.datalayer.metrics import EngineMetrics, parse_vllm_metrics
+from extproc.datalayer.nvml import AsyncGpuReader, GpuReader, GpuReading, parse_gpu_metrics
+
+log = logging.getLogger(__name__)
+
+LOCAL = "local"
+ACCEPT = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # vLLM's classic text format
+
+UpdateHook = Callable[[StoreSnapshot], Awaitable[None] | None]
+SessionFactory = Callable[[], aiohttp.ClientSession]
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeSettings:
+    """The scraper's knobs, as the config file will carry them.
+
+    ``staleness_s`` is not the scraper's: it is what readers pass to ``is_fresh``/``usable``.
+    """
+
+    interval_s: float = 0.1
+    timeout_s: float = 0.5
+    max_concurrency: int = 16
+    unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER
+    staleness_s: float = DEFAULT_STALENESS_S
+    metrics_path: str = "/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSource:
+    """Where an endpoint's GPU readings come from, and which GPUs are its own.
+
+    ``url`` None means this process's ``GpuReader`` ("local", the sidecar case); otherwise
+    a ``kvgate agent`` metrics URL, where ``{ip}`` stands for the endpoint's IP (an agent
+    container beside vLLM in the same pod answers on the pod IP). ``gpus`` keeps only the
+    readings whose ``GpuReading.key`` (``"0"``, ``"0:2"`` for a MIG slot) or UUID it names;
+    empty keeps all.
+    """
+
+    url: str | None = None
+    gpus: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def parse(cls, spec: str | GpuSource) -> GpuSource:
+        """``"local"``, or an agent URL (``/metrics`` is added when it has no path)."""
+        if isinstance(spec, GpuSource):
+            return spec
+        if spec == LOCAL:
+            return cls()
+        scheme, sep, rest = spec.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest:
+            raise ValueError(f"GPU source {spec!r} is neither 'local' nor an http(s) URL")
+        return cls(spec if "/" in rest else f"{spec}/metrics")
+
+    def target(self, address: str) -> str:
+        """What to read for ``address``: ``"local"`` or the agent URL with ``{ip}`` filled."""
+        if self.url is None:
+            return LOCAL
+        host = address.rpartition(":")[0]
+        return self.url.replace("{ip}", host)
+
+    def select(self, readings: Iterable[GpuReading]) -> tuple[GpuReading, ...]:
+        if not self.gpus:
+            return tuple(readings)
+        return tuple(r for r in readings if r.key in self.gpus or r.uuid in self.gpus)
+
+
+class Scraper:
+    """Scrapes every endpoint in ``store`` once per round; ``start()``/``stop()`` the loop.
+
+    ``gpu_sources`` maps an endpoint address (``ip:port``) or a pool name to a ``GpuSource``
+    (or its string form); the address wins. ``gpu_reader`` serves the "local" sources.
+    ``session_factory`` makes the one ``ClientSession`` (created on first use, closed by
+    ``stop()``); the default suits the bounded concurrency.
+    """
+
+    def __init__(
+        self,
+        store: EndpointStore,
+        session_factory: SessionFactory | None = None,
+        interval_s: float = 0.1,
+        timeout_s: float = 0.5,
+        max_concurrency: int = 16,
+        gpu_sources: Mapping[str, GpuSource | str] | None = None,
+        *,
+        gpu_reader: GpuReader | None = None,
+        unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER,
+        metrics_path: str = "/metrics",
+        on_update: UpdateHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_concurrency < 1 or interval_s <= 0 or timeout_s <= 0 or unhealthy_after < 1:
+            raise ValueError("interval_s, timeout_s, max_concurrency, unhealthy_after must "
+                             "be positive")
+        self.store = store
+        self.session_factory = session_factory or self._default_session
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.max_concurrency = max_concurrency
+        self.gpu_sources = {key: GpuSource.parse(v) for key, v in (gpu_sources or {}).items()}
+        self.gpu_reader = None if gpu_reader is None else AsyncGpuReader(gpu_reader)
+        self.unhealthy_after = unhealthy_after
+        self.metrics_path = metrics_path
+        self.on_update = on_update
+        self.clock = clock
+        self.rounds = 0
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._failing_gpu_targets: set[str] = set()
+        self._last_loop_error: str | None = None
+        self._last_hook_error: str | None = None
+
+    @classmethod
+    def from_settings(cls, store: EndpointStore, settings: ScrapeSettings, *,
+                      session_factory: SessionFactory | None = None,
+                      gpu_sources: Mapping[str, GpuSource | str] | None = None,
+                      gpu_reader: GpuReader | None = None,
+                      on_update: UpdateHook | None = None) -> Scraper:
+        return cls(store, session_factory, settings.interval_s, settings.timeout_s,
+                   settings.max_concurrency, gpu_sources, gpu_reader=gpu_reader,
+                   unhealthy_after=settings.unhealthy_after,
+                   metrics_path=settings.metrics_path, on_update=on_update)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="kvgate-scraper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def _run(self) -> None:
+        while True:
+            started = self.clock()
+            try:
+                await self.scrape_once()
+                self._last_loop_error = None
+            except Exception as exc:  # a bug, not a scrape failure: keep scraping anyway
+                message = f"{type(exc).__name__}: {exc}"
+                if message != self._last_loop_error:
+                    log.exception("scrape round failed; the loop goes on")
+                self._last_loop_error = message
+            await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
+
+    def _default_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency, keepalive_timeout=30)
+        return aiohttp.ClientSession(connector=connector, headers={"accept": ACCEPT})
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = self.session_factory()
+        return self._session
+
+    # -- one round ---------------------------------------------------------------------------
+
+    async def scrape_once(self) -> StoreSnapshot:
+        """One round over every endpoint in the store; returns the snapshot it produced."""
+        snapshot = self.store.snapshot()
+        addresses = sorted(snapshot.addresses())
+        plan = self._gpu_plan(snapshot)
+        metrics, gpu_readings = await asyncio.gather(
+            asyncio.gather(*(self._scrape_metrics(a) for a in addresses)),
+            self._read_gpu_targets({target for _source, target in plan.values()}),
+        )
+        results = []
+        for address, (at, parsed, error) in zip(addresses, metrics, strict=True):
+            gpus = None
+            if address in plan:
+                source, target = plan[address]
+                readings = gpu_readings[target]
+                gpus = None if readings is None else source.select(readings)
+            results.append(ScrapeResult(address, at, parsed, error, gpus))
+        for before, after in await self.store.apply(results, self.unhealthy_after):
+            _log_health(before, after)
+        self.rounds += 1
+        current = self.store.snapshot()
+        await self._notify(current)
+        return current
+
+    async def _scrape_metrics(self, address: str
+                              ) -> tuple[float, EngineMetrics | None, str | None]:
+        url = f"http://{address}{self.metrics_path}"
+        try:
+            body = await self._fetch(url)
+        except Exception as exc:
+            return self.clock(), None, _describe(exc, self.timeout_s)
+        at = self.clock()
+        metrics = parse_vllm_metrics(body)
+        if not metrics.has_data:
+            return at, None, f"no vLLM metrics at {url}"
+        return at, metrics, None
+
+    async def _fetch(self, url: str) -> str:
+        """GET ``url``'s body, bounded by the semaphore (waiting) and the timeout (not)."""
+        async with self._semaphore:
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+            async with self._client().get(url, timeout=timeout) as response:
+                body = await response.read()
+                if response.status != 200:
+                    raise ScrapeError(f"HTTP {response.status} from {url}")
+        return body.decode("utf-8", errors="replace")
+
+    # -- GPU sources -------------------------------------------------------------------------
+
+    def _gpu_plan(self, snapshot: StoreSnapshot) -> dict[str, tuple[GpuSource, str]]:
+        """address → (its GPU source, what to read: ``"local"`` or a URL), where it has one.
+
+        An address's own entry wins over its pool's; in several pools, the first pool's.
+        """
+        plan: dict[str, tuple[GpuSource, str]] = {}
+        for state in snapshot.states():
+            source = self.gpu_sources.get(state.address) or self.gpu_sources.get(state.pool)
+            if source is not None and state.address not in plan:
+                plan[state.address] = (source, source.target(state.address))
+        return plan
+
+    async def _read_gpu_targets(self, targets: set[str]) -> dict[str, list[GpuReading] | None]:
+        ordered = sorted(targets)
+        readings = await asyncio.gather(*(self._read_gpu_target(t) for t in ordered))
+        return dict(zip(ordered, readings, strict=True))
+
+    async def _read_gpu_target(self, target: str) -> list[GpuReading] | None:
+        try:
+            if target == LOCAL:
+                if self.gpu_reader is None:
+                    raise RuntimeError("no local GPU reader (NVML unavailable)")
+                readings = await self.gpu_reader.read(self.timeout_s)
+            else:
+                readings = parse_gpu_metrics(await self._fetch(target))
+        except Exception as exc:
+            if target not in self._failing_gpu_targets:
+                log.warning("GPU source %s failed: %s", target, _describe(exc, self.timeout_s))
+            self._failing_gpu_targets.add(target)
+            return None
+        if target in self._failing_gpu_targets:
+            log.info("GPU source %s works again", target)
+        self._failing_gpu_targets.discard(target)
+        return readings
+
+    # -- after a round -----------------------------------------------------------------------
+
+    async def _notify(self, snapshot: StoreSnapshot) -> None:
+        """Call the hook (keep it quick: the next round waits for it); log a new error once."""
+        if self.on_update is None:
+            return
+        try:
+            outcome = self.on_update(snapshot)
+            if inspect.isawaitable(outcome):
+                await outcome
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            if message != self._last_hook_error:
+                log.exception("on_update hook failed; scraping goes on")
+            self._last_hook_error = message
+        else:
+            self._last_hook_error = None
+
+
+class ScrapeError(Exception):
+    """A scrape that got an answer, but not metrics."""
+
+
+def _log_health(before: EndpointState, after: EndpointState) -> None:
+    where = f"endpoint {after.address} (pool {after.pool})"
+    if after.healthy:
+        log.info("%s %s", where, "up" if before.scraped_at is None else "recovered")
+    else:
+        log.warning("%s unhealthy after %d failed scrapes: %s", where,
+                    after.consecutive_failures, after.last_error)
+
+
+def _describe(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"timed out after {timeout_s:g}s"
+    if isinstance(exc, ScrapeError):
+        return str(exc)
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
