@@ -44,7 +44,6 @@ import hashlib
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +64,7 @@ from prometheus_client import generate_latest as render_prometheus
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from bench.engine_model import EngineConfig, EngineModel, SimRequest
+from bench.ports import free_port
 
 Kind = Literal["chat", "completion"]
 
@@ -583,11 +583,6 @@ async def start_engine(port: int = 0, host: str = "127.0.0.1", **opts: Any) -> E
     return EngineHandle(server, runner, host, port)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it by binding port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class EngineProcess:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import getpass
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -15,10 +16,7 @@ from extproc.config import EXAMPLE_CONFIG, ConfigError, hash_api_key, load_confi
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _setup_logging(args.log_level)
     try:
         return args.func(args)
     except ConfigError as error:
@@ -26,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the ext_proc server")
     serve.add_argument("--config", "-c", type=Path, required=True)
+    serve.add_argument(
+        "--workers", type=int, default=1,
+        help="worker processes sharing the gRPC port (SO_REUSEPORT); needs redis",
+    )
     serve.set_defaults(func=_serve)
 
     check = commands.add_parser("check", help="validate a config file; print every error")
@@ -100,12 +109,65 @@ def _render_envoy(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.workers < 1:
+        print("--workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.workers == 1:
+        _serve_worker(args.config, 0, args.log_level, reuse_port=False)
+        return 0
+    if config.redis is None:
+        print(
+            f"--workers {args.workers} needs `redis:` in {args.config}: with in-memory limits "
+            "each worker would enforce the whole limit on its own, multiplying every limit by "
+            "the number of workers. Configure redis.url, or run one worker.",
+            file=sys.stderr,
+        )
+        return 2
+    return _run_workers(args.config, args.workers, args.log_level)
+
+
+def _serve_worker(
+    config_path: Path, index: int, log_level: str, *, reuse_port: bool = True
+) -> None:
+    """One serving process; worker i serves its metrics on admin_port + i."""
     from extproc.server import KvgateServer, install_uvloop
 
-    config = load_config(args.config)
+    _setup_logging(log_level)
+    config = load_config(config_path)
+    admin = config.server.admin_port
+    if index and admin:
+        config = config.model_copy(
+            update={"server": config.server.model_copy(update={"admin_port": admin + index})}
+        )
     install_uvloop()
-    asyncio.run(KvgateServer(config).serve_forever())
-    return 0
+    asyncio.run(KvgateServer(config, reuse_port=reuse_port).serve_forever())
+
+
+def _run_workers(config_path: Path, workers: int, log_level: str) -> int:
+    import multiprocessing
+    import signal
+
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(
+            target=_serve_worker, args=(config_path, i, log_level), name=f"kvgate-worker-{i}"
+        )
+        for i in range(workers)
+    ]
+    for process in processes:
+        process.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for process in processes:
+            if process.pid and process.is_alive():
+                os.kill(process.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for process in processes:
+        process.join()
+    return max((p.exitcode or 0) for p in processes)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import hashlib
 import ipaddress
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -54,6 +54,8 @@ class Limits(_Strict):
     max_concurrency: PositiveInt | None = None
     max_context_tokens: PositiveInt | None = None
     sliding_window: SlidingWindow | None = None
+    daily_token_quota: PositiveInt | None = Field(None, description="tokens per UTC day")
+    monthly_token_quota: PositiveInt | None = Field(None, description="tokens per UTC month")
 
     @property
     def effective_request_burst(self) -> int | None:
@@ -187,9 +189,37 @@ class EnvoySettings(_Strict):
     connect_timeout_s: PositiveFloat = 2.0
 
 
+class RedisSettings(_Strict):
+    """Shared limits across replicas and worker processes; absent = in-memory (one process)."""
+
+    url: str = Field(description="redis://host:port/db")
+    prefix: str = Field("kvgate", min_length=1, description="prefix of every key kvgate writes")
+    timeout_ms: PositiveInt = Field(20, description="budget for one Redis call")
+    failure_policy: Literal["fail_open", "fail_closed", "local"] = Field(
+        "local", description="what admission does while Redis is unreachable"
+    )
+    replicas: PositiveInt = Field(
+        1, description="kvgate processes sharing the limits (replicas × workers); 'local' "
+        "gives each 1/replicas of every limit"
+    )
+    breaker_failures: PositiveInt = Field(3, description="consecutive failures that open it")
+    breaker_open_ms: PositiveInt = Field(500, description="how long before one probe retries")
+    lease_ttl_s: PositiveFloat = Field(
+        60, description="a concurrency slot's lease; renewed while the stream lives"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return url
+
+
 class Config(_Strict):
     server: Server = Server()
     envoy: EnvoySettings = EnvoySettings()
+    redis: RedisSettings | None = None
     tiers: dict[str, Tier] = Field(min_length=1)
     classes: dict[str, RequestClass] = Field(
         default_factory=lambda: {

@@ -32,6 +32,8 @@ def policy_from_limits(limits: Limits) -> TenantPolicy:
         max_context_tokens=limits.max_context_tokens,
         window_limit=window.requests if window else None,
         window_ms=window.window_ms if window else None,
+        daily_token_quota=limits.daily_token_quota,
+        monthly_token_quota=limits.monthly_token_quota,
     )
 
 
@@ -55,7 +57,9 @@ class Director:
         self.store = store
         self.rng = rng or random.Random()
         self.pools = PoolDirectory(config)
+        self.active: dict[str, Admission] = {}  # by lease id, for lease renewal
         self._tenants_by_key = {key: t for t in config.tenants for key in t.api_keys}
+        self._tenants_by_name = {t.name: t for t in config.tenants}
         self._policies = {t.name: policy_from_limits(config.limits_for(t)) for t in config.tenants}
         self._counters: dict[str, TokenCounter] = {
             model.name: make_counter(model.tokenizer, config.server.chars_per_token)
@@ -111,7 +115,7 @@ class Director:
         pool.acquire(endpoint)
         request_class = tenant.default_class
         priority = self.config.classes[request_class].priority
-        return Admission(
+        self.active[lease_id] = admission = Admission(
             tenant=tenant,
             lease_id=lease_id,
             cost=cost,
@@ -121,9 +125,26 @@ class Director:
             request_class=request_class,
             admit=decision,
         )
+        return admission
 
     async def release(self, admission: Admission, used_tokens: int | None) -> None:
+        self.active.pop(admission.lease_id, None)
         admission.pool.release(admission.endpoint)
         await self.store.release(
             admission.tenant.name, self.policy(admission.tenant), admission.lease_id, used_tokens
         )
+
+    async def renew_leases(self) -> None:
+        """Keep the leases of long-running streams alive in the shared store."""
+        by_tenant: dict[str, list[str]] = {}
+        for admission in list(self.active.values()):
+            by_tenant.setdefault(admission.tenant.name, []).append(admission.lease_id)
+        for tenant, leases in by_tenant.items():
+            await self.store.renew(tenant, leases)
+
+    async def usage(self, tenant_name: str) -> dict | None:
+        tenant = self._tenants_by_name.get(tenant_name)
+        if tenant is None:
+            return None
+        return {"tenant": tenant.name, "tier": tenant.tier,
+                **await self.store.usage(tenant.name, self.policy(tenant))}

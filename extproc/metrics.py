@@ -40,6 +40,23 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.store_state = Gauge(
+            "kvgate_store_breaker_open",
+            "1 while the shared store's circuit breaker is open or half-open, else 0.",
+            registry=self.registry,
+        )
+        self.store_transitions = Counter(
+            "kvgate_store_breaker_transitions_total",
+            "Circuit breaker transitions of the shared store, by new state.",
+            ["state"],
+            registry=self.registry,
+        )
+        self.store_fallbacks = Counter(
+            "kvgate_store_fallback_admissions_total",
+            "Admissions decided by the failure policy because the shared store was unavailable.",
+            ["policy"],
+            registry=self.registry,
+        )
         self.decision_seconds = Histogram(
             "kvgate_admission_seconds",
             "Time to decide admission (store round trip included).",

@@ -22,6 +22,7 @@ _CODES = {
     Reason.TOKENS: "rate_limit_exceeded",
     Reason.CONCURRENCY: "concurrency_limit_exceeded",
     Reason.TOO_LARGE: "tokens_exceed_capacity",
+    Reason.QUOTA: "insufficient_quota",
 }
 
 
@@ -32,6 +33,7 @@ def ratelimit_headers(remaining: Remaining) -> dict[str, str]:
         ("requests", remaining.request_limit, remaining.requests_remaining,
          remaining.requests_reset_ms),
         ("tokens", remaining.token_limit, remaining.tokens_remaining, remaining.tokens_reset_ms),
+        ("quota", remaining.quota_limit, remaining.quota_remaining, remaining.quota_reset_ms),
     ):
         if limit is None:
             continue

@@ -21,9 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.config import Config
 from extproc.director import Director
+from extproc.limits import build_store
 from extproc.metrics import Metrics
 from extproc.stream import RequestStream
-from limiter import LimiterStore, MemoryStore
+from limiter import LimiterStore
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 class KvgateServer:
     """Owns the gRPC server and the admin site; ports 0 bind ephemeral ports (tests)."""
 
-    def __init__(self, config: Config, store: LimiterStore | None = None):
+    def __init__(
+        self, config: Config, store: LimiterStore | None = None, *, reuse_port: bool = False
+    ):
         self.config = config
         self.metrics = Metrics()
-        self.director = Director(config, store or MemoryStore())
+        self.director = Director(config, store or build_store(config, self.metrics))
+        self.reuse_port = reuse_port  # several worker processes share the gRPC port
+        self._renewer: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -74,7 +79,7 @@ class KvgateServer:
         # the whole buffered request body arrives as one gRPC message
         max_message = settings.max_body_bytes + 1024 * 1024
         self._grpc = grpc.aio.server(options=[
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(self.reuse_port)),
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
         ])
@@ -88,6 +93,8 @@ class KvgateServer:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         if settings.admin_port is not None:
             await self._start_admin(settings.host, settings.admin_port)
+        if self.config.redis is not None:
+            self._renewer = asyncio.create_task(self._renew_leases(self.config.redis.lease_ttl_s))
         log.info("kvgate ext_proc on %s:%d, admin on %s:%d", settings.host, self.grpc_port,
                  settings.host, self.admin_port)
 
@@ -95,11 +102,26 @@ class KvgateServer:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/admin/tenants/{tenant}/usage", self._usage)
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, host, port)
         await site.start()
         self.admin_port = self._admin.addresses[0][1]
+
+    async def _renew_leases(self, ttl_s: float) -> None:
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            try:
+                await self.director.renew_leases()
+            except Exception:  # the loop must outlive any one failure
+                log.exception("lease renewal failed")
+
+    async def _usage(self, request: web.Request) -> web.Response:
+        usage = await self.director.usage(request.match_info["tenant"])
+        if usage is None:
+            return web.json_response({"error": {"message": "unknown tenant"}}, status=404)
+        return web.json_response(usage)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -111,8 +133,11 @@ class KvgateServer:
     async def stop(self, grace: float = 1.0) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self._renewer is not None:
+            self._renewer.cancel()
         if self._admin is not None:
             await self._admin.cleanup()
+        await self.director.store.close()
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain: open streams get ``shutdown_grace_s``."""

@@ -29,6 +29,7 @@ from extproc.openai import (
 )
 from extproc.rejections import client_error, internal_error, rejection
 from limiter import Reject
+from limiter.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class RequestStream:
             return _continue_other(kind)
         except BadRequest as error:
             return self._answer(*client_error(error), details=error.code or "bad_request")
+        except StoreUnavailable:
+            self.metrics.stream_errors.labels("store_unavailable").inc()
+            return self._answer(*internal_error("admission limits are unavailable; retry later"),
+                                details="kvgate_store_unavailable")
         except Exception:
             log.exception("ext_proc %s failed", kind)
             self.metrics.stream_errors.labels("internal").inc()

@@ -91,13 +91,19 @@ class TokenBucket:
         return ceil_div(max(0, self.full_scaled - self.level_at(now_ms)), self.rate.amount)
 
     def reconfigure(self, rate: Rate, capacity: int, now_ms: int) -> None:
-        """Swap rate/capacity on a config reload, keeping the current level (floored, clamped)."""
+        """Swap rate/capacity on a config reload, keeping the current level (floored, clamped).
+
+        A *full* bucket stays full (at the new capacity): an idle tenant gets its new burst
+        at once, and a shared store that lets full buckets expire (Redis TTLs) cannot
+        remember the old level anyway, so both stores agree.
+        """
         require_int("capacity", capacity, 1)
         self._advance(now_ms)
+        was_full = self.level_scaled >= self.full_scaled
         # Floor division rounds debt further down: a reload never hands out free tokens.
         level = self.level_scaled * rate.period_ms // self.rate.period_ms
         self.rate, self.capacity = rate, capacity
-        self.level_scaled = min(level, self.full_scaled)
+        self.level_scaled = self.full_scaled if was_full else min(level, self.full_scaled)
 
 
 class SlidingWindow:
@@ -186,9 +192,15 @@ class SlidingWindow:
         return self._log[-1][0] + self.window_ms - now_ms if self._log else 0
 
     def reconfigure(self, limit: int, window_ms: int, now_ms: int) -> None:
-        """Swap the limit on a config reload; logged usage keeps counting."""
-        self.limit = require_int("limit", limit, 1)
-        self.window_ms = require_int("window_ms", window_ms, 1)
+        """Swap the limit on a config reload; logged usage keeps counting.
+
+        Entries already expired under the *old* window are evicted first: a longer new
+        window must not resurrect them (a TTL-based store has dropped them already).
+        """
+        require_int("limit", limit, 1)
+        require_int("window_ms", window_ms, 1)
+        self._advance(now_ms)
+        self.limit, self.window_ms = limit, window_ms
         self._advance(now_ms)
 
 

@@ -2,16 +2,42 @@
 
 A request is admitted only if *every* dimension has room; only then is anything consumed, so
 a rejection never costs the tenant budget. A rejection carries the exact wait after which a
-retry is admitted (absent other traffic): the max over the dimensions that said no.
+retry is admitted (absent other traffic): the max over the dimensions that said no. A spent
+token quota is different: waiting seconds cannot help, so it carries its reset time instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from typing import Any
 
 from limiter.buckets import SlidingWindow, TokenBucket
+from limiter.calendar import Period
+from limiter.outcome import (
+    Admit,
+    BucketView,
+    Reason,
+    Reject,
+    Remaining,
+    Snapshot,
+    WindowView,
+    quota_reject,
+    remaining_of,
+    wait_reject,
+)
+from limiter.quota import QuotaCounter, QuotaView
 from limiter.rates import Rate, require_int
+
+__all__ = [
+    "Admit",
+    "Cost",
+    "Reason",
+    "Reject",
+    "Remaining",
+    "TenantLimiter",
+    "TenantPolicy",
+    "never_fits",
+]
 
 _POSITIVE_FIELDS = (
     "request_burst",
@@ -20,6 +46,8 @@ _POSITIVE_FIELDS = (
     "max_context_tokens",
     "window_limit",
     "window_ms",
+    "daily_token_quota",
+    "monthly_token_quota",
 )
 
 
@@ -33,7 +61,8 @@ class TenantPolicy:
     """One tenant's limits; ``None`` means that dimension is unlimited.
 
     Rates come with their bucket capacity (burst) and the window limit with its length: a
-    half-configured dimension is an error, not a silent "unlimited".
+    half-configured dimension is an error, not a silent "unlimited". Token quotas count per
+    UTC calendar day / month.
     """
 
     request_rate: Rate | None = None
@@ -45,6 +74,8 @@ class TenantPolicy:
     window_limit: int | None = None
     window_ms: int | None = None
     concurrency_retry_ms: int = 1000
+    daily_token_quota: int | None = None
+    monthly_token_quota: int | None = None
 
     def __post_init__(self) -> None:
         _pair(self, "request_rate", "request_burst")
@@ -54,6 +85,11 @@ class TenantPolicy:
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name), 1)
         require_int("concurrency_retry_ms", self.concurrency_retry_ms, 1)
+
+    def quotas(self) -> list[tuple[Period, int]]:
+        """The configured token quotas, daily first (the order every view lists them in)."""
+        pairs = ((Period.DAY, self.daily_token_quota), (Period.MONTH, self.monthly_token_quota))
+        return [(period, limit) for period, limit in pairs if limit is not None]
 
 
 @dataclass(frozen=True)
@@ -75,65 +111,10 @@ class Cost:
         return self.prompt_tokens + self.max_output_tokens
 
 
-class Reason(StrEnum):
-    """Why a request was rejected; the values double as OpenAI-style error codes."""
-
-    REQUESTS = "requests"
-    TOKENS = "tokens"
-    CONCURRENCY = "concurrency"
-    WINDOW = "requests_window"
-    CONTEXT = "context_length_exceeded"
-    TOO_LARGE = "tokens_exceed_capacity"
-
-
-_LIMIT_NAMES = {
-    Reason.REQUESTS: "request rate",
-    Reason.WINDOW: "request window",
-    Reason.TOKENS: "token rate",
-    Reason.CONCURRENCY: "concurrency",
-}
-
-
-@dataclass(frozen=True)
-class Remaining:
-    """Feeds ``x-ratelimit-*``: limit = capacity, remaining ≥ 0, reset = ms until full."""
-
-    request_limit: int | None
-    requests_remaining: int | None
-    requests_reset_ms: int | None
-    token_limit: int | None
-    tokens_remaining: int | None
-    tokens_reset_ms: int | None
-
-
-@dataclass(frozen=True)
-class Admit:
-    """Go ahead; ``lease_id`` must be released exactly once when the request ends."""
-
-    lease_id: str
-    cost: Cost
-    remaining: Remaining
-
-
-@dataclass(frozen=True)
-class Reject:
-    """No; ``retry_after_ms`` is None when waiting cannot help (the request is too big)."""
-
-    reason: Reason
-    retry_after_ms: int | None
-    remaining: Remaining
-    message: str
-
-
-def _seconds(ms: int) -> str:
-    """``1234`` → ``"1.234"`` without a float round trip."""
-    return f"{ms // 1000}.{ms % 1000:03d}"
-
-
-def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> tuple[int | None, ...]:
+def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> BucketView | None:
     if bucket is None:
-        return (None, None, None)
-    return (bucket.capacity, max(0, bucket.available(now_ms)), bucket.reset_ms(now_ms))
+        return None
+    return BucketView(bucket.capacity, bucket.available(now_ms), bucket.reset_ms(now_ms))
 
 
 def _rebucket(
@@ -148,20 +129,26 @@ def _rebucket(
     return bucket
 
 
-def _never_fits(policy: TenantPolicy, cost: Cost) -> tuple[Reason, str] | None:
-    """Why ``cost`` can never be admitted under ``policy`` (retrying cannot help), if so."""
+def never_fits(policy: TenantPolicy, cost: Cost) -> tuple[Reason, str] | None:
+    """Why ``cost`` can never be admitted under ``policy`` (retrying cannot help), if so.
+
+    Pure, so a shared store can decide it before its round trip.
+    """
     limit = policy.max_context_tokens
     if limit is not None and cost.prompt_tokens > limit:
         return Reason.CONTEXT, (
             f"prompt of {cost.prompt_tokens} tokens exceeds this tenant's maximum context "
             f"of {limit} tokens"
         )
-    limit = policy.token_burst
-    if limit is not None and cost.tokens > limit:
-        return Reason.TOO_LARGE, (
-            f"request reserves {cost.tokens} tokens (prompt + max_tokens) but this tenant's "
-            f"token budget holds at most {limit}; lower max_tokens"
-        )
+    budgets = [("token budget holds at most", policy.token_burst)] + [
+        (f"{period.value} token quota is", quota) for period, quota in policy.quotas()
+    ]
+    for what, limit in budgets:
+        if limit is not None and cost.tokens > limit:
+            return Reason.TOO_LARGE, (
+                f"request reserves {cost.tokens} tokens (prompt + max_tokens) but this "
+                f"tenant's {what} {limit}; lower max_tokens"
+            )
     caps = [c for c in (policy.request_burst, policy.window_limit) if c is not None]
     if caps and cost.requests > min(caps):
         return Reason.TOO_LARGE, (
@@ -170,27 +157,42 @@ def _never_fits(policy: TenantPolicy, cost: Cost) -> tuple[Reason, str] | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Lease:
     cost: Cost
     tokens_charged: bool
+    quotas_charged: tuple[Period, ...]
+    expires_ms: int | None
 
 
 class TenantLimiter:
     """All limit dimensions of one tenant: request rate, sliding window, token rate,
-    concurrency and context length. Pure state; the caller passes ``now_ms`` every time."""
+    concurrency, context length and token quotas. Pure state; the caller passes ``now_ms``
+    (wall-clock epoch ms: quotas follow the UTC calendar) every time.
 
-    def __init__(self, policy: TenantPolicy, now_ms: int) -> None:
+    With ``lease_ttl_ms`` a lease that is neither released nor renewed within that time
+    frees its concurrency slot by itself (its reservation stays charged), exactly like the
+    Redis store's leases.
+    """
+
+    def __init__(
+        self, policy: TenantPolicy, now_ms: int, lease_ttl_ms: int | None = None
+    ) -> None:
         self.policy = TenantPolicy()
+        self.lease_ttl_ms = None if lease_ttl_ms is None else require_int(
+            "lease_ttl_ms", lease_ttl_ms, 1
+        )
         self._requests: TokenBucket | None = None
         self._tokens: TokenBucket | None = None
         self._window: SlidingWindow | None = None
+        self._quotas = {period: QuotaCounter(period) for period in Period}
         self._leases: dict[str, _Lease] = {}
+        self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
         self.update_policy(policy, now_ms)
 
     @property
     def in_flight(self) -> int:
-        """Admitted requests not yet released (the concurrency in use)."""
+        """Admitted requests not yet released (as of the last call: see expire_leases)."""
         return len(self._leases)
 
     @property
@@ -209,7 +211,10 @@ class TenantLimiter:
         return self._window
 
     def update_policy(self, policy: TenantPolicy, now_ms: int) -> None:
-        """Swap limits on a config reload; current levels carry over, clamped to new caps."""
+        """Swap limits on a config reload; current levels carry over, clamped to new caps.
+
+        Quota counters carry over even through a quota being switched off and on again.
+        """
         self._requests = _rebucket(
             self._requests, policy.request_rate, policy.request_burst, now_ms
         )
@@ -225,45 +230,125 @@ class TenantLimiter:
         self._window.reconfigure(policy.window_limit, policy.window_ms, now_ms)
         return self._window
 
+    def expire_leases(self, now_ms: int) -> int:
+        """Drop leases whose TTL passed (expiry ≤ now); returns the leases still held.
+
+        Cheap: the scan runs only once the earliest possible expiry has been reached.
+        """
+        if self._next_expiry is None or now_ms < self._next_expiry:
+            return len(self._leases)
+        self._leases = {
+            lease_id: lease
+            for lease_id, lease in self._leases.items()
+            if lease.expires_ms is None or lease.expires_ms > now_ms
+        }
+        expiries = [lease.expires_ms for lease in self._leases.values()]
+        self._next_expiry = min((e for e in expiries if e is not None), default=None)
+        return len(self._leases)
+
+    def renew(self, lease_ids: list[str], now_ms: int) -> int:
+        """Push the expiry of held leases to ``now + lease_ttl_ms`` (long streams); returns
+        how many were renewed. Without a TTL there is nothing to renew."""
+        self.expire_leases(now_ms)
+        if self.lease_ttl_ms is None:
+            return 0
+        renewed = 0
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                lease.expires_ms = now_ms + self.lease_ttl_ms
+                self._lower_next_expiry(lease.expires_ms)
+                renewed += 1
+        return renewed
+
+    def _lower_next_expiry(self, expires_ms: int) -> None:
+        """Keep ``_next_expiry`` a lower bound (a clock step back can shorten an expiry)."""
+        if self._next_expiry is None or expires_ms < self._next_expiry:
+            self._next_expiry = expires_ms
+
+    def _quota_views(self, now_ms: int) -> list[QuotaView]:
+        return [self._quotas[period].view(limit, now_ms) for period, limit in self.policy.quotas()]
+
     def remaining(self, now_ms: int) -> Remaining:
         """Current headroom for the ``x-ratelimit-*`` headers."""
-        return Remaining(*_bucket_view(self._requests, now_ms), *_bucket_view(self._tokens, now_ms))
+        return remaining_of(
+            _bucket_view(self._requests, now_ms),
+            _bucket_view(self._tokens, now_ms),
+            self._quota_views(now_ms),
+        )
+
+    def snapshot(self, now_ms: int) -> Snapshot:
+        """Every dimension at ``now_ms`` (the admin view)."""
+        window = self._window
+        return Snapshot(
+            requests=_bucket_view(self._requests, now_ms),
+            tokens=_bucket_view(self._tokens, now_ms),
+            window=None if window is None else WindowView(
+                window.limit, window.window_ms, window.used(now_ms), window.reset_ms(now_ms)
+            ),
+            quotas=tuple(self._quota_views(now_ms)),
+            in_flight=self.expire_leases(now_ms),
+            max_concurrency=self.policy.max_concurrency,
+        )
+
+    def usage(self, now_ms: int) -> dict[str, Any]:
+        """JSON-friendly snapshot for an admin endpoint (see :meth:`Snapshot.usage`)."""
+        return self.snapshot(now_ms).usage()
 
     def check_requests(self, now_ms: int) -> Reject | None:
         """Peek (consumes nothing) at the request-count dimensions, before the body arrives."""
+        self.expire_leases(now_ms)
         waits = self._request_waits(1, now_ms) + self._concurrency_wait()
-        return self._reject(waits, now_ms) if waits else None
+        return wait_reject(waits, self.remaining(now_ms)) if waits else None
 
     def admit(self, cost: Cost, lease_id: str, now_ms: int) -> Admit | Reject:
         """Admit ``cost`` under ``lease_id`` if every dimension has room, else consume nothing."""
+        self.expire_leases(now_ms)
         if lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} is already held")
-        too_big = self._static_reject(cost, now_ms)
-        if too_big is not None:
-            return too_big
+        problem = never_fits(self.policy, cost)
+        if problem is not None:
+            return Reject(problem[0], None, self.remaining(now_ms), problem[1])
+        quotas = self._quota_views(now_ms)
+        failing = [quota for quota in quotas if not quota.fits(cost.tokens)]
+        if failing:
+            return quota_reject(failing, cost.tokens, self.remaining(now_ms))
         waits = self._request_waits(cost.requests, now_ms)
         waits += self._token_waits(cost.tokens, now_ms) + self._concurrency_wait()
         if waits:
-            return self._reject(waits, now_ms)
+            return wait_reject(waits, self.remaining(now_ms))
         self._consume(cost, now_ms)
-        self._leases[lease_id] = _Lease(cost, tokens_charged=self._tokens is not None)
+        self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
         return Admit(lease_id, cost, self.remaining(now_ms))
 
+    def _new_lease(self, cost: Cost, quotas: list[QuotaView], now_ms: int) -> _Lease:
+        expires = None if self.lease_ttl_ms is None else now_ms + self.lease_ttl_ms
+        if expires is not None:
+            self._lower_next_expiry(expires)
+        periods = tuple(quota.period for quota in quotas)
+        return _Lease(cost, self._tokens is not None, periods, expires)
+
     def release(self, lease_id: str, used_tokens: int | None, now_ms: int) -> bool:
-        """Free the lease exactly once (False on repeats) and reconcile reserved vs used tokens.
+        """Free the lease exactly once (False on repeats, or once its TTL passed) and
+        reconcile reserved vs used tokens on the token bucket and the quotas it was charged to.
 
         ``used_tokens=None`` (usage unknown: error, disconnect) counts the reservation as used.
         """
+        self.expire_leases(now_ms)
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        reserved = lease.cost.tokens
+        used = reserved if used_tokens is None else max(0, used_tokens)
         if lease.tokens_charged and self._tokens is not None:
-            reserved = lease.cost.tokens
-            used = reserved if used_tokens is None else max(0, used_tokens)
             if used < reserved:
                 self._tokens.refund(reserved - used, now_ms)
             elif used > reserved:
                 self._tokens.charge(used - reserved, now_ms)
+        configured = {period for period, _ in self.policy.quotas()}
+        for period in lease.quotas_charged:
+            if period in configured:
+                self._quotas[period].reconcile(reserved - used, now_ms)
         return True
 
     def _request_waits(self, requests: int, now_ms: int) -> list[tuple[Reason, int]]:
@@ -285,22 +370,6 @@ class TenantLimiter:
         # A slot frees when some request finishes: unknowable here, so a configured hint.
         return [(Reason.CONCURRENCY, self.policy.concurrency_retry_ms)]
 
-    def _reject(self, waits: list[tuple[Reason, int]], now_ms: int) -> Reject:
-        """The longest wait wins: retrying after it satisfies every other dimension too."""
-        reason, wait = max(waits, key=lambda rw: rw[1])
-        names = [_LIMIT_NAMES[r] for r, _ in waits]
-        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        plural = "s" if len(names) > 1 else ""
-        message = f"tenant over its {listed} limit{plural}; retry after {_seconds(wait)} s"
-        return Reject(reason, wait, self.remaining(now_ms), message)
-
-    def _static_reject(self, cost: Cost, now_ms: int) -> Reject | None:
-        """Requests that can never be admitted, however long the client waits."""
-        problem = _never_fits(self.policy, cost)
-        if problem is None:
-            return None
-        return Reject(problem[0], None, self.remaining(now_ms), problem[1])
-
     def _consume(self, cost: Cost, now_ms: int) -> None:
         if self._requests is not None:
             self._requests.consume(cost.requests, now_ms)
@@ -308,3 +377,5 @@ class TenantLimiter:
             self._window.consume(cost.requests, now_ms)
         if self._tokens is not None:
             self._tokens.consume(cost.tokens, now_ms)
+        for period, _ in self.policy.quotas():
+            self._quotas[period].consume(cost.tokens, now_ms)

@@ -6,24 +6,33 @@ Limits are per replica with this store; configure Redis for global limits.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from limiter.clock import monotonic_ms
+from limiter.clock import wall_ms
 from limiter.decision import Admit, Cost, Reject, TenantLimiter, TenantPolicy
 
 
 class MemoryStore:
     """A :class:`~limiter.store.LimiterStore` in a dict. Methods are ``async`` only to match
-    the protocol: none of them awaits, so each call is atomic on the event loop."""
+    the protocol: none of them awaits, so each call is atomic on the event loop.
 
-    def __init__(self, clock: Callable[[], int] = monotonic_ms) -> None:
+    ``lease_ttl_ms`` (off by default: in one process a lease cannot be leaked by a crashed
+    peer) makes unreleased leases expire as the Redis store's do.
+    """
+
+    def __init__(
+        self, clock: Callable[[], int] = wall_ms, *, lease_ttl_ms: int | None = None
+    ) -> None:
         self._clock = clock
+        self._lease_ttl_ms = lease_ttl_ms
         self._tenants: dict[str, TenantLimiter] = {}
 
     def limiter(self, tenant: str, policy: TenantPolicy, now_ms: int) -> TenantLimiter:
         """The tenant's limiter, created lazily and brought up to date with ``policy``."""
         limiter = self._tenants.get(tenant)
         if limiter is None:
-            limiter = self._tenants[tenant] = TenantLimiter(policy, now_ms)
+            limiter = TenantLimiter(policy, now_ms, lease_ttl_ms=self._lease_ttl_ms)
+            self._tenants[tenant] = limiter
         elif limiter.policy is not policy and limiter.policy != policy:
             limiter.update_policy(policy, now_ms)
         return limiter
@@ -44,6 +53,18 @@ class MemoryStore:
         now_ms = self._clock()
         return self.limiter(tenant, policy, now_ms).release(lease_id, used_tokens, now_ms)
 
+    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
+        limiter = self._tenants.get(tenant)
+        if limiter is not None:
+            limiter.renew(lease_ids, self._clock())
+
     async def in_flight(self, tenant: str) -> int:
         limiter = self._tenants.get(tenant)
-        return 0 if limiter is None else limiter.in_flight
+        return 0 if limiter is None else limiter.expire_leases(self._clock())
+
+    async def usage(self, tenant: str, policy: TenantPolicy) -> dict[str, Any]:
+        now_ms = self._clock()
+        return self.limiter(tenant, policy, now_ms).usage(now_ms)
+
+    async def close(self) -> None:
+        """Nothing to release; here for the protocol."""

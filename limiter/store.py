@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from limiter.decision import Admit, Cost, Reject, TenantPolicy
+
+
+class StoreUnavailable(Exception):
+    """The shared store could not answer (connection refused, timeout, server error).
+
+    One exception type so the caller's failure policy (fail open, fail closed, fall back to
+    local limits) needs to know nothing about the store's client library.
+    """
 
 
 @runtime_checkable
@@ -12,7 +20,8 @@ class LimiterStore(Protocol):
     """Per-tenant admission state. Async because the shared (Redis) store does I/O.
 
     The policy travels with every call so a store never holds stale limits: it creates a
-    tenant's state lazily and applies a changed policy on the next call.
+    tenant's state lazily and applies a changed policy on the next call. Any method of a
+    shared store may raise :class:`StoreUnavailable`.
     """
 
     async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
@@ -28,9 +37,21 @@ class LimiterStore(Protocol):
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
-        """Release a lease exactly once; False if unknown or already released."""
+        """Release a lease exactly once; False if unknown, expired or already released."""
+        ...
+
+    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
+        """Extend the TTL of held leases (long streams), so they are not reclaimed as leaked."""
         ...
 
     async def in_flight(self, tenant: str) -> int:
         """Leases currently held by ``tenant``."""
+        ...
+
+    async def usage(self, tenant: str, policy: TenantPolicy) -> dict[str, Any]:
+        """JSON-friendly snapshot of every dimension (admin endpoint)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the store's resources (connections)."""
         ...

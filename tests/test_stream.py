@@ -190,3 +190,20 @@ async def test_get_is_decided_on_headers_alone():
     assert header_dict(reply.request_headers.response.header_mutation)["x-kvgate-tenant"] == "acme"
     await stream.close(None)
     assert await store.in_flight("acme") == 0
+
+
+async def test_spent_quota_is_429_do_not_retry_with_its_reset():
+    stream, _ = new_stream(make_config(daily_token_quota=150))
+    await stream.handle(headers_msg())
+    assert (await stream.handle(body_msg(chat(max_tokens=100)))).HasField("request_body")
+    second = RequestStream(stream.director, stream.metrics, stream.settings)
+    await second.handle(headers_msg())
+    reply = (await second.handle(body_msg(chat(max_tokens=100)))).immediate_response
+    assert reply.status.code == 429
+    headers = header_dict(reply.headers)
+    assert headers["x-should-retry"] == "false"
+    assert headers["x-ratelimit-limit-quota"] == "150"
+    assert headers["x-ratelimit-reset-quota"].endswith("s")
+    assert orjson.loads(reply.body)["error"]["code"] == "insufficient_quota"
+    usage = await stream.director.usage("acme")
+    assert usage["quotas"]["daily"]["limit"] == 150

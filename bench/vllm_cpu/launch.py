@@ -25,13 +25,14 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_DIR = Path(os.environ.get("VLLM_VENV", ROOT / ".vllm-venv"))
@@ -112,12 +113,6 @@ def rebalance_cpu(api_server_pid: int, api_nice: int = -10, engine_nice: int = 1
     return done
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VllmServer:
     """A vLLM api_server subprocess as a sync context manager.
 
@@ -152,7 +147,7 @@ class VllmServer:
             raise ValueError(f"policy must be 'priority' or 'fcfs', not {policy!r}")
         self.policy = policy
         self.host = host
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.max_model_len = max_model_len
         self.num_gpu_blocks = num_gpu_blocks
         self.kvcache_space_gib = kvcache_space_gib

@@ -1,0 +1,63 @@
+"""A circuit breaker for the shared store, sans-IO: the caller passes ``now_ms`` and acts on
+the transitions it returns (one log line and one metric each).
+
+While Redis is failing, every admission would otherwise wait out its timeout budget first;
+an open breaker skips straight to the failure policy, and a single probe per ``open_ms``
+notices when Redis is back, so limits resume within about ``open_ms``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"  # healthy: calls go to the store
+    OPEN = "open"  # failing: calls skip the store until open_ms has passed
+    HALF_OPEN = "half_open"  # one probe call is in flight; the rest still skip
+
+
+@dataclass(frozen=True)
+class Transition:
+    old: BreakerState
+    new: BreakerState
+
+
+class CircuitBreaker:
+    def __init__(self, failure_threshold: int = 3, open_ms: int = 500):
+        if failure_threshold < 1 or open_ms < 1:
+            raise ValueError("failure_threshold and open_ms must be at least 1")
+        self.failure_threshold = failure_threshold
+        self.open_ms = open_ms
+        self.state = BreakerState.CLOSED
+        self._failures = 0
+        self._opened_at = 0
+
+    def allow(self, now_ms: int) -> tuple[bool, Transition | None]:
+        """May this call go to the store? An open breaker lets one probe through per open_ms."""
+        if self.state is BreakerState.CLOSED:
+            return True, None
+        if self.state is BreakerState.OPEN and now_ms - self._opened_at >= self.open_ms:
+            return True, self._move(BreakerState.HALF_OPEN)
+        return False, None
+
+    def success(self) -> Transition | None:
+        self._failures = 0
+        if self.state is BreakerState.CLOSED:
+            return None
+        return self._move(BreakerState.CLOSED)
+
+    def failure(self, now_ms: int) -> Transition | None:
+        self._failures += 1
+        if self.state is BreakerState.HALF_OPEN or (
+            self.state is BreakerState.CLOSED and self._failures >= self.failure_threshold
+        ):
+            self._opened_at = now_ms
+            return self._move(BreakerState.OPEN)
+        return None  # already open: a straggler from before opening changes nothing
+
+    def _move(self, new: BreakerState) -> Transition:
+        transition = Transition(self.state, new)
+        self.state = new
+        return transition

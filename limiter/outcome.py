@@ -1,0 +1,190 @@
+"""What an admission decision returns, and the pure functions that build it from raw views.
+
+Both stores read their state into the same small views (:class:`BucketView`,
+:class:`WindowView`, :class:`~limiter.quota.QuotaView`) and build every ``Admit``, ``Reject``,
+``Remaining`` and admin ``usage`` snapshot with the functions here, so the Redis store's
+answers are identical to the in-memory ones by construction, messages included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from limiter.quota import QuotaView
+from limiter.rates import format_duration
+
+if TYPE_CHECKING:
+    from limiter.decision import Cost
+
+
+class Reason(StrEnum):
+    """Why a request was rejected; the values double as OpenAI-style error codes."""
+
+    REQUESTS = "requests"
+    TOKENS = "tokens"
+    CONCURRENCY = "concurrency"
+    WINDOW = "requests_window"
+    CONTEXT = "context_length_exceeded"
+    TOO_LARGE = "tokens_exceed_capacity"
+    QUOTA = "quota_exceeded"
+
+
+_LIMIT_NAMES = {
+    Reason.REQUESTS: "request rate",
+    Reason.WINDOW: "request window",
+    Reason.TOKENS: "token rate",
+    Reason.CONCURRENCY: "concurrency",
+}
+
+
+@dataclass(frozen=True)
+class BucketView:
+    """A token bucket at one instant: capacity, whole tokens available (negative while in
+    debt) and ms until full again."""
+
+    limit: int
+    available: int
+    reset_ms: int
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """The sliding window at one instant (admin snapshot only)."""
+
+    limit: int
+    window_ms: int
+    used: int
+    reset_ms: int
+
+
+@dataclass(frozen=True)
+class Remaining:
+    """Feeds ``x-ratelimit-*``: limit = capacity, remaining ≥ 0, reset = ms until full.
+
+    The quota fields describe the *tighter* of the daily and monthly quotas (fewer tokens
+    left; on a tie the one resetting later, since the earlier reset alone frees nothing).
+    """
+
+    request_limit: int | None
+    requests_remaining: int | None
+    requests_reset_ms: int | None
+    token_limit: int | None
+    tokens_remaining: int | None
+    tokens_reset_ms: int | None
+    quota_limit: int | None = None
+    quota_remaining: int | None = None
+    quota_reset_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Go ahead; ``lease_id`` must be released exactly once when the request ends."""
+
+    lease_id: str
+    cost: Cost
+    remaining: Remaining
+
+
+@dataclass(frozen=True)
+class Reject:
+    """No; ``retry_after_ms`` is None when waiting a little cannot help (the request is too
+    big, or a token quota is spent). ``reset_ms`` is set for quota rejections: the ms until
+    the exhausted quota resets (a client may show it; retrying before then is pointless)."""
+
+    reason: Reason
+    retry_after_ms: int | None
+    remaining: Remaining
+    message: str
+    reset_ms: int | None = None
+
+
+def _seconds(ms: int) -> str:
+    """``1234`` → ``"1.234"`` without a float round trip."""
+    return f"{ms // 1000}.{ms % 1000:03d}"
+
+
+def _listed(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def tightest(quotas: Sequence[QuotaView]) -> QuotaView | None:
+    """The quota that binds first: fewest tokens left, then the later reset."""
+    return min(quotas, key=lambda q: (q.remaining, -q.reset_ms), default=None)
+
+
+def remaining_of(
+    requests: BucketView | None, tokens: BucketView | None, quotas: Sequence[QuotaView]
+) -> Remaining:
+    """The ``x-ratelimit-*`` view of raw state (negative availability shows as 0)."""
+    fields: list[int | None] = []
+    for view in (requests, tokens):
+        fields += [None] * 3 if view is None else [view.limit, max(0, view.available),
+                                                   view.reset_ms]
+    quota = tightest(quotas)
+    if quota is not None:
+        fields += [quota.limit, quota.remaining, quota.reset_ms]
+    return Remaining(*fields)
+
+
+def wait_reject(waits: Sequence[tuple[Reason, int]], remaining: Remaining) -> Reject:
+    """The longest wait wins: retrying after it satisfies every other dimension too."""
+    reason, wait = max(waits, key=lambda rw: rw[1])
+    names = [_LIMIT_NAMES[r] for r, _ in waits]
+    plural = "s" if len(names) > 1 else ""
+    message = f"tenant over its {_listed(names)} limit{plural}; retry after {_seconds(wait)} s"
+    return Reject(reason, wait, remaining, message)
+
+
+def quota_reject(failing: Sequence[QuotaView], tokens: int, remaining: Remaining) -> Reject:
+    """A spent quota: no retry-after (minutes of retrying cannot help), but the reset time."""
+    reset = max(q.reset_ms for q in failing)
+    names = [f"{q.period.value} token quota ({q.used} of {q.limit} used)" for q in failing]
+    message = (
+        f"tenant over its {_listed(names)}; this request reserves {tokens} tokens; "
+        f"the quota resets in {format_duration(reset)}"
+    )
+    return Reject(Reason.QUOTA, None, remaining, message, reset_ms=reset)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every dimension of one tenant at one instant: the admin ``usage`` endpoint's data."""
+
+    requests: BucketView | None
+    tokens: BucketView | None
+    window: WindowView | None
+    quotas: tuple[QuotaView, ...]
+    in_flight: int
+    max_concurrency: int | None
+
+    def remaining(self) -> Remaining:
+        """The same view an admission would report."""
+        return remaining_of(self.requests, self.tokens, self.quotas)
+
+    def usage(self) -> dict[str, Any]:
+        """JSON-friendly: plain dicts, ints and None only."""
+        return {
+            "in_flight": self.in_flight,
+            "max_concurrency": self.max_concurrency,
+            "requests": _plain(self.requests),
+            "tokens": _plain(self.tokens),
+            "window": _plain(self.window),
+            "quotas": {q.period.value: _quota_dict(q) for q in self.quotas},
+        }
+
+
+def _plain(view: BucketView | WindowView | None) -> dict[str, int] | None:
+    return None if view is None else dict(view.__dict__)
+
+
+def _quota_dict(quota: QuotaView) -> dict[str, int]:
+    return {
+        "limit": quota.limit,
+        "used": quota.used,
+        "remaining": quota.remaining,
+        "reset_ms": quota.reset_ms,
+        "period_start_ms": quota.start_ms,
+    }

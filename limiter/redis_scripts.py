@@ -1,0 +1,472 @@
+"""The Redis store's Lua scripts: the in-memory core's integer math, re-done atomically.
+
+Each script mirrors :mod:`limiter.buckets`, :mod:`limiter.quota` and
+:class:`~limiter.decision.TenantLimiter` line for line, so a decision through Redis equals
+the in-memory one. Python builds every message and view from the raw numbers returned
+(:mod:`limiter.outcome`); the scripts only decide and count.
+
+**Numbers.** Lua numbers are doubles, exact for integers below 2^53. The bounds (checked in
+Python before a policy is sent, see ``redis_store._policy_fields``):
+
+- a bucket's full level ``capacity × period_ms ≤ 2^51``, ``amount ≤ 2^51``,
+  ``period_ms ≤ 2^26``; debt is saturated at ``-2^51`` scaled units. So every level, deficit
+  and ``full − level`` stays ≤ 2^52, and a rescale's ``r × new_period < 2^52``;
+- refill never multiplies a raw elapsed time: elapsed is compared with the exact
+  ms-to-full first (an epoch-sized elapsed × amount would overflow);
+- divisions are ``fdiv``/``cdiv``: a float quotient corrected by exact integer steps;
+- epoch ms (~1.8e12), quota counts (≤ 2^50) and window costs are far below 2^53;
+- numbers go to Redis through ``string.format('%.0f')`` (``tostring`` would print
+  ``1.8e+12``), and come back as integer replies (exact: they are whole doubles < 2^53).
+
+**Keys** (``KEYS[1..8]``, one hash tag per tenant, every key with a PEXPIRE to when it would
+be back to its default state, plus ``SLACK`` ms): ``tb:req`` and ``tb:tok`` hashes
+``{l, t, a, p, c}`` (scaled level, last ms, and the rate/capacity it was computed with, to
+rescale on a policy change; a full bucket is deleted: missing = full); ``win`` a ZSET of
+``"ts:cost"`` scored by ts (same-ms entries merged) and ``win:meta`` ``{n, w}`` (its total
+and window length); ``leases`` a ZSET lease_id → expiry ms and ``leases:meta`` lease_id →
+``"tokens:tb:day:month"`` (the reservation and which dimensions it was charged to);
+``q:day`` and ``q:month`` hashes ``{s, u}`` (the period start the count belongs to, used).
+"""
+
+from __future__ import annotations
+
+# ARGV: [1] now ms ('' = Redis TIME), [2] lease TTL ms, [3] TTL slack ms.
+_CORE = r"""
+local KREQ, KTOK, KWIN, KWMETA = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local KLEASES, KLMETA = KEYS[5], KEYS[6]
+local LEASE_TTL, SLACK = tonumber(ARGV[2]), tonumber(ARGV[3])
+local LMAX = 2251799813685248  -- 2^51: saturation bound for a bucket's debt
+
+-- exact floor(a / b) for integers a and b > 0 (|a|, |q * b| < 2^53)
+local function fdiv(a, b)
+  local q = math.floor(a / b)
+  while q * b > a do q = q - 1 end
+  while (q + 1) * b <= a do q = q + 1 end
+  return q
+end
+
+local function cdiv(a, b) return 0 - fdiv(0 - a, b) end
+
+local function str(x) return string.format('%.0f', x) end
+
+local NOW
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+else
+  NOW = tonumber(ARGV[1])
+end
+
+-- leases: expired means expiry <= now (TenantLimiter.expire_leases)
+local function leases_purge(t)
+  local cutoff = str(t)
+  local dead = redis.call('ZRANGEBYSCORE', KLEASES, '-inf', cutoff)
+  if #dead > 0 then
+    redis.call('ZREMRANGEBYSCORE', KLEASES, '-inf', cutoff)
+    for i = 1, #dead, 1000 do
+      redis.call('HDEL', KLMETA, unpack(dead, i, math.min(i + 999, #dead)))
+    end
+  end
+  return redis.call('ZCARD', KLEASES)
+end
+
+local function leases_save(t)
+  local last = redis.call('ZRANGE', KLEASES, -1, -1, 'WITHSCORES')
+  if not last[2] then
+    redis.call('DEL', KLEASES, KLMETA)
+    return
+  end
+  local ttl = str(math.max(1, tonumber(last[2]) - t) + SLACK)
+  redis.call('PEXPIRE', KLEASES, ttl)
+  redis.call('PEXPIRE', KLMETA, ttl)
+end
+"""
+
+# ARGV[4]: the policy as 12 comma-separated integers, 0 = not configured (one argument:
+# packing/unpacking 12 separate ones costs the Python client more than the Lua split).
+_POLICY = r"""
+local function arg(i) return tonumber(ARGV[i]) end
+local POL = {}
+for field in string.gmatch(ARGV[4], '[^,]+') do table.insert(POL, tonumber(field)) end
+local REQ = {a = POL[1], p = POL[2], c = POL[3], key = KREQ}
+local TOK = {a = POL[4], p = POL[5], c = POL[6], key = KTOK}
+local WIN_LIMIT, WIN_MS = POL[7], POL[8]
+local MAX_CONC, CONC_RETRY = POL[9], POL[10]
+local QUOTAS = {{kind = 'd', limit = POL[11], key = KEYS[7]},
+                {kind = 'm', limit = POL[12], key = KEYS[8]}}
+local OP = 5
+
+-- token bucket (limiter.buckets.TokenBucket) ------------------------------------------
+local function tb_level(b, t)
+  local elapsed = t - b.t
+  if elapsed <= 0 or b.l >= b.full then return b.l end
+  -- never elapsed * amount on a raw elapsed: compare with the exact ms-to-full first
+  if elapsed >= cdiv(b.full - b.l, b.a) then return b.full end
+  return b.l + elapsed * b.a
+end
+
+local function tb_advance(b, t)
+  b.l = tb_level(b, t)
+  if t > b.t then b.t = t end
+end
+
+local function tb_reset(b, t) return cdiv(math.max(0, b.full - tb_level(b, t)), b.a) end
+
+local function tb_save(b, t)
+  if b.l >= b.full then
+    redis.call('DEL', b.key)  -- full is the default state: nothing to keep
+    return
+  end
+  redis.call('HSET', b.key, 'l', str(b.l), 't', str(b.t), 'a', str(b.a), 'p', str(b.p),
+             'c', str(b.c))
+  redis.call('PEXPIRE', b.key, str(tb_reset(b, b.t) + (b.t - t) + SLACK))
+end
+
+local function tb_rescale(b, old, t)
+  -- TokenBucket.reconfigure: a full bucket stays full, else floor(level * p' / p), clamped
+  tb_advance(old, t)
+  b.t = old.t
+  if old.l >= old.full then
+    b.l = b.full
+    return
+  end
+  local q = fdiv(old.l, old.p)
+  b.l = math.max(-LMAX, math.min(b.full, q * b.p + fdiv((old.l - q * old.p) * b.p, old.p)))
+end
+
+local function tb_open(spec, t)
+  if spec.a == 0 then
+    redis.call('DEL', spec.key)  -- a dropped dimension starts afresh if it comes back
+    return nil
+  end
+  local b = {a = spec.a, p = spec.p, c = spec.c, full = spec.c * spec.p, key = spec.key}
+  local h = redis.call('HMGET', spec.key, 'l', 't', 'a', 'p', 'c')
+  if not h[1] then
+    b.l, b.t = b.full, t
+    return b
+  end
+  b.l, b.t = tonumber(h[1]), tonumber(h[2])
+  local old = {a = tonumber(h[3]), p = tonumber(h[4]), c = tonumber(h[5]), l = b.l, t = b.t}
+  if old.a ~= b.a or old.p ~= b.p or old.c ~= b.c then
+    old.full = old.c * old.p
+    tb_rescale(b, old, t)
+    tb_save(b, t)
+  end
+  return b
+end
+
+local function tb_wait(b, cost, t)
+  local deficit = cost * b.p - tb_level(b, t)
+  if deficit > 0 then return cdiv(deficit, b.a) end
+  return 0
+end
+
+local function tb_take(b, n, t)  -- consume (after a zero wait) or charge into debt
+  tb_advance(b, t)
+  b.l = math.max(-LMAX, b.l - n * b.p)
+end
+
+local function tb_refund(b, n, t)
+  tb_advance(b, t)
+  b.l = math.min(b.full, b.l + n * b.p)
+end
+
+-- sliding window (limiter.buckets.SlidingWindow) ----------------------------------------
+local function win_cost(member) return tonumber(string.match(member, ':(%d+)$')) end
+
+local function win_evict(w, window_ms)
+  local horizon = str(w.now - window_ms)
+  local gone = redis.call('ZRANGEBYSCORE', KWIN, '-inf', horizon)
+  if #gone == 0 then return end
+  for _, member in ipairs(gone) do w.n = w.n - win_cost(member) end
+  redis.call('ZREMRANGEBYSCORE', KWIN, '-inf', horizon)
+  if w.last and w.last[1] <= w.now - window_ms then w.last = nil end
+  w.dirty = true
+end
+
+local function win_open(t)
+  if WIN_MS == 0 then
+    redis.call('DEL', KWIN, KWMETA)
+    return nil
+  end
+  local meta = redis.call('HMGET', KWMETA, 'n', 'w')
+  local w = {n = tonumber(meta[1]) or 0, ms = WIN_MS, limit = WIN_LIMIT, now = t}
+  local newest = redis.call('ZRANGE', KWIN, -1, -1, 'WITHSCORES')
+  if newest[2] then  -- w.last: the newest entry {ts, member}, kept current by this script
+    w.last = {tonumber(newest[2]), newest[1]}
+    w.now = math.max(t, w.last[1])  -- a step back in time is no elapsed time
+  end
+  local old_ms = tonumber(meta[2])
+  if old_ms and old_ms ~= WIN_MS then
+    win_evict(w, old_ms)  -- SlidingWindow.reconfigure: expire under the old length first
+    w.dirty = true
+  end
+  win_evict(w, WIN_MS)
+  return w
+end
+
+local function win_wait(w, cost)
+  local excess = w.n + cost - w.limit
+  if excess <= 0 then return 0 end
+  local freed, first = 0, 0
+  while true do
+    local chunk = redis.call('ZRANGE', KWIN, first, first + 63, 'WITHSCORES')
+    if #chunk == 0 then error('kvgate: window log shorter than its count') end
+    for i = 1, #chunk, 2 do
+      freed = freed + win_cost(chunk[i])
+      if freed >= excess then return tonumber(chunk[i + 1]) + w.ms - w.now end
+    end
+    first = first + 64
+  end
+end
+
+local function win_consume(w, cost)
+  if cost == 0 then return end
+  w.n = w.n + cost
+  if w.last and w.last[1] == w.now then  -- same ms: merge into one entry
+    redis.call('ZREM', KWIN, w.last[2])
+    cost = cost + win_cost(w.last[2])
+  end
+  w.last = {w.now, str(w.now) .. ':' .. str(cost)}
+  redis.call('ZADD', KWIN, str(w.now), w.last[2])
+  w.dirty = true
+end
+
+local function win_reset(w)
+  if w.last then return w.last[1] + w.ms - w.now end
+  return 0
+end
+
+local function win_save(w, t)
+  if not w or not w.dirty then return end
+  if w.n <= 0 or not w.last then
+    redis.call('DEL', KWIN, KWMETA)
+    return
+  end
+  redis.call('HSET', KWMETA, 'n', str(w.n), 'w', str(w.ms))
+  local ttl = str(math.max(1, w.last[1] + w.ms - t) + SLACK)
+  redis.call('PEXPIRE', KWIN, ttl)
+  redis.call('PEXPIRE', KWMETA, ttl)
+end
+
+-- UTC calendar (limiter.calendar.period_bounds; H. Hinnant's civil-date algorithms) ------
+local DAY = 86400000
+
+local function civil_from_days(z)
+  z = z + 719468
+  local era = fdiv(z, 146097)
+  local doe = z - era * 146097
+  local yoe = fdiv(doe - fdiv(doe, 1460) + fdiv(doe, 36524) - fdiv(doe, 146096), 365)
+  local doy = doe - (365 * yoe + fdiv(yoe, 4) - fdiv(yoe, 100))
+  local mp = fdiv(5 * doy + 2, 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+local function days_from_civil(y, m)  -- the 1st of month m
+  if m <= 2 then y = y - 1 end
+  local era = fdiv(y, 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = fdiv(153 * mp + 2, 5)
+  return era * 146097 + yoe * 365 + fdiv(yoe, 4) - fdiv(yoe, 100) + doy - 719468
+end
+
+local function period_bounds(kind, t)
+  local day = fdiv(t, DAY)
+  if kind == 'd' then return day * DAY, (day + 1) * DAY end
+  local y, m = civil_from_days(day)
+  local ny, nm = y, m + 1
+  if nm == 13 then ny, nm = y + 1, 1 end
+  return days_from_civil(y, m) * DAY, days_from_civil(ny, nm) * DAY
+end
+
+-- token quotas (limiter.quota.QuotaCounter) ---------------------------------------------
+local function q_open(spec, t)
+  local start = period_bounds(spec.kind, t)
+  local q = {kind = spec.kind, limit = spec.limit, key = spec.key, s = start, used = 0}
+  local h = redis.call('HMGET', spec.key, 's', 'u')
+  local stored = tonumber(h[1])
+  if stored and stored >= start then q.s, q.used = stored, tonumber(h[2]) end
+  local _, stop = period_bounds(spec.kind, q.s)
+  q.e = stop
+  return q
+end
+
+local function q_save(q, t)
+  if q.used <= 0 then
+    redis.call('DEL', q.key)
+    return
+  end
+  redis.call('HSET', q.key, 's', str(q.s), 'u', str(q.used))
+  redis.call('PEXPIRE', q.key, str(math.max(1, q.e - t) + SLACK))
+end
+
+-- the whole tenant ----------------------------------------------------------------------
+-- Opening applies a changed policy (TenantLimiter.update_policy) and expires leases, as
+-- MemoryStore does on every call that carries a policy.
+local function open_all(t)
+  local st = {req = tb_open(REQ, t), tok = tb_open(TOK, t), win = win_open(t), quotas = {}}
+  for _, spec in ipairs(QUOTAS) do
+    if spec.limit > 0 then st.quotas[spec.kind] = q_open(spec, t) end
+  end
+  st.in_flight = leases_purge(t)
+  return st
+end
+
+local function push(out, values, count)  -- '' stands for a dimension not configured
+  for i = 1, count do
+    if values then table.insert(out, str(values[i])) else table.insert(out, '') end
+  end
+end
+
+-- reply: {code, "17 comma-separated view fields", extra...}; one string, because the
+-- Python client parses each array element separately. Saves the window on every path.
+local function finish(st, t, code, extra)
+  win_save(st.win, t)
+  local views = {}
+  for _, b in ipairs({st.req or false, st.tok or false}) do
+    push(views, b and {b.c, fdiv(tb_level(b, t), b.p), tb_reset(b, t)}, 3)
+  end
+  push(views, st.win and {st.win.n, win_reset(st.win)}, 2)
+  for _, kind in ipairs({'d', 'm'}) do
+    local q = st.quotas[kind]
+    push(views, q and {q.limit, q.used, q.e - t, q.s}, 4)
+  end
+  push(views, {st.in_flight}, 1)
+  local out = {code, table.concat(views, ',')}
+  for _, v in ipairs(extra) do table.insert(out, v) end
+  return out
+end
+
+local function request_waits(st, requests, t, waits)
+  if st.req then
+    local wait = tb_wait(st.req, requests, t)
+    if wait > 0 then table.insert(waits, 'requests'); table.insert(waits, wait) end
+  end
+  if st.win then
+    local wait = win_wait(st.win, requests)
+    if wait > 0 then table.insert(waits, 'requests_window'); table.insert(waits, wait) end
+  end
+end
+
+local function concurrency_wait(st, waits)
+  if MAX_CONC > 0 and st.in_flight >= MAX_CONC then
+    table.insert(waits, 'concurrency')
+    table.insert(waits, CONC_RETRY)
+  end
+end
+"""
+
+# ARGV[5..8]: tokens, requests, lease id, '1' if the request can never fit (Python knows).
+_ADMIT = r"""
+local tokens, requests, lease = arg(OP), arg(OP + 1), ARGV[OP + 2]
+local st = open_all(NOW)
+if redis.call('ZSCORE', KLEASES, lease) then return finish(st, NOW, 'dup', {}) end
+if ARGV[OP + 3] == '1' then return finish(st, NOW, 'static', {}) end
+local failing = {}
+for _, kind in ipairs({'d', 'm'}) do
+  local q = st.quotas[kind]
+  if q and q.used + tokens > q.limit then table.insert(failing, kind) end
+end
+if #failing > 0 then return finish(st, NOW, 'quota', failing) end
+local waits = {}
+request_waits(st, requests, NOW, waits)
+if st.tok then
+  local wait = tb_wait(st.tok, tokens, NOW)
+  if wait > 0 then table.insert(waits, 'tokens'); table.insert(waits, wait) end
+end
+concurrency_wait(st, waits)
+if #waits > 0 then return finish(st, NOW, 'wait', waits) end
+
+local flags = {'0', '0', '0'}
+if st.req then tb_take(st.req, requests, NOW); tb_save(st.req, NOW) end
+if st.win then win_consume(st.win, requests) end
+if st.tok then tb_take(st.tok, tokens, NOW); tb_save(st.tok, NOW); flags[1] = '1' end
+for i, kind in ipairs({'d', 'm'}) do
+  local q = st.quotas[kind]
+  if q then
+    q.used = q.used + tokens
+    q_save(q, NOW)
+    flags[i + 1] = '1'
+  end
+end
+redis.call('ZADD', KLEASES, str(NOW + LEASE_TTL), lease)
+redis.call('HSET', KLMETA, lease, str(tokens) .. ':' .. table.concat(flags, ':'))
+leases_save(NOW)
+st.in_flight = st.in_flight + 1
+return finish(st, NOW, 'ok', {})
+"""
+
+# ARGV[5..6]: lease id, used tokens ('' = unknown: the reservation counts as used).
+_RELEASE = r"""
+local lease = ARGV[OP]
+local st = open_all(NOW)
+if redis.call('ZREM', KLEASES, lease) == 0 then
+  finish(st, NOW, 'gone', {})
+  return 0
+end
+local meta = redis.call('HGET', KLMETA, lease)
+redis.call('HDEL', KLMETA, lease)
+local reserved, tb, day, month = string.match(meta or '0:0:0:0', '^(%d+):(%d):(%d):(%d)$')
+reserved = tonumber(reserved)
+local used = reserved
+if ARGV[OP + 1] ~= '' then used = math.max(0, tonumber(ARGV[OP + 1])) end
+if tb == '1' and st.tok then
+  if used < reserved then tb_refund(st.tok, reserved - used, NOW)
+  elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end
+  tb_save(st.tok, NOW)
+end
+for kind, charged in pairs({d = day, m = month}) do
+  local q = st.quotas[kind]
+  if charged == '1' and q then
+    q.used = math.max(0, q.used - (reserved - used))
+    q_save(q, NOW)
+  end
+end
+leases_save(NOW)
+finish(st, NOW, 'released', {})
+return 1
+"""
+
+_CHECK = r"""
+local st = open_all(NOW)
+local waits = {}
+request_waits(st, 1, NOW, waits)
+concurrency_wait(st, waits)
+if #waits > 0 then return finish(st, NOW, 'wait', waits) end
+return finish(st, NOW, 'ok', {})
+"""
+
+_USAGE = r"""
+return finish(open_all(NOW), NOW, 'ok', {})
+"""
+
+# ARGV[4..]: lease ids. Needs no policy: only the lease ZSET is touched.
+_RENEW = r"""
+leases_purge(NOW)
+local renewed = 0
+for i = 4, #ARGV do
+  if redis.call('ZSCORE', KLEASES, ARGV[i]) then
+    redis.call('ZADD', KLEASES, 'XX', str(NOW + LEASE_TTL), ARGV[i])
+    renewed = renewed + 1
+  end
+end
+if renewed > 0 then leases_save(NOW) end
+return renewed
+"""
+
+_IN_FLIGHT = r"""
+return leases_purge(NOW)
+"""
+
+SCRIPTS: dict[str, str] = {
+    "admit": _CORE + _POLICY + _ADMIT,
+    "release": _CORE + _POLICY + _RELEASE,
+    "check": _CORE + _POLICY + _CHECK,
+    "usage": _CORE + _POLICY + _USAGE,
+    "renew": _CORE + _RENEW,
+    "in_flight": _CORE + _IN_FLIGHT,
+}
