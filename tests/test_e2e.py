@@ -199,3 +199,12 @@ def test_concurrency_slot_released_after_client_disconnect(stack):
         assert busy.json()["error"]["code"] == "concurrency_limit_exceeded"
     assert wait_for(lambda: in_flight(stack, "solo") == 0)
     assert post(stack, "solo", chat(max_tokens=1)).status_code == 200
+
+
+def test_admin_port_serves_usage_and_metrics(stack):
+    admin = f"http://127.0.0.1:{stack.kvgate.server.admin_port}"
+    usage = httpx.get(f"{admin}/admin/tenants/tokens/usage").json()
+    assert usage["tenant"] == "tokens" and usage["tokens"]["limit"] == 60
+    assert httpx.get(f"{admin}/admin/tenants/nobody/usage").status_code == 404
+    metrics = httpx.get(f"{admin}/metrics").text
+    assert "# TYPE kvgate_decisions_total counter" in metrics
