@@ -120,13 +120,81 @@ class Model(_Strict):
     )
 
 
+class Dns(_Strict):
+    """Endpoints from DNS, e.g. a Kubernetes headless service (one A record per pod)."""
+
+    hostname: str = Field(min_length=1)
+    port: int = Field(gt=0, lt=65536)
+    interval_s: PositiveFloat = Field(5.0, description="how often to re-resolve")
+
+
+class Watermarks(_Strict):
+    """KV-cache fill levels (0–1) that gate new work per endpoint."""
+
+    high: float = Field(0.80, gt=0, le=1, description="new work must keep usage under this")
+    critical: float = Field(0.95, gt=0, le=1, description="above this an endpoint takes nothing")
+    gpu_memory_critical: float = Field(
+        0.98, gt=0, le=1, description="NVML memory used ratio above which an endpoint is skipped"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Watermarks:
+        if self.high > self.critical:
+            raise ValueError("high must not exceed critical")
+        return self
+
+
+class Scoring(_Strict):
+    """Picker weights: lower score wins; each term is normalised to 0–1."""
+
+    kv_usage: float = Field(1.0, ge=0, description="KV usage after this request's reservation")
+    waiting: float = Field(0.5, ge=0, description="the engine's waiting queue")
+    running: float = Field(0.2, ge=0, description="requests the engine is running")
+
+
+class Degradation(_Strict):
+    """Under saturation, serve low-priority classes a cheaper way instead of rejecting them."""
+
+    classes: list[str] = Field(default_factory=lambda: ["batch", "offline"])
+    fallback_model: str | None = Field(None, description="rewrite the model to this one")
+    max_tokens_cap: PositiveInt | None = Field(None, description="cap max_tokens to this")
+
+
+class KvProfile(_Strict):
+    """The model's KV geometry: bytes per token = 2 × layers × kv_heads × head_dim × dtype."""
+
+    layers: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    dtype_bytes: PositiveInt = 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
 class Pool(_Strict):
     name: str = Field(min_length=1)
     models: list[Model] = Field(min_length=1)
-    endpoints: list[str] = Field(min_length=1, description="ip:port of each engine")
+    endpoints: list[str] = Field(default_factory=list, description="ip:port of each engine")
+    dns: Dns | None = Field(None, description="discover endpoints by DNS instead")
     priority_scheduling: bool = Field(
         False, description="the engines run vLLM with --scheduling-policy priority"
     )
+    kv_aware: bool = Field(
+        True, description="scrape vLLM /metrics and admit by KV; false = least-in-flight only"
+    )
+    kv_capacity_tokens: PositiveInt | None = Field(
+        None, description="per-endpoint KV capacity when vLLM exports no cache_config_info"
+    )
+    kv_profile: KvProfile | None = Field(None, description="for KV figures in bytes")
+    gpu_source: str | None = Field(
+        None, description="'local' (NVML in this process) or a kvgate agent URL, {ip} allowed"
+    )
+    gpus: list[str] = Field(default_factory=list, description="GPU keys/UUIDs; empty = all")
+    watermarks: Watermarks = Watermarks()
+    scoring: Scoring = Scoring()
+    degradation: Degradation | None = None
 
     @field_validator("models", mode="before")
     @classmethod
@@ -141,6 +209,12 @@ class Pool(_Strict):
         for endpoint in endpoints:
             parse_endpoint(endpoint)
         return endpoints
+
+    @model_validator(mode="after")
+    def _some_endpoints(self) -> Pool:
+        if not self.endpoints and self.dns is None:
+            raise ValueError("give endpoints (ip:port list) or dns")
+        return self
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -189,6 +263,25 @@ class EnvoySettings(_Strict):
     connect_timeout_s: PositiveFloat = 2.0
 
 
+class ScrapeSettings(_Strict):
+    """How kvgate reads vLLM /metrics (and GPU readings) from every endpoint."""
+
+    interval_s: PositiveFloat = Field(0.1, description="one round of scrapes every this long")
+    timeout_s: PositiveFloat = Field(0.5, description="per scrape")
+    max_concurrency: PositiveInt = Field(16, description="scrapes in flight at once")
+    unhealthy_after: PositiveInt = Field(3, description="consecutive failures → unhealthy")
+    staleness_s: PositiveFloat = Field(2.0, description="older metrics exclude the endpoint")
+    metrics_path: str = "/metrics"
+
+
+class AgentSettings(_Strict):
+    """``kvgate agent``: serves this node's NVML readings for a gateway-mode kvgate."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(9400, ge=0, lt=65536)
+    interval_s: PositiveFloat = 1.0
+
+
 class RedisSettings(_Strict):
     """Shared limits across replicas and worker processes; absent = in-memory (one process)."""
 
@@ -220,6 +313,8 @@ class Config(_Strict):
     server: Server = Server()
     envoy: EnvoySettings = EnvoySettings()
     redis: RedisSettings | None = None
+    scrape: ScrapeSettings = ScrapeSettings()
+    agent: AgentSettings = AgentSettings()
     tiers: dict[str, Tier] = Field(min_length=1)
     classes: dict[str, RequestClass] = Field(
         default_factory=lambda: {
@@ -261,6 +356,10 @@ class Config(_Strict):
                 yield f"tenants[{i}].name: duplicate tenant {name!r}"
         owners: dict[str, str] = {}
         for p, pool in enumerate(self.pools):
+            if pool.degradation:
+                for c in pool.degradation.classes:
+                    if c not in self.classes:
+                        yield f"pools[{p}].degradation.classes: unknown class {c!r}"
             for m, model in enumerate(pool.models):
                 if model.name in owners:
                     yield (
@@ -268,6 +367,10 @@ class Config(_Strict):
                         f"already served by {owners[model.name]!r}"
                     )
                 owners[model.name] = pool.name
+        for p, pool in enumerate(self.pools):
+            fallback = pool.degradation and pool.degradation.fallback_model
+            if fallback and fallback not in owners:
+                yield f"pools[{p}].degradation.fallback_model: no pool serves {fallback!r}"
 
     def limits_for(self, tenant: Tenant) -> Limits:
         return self.tiers[tenant.tier].limits.merged(tenant.limits)

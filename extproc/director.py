@@ -1,20 +1,25 @@
 """The director: who is asking, may it run now, at what priority, and where.
 
 It turns configuration (pydantic) into the limiter's policies, authenticates API keys by
-their sha256, prices a request in tokens, asks the store for an all-or-nothing admission,
-and picks the endpoint. It knows nothing of Envoy messages; ``stream.py`` does.
+their sha256, prices a request in tokens, asks the scheduler for an endpoint with room in
+its KV cache and the store for an all-or-nothing admission against the tenant's limits.
+It knows nothing of Envoy messages; ``stream.py`` does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from extproc.config import Config, Limits, Tenant
+from extproc.config import Config, Limits, Model, Pool, Tenant
+from extproc.datalayer.endpoints import EndpointStore
 from extproc.openai import PER_MESSAGE_OVERHEAD_TOKENS, BadRequest, InferenceRequest
-from extproc.pool import EndpointPool, PoolDirectory
+from extproc.scheduler import Placement, PoolScheduler, Shed
 from extproc.tokens import TokenCounter, make_counter
 from limiter import Admit, Cost, LimiterStore, Rate, Reject, TenantPolicy
 
@@ -44,27 +49,53 @@ class Admission:
     tenant: Tenant
     lease_id: str
     cost: Cost
-    pool: EndpointPool
-    endpoint: str
+    scheduler: PoolScheduler
+    endpoints: list[str]  # the chosen one first, then fallbacks
     priority: int | None
     request_class: str
     admit: Admit
+    body_overrides: dict[str, Any] = field(default_factory=dict)  # degradation rewrites
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[0]
+
+    @property
+    def pool(self) -> str:
+        return self.scheduler.config.name
+
+
+Outcome = Admission | Reject | Shed
 
 
 class Director:
-    def __init__(self, config: Config, store: LimiterStore, rng: random.Random | None = None):
+    def __init__(
+        self,
+        config: Config,
+        store: LimiterStore,
+        endpoints: EndpointStore | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.store = store
+        self.endpoints = endpoints or EndpointStore()
         self.rng = rng or random.Random()
-        self.pools = PoolDirectory(config)
+        self.clock = clock
         self.active: dict[str, Admission] = {}  # by lease id, for lease renewal
+        weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
+        self.schedulers = {
+            p.name: PoolScheduler(p, weights, config.scrape.staleness_s) for p in config.pools
+        }
+        self._models: dict[str, tuple[Pool, Model]] = {
+            m.name: (p, m) for p in config.pools for m in p.models
+        }
         self._tenants_by_key = {key: t for t in config.tenants for key in t.api_keys}
         self._tenants_by_name = {t.name: t for t in config.tenants}
         self._policies = {t.name: policy_from_limits(config.limits_for(t)) for t in config.tenants}
         self._counters: dict[str, TokenCounter] = {
-            model.name: make_counter(model.tokenizer, config.server.chars_per_token)
-            for pool in config.pools
-            for model in pool.models
+            name: make_counter(model.tokenizer, config.server.chars_per_token)
+            for name, (_, model) in self._models.items()
         }
 
     def authenticate(self, authorization: str | None) -> Tenant:
@@ -87,12 +118,12 @@ class Director:
         """Before the body arrives: is the tenant over its request rate or concurrency?"""
         return await self.store.check_requests(tenant.name, self.policy(tenant))
 
-    async def admit(self, tenant: Tenant, request: InferenceRequest) -> Admission | Reject:
-        found = self.pools.for_model(request.model)
+    async def admit(self, tenant: Tenant, request: InferenceRequest) -> Outcome:
+        found = self._models.get(request.model)
         if found is None:
             raise BadRequest(
                 f"the model '{request.model}' does not exist "
-                f"(served here: {', '.join(self.pools.model_names)})",
+                f"(served here: {', '.join(sorted(self._models))})",
                 status=404, code="model_not_found", param="model",
             )
         pool, model = found
@@ -100,36 +131,74 @@ class Director:
         prompt += PER_MESSAGE_OVERHEAD_TOKENS * request.message_count
         output = request.max_output_tokens
         cost = Cost(prompt, model.default_max_tokens if output is None else output)
-        return await self._admit(tenant, pool, cost)
+        return await self._admit(tenant, self.schedulers[pool.name], cost)
 
-    async def admit_request_only(self, tenant: Tenant) -> Admission | Reject:
+    async def admit_request_only(self, tenant: Tenant) -> Outcome:
         """Requests with no inference body (GET /v1/models, …): charged one request."""
-        return await self._admit(tenant, self.pools.default, Cost(0, 0))
+        return await self._admit(tenant, self.schedulers[self.config.pools[0].name], Cost(0, 0))
 
-    async def _admit(self, tenant: Tenant, pool: EndpointPool, cost: Cost) -> Admission | Reject:
-        lease_id = uuid.uuid4().hex
-        decision = await self.store.admit(tenant.name, self.policy(tenant), cost, lease_id)
-        if isinstance(decision, Reject):
-            return decision
-        endpoint = pool.pick(self.rng)[0]
-        pool.acquire(endpoint)
+    async def _admit(self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost) -> Outcome:
         request_class = tenant.default_class
+        placed = self._place(tenant, scheduler, cost)
+        overrides: dict[str, Any] = {}
+        if isinstance(placed, Shed):
+            degraded = self._degrade(tenant, request_class, scheduler, cost)
+            if degraded is None:
+                return placed
+            scheduler, cost, placed, overrides = degraded
+        lease_id = uuid.uuid4().hex
+        scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock())
+        try:
+            decision = await self.store.admit(tenant.name, self.policy(tenant), cost, lease_id)
+        except BaseException:
+            scheduler.release(lease_id, self.clock(), completed=False)
+            raise
+        if isinstance(decision, Reject):
+            scheduler.release(lease_id, self.clock(), completed=False)
+            return decision
         priority = self.config.classes[request_class].priority
         self.active[lease_id] = admission = Admission(
             tenant=tenant,
             lease_id=lease_id,
             cost=cost,
-            pool=pool,
-            endpoint=endpoint,
-            priority=priority if pool.config.priority_scheduling else None,
+            scheduler=scheduler,
+            endpoints=placed.endpoints,
+            priority=priority if scheduler.config.priority_scheduling else None,
             request_class=request_class,
             admit=decision,
+            body_overrides=overrides,
         )
         return admission
 
+    def _place(self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost) -> Placement | Shed:
+        return scheduler.place(
+            tenant.name, cost.tokens, self.endpoints.snapshot(), self.clock(), self.rng
+        )
+
+    def _degrade(
+        self, tenant: Tenant, request_class: str, scheduler: PoolScheduler, cost: Cost
+    ) -> tuple[PoolScheduler, Cost, Placement, dict[str, Any]] | None:
+        """Under saturation, a low-priority class gets a smaller answer or a cheaper model
+        rather than a rejection — when its pool is configured to degrade."""
+        plan = scheduler.config.degradation
+        if plan is None or request_class not in plan.classes:
+            return None
+        if plan.max_tokens_cap and cost.max_output_tokens > plan.max_tokens_cap:
+            capped = Cost(cost.prompt_tokens, plan.max_tokens_cap)
+            placed = self._place(tenant, scheduler, capped)
+            if isinstance(placed, Placement):
+                return scheduler, capped, placed, {"max_tokens": plan.max_tokens_cap}
+        if plan.fallback_model:
+            fallback_pool, _ = self._models[plan.fallback_model]
+            fallback = self.schedulers[fallback_pool.name]
+            placed = self._place(tenant, fallback, cost)
+            if isinstance(placed, Placement):
+                return fallback, cost, placed, {"model": plan.fallback_model}
+        return None
+
     async def release(self, admission: Admission, used_tokens: int | None) -> None:
         self.active.pop(admission.lease_id, None)
-        admission.pool.release(admission.endpoint)
+        admission.scheduler.release(admission.lease_id, self.clock())
         await self.store.release(
             admission.tenant.name, self.policy(admission.tenant), admission.lease_id, used_tokens
         )

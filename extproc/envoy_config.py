@@ -32,7 +32,8 @@ EXT_PROC_CLUSTER = "kvgate_ext_proc"
 UPSTREAM_CLUSTER = "kvgate_upstream"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.
-RECEIVING_NAMESPACES = ("envoy.lb", "kvgate")
+LB_NAMESPACE = "envoy.lb"
+RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate")
 
 # Envoy buffers the whole request body for ext_proc (BUFFERED mode); its limit is the
 # connection's buffer limit. It sits above server.max_body_bytes so that kvgate, not Envoy,
@@ -297,16 +298,20 @@ def _upstream_cluster(config: Config) -> Any:
         ClusterLbPolicy,
         ClusterOriginalDstLbConfig,
     )
+    from envoy_data_plane.envoy.type.metadata.v3 import MetadataKey, MetadataKeyPathSegment
 
     return Cluster(
         name=UPSTREAM_CLUSTER,
-        # The endpoint is whatever kvgate put in x-gateway-destination-endpoint (ip:port).
-        # Without the header there is no host (the listener does not restore original
-        # destinations), so a request kvgate did not route gets 503, never a loop.
+        # The endpoint is what kvgate put in the request's dynamic metadata
+        # (envoy.lb / x-gateway-destination-endpoint, ip:port) — never a client header, so
+        # nobody can pick their own GPU. Without it there is no host (the listener does not
+        # restore original destinations): a request kvgate did not route gets 503, never a loop.
         type=ClusterDiscoveryType.ORIGINAL_DST,
         lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
         original_dst_lb_config=ClusterOriginalDstLbConfig(
-            use_http_header=True, http_header_name=DESTINATION_HEADER
+            metadata_key=MetadataKey(
+                key=LB_NAMESPACE, path=[MetadataKeyPathSegment(key=DESTINATION_HEADER)]
+            )
         ),
         connect_timeout=_seconds(config.envoy.connect_timeout_s),
         circuit_breakers=_circuit_breakers(),

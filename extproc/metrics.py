@@ -57,6 +57,12 @@ class Metrics:
             ["policy"],
             registry=self.registry,
         )
+        self.endpoint_kv_usage = Gauge(
+            "kvgate_endpoint_kv_cache_usage",
+            "KV cache usage (0-1) each endpoint reported at its last scrape.",
+            ["pool", "endpoint"],
+            registry=self.registry,
+        )
         self.decision_seconds = Histogram(
             "kvgate_admission_seconds",
             "Time to decide admission (store round trip included).",

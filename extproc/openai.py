@@ -148,11 +148,20 @@ def _max_output_tokens(path: str, body: dict[str, Any]) -> int | None:
 
 
 def mutate_body(
-    request: InferenceRequest, *, priority: int | None, inject_usage: bool
+    request: InferenceRequest,
+    *,
+    priority: int | None,
+    inject_usage: bool,
+    overrides: dict[str, Any] | None = None,
 ) -> bytes:
-    """The body sent upstream: kvgate's priority (never the client's) and, for streams whose
-    client did not ask for it, the usage chunk kvgate needs to reconcile tokens."""
+    """The body sent upstream: kvgate's priority (never the client's); for streams whose
+    client did not ask for it, the usage chunk kvgate needs to reconcile tokens; and any
+    degradation rewrites (``model``, ``max_tokens``)."""
     body = request.body
+    for name, value in (overrides or {}).items():
+        if name == "max_tokens" and "max_completion_tokens" in body:
+            name = "max_completion_tokens"
+        body[name] = value
     if priority is None:
         body.pop("priority", None)
     else:

@@ -12,6 +12,7 @@ import math
 import orjson
 
 from extproc.openai import BadRequest, error_body
+from extproc.scheduler import Shed
 from limiter import Reason, Reject, Remaining, format_duration
 
 MAX_RETRY_AFTER_S = 60
@@ -66,6 +67,19 @@ def rejection(reject: Reject) -> tuple[int, bytes, dict[str, str]]:
     else:
         headers.update(retry_headers(reject.retry_after_ms))
     return 429, error_body(error), headers
+
+
+def shed_response(shed: Shed) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers) when no endpoint may take the request (KV admission)."""
+    error_type = "rate_limit_error" if shed.status == 429 else (
+        "invalid_request_error" if shed.status < 500 else "server_error")
+    error = BadRequest(shed.message, status=shed.status, code=shed.code, error_type=error_type)
+    headers = {"x-kvgate-reject": shed.code}
+    if shed.retry_after_ms is None:
+        headers["x-should-retry"] = "false"
+    else:
+        headers.update(retry_headers(shed.retry_after_ms))
+    return shed.status, error_body(error), headers
 
 
 def client_error(error: BadRequest) -> tuple[int, bytes, dict[str, str]]:

@@ -20,6 +20,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.config import Config
+from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
+from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
+from extproc.datalayer.nvml import open_gpu_reader
+from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.limits import build_store
 from extproc.metrics import Metrics
@@ -66,7 +70,16 @@ class KvgateServer:
     ):
         self.config = config
         self.metrics = Metrics()
-        self.director = Director(config, store or build_store(config, self.metrics))
+        self.endpoints = EndpointStore({p.name: p.kv_capacity_tokens for p in config.pools
+                                        if p.kv_capacity_tokens})
+        self.director = Director(config, store or build_store(config, self.metrics),
+                                 self.endpoints)
+        self.discoveries: list[StaticDiscovery | DnsDiscovery] = [
+            DnsDiscovery(self.endpoints, p.name, p.dns.hostname, p.dns.port, p.dns.interval_s)
+            if p.dns else StaticDiscovery(self.endpoints, p.name, p.endpoints)
+            for p in config.pools
+        ]
+        self.scraper = _scraper(config, self.endpoints, self.metrics)
         self.reuse_port = reuse_port  # several worker processes share the gRPC port
         self._renewer: asyncio.Task[None] | None = None
         self.grpc_port = 0
@@ -75,6 +88,12 @@ class KvgateServer:
         self._admin: web.AppRunner | None = None
 
     async def start(self) -> None:
+        """Discover endpoints and scrape them once (so the first requests are scheduled on
+        real data), then serve."""
+        for discovery in self.discoveries:
+            await discovery.start()
+        await self.scraper.scrape_once()
+        self.scraper.start()
         settings = self.config.server
         # the whole buffered request body arrives as one gRPC message
         max_message = settings.max_body_bytes + 1024 * 1024
@@ -135,6 +154,9 @@ class KvgateServer:
             await self._grpc.stop(grace)
         if self._renewer is not None:
             self._renewer.cancel()
+        await self.scraper.stop()
+        for discovery in self.discoveries:
+            await discovery.stop()
         if self._admin is not None:
             await self._admin.cleanup()
         await self.director.store.close()
@@ -150,6 +172,33 @@ class KvgateServer:
         log.info("shutting down; draining streams for up to %.0f s",
                  self.config.server.shutdown_grace_s)
         await self.stop(self.config.server.shutdown_grace_s)
+
+
+def _scraper(config: Config, endpoints: EndpointStore, metrics: Metrics) -> Scraper:
+    """The scrape loop for the KV-aware pools, with their GPU sources."""
+    sources = {p.name: GpuSource(GpuSource.parse(p.gpu_source).url, frozenset(p.gpus))
+               for p in config.pools if p.gpu_source}
+    local = any(s.url is None for s in sources.values())
+    settings = config.scrape
+
+    def on_update(snapshot: StoreSnapshot) -> None:
+        for state in snapshot.states():
+            if state.kv_cache_usage is not None:
+                metrics.endpoint_kv_usage.labels(state.pool, state.address).set(
+                    state.kv_cache_usage)
+
+    return Scraper(
+        endpoints,
+        interval_s=settings.interval_s,
+        timeout_s=settings.timeout_s,
+        max_concurrency=settings.max_concurrency,
+        gpu_sources=sources,
+        gpu_reader=open_gpu_reader() if local else None,
+        unhealthy_after=settings.unhealthy_after,
+        metrics_path=settings.metrics_path,
+        on_update=on_update,
+        pools={p.name for p in config.pools if p.kv_aware},
+    )
 
 
 def install_uvloop() -> None:

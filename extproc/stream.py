@@ -27,7 +27,8 @@ from extproc.openai import (
     parse_body,
     route_path,
 )
-from extproc.rejections import client_error, internal_error, rejection
+from extproc.rejections import client_error, internal_error, rejection, shed_response
+from extproc.scheduler import Shed
 from limiter import Reject
 from limiter.store import StoreUnavailable
 
@@ -97,8 +98,8 @@ class RequestStream:
         """GETs and non-inference paths: one request's worth, decided on headers alone."""
         assert self.tenant is not None
         decision = await self.director.admit_request_only(self.tenant)
-        if isinstance(decision, Reject):
-            return self._reject(decision)
+        if not isinstance(decision, Admission):
+            return self._refuse(decision)
         reply = self._route(decision, body=None, in_body_phase=False)
         reply.request_headers.response.header_mutation.remove_headers.extend(remove)
         reply.mode_override.CopyFrom(HEADERS_ONLY)
@@ -112,10 +113,11 @@ class RequestStream:
         started = time.perf_counter()
         decision = await self.director.admit(self.tenant, self.request)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        if isinstance(decision, Reject):
-            return self._reject(decision)
+        if not isinstance(decision, Admission):
+            return self._refuse(decision)
         inject_usage = self.request.stream and not self.request.wants_usage_chunk
-        new_body = mutate_body(self.request, priority=decision.priority, inject_usage=inject_usage)
+        new_body = mutate_body(self.request, priority=decision.priority,
+                               inject_usage=inject_usage, overrides=decision.body_overrides)
         self.meter = ResponseMeter(stream=self.request.stream, strip_usage_event=inject_usage)
         return self._route(decision, body=new_body, in_body_phase=True)
 
@@ -130,11 +132,11 @@ class RequestStream:
         headers = {
             "x-kvgate-tenant": tenant,
             "x-kvgate-class": admission.request_class,
-            "x-gateway-destination-endpoint": admission.endpoint,
+            "x-gateway-destination-endpoint": ",".join(admission.endpoints),
         }
         if admission.priority is not None:
             headers["x-kvgate-priority"] = str(admission.priority)
-        metadata = {"tenant": tenant, "lease": admission.lease_id, "pool": admission.pool.name}
+        metadata = {"tenant": tenant, "lease": admission.lease_id, "pool": admission.pool}
         return messages.route_request(
             set_headers=headers,
             endpoint=admission.endpoint,
@@ -160,6 +162,13 @@ class RequestStream:
         if self.tenant is not None:
             self.metrics.decisions.labels(self.tenant.name, reject.reason.value).inc()
         return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
+
+    def _refuse(self, refusal: Reject | Shed) -> pb.ProcessingResponse:
+        if isinstance(refusal, Reject):
+            return self._reject(refusal)
+        if self.tenant is not None:
+            self.metrics.decisions.labels(self.tenant.name, refusal.code).inc()
+        return self._answer(*shed_response(refusal), details=f"kvgate_{refusal.code}")
 
     def _answer(
         self, status: int, body: bytes, headers: dict[str, str], *, details: str

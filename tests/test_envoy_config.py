@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from google.protobuf.struct_pb2 import Struct
 
 from extproc.config import EXAMPLE_CONFIG, Config, load_config
 from extproc.envoy_config import (
@@ -133,14 +134,13 @@ def test_ext_proc_cluster_speaks_http2(example: Config) -> None:
     }
 
 
-def test_upstream_cluster_routes_by_header(example: Config) -> None:
+def test_upstream_cluster_routes_by_metadata(example: Config) -> None:
     bootstrap = render_bootstrap(example)
     upstream = cluster(bootstrap, UPSTREAM_CLUSTER)
     assert upstream["type"] == "ORIGINAL_DST"
     assert upstream["lb_policy"] == "CLUSTER_PROVIDED"
-    assert upstream["original_dst_lb_config"] == {
-        "use_http_header": True,
-        "http_header_name": DESTINATION_HEADER,
+    assert upstream["original_dst_lb_config"] == {  # metadata, never a client header
+        "metadata_key": {"key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]},
     }
     assert upstream["connect_timeout"] == "2s"
     (virtual_host,) = hcm_of(bootstrap)["route_config"]["virtual_hosts"]
@@ -345,14 +345,14 @@ def start_stub_processor(port: int, upstream: str) -> Any:
                         )
                         return
                     common = pb.CommonResponse()
-                    if path == "/up":
-                        common = pb.CommonResponse(
-                            clear_route_cache=True,
-                            header_mutation=pb.HeaderMutation(
-                                set_headers=[header(DESTINATION_HEADER, upstream)]
-                            ),
-                        )
-                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+                    routing = Struct()
+                    if path == "/up":  # the cluster routes by metadata, like kvgate's replies
+                        common = pb.CommonResponse(clear_route_cache=True)
+                        routing.update({"envoy.lb": {DESTINATION_HEADER: upstream}})
+                    yield pb.ProcessingResponse(
+                        request_headers=pb.HeadersResponse(response=common),
+                        dynamic_metadata=routing,
+                    )
                 elif kind == "request_body":
                     yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                 elif kind == "response_body":

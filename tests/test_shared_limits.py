@@ -46,7 +46,7 @@ def config(redis_url, limits, **redis):
         "redis": {"url": redis_url, "timeout_ms": 50, "breaker_open_ms": 300, **redis},
         "tiers": {"t": {"limits": limits}},
         "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
-        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:9"]}],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:9"], "kv_aware": False}],
     })
 
 

@@ -29,6 +29,7 @@ def make_config(**limits):
                     "models": [{"name": "m", "default_max_tokens": 100}],
                     "endpoints": ["127.0.0.1:7001", "127.0.0.1:7002"],
                     "priority_scheduling": True,
+                    "kv_aware": False,  # no scraping here: least-in-flight picking
                 }
             ],
         }
@@ -88,10 +89,10 @@ async def test_admitted_request_is_routed_with_priority_and_content_length():
     assert sent["priority"] == 0  # the tenant's class, not the client's -5
     assert headers["content-length"] == str(len(common.body_mutation.body))
     assert headers["x-kvgate-tenant"] == "acme"
-    assert headers["x-gateway-destination-endpoint"] in ("127.0.0.1:7001", "127.0.0.1:7002")
+    chosen, fallback = headers["x-gateway-destination-endpoint"].split(",")
+    assert {chosen, fallback} == {"127.0.0.1:7001", "127.0.0.1:7002"}
     lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
-    assert lb.fields["x-gateway-destination-endpoint"].string_value == headers[
-        "x-gateway-destination-endpoint"]
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == chosen
     assert common.clear_route_cache
 
 

@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -126,6 +126,7 @@ class Scraper:
         metrics_path: str = "/metrics",
         on_update: UpdateHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pools: Collection[str] | None = None,
     ):
         if max_concurrency < 1 or interval_s <= 0 or timeout_s <= 0 or unhealthy_after < 1:
             raise ValueError("interval_s, timeout_s, max_concurrency, unhealthy_after must "
@@ -140,6 +141,7 @@ class Scraper:
         self.metrics_path = metrics_path
         self.on_update = on_update
         self.clock = clock
+        self.pools = None if pools is None else frozenset(pools)  # None: every pool
         self.rounds = 0
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
@@ -206,7 +208,8 @@ class Scraper:
     async def scrape_once(self) -> StoreSnapshot:
         """One round over every endpoint in the store; returns the snapshot it produced."""
         snapshot = self.store.snapshot()
-        addresses = sorted(snapshot.addresses())
+        addresses = sorted({s.address for s in snapshot.states()
+                            if self.pools is None or s.pool in self.pools})
         plan = self._gpu_plan(snapshot)
         metrics, gpu_readings = await asyncio.gather(
             asyncio.gather(*(self._scrape_metrics(a) for a in addresses)),
@@ -230,11 +233,11 @@ class Scraper:
     async def _scrape_metrics(self, address: str
                               ) -> tuple[float, EngineMetrics | None, str | None]:
         url = f"http://{address}{self.metrics_path}"
+        at = self.clock()  # when asked: anything admitted later is not in these numbers yet
         try:
             body = await self._fetch(url)
         except Exception as exc:
             return self.clock(), None, _describe(exc, self.timeout_s)
-        at = self.clock()
         metrics = parse_vllm_metrics(body)
         if not metrics.has_data:
             return at, None, f"no vLLM metrics at {url}"

@@ -1,0 +1,221 @@
+"""The scheduler: which endpoint of a pool takes a request, or why none may (EPP-style
+filters → scorers → picker, over the data layer's snapshot).
+
+KV-memory-weighted admission: a request needs (prompt + reserved output) tokens of KV. An
+endpoint is *eligible* when its usage after this reservation stays under the high
+watermark; endpoints that are stale, unhealthy, above the critical watermark, or whose GPU
+memory is critical take nothing. Between the high and critical watermarks the pool is
+*busy*: a tenant still under its weighted share of the pool's reserved KV may use that
+headroom, a tenant over it waits ("busy: share by weight; idle: borrow").
+
+Predictive load: reservations admitted since an endpoint's last scrape are added to its
+scraped usage, so a burst spreads across endpoints before the next scrape shows it.
+Nothing here does I/O; time is passed in (monotonic seconds).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from extproc.config import Pool
+from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
+
+FALLBACKS = 2  # endpoints after the chosen one, for Envoy's retries
+DRAIN_WINDOW_S = 10.0
+MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Endpoints best first; the first is used."""
+
+    endpoints: list[str]
+
+
+@dataclass(frozen=True)
+class Shed:
+    """No endpoint may take the request now: status, OpenAI-style code, and when to retry."""
+
+    status: int
+    code: str
+    message: str
+    retry_after_ms: int | None  # None: retrying cannot help
+
+
+@dataclass
+class Reservation:
+    lease_id: str
+    tenant: str
+    endpoint: str
+    tokens: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    state: EndpointState
+    usage_after: float  # KV usage once this request's reservation lands (0–1+)
+    fits: bool  # usage_after within the high watermark
+
+
+class DrainRate:
+    """KV tokens released per second over the last ``DRAIN_WINDOW_S``: how fast a saturated
+    pool frees room, which turns into an honest Retry-After."""
+
+    def __init__(self) -> None:
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def add(self, tokens: int, now: float) -> None:
+        self._events.append((now, tokens))
+        self._total += tokens
+        self._trim(now)
+
+    def per_second(self, now: float) -> float:
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = max(1.0, now - self._events[0][0])
+        return self._total / span
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > DRAIN_WINDOW_S:
+            self._total -= self._events.popleft()[1]
+
+
+@dataclass
+class PoolScheduler:
+    config: Pool
+    weights: dict[str, float]  # tenant → tier weight
+    staleness_s: float = 2.0
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    drain: DrainRate = field(default_factory=DrainRate)
+
+    # -- the decision ----------------------------------------------------------------------
+
+    def place(
+        self, tenant: str, tokens: int, snapshot: StoreSnapshot, now: float, rng: random.Random
+    ) -> Placement | Shed:
+        if not self.config.kv_aware:
+            return self._least_in_flight(snapshot, rng)
+        states = snapshot.endpoints(self.config.name)
+        too_large = self._too_large(states, tokens)
+        if too_large:
+            return too_large
+        usable = [s for s in states if s.is_usable(now, self.staleness_s) and self._takes_work(s)]
+        if not usable:
+            return Shed(503, "no_ready_endpoint",
+                        f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
+        candidates = [self._candidate(s, tokens) for s in usable]
+        eligible = [c for c in candidates if c.fits]
+        if not eligible:
+            busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]
+            if not busy:
+                return self._saturated(tokens, now)
+            if self._over_share(tenant, tokens):
+                return Shed(429, "kv_share_exceeded",
+                            f"pool '{self.config.name}' is busy and tenant '{tenant}' holds more "
+                            "than its weighted share of its KV cache",
+                            self._retry_ms(tokens, now))
+            eligible = busy
+        return Placement([c.state.address for c in self._ranked(eligible, rng)][: 1 + FALLBACKS])
+
+    def reserve(self, lease_id: str, tenant: str, endpoint: str, tokens: int, now: float) -> None:
+        self.reservations[lease_id] = Reservation(lease_id, tenant, endpoint, tokens, now)
+        self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
+
+    def release(self, lease_id: str, now: float, *, completed: bool = True) -> None:
+        """A finished request frees its KV (and counts toward the drain rate); a reservation
+        undone because the tenant's limits said no only disappears."""
+        reservation = self.reservations.pop(lease_id, None)
+        if reservation is None:
+            return
+        self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
+        if completed:
+            self.drain.add(reservation.tokens, now)
+
+    # -- filters ---------------------------------------------------------------------------
+
+    def _takes_work(self, state: EndpointState) -> bool:
+        marks = self.config.watermarks
+        usage = state.kv_cache_usage
+        if usage is not None and usage >= marks.critical:
+            return False
+        gpu = state.gpu_memory_used_ratio
+        return gpu is None or gpu < marks.gpu_memory_critical
+
+    def _too_large(self, states: tuple[EndpointState, ...], tokens: int) -> Shed | None:
+        capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
+        if capacities and tokens > max(capacities):
+            return Shed(400, "kv_exceeds_capacity",
+                        f"the request needs {tokens} tokens of KV cache; the largest endpoint "
+                        f"of pool '{self.config.name}' holds {max(capacities)}", None)
+        return None
+
+    def _candidate(self, state: EndpointState, tokens: int) -> Candidate:
+        capacity = state.kv_capacity_tokens
+        usage = state.kv_cache_usage or 0.0
+        if not capacity:
+            return Candidate(state, usage, usage < self.config.watermarks.high)
+        pending = sum(r.tokens for r in self.reservations.values()
+                      if r.endpoint == state.address and r.at > (state.scraped_at or 0))
+        after = (usage * capacity + pending + tokens) / capacity
+        return Candidate(state, after, after <= self.config.watermarks.high)
+
+    def _over_share(self, tenant: str, tokens: int) -> bool:
+        held: dict[str, int] = {tenant: tokens}
+        for r in self.reservations.values():
+            held[r.tenant] = held.get(r.tenant, 0) + r.tokens
+        if len(held) == 1:
+            return False  # alone in the pool: nobody to share with
+        total_weight = sum(self.weights.get(t, 1.0) for t in held)
+        share = self.weights.get(tenant, 1.0) / total_weight
+        return held[tenant] / sum(held.values()) > share
+
+    # -- scorers and picker ----------------------------------------------------------------
+
+    def _ranked(self, candidates: list[Candidate], rng: random.Random) -> list[Candidate]:
+        weights = self.config.scoring
+        waiting = [_metric(c.state, "num_requests_waiting") for c in candidates]
+        running = [_metric(c.state, "num_requests_running") for c in candidates]
+        most_waiting, most_running = max(waiting) + 1, max(running) + 1
+        scored = [
+            (weights.kv_usage * min(c.usage_after, 1.0)
+             + weights.waiting * w / most_waiting
+             + weights.running * r / most_running, rng.random(), c)
+            for c, w, r in zip(candidates, waiting, running, strict=True)
+        ]
+        return [c for _, _, c in sorted(scored, key=lambda item: item[:2])]
+
+    def _least_in_flight(self, snapshot: StoreSnapshot, rng: random.Random) -> Placement | Shed:
+        states = snapshot.endpoints(self.config.name)
+        addresses = [s.address for s in states] or list(self.config.endpoints)
+        if not addresses:
+            return Shed(503, "no_ready_endpoint",
+                        f"pool '{self.config.name}' has no endpoints", MIN_RETRY_MS)
+        rng.shuffle(addresses)
+        addresses.sort(key=lambda a: self.in_flight.get(a, 0))
+        return Placement(addresses[: 1 + FALLBACKS])
+
+    # -- when to come back -----------------------------------------------------------------
+
+    def _saturated(self, tokens: int, now: float) -> Shed:
+        return Shed(503, "pool_saturated",
+                    f"pool '{self.config.name}' is saturated (KV cache above its watermarks)",
+                    self._retry_ms(tokens, now))
+
+    def _retry_ms(self, tokens: int, now: float) -> int:
+        """Time for the pool to drain this request's worth of KV at the recent drain rate."""
+        rate = self.drain.per_second(now)
+        if rate <= 0:
+            return MIN_RETRY_MS
+        return min(MAX_RETRY_MS, max(MIN_RETRY_MS, math.ceil(1000 * tokens / rate)))
+
+
+def _metric(state: EndpointState, name: str) -> float:
+    value = getattr(state.metrics, name, None) if state.metrics else None
+    return float(value or 0)
