@@ -106,11 +106,11 @@ class PoolScheduler:
         too_large = self._too_large(states, tokens)
         if too_large:
             return too_large
-        usable = [s for s in states if s.is_usable(now, self.staleness_s) and self._takes_work(s)]
+        usable = [s for s in states if s.is_usable(now, self.staleness_s)]
         if not usable:
             return Shed(503, "no_ready_endpoint",
                         f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
-        candidates = [self._candidate(s, tokens) for s in usable]
+        candidates = [self._candidate(s, tokens) for s in usable if self._takes_work(s)]
         eligible = [c for c in candidates if c.fits]
         if not eligible:
             busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]

@@ -1,0 +1,142 @@
+"""The scheduler's filters, scorers and picker over hand-made endpoint snapshots."""
+
+from __future__ import annotations
+
+import random
+
+from extproc.config import Pool
+from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
+from extproc.datalayer.metrics import EngineMetrics
+from extproc.datalayer.nvml import GpuReading
+from extproc.scheduler import MIN_RETRY_MS, Placement, PoolScheduler, Shed
+
+CAPACITY = 1000
+NOW = 100.0
+
+
+def state(address, usage, *, waiting=0, running=0, scraped_at=NOW - 0.05, healthy=True,
+          capacity=CAPACITY, gpu_used=None):
+    metrics = EngineMetrics(kv_cache_usage=usage, num_requests_waiting=waiting,
+                            num_requests_running=running, kv_capacity_tokens=capacity)
+    gpus = () if gpu_used is None else (
+        GpuReading(0, "GPU-0", "H200", int(gpu_used * 100), 100),)
+    return EndpointState(address, "p", metrics, scraped_at, 0, healthy, capacity, gpus)
+
+
+def snapshot(*states):
+    return StoreSnapshot(1, {"p": {s.address: s for s in states}})
+
+
+def scheduler(weights=None, **pool):
+    config = Pool.model_validate({"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:1"],
+                                  **pool})
+    return PoolScheduler(config, weights or {"a": 3.0, "b": 1.0})
+
+
+def place(sched, snap, tokens=100, tenant="a", seed=0):
+    return sched.place(tenant, tokens, snap, NOW, random.Random(seed))
+
+
+def test_least_loaded_endpoint_wins_and_the_rest_are_fallbacks():
+    snap = snapshot(state("e1", 0.5), state("e2", 0.1), state("e3", 0.3))
+    assert place(scheduler(), snap) == Placement(["e2", "e3", "e1"])
+
+
+def test_waiting_queue_breaks_kv_ties():
+    snap = snapshot(state("e1", 0.2, waiting=5), state("e2", 0.2, waiting=0))
+    assert place(scheduler(), snap).endpoints[0] == "e2"
+
+
+def test_equal_endpoints_share_load_by_random_tie_break():
+    snap = snapshot(state("e1", 0.2), state("e2", 0.2))
+    firsts = {place(scheduler(), snap, seed=seed).endpoints[0] for seed in range(20)}
+    assert firsts == {"e1", "e2"}
+
+
+def test_saturated_stale_unhealthy_and_gpu_critical_endpoints_take_nothing():
+    snap = snapshot(
+        state("full", 0.96),
+        state("stale", 0.0, scraped_at=NOW - 5),
+        state("sick", 0.0, healthy=False),
+        state("gpu", 0.0, gpu_used=0.99),
+        state("ok", 0.6),
+    )
+    assert place(scheduler(), snap).endpoints == ["ok"]
+
+
+def test_reservation_must_fit_under_the_high_watermark():
+    sched = scheduler()
+    snap = snapshot(state("e1", 0.7), state("e2", 0.75))
+    assert place(sched, snap, tokens=100).endpoints[0] == "e1"  # 0.80 fits exactly
+    shed = place(sched, snapshot(state("e1", 0.71)), tokens=100, tenant="a")
+    assert isinstance(shed, Placement)  # busy zone, but 'a' is alone: borrows
+
+
+def test_all_saturated_is_503_with_retry_after_from_the_drain_rate():
+    sched = scheduler()
+    for i in range(10):  # 10 × 500 tokens freed over the last 5 s: 1000 tokens/s
+        sched.reserve(f"l{i}", "a", "e1", 500, NOW - 6 + i * 0.5)
+        sched.release(f"l{i}", NOW - 5 + i * 0.5)
+    full = snapshot(state("e1", 0.97, capacity=10_000), state("e2", 0.96, capacity=10_000))
+    shed = place(sched, full, tokens=3000)
+    assert isinstance(shed, Shed) and (shed.status, shed.code) == (503, "pool_saturated")
+    assert shed.retry_after_ms == 3000  # 3000 tokens at 1000 tokens/s
+
+
+def test_no_drain_history_falls_back_to_a_one_second_retry():
+    shed = place(scheduler(), snapshot(state("e1", 0.99)))
+    assert shed.retry_after_ms == MIN_RETRY_MS
+
+
+def test_nothing_ready_is_503():
+    shed = place(scheduler(), snapshot(state("e1", 0.1, healthy=False)))
+    assert (shed.status, shed.code) == (503, "no_ready_endpoint")
+
+
+def test_larger_than_any_endpoints_kv_is_400_do_not_retry():
+    shed = place(scheduler(), snapshot(state("e1", 0.0)), tokens=CAPACITY + 1)
+    assert (shed.status, shed.code, shed.retry_after_ms) == (400, "kv_exceeds_capacity", None)
+
+
+def test_reservations_since_the_last_scrape_spread_a_burst():
+    sched = scheduler()
+    snap = snapshot(state("e1", 0.1), state("e2", 0.1), state("e3", 0.1))
+    chosen = []
+    for i in range(6):
+        endpoint = place(sched, snap, tokens=150, seed=i).endpoints[0]
+        sched.reserve(f"l{i}", "a", endpoint, 150, NOW)
+        chosen.append(endpoint)
+    assert sorted(chosen) == ["e1", "e1", "e2", "e2", "e3", "e3"]
+
+
+def test_a_newer_scrape_absorbs_older_reservations():
+    sched = scheduler()
+    sched.reserve("old", "a", "e1", 500, NOW - 1)  # admitted before e1's last scrape
+    snap = snapshot(state("e1", 0.1), state("e2", 0.2))
+    assert place(sched, snap).endpoints[0] == "e1"
+
+
+def test_busy_pool_makes_the_tenant_over_its_share_wait():
+    sched = scheduler(weights={"a": 3.0, "b": 1.0})
+    sched.reserve("a1", "a", "e1", 300, NOW - 1)
+    sched.reserve("b1", "b", "e1", 300, NOW - 1)  # b holds half; its share is a quarter
+    busy = snapshot(state("e1", 0.85))
+    shed = place(sched, busy, tenant="b")
+    assert (shed.status, shed.code) == (429, "kv_share_exceeded")
+    assert isinstance(place(sched, busy, tenant="a"), Placement)  # under its share
+    idle = snapshot(state("e1", 0.3))
+    assert isinstance(place(sched, idle, tenant="b"), Placement)  # idle: borrow
+
+
+def test_release_frees_the_reservation_once():
+    sched = scheduler()
+    sched.reserve("l", "a", "e1", 100, NOW)
+    sched.release("l", NOW)
+    sched.release("l", NOW)
+    assert not sched.reservations and sched.in_flight["e1"] == 0
+
+
+def test_pool_without_kv_awareness_is_least_in_flight():
+    sched = scheduler(kv_aware=False, endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    sched.reserve("l", "a", "127.0.0.1:1", 0, NOW)
+    assert place(sched, StoreSnapshot()).endpoints[0] == "127.0.0.1:2"
