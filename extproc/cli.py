@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import logging
 import os
@@ -60,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("config", type=Path)
     render.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     render.set_defaults(func=_render_envoy)
+
+    agent = commands.add_parser(
+        "agent", help="serve this node's NVML GPU readings for a gateway-mode kvgate"
+    )
+    agent.add_argument("--config", "-c", type=Path, help="reads the agent: section")
+    agent.add_argument("--host", help="default 0.0.0.0 (agent.host)")
+    agent.add_argument("--port", type=int, help="default 9400 (agent.port)")
+    agent.set_defaults(func=_agent)
 
     demo = commands.add_parser(
         "demo", help="Envoy + kvgate + two simulated engines on the bundled config"
@@ -168,6 +177,30 @@ def _run_workers(config_path: Path, workers: int, log_level: str) -> int:
     for process in processes:
         process.join()
     return max((p.exitcode or 0) for p in processes)
+
+
+def _agent(args: argparse.Namespace) -> int:
+    import signal
+
+    from extproc.config import AgentSettings
+    from extproc.datalayer.agent import run_agent
+    from extproc.datalayer.nvml import open_gpu_reader
+
+    settings = load_config(args.config).agent if args.config else AgentSettings()
+    host = args.host or settings.host
+    port = settings.port if args.port is None else args.port
+
+    async def serve() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await run_agent(host, port, open_gpu_reader(), settings.interval_s)
+
+    asyncio.run(serve())
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

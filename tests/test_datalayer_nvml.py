@@ -296,3 +296,35 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> N
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.005)
+
+
+def test_kvgate_agent_command_serves_metrics_without_a_gpu():
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from bench.ports import free_port
+
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "extproc.cli", "agent", "--host",
+                              "127.0.0.1", "--port", str(port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "agent did not start"
+                time.sleep(0.1)
+        assert page.status_code == 200
+        assert page.text.startswith("#")  # valid, empty: NVML is absent here
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    finally:
+        agent.terminate()
+        output = agent.communicate(timeout=10)[0].decode()
+    assert agent.returncode == 0
+    assert output.count("NVML") >= 1  # one clear line saying the GPU signal is absent
