@@ -82,7 +82,42 @@ class Tier(_Strict):
 
 
 class RequestClass(_Strict):
+    """A request class: its vLLM priority, and how long it may wait in kvgate's queue."""
+
     priority: int = Field(0, description="vLLM priority: lower is served earlier")
+    deadline_s: PositiveFloat = Field(
+        30, description="longest wait in the queue; then 503 (pool) or 429 (tenant's share)"
+    )
+    sla_ms: PositiveInt = Field(2000, description="TTFT target: the 'dynamic' order's SLA term")
+
+
+class Classification(_Strict):
+    """How a request gets its class (and so its band and vLLM priority)."""
+
+    header: str = Field("x-request-class", description="client's requested class")
+    path_classes: dict[str, str] = Field(
+        default_factory=lambda: {"/v1/embeddings": "batch"},
+        description="path → class, for requests without the header",
+    )
+    long_prompt_tokens: PositiveInt | None = Field(
+        8192, description="prompts longer than this drop one class (null = never)"
+    )
+
+
+class QueueSettings(_Strict):
+    """The fair queue that holds requests while the pool is saturated."""
+
+    enabled: bool = Field(True, description="false: answer 503/429 at once instead of queueing")
+    max_size: PositiveInt = Field(1024, description="per pool; then the least important go")
+    aging_s: PositiveFloat | None = Field(
+        5.0, description="waiting this long promotes a request one band (null = no aging)"
+    )
+    order: Literal["wfq", "dynamic"] = Field(
+        "wfq", description="within a band: weighted fair by tokens, or the dynamic cost"
+    )
+    alpha: float = Field(1.0, ge=0, description="dynamic order: weight of wait / SLA")
+    beta: float = Field(0.0, ge=0, description="dynamic order: weight of progress")
+    gamma: float = Field(0.0, ge=0, description="dynamic order: weight of the tenant's tier")
 
 
 def hash_api_key(key: str) -> str:
@@ -95,6 +130,11 @@ class Tenant(_Strict):
     tier: str
     api_keys: list[str] = Field(min_length=1, description="sha256:<64 hex> hashes of the keys")
     default_class: str = "interactive"
+    max_class: str | None = Field(
+        None, description="the most important class this tenant may ask for (default: its "
+        "default_class); a client can lower its priority, never raise it above this"
+    )
+    class_header: bool = Field(True, description="honour the client's x-request-class")
     limits: Limits | None = Field(None, description="overrides of the tier's limits")
 
     @field_validator("api_keys")
@@ -314,6 +354,8 @@ class Config(_Strict):
     envoy: EnvoySettings = EnvoySettings()
     redis: RedisSettings | None = None
     scrape: ScrapeSettings = ScrapeSettings()
+    queue: QueueSettings = QueueSettings()
+    classification: Classification = Classification()
     agent: AgentSettings = AgentSettings()
     tiers: dict[str, Tier] = Field(min_length=1)
     classes: dict[str, RequestClass] = Field(
@@ -341,15 +383,27 @@ class Config(_Strict):
                     f"tenants[{i}].tier: unknown tier {tenant.tier!r} "
                     f"(known: {_names(self.tiers)})"
                 )
-            if tenant.default_class not in self.classes:
-                yield (
-                    f"tenants[{i}].default_class: unknown class {tenant.default_class!r} "
-                    f"(known: {_names(self.classes)})"
-                )
+            for field_name in ("default_class", "max_class"):
+                value = getattr(tenant, field_name)
+                if value is not None and value not in self.classes:
+                    yield (
+                        f"tenants[{i}].{field_name}: unknown class {value!r} "
+                        f"(known: {_names(self.classes)})"
+                    )
             for key in tenant.api_keys:
                 if key in seen_keys:
                     yield f"tenants[{i}].api_keys: key already belongs to {seen_keys[key]!r}"
                 seen_keys[key] = tenant.name
+        for path, name in self.classification.path_classes.items():
+            if name not in self.classes:
+                yield f"classification.path_classes.{path}: unknown class {name!r}"
+        for name, klass in self.classes.items():
+            if klass.deadline_s >= self.envoy.message_timeout_s:
+                yield (
+                    f"classes.{name}.deadline_s: {klass.deadline_s} must be below "
+                    f"envoy.message_timeout_s ({self.envoy.message_timeout_s}), or Envoy "
+                    "fails the request while kvgate still holds it"
+                )
         names = [t.name for t in self.tenants]
         for i, name in enumerate(names):
             if names.index(name) != i:
@@ -374,6 +428,12 @@ class Config(_Strict):
 
     def limits_for(self, tenant: Tenant) -> Limits:
         return self.tiers[tenant.tier].limits.merged(tenant.limits)
+
+    @property
+    def class_order(self) -> list[str]:
+        """Classes most important first (by vLLM priority, then as written): band = index."""
+        names = list(self.classes)
+        return sorted(names, key=lambda n: (self.classes[n].priority, names.index(n)))
 
 
 def _names(mapping: dict[str, Any]) -> str:

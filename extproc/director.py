@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.classify import Classifier, RequestClass
 from extproc.config import Config, Limits, Model, Pool, Tenant
 from extproc.datalayer.endpoints import EndpointStore
 from extproc.openai import PER_MESSAGE_OVERHEAD_TOKENS, BadRequest, InferenceRequest
@@ -90,6 +91,7 @@ class Director:
         self._models: dict[str, tuple[Pool, Model]] = {
             m.name: (p, m) for p in config.pools for m in p.models
         }
+        self.classifier = Classifier(config)
         self._tenants_by_key = {key: t for t in config.tenants for key in t.api_keys}
         self._tenants_by_name = {t.name: t for t in config.tenants}
         self._policies = {t.name: policy_from_limits(config.limits_for(t)) for t in config.tenants}
@@ -118,7 +120,9 @@ class Director:
         """Before the body arrives: is the tenant over its request rate or concurrency?"""
         return await self.store.check_requests(tenant.name, self.policy(tenant))
 
-    async def admit(self, tenant: Tenant, request: InferenceRequest) -> Outcome:
+    async def admit(
+        self, tenant: Tenant, request: InferenceRequest, requested_class: str | None = None
+    ) -> Outcome:
         found = self._models.get(request.model)
         if found is None:
             raise BadRequest(
@@ -131,18 +135,28 @@ class Director:
         prompt += PER_MESSAGE_OVERHEAD_TOKENS * request.message_count
         output = request.max_output_tokens
         cost = Cost(prompt, model.default_max_tokens if output is None else output)
-        return await self._admit(tenant, self.schedulers[pool.name], cost)
+        klass = self.classifier.classify(
+            tenant, requested=requested_class, path=request.path, prompt_tokens=prompt
+        )
+        return await self._admit(tenant, self.schedulers[pool.name], cost, klass)
 
-    async def admit_request_only(self, tenant: Tenant) -> Outcome:
+    async def admit_request_only(
+        self, tenant: Tenant, path: str, requested_class: str | None = None
+    ) -> Outcome:
         """Requests with no inference body (GET /v1/models, …): charged one request."""
-        return await self._admit(tenant, self.schedulers[self.config.pools[0].name], Cost(0, 0))
+        klass = self.classifier.classify(
+            tenant, requested=requested_class, path=path, prompt_tokens=0
+        )
+        scheduler = self.schedulers[self.config.pools[0].name]
+        return await self._admit(tenant, scheduler, Cost(0, 0), klass)
 
-    async def _admit(self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost) -> Outcome:
-        request_class = tenant.default_class
+    async def _admit(
+        self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass
+    ) -> Outcome:
         placed = self._place(tenant, scheduler, cost)
         overrides: dict[str, Any] = {}
         if isinstance(placed, Shed):
-            degraded = self._degrade(tenant, request_class, scheduler, cost)
+            degraded = self._degrade(tenant, klass.name, scheduler, cost)
             if degraded is None:
                 return placed
             scheduler, cost, placed, overrides = degraded
@@ -156,15 +170,14 @@ class Director:
         if isinstance(decision, Reject):
             scheduler.release(lease_id, self.clock(), completed=False)
             return decision
-        priority = self.config.classes[request_class].priority
         self.active[lease_id] = admission = Admission(
             tenant=tenant,
             lease_id=lease_id,
             cost=cost,
             scheduler=scheduler,
             endpoints=placed.endpoints,
-            priority=priority if scheduler.config.priority_scheduling else None,
-            request_class=request_class,
+            priority=klass.priority if scheduler.config.priority_scheduling else None,
+            request_class=klass.name,
             admit=decision,
             body_overrides=overrides,
         )

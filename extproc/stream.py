@@ -46,6 +46,7 @@ class RequestStream:
         self.done = False  # the last reply this stream owes Envoy has been produced
         self.path = ""
         self.tenant = None
+        self.requested_class: str | None = None
         self.request: InferenceRequest | None = None
         self.admission: Admission | None = None
         self.meter: ResponseMeter | None = None
@@ -82,6 +83,7 @@ class RequestStream:
         values = messages.header_map(headers)
         self.path = route_path(values.get(":path", "/"))
         self.tenant = self.director.authenticate(values.get("authorization"))
+        self.requested_class = values.get(self.director.config.classification.header)
         spoofed = [h for h in values if h.startswith(SPOOFABLE_PREFIXES)]
         remove = [*SPOOFABLE_HEADERS, *spoofed]
         length = values.get("content-length", "")
@@ -97,7 +99,9 @@ class RequestStream:
     async def _admit_without_body(self, remove: list[str]) -> pb.ProcessingResponse:
         """GETs and non-inference paths: one request's worth, decided on headers alone."""
         assert self.tenant is not None
-        decision = await self.director.admit_request_only(self.tenant)
+        decision = await self.director.admit_request_only(
+            self.tenant, self.path, self.requested_class
+        )
         if not isinstance(decision, Admission):
             return self._refuse(decision)
         reply = self._route(decision, body=None, in_body_phase=False)
@@ -111,7 +115,7 @@ class RequestStream:
             raise _too_large(self.settings.max_body_bytes)
         self.request = parse_body(self.path, body.body)
         started = time.perf_counter()
-        decision = await self.director.admit(self.tenant, self.request)
+        decision = await self.director.admit(self.tenant, self.request, self.requested_class)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if not isinstance(decision, Admission):
             return self._refuse(decision)
