@@ -8,6 +8,7 @@ It knows nothing of Envoy messages; ``stream.py`` does.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import time
@@ -19,10 +20,12 @@ from typing import Any
 from extproc.classify import Classifier, RequestClass
 from extproc.config import Config, Limits, Model, Pool, Tenant
 from extproc.datalayer.endpoints import EndpointStore
+from extproc.flow import QUEUEABLE, FlowController, Waiter
 from extproc.openai import PER_MESSAGE_OVERHEAD_TOKENS, BadRequest, InferenceRequest
 from extproc.scheduler import Placement, PoolScheduler, Shed
 from extproc.tokens import TokenCounter, make_counter
 from limiter import Admit, Cost, LimiterStore, Rate, Reject, TenantPolicy
+from limiter.fairqueue import QueuedRequest
 
 
 def policy_from_limits(limits: Limits) -> TenantPolicy:
@@ -84,6 +87,7 @@ class Director:
         self.rng = rng or random.Random()
         self.clock = clock
         self.active: dict[str, Admission] = {}  # by lease id, for lease renewal
+        self.flows: dict[str, FlowController] = {}  # by pool; attached by the server
         weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
         self.schedulers = {
             p.name: PoolScheduler(p, weights, config.scrape.staleness_s) for p in config.pools
@@ -154,12 +158,25 @@ class Director:
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass
     ) -> Outcome:
         placed = self._place(tenant, scheduler, cost)
+        flow = self.flows.get(scheduler.config.name) if self.config.queue.enabled else None
         overrides: dict[str, Any] = {}
         if isinstance(placed, Shed):
             degraded = self._degrade(tenant, klass.name, scheduler, cost)
-            if degraded is None:
+            if degraded is not None:
+                scheduler, cost, placed, overrides = degraded
+            elif flow is not None and placed.code in QUEUEABLE:
+                return await self._queue(tenant, flow, cost, klass, placed.code)
+            else:
                 return placed
-            scheduler, cost, placed, overrides = degraded
+        elif flow is not None and flow.must_queue(klass.band):
+            return await self._queue(tenant, flow, cost, klass, "pool_saturated")
+        return await self._admit_now(tenant, scheduler, cost, klass, placed, overrides)
+
+    async def _admit_now(
+        self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass,
+        placed: Placement, overrides: dict[str, Any],
+    ) -> Outcome:
+        """Capacity is there: reserve it, then take the tenant's limits (all or nothing)."""
         lease_id = uuid.uuid4().hex
         scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock())
         try:
@@ -170,6 +187,40 @@ class Director:
         if isinstance(decision, Reject):
             scheduler.release(lease_id, self.clock(), completed=False)
             return decision
+        return self._admitted(tenant, lease_id, cost, scheduler, placed, klass, decision,
+                              overrides)
+
+    async def _queue(
+        self, tenant: Tenant, flow: FlowController, cost: Cost, klass: RequestClass,
+        queued_for: str,
+    ) -> Outcome:
+        """Wait for capacity. The tenant's limits are taken first (a request the tenant may
+        not send is not worth queueing) and given back in full if it never runs."""
+        lease_id = uuid.uuid4().hex
+        policy = self.policy(tenant)
+        decision = await self.store.admit(tenant.name, policy, cost, lease_id)
+        if isinstance(decision, Reject):
+            return decision
+        now = flow.clock_ms()
+        deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
+        item = QueuedRequest(lease_id, tenant.name, klass.band, cost.tokens,
+                             self.config.tiers[tenant.tier].weight, now, deadline)
+        waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
+                        queued_for)
+        try:
+            placed = await flow.wait(item, waiter)
+        except BaseException:
+            await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
+            raise
+        if isinstance(placed, Shed):
+            await self.store.release(tenant.name, policy, lease_id, 0)
+            return placed
+        return self._admitted(tenant, lease_id, cost, flow.scheduler, placed, klass, decision, {})
+
+    def _admitted(
+        self, tenant: Tenant, lease_id: str, cost: Cost, scheduler: PoolScheduler,
+        placed: Placement, klass: RequestClass, decision: Admit, overrides: dict[str, Any],
+    ) -> Admission:
         self.active[lease_id] = admission = Admission(
             tenant=tenant,
             lease_id=lease_id,
@@ -212,9 +263,16 @@ class Director:
     async def release(self, admission: Admission, used_tokens: int | None) -> None:
         self.active.pop(admission.lease_id, None)
         admission.scheduler.release(admission.lease_id, self.clock())
+        self.kick(admission.pool)
         await self.store.release(
             admission.tenant.name, self.policy(admission.tenant), admission.lease_id, used_tokens
         )
+
+    def kick(self, pool: str | None = None) -> None:
+        """Capacity may have freed (a completion; a fresh scrape when pool is None)."""
+        for name, flow in self.flows.items():
+            if pool is None or name == pool:
+                flow.kick()
 
     async def renew_leases(self) -> None:
         """Keep the leases of long-running streams alive in the shared store."""

@@ -10,6 +10,7 @@ was taken; leases left in Redis by a failed release expire by their TTL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,10 +18,12 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
-from extproc.config import Config
+from extproc.config import Config, RedisSettings
 from extproc.metrics import Metrics
 from limiter import Admit, Cost, MemoryStore, Reason, Reject, Remaining, TenantPolicy
 from limiter.breaker import CircuitBreaker, Transition
+from limiter.fairness import Fairness, MemoryFairness
+from limiter.fairqueue import QueuedRequest
 from limiter.share import scale_policy
 from limiter.store import LimiterStore, StoreUnavailable
 
@@ -171,24 +174,30 @@ class GuardedStore:
         return scaled
 
 
-def build_store(config: Config, metrics: Metrics) -> LimiterStore:
-    """In-memory unless ``redis`` is configured; then Redis behind the failure policy."""
-    if config.redis is None:
-        return MemoryStore()
+def redis_client(settings: RedisSettings) -> Any:
+    """One attempt per call within the timeout budget; the breaker does the rest."""
     import redis.asyncio as aioredis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    timeout_s = settings.timeout_ms / 1000
+    return aioredis.from_url(
+        settings.url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def build_store(config: Config, metrics: Metrics) -> LimiterStore:
+    """In-memory unless ``redis`` is configured; then Redis behind the failure policy."""
+    if config.redis is None:
+        return MemoryStore()
     from limiter.redis_store import RedisStore
 
     settings = config.redis
     timeout_s = settings.timeout_ms / 1000
-    client = aioredis.from_url(
-        settings.url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),  # the budget is one attempt; the breaker does the rest
-    )
+    client = redis_client(settings)
     primary = RedisStore(
         client, prefix=settings.prefix, lease_ttl_ms=int(settings.lease_ttl_s * 1000)
     )
@@ -206,3 +215,46 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
         on_transition=on_transition,
         on_fallback=lambda policy: metrics.store_fallbacks.labels(policy).inc(),
     )
+
+
+class SharedFairness:
+    """Fair-queue counters in Redis (one global weighted order across replicas), falling back
+    to this process's own counters while Redis is unreachable, so dispatch never stalls."""
+
+    def __init__(self, shared: Fairness, timeout_s: float):
+        self.shared = shared
+        self.local = MemoryFairness()
+        self.timeout_s = timeout_s
+
+    async def activate(self, tenant: str) -> None:
+        await self.local.activate(tenant)
+        with contextlib.suppress(StoreUnavailable, TimeoutError):
+            async with asyncio.timeout(self.timeout_s):
+                await self.shared.activate(tenant)
+
+    async def choose(self, candidates: list[QueuedRequest], now_ms: int) -> QueuedRequest | None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.shared.choose(candidates, now_ms)
+        except (StoreUnavailable, TimeoutError):
+            return await self.local.choose(candidates, now_ms)
+
+    async def counters(self) -> dict[str, float]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.shared.counters()
+        except (StoreUnavailable, TimeoutError):
+            return await self.local.counters()
+
+    async def close(self) -> None:
+        await self.shared.close()
+
+
+def build_fairness(config: Config, pool: str) -> Fairness:
+    """Who goes next in a pool's queue: counters shared through Redis when configured."""
+    if config.redis is None:
+        return MemoryFairness()
+    from limiter.fairness import RedisFairness
+
+    shared = RedisFairness(redis_client(config.redis), pool=pool, prefix=config.redis.prefix)
+    return SharedFairness(shared, config.redis.timeout_ms / 1000)

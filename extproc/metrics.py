@@ -63,6 +63,25 @@ class Metrics:
             ["pool", "endpoint"],
             registry=self.registry,
         )
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth",
+            "Requests waiting in a pool's fair queue, by band and tenant.",
+            ["pool", "band", "tenant"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds",
+            "Time requests spent in the fair queue, by request class.",
+            ["pool", "request_class"],
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.queue_events = Counter(
+            "kvgate_queue_events_total",
+            "Fair-queue outcomes: dispatched, expired, evicted, cancelled, shutdown.",
+            ["pool", "event"],
+            registry=self.registry,
+        )
         self.decision_seconds = Histogram(
             "kvgate_admission_seconds",
             "Time to decide admission (store round trip included).",

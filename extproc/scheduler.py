@@ -120,7 +120,7 @@ class PoolScheduler:
                 return Shed(429, "kv_share_exceeded",
                             f"pool '{self.config.name}' is busy and tenant '{tenant}' holds more "
                             "than its weighted share of its KV cache",
-                            self._retry_ms(tokens, now))
+                            self.retry_ms(tokens, now))
             eligible = busy
         return Placement([c.state.address for c in self._ranked(eligible, rng)][: 1 + FALLBACKS])
 
@@ -206,9 +206,9 @@ class PoolScheduler:
     def _saturated(self, tokens: int, now: float) -> Shed:
         return Shed(503, "pool_saturated",
                     f"pool '{self.config.name}' is saturated (KV cache above its watermarks)",
-                    self._retry_ms(tokens, now))
+                    self.retry_ms(tokens, now))
 
-    def _retry_ms(self, tokens: int, now: float) -> int:
+    def retry_ms(self, tokens: int, now: float) -> int:
         """Time for the pool to drain this request's worth of KV at the recent drain rate."""
         rate = self.drain.per_second(now)
         if rate <= 0:

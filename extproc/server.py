@@ -25,7 +25,8 @@ from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
-from extproc.limits import build_store
+from extproc.flow import FlowController
+from extproc.limits import build_fairness, build_store
 from extproc.metrics import Metrics
 from extproc.stream import RequestStream
 from limiter import LimiterStore
@@ -79,7 +80,12 @@ class KvgateServer:
             if p.dns else StaticDiscovery(self.endpoints, p.name, p.endpoints)
             for p in config.pools
         ]
-        self.scraper = _scraper(config, self.endpoints, self.metrics)
+        self.director.flows = {
+            name: FlowController(scheduler, build_fairness(config, name), config,
+                                 self.endpoints, self.metrics, self.director.rng)
+            for name, scheduler in self.director.schedulers.items()
+        }
+        self.scraper = _scraper(config, self.endpoints, self.metrics, self.director)
         self.reuse_port = reuse_port  # several worker processes share the gRPC port
         self._renewer: asyncio.Task[None] | None = None
         self.grpc_port = 0
@@ -94,6 +100,8 @@ class KvgateServer:
             await discovery.start()
         await self.scraper.scrape_once()
         self.scraper.start()
+        for flow in self.director.flows.values():
+            flow.start()
         settings = self.config.server
         # the whole buffered request body arrives as one gRPC message
         max_message = settings.max_body_bytes + 1024 * 1024
@@ -122,6 +130,7 @@ class KvgateServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/admin/tenants/{tenant}/usage", self._usage)
+        app.router.add_get("/debug/queues", self._queues)
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, host, port)
@@ -142,6 +151,11 @@ class KvgateServer:
             return web.json_response({"error": {"message": "unknown tenant"}}, status=404)
         return web.json_response(usage)
 
+    async def _queues(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {"pools": [await flow.debug() for flow in self.director.flows.values()]}
+        )
+
     async def _metrics(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
@@ -157,6 +171,9 @@ class KvgateServer:
         await self.scraper.stop()
         for discovery in self.discoveries:
             await discovery.stop()
+        for flow in self.director.flows.values():
+            await flow.stop()
+            await flow.fairness.close()
         if self._admin is not None:
             await self._admin.cleanup()
         await self.director.store.close()
@@ -174,7 +191,9 @@ class KvgateServer:
         await self.stop(self.config.server.shutdown_grace_s)
 
 
-def _scraper(config: Config, endpoints: EndpointStore, metrics: Metrics) -> Scraper:
+def _scraper(
+    config: Config, endpoints: EndpointStore, metrics: Metrics, director: Director
+) -> Scraper:
     """The scrape loop for the KV-aware pools, with their GPU sources."""
     sources = {p.name: GpuSource(GpuSource.parse(p.gpu_source).url, frozenset(p.gpus))
                for p in config.pools if p.gpu_source}
@@ -182,6 +201,7 @@ def _scraper(config: Config, endpoints: EndpointStore, metrics: Metrics) -> Scra
     settings = config.scrape
 
     def on_update(snapshot: StoreSnapshot) -> None:
+        director.kick()  # fresh numbers: queued requests may fit now
         for state in snapshot.states():
             if state.kv_cache_usage is not None:
                 metrics.endpoint_kv_usage.labels(state.pool, state.address).set(

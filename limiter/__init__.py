@@ -12,6 +12,8 @@ from limiter.buckets import LeakyBucket, SlidingWindow, TokenBucket, ceil_div
 from limiter.calendar import DAY_MS, Period, period_bounds
 from limiter.clock import monotonic_ms, wall_ms
 from limiter.decision import Cost, TenantLimiter, TenantPolicy, never_fits
+from limiter.fairness import Fairness, MemoryFairness, RedisFairness
+from limiter.fairqueue import FairQueue, QueuedRequest
 from limiter.memory import MemoryStore
 from limiter.outcome import (
     Admit,
@@ -31,14 +33,19 @@ __all__ = [
     "Admit",
     "BucketView",
     "Cost",
+    "FairQueue",
+    "Fairness",
     "LeakyBucket",
     "LimiterStore",
+    "MemoryFairness",
     "MemoryStore",
     "Period",
+    "QueuedRequest",
     "QuotaCounter",
     "QuotaView",
     "Rate",
     "Reason",
+    "RedisFairness",
     "RedisStore",
     "Reject",
     "Remaining",

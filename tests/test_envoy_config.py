@@ -61,6 +61,8 @@ def with_settings(config: Config, server: dict[str, Any], envoy: dict[str, Any])
     data = config.model_dump()
     data["server"].update(server)
     data["envoy"].update(envoy)
+    for klass in data["classes"].values():  # queueing must end before Envoy gives up
+        klass["deadline_s"] = min(klass["deadline_s"], data["envoy"]["message_timeout_s"] / 2)
     return Config.model_validate(data)
 
 

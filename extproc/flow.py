@@ -1,0 +1,214 @@
+"""Flow control: a pool's fair queue, and the task that dispatches from it.
+
+While a pool is saturated, requests wait here (their ext_proc streams stay open) instead of
+being rejected. Capacity events — a request completing, a fresh scrape — wake the
+dispatcher, which hands freed KV to the next request in strict band order, weighted-fair by
+tokens across tenants (``limiter.fairness``: local, or shared through Redis), FCFS within a
+tenant. A request still queued at its class deadline gets 503 (pool saturated) or 429
+(tenant over its share) with Retry-After; a client that goes away leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.config import Config
+from extproc.datalayer.endpoints import EndpointStore
+from extproc.metrics import Metrics
+from extproc.scheduler import Placement, PoolScheduler, Shed
+from limiter.fairness import Fairness, MemoryFairness
+from limiter.fairqueue import FairQueue, QueuedRequest
+
+log = logging.getLogger(__name__)
+
+QUEUEABLE = ("pool_saturated", "kv_share_exceeded")  # waiting can fix these
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+@dataclass
+class Waiter:
+    """What the dispatcher needs to place a queued request, and where to send the answer."""
+
+    future: asyncio.Future[Placement | Shed]
+    lease_id: str
+    request_class: str
+    queued_for: str  # the Shed code that queued it: decides 503 or 429 on expiry
+
+
+class FlowController:
+    def __init__(
+        self,
+        scheduler: PoolScheduler,
+        fairness: Fairness,
+        config: Config,
+        endpoints: EndpointStore,
+        metrics: Metrics,
+        rng: random.Random,
+        clock_ms: Callable[[], int] = _now_ms,
+    ):
+        settings = config.queue
+        self.scheduler = scheduler
+        self.fairness = fairness
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.rng = rng
+        self.clock_ms = clock_ms
+        self.pool = scheduler.config.name
+        self.queue = FairQueue(
+            max_size=settings.max_size,
+            aging_ms=None if settings.aging_s is None else int(settings.aging_s * 1000),
+            order=settings.order,
+            alpha=settings.alpha,
+            beta=settings.beta,
+            gamma=settings.gamma,
+            sla_ms={band: config.classes[name].sla_ms
+                    for band, name in enumerate(config.class_order)},
+        )
+        if settings.order == "dynamic" and isinstance(fairness, MemoryFairness):
+            self.fairness = MemoryFairness.for_queue(self.queue)  # ranks by the dynamic cost
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- the request side ------------------------------------------------------------------
+
+    def must_queue(self, band: int) -> bool:
+        """Requests already waiting in this band or a better one go first: no overtaking."""
+        if not len(self.queue):
+            return False
+        now = self.clock_ms()
+        heads = self.queue.candidates(now)
+        return bool(heads) and self.queue.effective_band(heads[0], now) <= band
+
+    async def wait(self, item: QueuedRequest, waiter: Waiter) -> Placement | Shed:
+        """Queue the request until the dispatcher places it (its KV is then reserved under
+        ``waiter.lease_id``) or its deadline passes. Cancellation removes it."""
+        item.payload = waiter
+        if not self.queue.queued(item.tenant):
+            await self.fairness.activate(item.tenant)
+        for evicted in self.queue.push(item, self.clock_ms()):
+            self._answer(evicted, self._shed(evicted, "queue_full"), "evicted")
+        self._gauge()
+        self.kick()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if self.queue.remove(item.id) is not None:
+                self.metrics.queue_events.labels(self.pool, "cancelled").inc()
+                self._gauge()
+            self.scheduler.release(waiter.lease_id, time.monotonic(), completed=False)
+            raise
+
+    def kick(self) -> None:
+        """A capacity event: completion, fresh scrape, released reservation."""
+        self._kick.set()
+
+    # -- the dispatcher --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kvgate-flow-{self.pool}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for item in list(self.queue.items()):
+            self.queue.remove(item.id)
+            self._answer(item, self._shed(item, "shutting_down"), "shutdown")
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), self._sleep_s())
+            self._kick.clear()
+            try:
+                self._expire()
+                await self._dispatch()
+            except Exception:  # the dispatcher must outlive any one failure
+                log.exception("pool %s: dispatch failed", self.pool)
+            self._gauge()
+
+    def _sleep_s(self) -> float | None:
+        now = self.clock_ms()
+        times = [t for t in (self.queue.next_deadline_ms(), self.queue.next_aging_ms(now)) if t]
+        return max(0.0, (min(times) - now) / 1000) if times else None
+
+    def _expire(self) -> None:
+        for item in self.queue.expire(self.clock_ms()):
+            waiter: Waiter = item.payload  # type: ignore[assignment]
+            self._answer(item, self._shed(item, waiter.queued_for), "expired")
+
+    async def _dispatch(self) -> None:
+        while len(self.queue):
+            now = self.clock_ms()
+            candidates = self.queue.candidates(now, fits=self._fits)
+            if not candidates:
+                return
+            chosen = await self.fairness.choose(candidates, now)
+            if chosen is None:
+                return
+            self.queue.take(chosen.id)
+            placed = self._place(chosen)
+            if isinstance(placed, Shed):  # capacity went while the choice was made
+                self.queue.push(chosen, now)
+                return
+            waiter: Waiter = chosen.payload  # type: ignore[assignment]
+            self.scheduler.reserve(waiter.lease_id, chosen.tenant, placed.endpoints[0],
+                                   chosen.cost, time.monotonic())
+            self._answer(chosen, placed, "dispatched")
+
+    def _fits(self, item: QueuedRequest) -> bool:
+        return isinstance(self._place(item), Placement)
+
+    def _place(self, item: QueuedRequest) -> Placement | Shed:
+        return self.scheduler.place(
+            item.tenant, item.cost, self.endpoints.snapshot(), time.monotonic(), self.rng
+        )
+
+    # -- answers and visibility ------------------------------------------------------------
+
+    def _shed(self, item: QueuedRequest, reason: str) -> Shed:
+        retry = self.scheduler.retry_ms(item.cost, time.monotonic())
+        if reason == "kv_share_exceeded":
+            return Shed(429, reason, f"tenant '{item.tenant}' stayed over its weighted share of "
+                        f"pool '{self.pool}' until its deadline", retry)
+        return Shed(503, "pool_saturated", f"pool '{self.pool}' stayed saturated "
+                    f"({reason.replace('_', ' ')})", retry)
+
+    def _answer(self, item: QueuedRequest, outcome: Placement | Shed, event: str) -> None:
+        waiter: Waiter = item.payload  # type: ignore[assignment]
+        if not waiter.future.done():
+            waiter.future.set_result(outcome)
+        self.metrics.queue_events.labels(self.pool, event).inc()
+        waited = (self.clock_ms() - item.enqueued_ms) / 1000
+        self.metrics.queue_wait.labels(self.pool, waiter.request_class).observe(waited)
+
+    def _gauge(self) -> None:
+        self.metrics.queue_depth.clear()
+        for (band, tenant), count in self.queue.depth().items():
+            self.metrics.queue_depth.labels(self.pool, str(band), tenant).set(count)
+
+    async def debug(self) -> dict[str, Any]:
+        now = self.clock_ms()
+        return {
+            "pool": self.pool,
+            "queued": len(self.queue),
+            "depth": [{"band": band, "tenant": tenant, "count": count}
+                      for (band, tenant), count in sorted(self.queue.depth().items())],
+            "items": [{"id": i.id, "tenant": i.tenant, "band": i.band,
+                       "effective_band": self.queue.effective_band(i, now), "tokens": i.cost,
+                       "waited_ms": now - i.enqueued_ms, "deadline_in_ms": i.deadline_ms - now}
+                      for i in self.queue.items()],
+            "fairness_counters": await self.fairness.counters(),
+        }
