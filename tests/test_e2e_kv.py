@@ -25,7 +25,8 @@ def kv_config(scrape: dict):
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "scrape": scrape,
         # saturated requests queue for at most 1 s here, then get their 503
-        "classes": {"interactive": {"priority": 0, "deadline_s": 1}},
+        "classes": {"interactive": {"priority": 0, "deadline_s": 1},
+                    "batch": {"priority": 1, "deadline_s": 1}},
         "tiers": {"t": {}},
         "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
         "pools": [{"name": "kv", "models": [{"name": "tiny-llama", "default_max_tokens": 16}],
