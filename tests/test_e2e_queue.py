@@ -1,0 +1,112 @@
+"""The fair queue end to end: real Envoy, kvgate, and one simulated engine whose small KV
+cache holds one request at a time, so every other request waits in kvgate's queue."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import orjson
+import pytest
+
+from extproc.config import hash_api_key, parse_config
+from extproc.demo import local_stack
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-queue"
+# 16 blocks × 16 tokens = 256 tokens of KV; a request reserves ~104 (0.41) and the
+# watermark is 0.45: the engine takes a new request only while it is idle.
+ENGINE = {"ms_per_token": 8, "kv_blocks": 16, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    config = parse_config({
+        "server": {"grpc_port": free_port(), "admin_port": 0},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "scrape": {"interval_s": 0.05},
+        "queue": {"aging_s": None},
+        "classes": {"interactive": {"priority": 0, "deadline_s": 30},
+                    "batch": {"priority": 5, "deadline_s": 30}},
+        "tiers": {"t": {}},
+        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
+        "pools": [{"name": "one", "models": [{"name": "tiny-llama"}],
+                   "endpoints": [f"127.0.0.1:{free_port()}"], "priority_scheduling": True,
+                   "watermarks": {"high": 0.45, "critical": 0.45}}],
+    })
+    with local_stack(config, engine_options=ENGINE) as running:
+        yield running
+
+
+def body(tag: str) -> dict:
+    return {"model": "tiny-llama", "max_tokens": 100, "stream": True,
+            "messages": [{"role": "user", "content": tag}]}
+
+
+def send(stack, tag: str, klass: str, results: dict) -> threading.Thread:
+    def run() -> None:
+        response = httpx.post(stack.url + "/v1/chat/completions", json=body(tag), timeout=60,
+                              headers={"authorization": f"Bearer {KEY}",
+                                       "x-request-class": klass})
+        results[tag] = response.status_code
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def queued(stack) -> int:
+    admin = f"http://127.0.0.1:{stack.kvgate.server.admin_port}"
+    return httpx.get(admin + "/debug/queues").json()["pools"][0]["queued"]
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.02)
+
+
+def test_interactive_is_dispatched_before_earlier_queued_batch(stack):
+    (engine,) = stack.engines.values()
+    engine.clear_requests()
+    results: dict[str, int] = {}
+    threads = [send(stack, "blocker", "interactive", results)]
+    wait_until(lambda: len(engine.requests()) == 1)
+    for waiting, tag in enumerate(("batch1", "batch2"), start=1):
+        threads.append(send(stack, tag, "batch", results))
+        wait_until(lambda n=waiting: queued(stack) == n)
+    threads.append(send(stack, "urgent", "interactive", results))
+    wait_until(lambda: queued(stack) == 3)
+    for thread in threads:
+        thread.join(60)
+    assert results == dict.fromkeys(("blocker", "batch1", "batch2", "urgent"), 200)
+    received = engine.requests()
+    order = [r["body"]["messages"][0]["content"] for r in received]
+    assert order == ["blocker", "urgent", "batch1", "batch2"]
+    priorities = {r["body"]["messages"][0]["content"]: r["body"]["priority"] for r in received}
+    assert priorities == {"blocker": 0, "urgent": 0, "batch1": 5, "batch2": 5}
+
+
+def test_client_that_disconnects_while_queued_leaves_nothing_behind(stack):
+    results: dict[str, int] = {}
+    blocker = send(stack, "blocker", "interactive", results)
+    (engine,) = stack.engines.values()
+    wait_until(lambda: stack.kvgate.server.director.active)
+    raw = orjson.dumps(body("leaver"))
+    with socket.create_connection((stack.envoy.listen_host, stack.envoy.listen_port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        wait_until(lambda: queued(stack) == 1)
+    wait_until(lambda: queued(stack) == 0)  # gone with its client, not dispatched
+    blocker.join(60)
+    director = stack.kvgate.server.director
+    wait_until(lambda: not director.active and not director.schedulers["one"].reservations)
+    in_flight = stack.kvgate.call(director.store.in_flight("acme"))
+    assert in_flight == 0
+    assert "leaver" not in [r["body"]["messages"][0]["content"] for r in engine.requests()]
