@@ -84,6 +84,17 @@ class ExtProcClient:
             await call.done_writing()
             call.cancel()
 
+    @staticmethod
+    async def finish(call: grpc.aio.StreamStreamCall, response: bytes) -> None:
+        """End a request opened with :meth:`open`: its response body (with ``usage``)."""
+        try:
+            await call.write(pb.ProcessingRequest(
+                response_body=pb.HttpBody(body=response, end_of_stream=True)))
+            await call.read()
+        finally:
+            await call.done_writing()
+            call.cancel()
+
     async def open(self, key: str, body: dict) -> tuple[Outcome, grpc.aio.StreamStreamCall]:
         """Admit a request and keep its stream open (a long generation); cancel to end it."""
         call = self.stub.Process()

@@ -227,6 +227,10 @@ class Pool(_Strict):
     kv_capacity_tokens: PositiveInt | None = Field(
         None, description="per-endpoint KV capacity when vLLM exports no cache_config_info"
     )
+    max_in_flight: PositiveInt | None = Field(
+        None, description="per endpoint and kvgate process: requests in flight at most "
+        "(beyond that they queue); null = bounded by KV only"
+    )
     kv_profile: KvProfile | None = Field(None, description="for KV figures in bytes")
     gpu_source: str | None = Field(
         None, description="'local' (NVML in this process) or a kvgate agent URL, {ip} allowed"

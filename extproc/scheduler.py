@@ -101,7 +101,7 @@ class PoolScheduler:
         self, tenant: str, tokens: int, snapshot: StoreSnapshot, now: float, rng: random.Random
     ) -> Placement | Shed:
         if not self.config.kv_aware:
-            return self._least_in_flight(snapshot, rng)
+            return self._least_in_flight(snapshot, now, tokens, rng)
         states = snapshot.endpoints(self.config.name)
         too_large = self._too_large(states, tokens)
         if too_large:
@@ -140,7 +140,13 @@ class PoolScheduler:
 
     # -- filters ---------------------------------------------------------------------------
 
+    def _has_slot(self, address: str) -> bool:
+        limit = self.config.max_in_flight
+        return limit is None or self.in_flight.get(address, 0) < limit
+
     def _takes_work(self, state: EndpointState) -> bool:
+        if not self._has_slot(state.address):
+            return False
         marks = self.config.watermarks
         usage = state.kv_cache_usage
         if usage is not None and usage >= marks.critical:
@@ -191,12 +197,17 @@ class PoolScheduler:
         ]
         return [c for _, _, c in sorted(scored, key=lambda item: item[:2])]
 
-    def _least_in_flight(self, snapshot: StoreSnapshot, rng: random.Random) -> Placement | Shed:
+    def _least_in_flight(
+        self, snapshot: StoreSnapshot, now: float, tokens: int, rng: random.Random
+    ) -> Placement | Shed:
         states = snapshot.endpoints(self.config.name)
         addresses = [s.address for s in states] or list(self.config.endpoints)
         if not addresses:
             return Shed(503, "no_ready_endpoint",
                         f"pool '{self.config.name}' has no endpoints", MIN_RETRY_MS)
+        addresses = [a for a in addresses if self._has_slot(a)]
+        if not addresses:
+            return self._saturated(tokens, now)
         rng.shuffle(addresses)
         addresses.sort(key=lambda a: self.in_flight.get(a, 0))
         return Placement(addresses[: 1 + FALLBACKS])
@@ -205,7 +216,7 @@ class PoolScheduler:
 
     def _saturated(self, tokens: int, now: float) -> Shed:
         return Shed(503, "pool_saturated",
-                    f"pool '{self.config.name}' is saturated (KV cache above its watermarks)",
+                    f"pool '{self.config.name}' is saturated (no endpoint has room)",
                     self.retry_ms(tokens, now))
 
     def retry_ms(self, tokens: int, now: float) -> int:

@@ -140,3 +140,13 @@ def test_pool_without_kv_awareness_is_least_in_flight():
     sched = scheduler(kv_aware=False, endpoints=["127.0.0.1:1", "127.0.0.1:2"])
     sched.reserve("l", "a", "127.0.0.1:1", 0, NOW)
     assert place(sched, StoreSnapshot()).endpoints[0] == "127.0.0.1:2"
+
+
+def test_max_in_flight_bounds_each_endpoint():
+    sched = scheduler(kv_aware=False, max_in_flight=1,
+                      endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    sched.reserve("l1", "a", "127.0.0.1:1", 0, NOW)
+    assert place(sched, StoreSnapshot()).endpoints == ["127.0.0.1:2"]
+    sched.reserve("l2", "a", "127.0.0.1:2", 0, NOW)
+    shed = place(sched, StoreSnapshot())
+    assert (shed.status, shed.code) == (503, "pool_saturated")
