@@ -95,17 +95,6 @@ async def serve(host: str, port: int, stats_port: int | None) -> None:
     await server.stop(0.5)
 
 
-def read_stats(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> dict[str, object]:
-    """The running server's counters (``--stats-port``), synchronously."""
-    import socket
-
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    return json.loads(b"".join(chunks))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.minimal_extproc",
                                      description=__doc__.splitlines()[0])

@@ -23,6 +23,7 @@ from extproc.config import Config
 from extproc.datalayer.endpoints import EndpointStore
 from extproc.metrics import Metrics
 from extproc.scheduler import Placement, PoolScheduler, Shed
+from extproc.tasks import cancel
 from limiter.fairness import Fairness, MemoryFairness
 from limiter.fairqueue import FairQueue, QueuedRequest
 
@@ -119,10 +120,7 @@ class FlowController:
             self._task = asyncio.create_task(self._run(), name=f"kvgate-flow-{self.pool}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel(self._task)
         for item in list(self.queue.items()):
             self.queue.remove(item.id)
             self._answer(item, self._shed(item, "shutting_down"), "shutdown")

@@ -29,6 +29,7 @@ from extproc.flow import FlowController
 from extproc.limits import build_fairness, build_store
 from extproc.metrics import Metrics
 from extproc.stream import RequestStream
+from extproc.tasks import cancel
 from limiter import LimiterStore
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,7 @@ class KvgateServer:
     async def stop(self, grace: float = 1.0) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace)
-        if self._renewer is not None:
-            self._renewer.cancel()
+        await cancel(self._renewer)
         await self.scraper.stop()
         for discovery in self.discoveries:
             await discovery.stop()

@@ -13,7 +13,6 @@ has no reading instead of trusting a stale one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from extproc.datalayer.nvml import AsyncGpuReader, GpuReader, render_gpu_metrics
+from extproc.tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,7 @@ class AgentHandle:
         return f"{self.url}/metrics"
 
     async def stop(self) -> None:
-        if self.refresher is not None:
-            self.refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.refresher
+        await cancel(self.refresher)
         await self.runner.cleanup()
 
 

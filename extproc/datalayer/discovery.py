@@ -14,13 +14,13 @@ succeeds with no addresses (a resolver may answer so) does empty the pool.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 
 from extproc.datalayer.endpoints import EndpointChange, EndpointStore
+from extproc.tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +102,8 @@ class DnsDiscovery:
             self._task = asyncio.create_task(self._run(), name=f"kvgate-dns-{self.pool}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -20,7 +20,6 @@ when an endpoint turns unhealthy or recovers, one when a GPU source starts or st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
@@ -39,6 +38,7 @@ from extproc.datalayer.endpoints import (
 )
 from extproc.datalayer.metrics import EngineMetrics, parse_vllm_metrics
 from extproc.datalayer.nvml import AsyncGpuReader, GpuReader, GpuReading, parse_gpu_metrics
+from extproc.tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +168,8 @@ class Scraper:
             self._task = asyncio.create_task(self._run(), name="kvgate-scraper")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
