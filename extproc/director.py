@@ -152,7 +152,8 @@ class Director:
             tenant, requested=requested_class, path=path, prompt_tokens=0
         )
         scheduler = self.schedulers[self.config.pools[0].name]
-        return await self._admit(tenant, scheduler, Cost(0, 0), klass)
+        placed = scheduler.place_light(self.endpoints.snapshot(), self.clock(), self.rng)
+        return await self._admit_now(tenant, scheduler, Cost(0, 0), klass, placed, {})
 
     async def _admit(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass

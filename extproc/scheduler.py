@@ -124,6 +124,16 @@ class PoolScheduler:
             eligible = busy
         return Placement([c.state.address for c in self._ranked(eligible, rng)][: 1 + FALLBACKS])
 
+    def place_light(self, snapshot: StoreSnapshot, now: float, rng: random.Random) -> Placement:
+        """For requests that take no KV (``GET /v1/models``, …): any live endpoint, the
+        least busy first, even when the pool is saturated — they never queue."""
+        states = snapshot.endpoints(self.config.name)
+        live = [s.address for s in states if s.is_usable(now, self.staleness_s)]
+        addresses = live or [s.address for s in states] or list(self.config.endpoints)
+        rng.shuffle(addresses)
+        addresses.sort(key=lambda a: self.in_flight.get(a, 0))
+        return Placement(addresses[: 1 + FALLBACKS])
+
     def reserve(self, lease_id: str, tenant: str, endpoint: str, tokens: int, now: float) -> None:
         self.reservations[lease_id] = Reservation(lease_id, tenant, endpoint, tokens, now)
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1

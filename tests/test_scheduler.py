@@ -150,3 +150,9 @@ def test_max_in_flight_bounds_each_endpoint():
     sched.reserve("l2", "a", "127.0.0.1:2", 0, NOW)
     shed = place(sched, StoreSnapshot())
     assert (shed.status, shed.code) == (503, "pool_saturated")
+
+
+def test_requests_without_kv_go_to_a_live_endpoint_even_when_saturated():
+    snap = snapshot(state("full", 0.99), state("dead", 0.0, healthy=False))
+    assert place(scheduler(), snap).code == "pool_saturated"
+    assert scheduler().place_light(snap, NOW, random.Random(0)).endpoints == ["full"]
