@@ -84,7 +84,7 @@ class Metrics:
         )
         self.decision_seconds = Histogram(
             "kvgate_admission_seconds",
-            "Time to decide admission (store round trip included).",
+            "Time to decide admission (store round trip and any queueing included).",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=self.registry,
         )

@@ -119,6 +119,7 @@ class RequestStream:
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if not isinstance(decision, Admission):
             return self._refuse(decision)
+        self.admission = decision  # from here on, close() releases it whatever happens
         inject_usage = self.request.stream and not self.request.wants_usage_chunk
         new_body = mutate_body(self.request, priority=decision.priority,
                                inject_usage=inject_usage, overrides=decision.body_overrides)
