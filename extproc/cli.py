@@ -32,6 +32,7 @@ def _setup_logging(level: str) -> None:
         level=getattr(logging, level.upper()),
         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
 
 
 def _parser() -> argparse.ArgumentParser:
