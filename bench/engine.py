@@ -2,15 +2,24 @@
 
 It speaks enough of vLLM's OpenAI server for kvgate to treat it as a real pod (chat and text
 completions, streaming with ``stream_options.include_usage``, embeddings, ``/v1/models``,
-``/health``, ``/metrics`` with vLLM's metric names, ``priority`` with vLLM's semantics and
-error) while staying cheap, deterministic and inspectable. The scheduling and KV model lives
-in ``bench.engine_model``; this module is only the HTTP layer and its lifecycle.
+``/health``, ``/metrics`` with vLLM's metric names, ``priority`` with vLLM's semantics, see
+``--fcfs-priority``) while staying cheap, deterministic and inspectable. The scheduling and
+KV model lives in ``bench.engine_model``; this module is only the HTTP layer and its
+lifecycle.
 
 Run it::
 
     python -m bench.engine --port 8101 [--host 127.0.0.1] [--model tiny-llama]
-        [--scheduling-policy fcfs|priority] [--ms-per-token 20] [--prefill-us-per-token 50]
+        [--scheduling-policy fcfs|priority] [--fcfs-priority ignore|reject]
+        [--base-ms 7] [--decode-us-per-seq 60] [--prefill-us-per-token 90] [--time-scale 1]
+        [--ms-per-token N] [--max-num-batched-tokens 2048]
         [--kv-blocks 2048 --block-size 16] [--max-num-seqs 64] [--max-model-len N]
+
+The engine runs vLLM V1's step loop (continuous batching, chunked prefill, a step time that
+grows with the batch; see ``bench.engine_model``). ``--time-scale 10`` runs every step 10×
+slower in real time. ``--fcfs-priority``: a non-zero ``priority`` on an ``fcfs`` engine is
+ignored (``ignore``, the default, as vLLM 0.32 does; see ``bench/vllm_cpu/README.md``) or
+answered 400 (``reject``, as older vLLM releases did).
 
 or from Python: ``handle = await start_engine(port, **opts)`` inside a running event loop
 (``await handle.stop()``), or ``with EngineProcess(**opts) as engine:`` for a subprocess.
@@ -212,9 +221,11 @@ def check_model(body: dict[str, Any], config: EngineConfig) -> None:
 
 
 def check_priority(priority: int, config: EngineConfig) -> None:
-    # Wording from vLLM's engine add_request (vllm/engine/llm_engine.py and
-    # vllm/engine/async_llm_engine.py): a non-zero priority needs --scheduling-policy priority.
-    if priority != 0 and config.scheduling_policy != "priority":
+    # vLLM 0.32 ignores a non-zero priority on an fcfs engine (``fcfs_priority="ignore"``);
+    # older releases rejected it, with this wording from the engine's add_request
+    # (vllm/engine/llm_engine.py, vllm/engine/async_llm_engine.py).
+    if (priority != 0 and config.scheduling_policy != "priority"
+            and config.fcfs_priority == "reject"):
         raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
 
 
@@ -683,8 +694,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=defaults.model)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                    default=defaults.scheduling_policy)
-    p.add_argument("--ms-per-token", type=float, default=defaults.ms_per_token)
+    p.add_argument("--fcfs-priority", choices=["ignore", "reject"],
+                   default=defaults.fcfs_priority,
+                   help="non-zero priority on an fcfs engine: ignore (vLLM 0.32) or 400")
+    p.add_argument("--base-ms", type=float, default=defaults.base_ms)
+    p.add_argument("--decode-us-per-seq", type=float, default=defaults.decode_us_per_seq)
     p.add_argument("--prefill-us-per-token", type=float, default=defaults.prefill_us_per_token)
+    p.add_argument("--time-scale", type=float, default=defaults.time_scale,
+                   help="real seconds per model second (2 = twice as slow)")
+    p.add_argument("--ms-per-token", type=float, default=defaults.ms_per_token,
+                   help="older knob: overrides --base-ms")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=defaults.max_num_batched_tokens)
     p.add_argument("--kv-blocks", type=int, default=defaults.kv_blocks)
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)

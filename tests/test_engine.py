@@ -154,14 +154,21 @@ def test_metrics_have_vllm_names(client: httpx.Client) -> None:
 # -- vLLM validation -----------------------------------------------------------------------
 
 
-def test_fcfs_rejects_nonzero_priority_like_vllm(client: httpx.Client) -> None:
-    r = client.post("/v1/chat/completions", json={**CHAT, "priority": -2})
-    assert r.status_code == 400
-    assert r.json() == {"error": {
-        "message": "Got priority -2 but Priority scheduling is not enabled.",
-        "type": "BadRequestError", "param": None, "code": 400}}
-    ok = client.post("/v1/chat/completions", json={**CHAT, "priority": 0, "max_tokens": 1})
-    assert ok.status_code == 200
+def test_fcfs_ignores_priority_like_vllm_0_32(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json={**CHAT, "priority": -2, "max_tokens": 1})
+    assert r.status_code == 200  # a real vLLM 0.32 accepts and ignores it (bench/vllm_cpu)
+
+
+def test_fcfs_can_reject_priority_like_older_vllm() -> None:
+    with EngineProcess(fcfs_priority="reject", **FAST) as strict, \
+            httpx.Client(base_url=strict.url, timeout=10) as client:
+        r = client.post("/v1/chat/completions", json={**CHAT, "priority": -2})
+        assert r.status_code == 400
+        assert r.json() == {"error": {
+            "message": "Got priority -2 but Priority scheduling is not enabled.",
+            "type": "BadRequestError", "param": None, "code": 400}}
+        ok = client.post("/v1/chat/completions", json={**CHAT, "priority": 0, "max_tokens": 1})
+        assert ok.status_code == 200
 
 
 def test_bad_requests(client: httpx.Client) -> None:

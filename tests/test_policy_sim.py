@@ -1,0 +1,62 @@
+"""The virtual-time policy benchmark (bench.sim, bench.policy_sim): small, deterministic runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import policy_sim
+from bench.sim import Fifo, Simulation, jain, summarize, workload
+
+SMALL = {"requests": 500, "rate": 9.0, "seed": 3, "engines": 2}  # ~1.1x two engines' capacity
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict]:
+    out = {}
+    for policy in policy_sim.policies(SMALL["seed"]):
+        out[policy.name], _ = policy_sim.run_policy(policy, SMALL["requests"], SMALL["rate"],
+                                                    SMALL["seed"], SMALL["engines"])
+    return out
+
+
+def test_every_policy_reports_every_metric(rows: dict[str, dict]) -> None:
+    assert list(rows) == ["fifo", "strict-priority", "wfq", "kvgate"]
+    for row in rows.values():
+        for key in ("interactive_ttft_p50_s", "interactive_ttft_p99_s",
+                    "interactive_timeout_rate", "batch_throughput_tok_s", "jain",
+                    "weighted_share_error"):
+            assert isinstance(row[key], float) and not math.isnan(row[key]), key
+        assert 0 < row["jain"] <= 1
+        assert 0 <= row["interactive_timeout_rate"] <= 1
+        assert row["batch_throughput_tok_s"] > 0
+
+
+def test_kvgate_cuts_the_interactive_tail_under_contention(rows: dict[str, dict]) -> None:
+    assert rows["kvgate"]["interactive_ttft_p99_s"] < rows["fifo"]["interactive_ttft_p99_s"]
+
+
+def test_same_seed_same_numbers() -> None:
+    def once() -> dict:
+        return summarize(Simulation(workload(200, 9.0, 5), Fifo(), engines=2).run())
+
+    assert once() == once()
+
+
+def test_jain_index_bounds() -> None:
+    assert jain([1, 1, 1, 1]) == pytest.approx(1.0)
+    assert jain([1, 0, 0, 0]) == pytest.approx(0.25)
+    assert 0 < jain([0.5, 2.0, 1.0]) <= 1
+
+
+def test_cli_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    report = policy_sim.main(["--requests", "200", "--rate", "9", "--engines", "2",
+                              "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["command"].startswith("python -m bench.policy_sim --requests 200")
+    assert set(saved["policies"]) == set(report["policies"])
+    assert set(saved["targets"]) == set(policy_sim.TARGETS)
