@@ -9,7 +9,21 @@ traffic, 70% interactive (prompt U[200, 1000], output U[50, 300] tokens, TTFT SL
 30% batch (prompt U[2000, 8000], output U[200, 1000], SLA 60 s), to 4 engines modelling
 Llama-3-8B on an A100-80GB (``bench.engine_model``). The load: a sweep of FIFO runs picks
 the lowest rate at which FIFO's interactive P99 TTFT is at least 5× its P50 *and* above
-the interactive SLA (i.e. FIFO is contended, not merely bursty).
+the interactive SLA (i.e. FIFO is contended, not merely bursty). This **latency scenario**
+gives the TTFT, timeout and batch-throughput numbers.
+
+The weighted-share numbers come from a second, **contention scenario**: the same traffic mix
+and equal demand per tenant at ``--contention-factor`` (2) × that load, so every tenant's
+offered load (a quarter of ~2× capacity) exceeds its weighted share of capacity (at most
+5/10) and every tenant stays backlogged. Tokens are counted per tenant as requests enter an
+engine's running batch, only inside the loaded window and only while every tenant has work
+waiting (``bench.sim.weighted_shares``); the table gives each tenant's share over its weight
+share, Jain's index over those ratios, and the largest relative error.
+
+(d) runs kvgate's production knobs: KV watermark 0.8, aging 5 s, default scoring, and a
+per-endpoint ``max_in_flight`` of 36. Without that cap the KV gate never binds here (the
+scrape shows only running requests' KV, so work piles up in the engines' own waiting queues,
+where WFQ cannot order it); ``--d-sweep`` reports what other settings give.
 """
 
 from __future__ import annotations
@@ -23,11 +37,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.sim import CLASSES, Fifo, Gated, GateSettings, Policy, Simulation, summarize, workload
+from bench.sim import (
+    CLASSES,
+    TENANTS,
+    Fifo,
+    Gated,
+    GateSettings,
+    Policy,
+    Simulation,
+    summarize,
+    workload,
+)
+from extproc.config import Scoring
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWEEP_RATES = (10.0, 12.0, 14.0, 16.0, 18.0, 20.0, 22.0)
 MAX_IN_FLIGHT = 64  # per engine, for (b) and (c): their only admission gate
+D_MAX_IN_FLIGHT = 36  # per engine, for (d): on top of the KV watermark
+CONTENTION_FACTOR = 2.0  # the contention scenario's load, × the latency scenario's
 TARGETS = {
     "d_vs_a_interactive_p99": 0.2,
     "d_interactive_timeout_rate": 0.02,
@@ -36,7 +63,8 @@ TARGETS = {
 }
 
 
-def policies(seed: int, aging_s: float = 5.0, watermark: float = 0.8) -> list[Policy]:
+def policies(seed: int, aging_s: float = 5.0, watermark: float = 0.8,
+             max_in_flight: int | None = D_MAX_IN_FLIGHT) -> list[Policy]:
     """(a)–(d), with the knobs reported in the JSON."""
     return [
         Fifo(),
@@ -44,8 +72,61 @@ def policies(seed: int, aging_s: float = 5.0, watermark: float = 0.8) -> list[Po
         Gated(GateSettings("wfq", bands=False, engine_priority=False,
                            max_in_flight=MAX_IN_FLIGHT), seed),
         Gated(GateSettings("kvgate", aging_s=aging_s, kv_aware=True, high_watermark=watermark,
-                           critical_watermark=watermark), seed),
+                           critical_watermark=watermark, max_in_flight=max_in_flight), seed),
     ]
+
+
+# Alternative settings for (d), all kvgate config knobs (``--d-sweep``).
+D_SWEEP: dict[str, dict[str, Any]] = {
+    "watermark 0.8, no max_in_flight": {"max_in_flight": None},
+    "max_in_flight 64": {"max_in_flight": 64},
+    "max_in_flight 48": {"max_in_flight": 48},
+    "max_in_flight 36 (chosen)": {},
+    "max_in_flight 32": {"max_in_flight": 32},
+    "max_in_flight 24": {"max_in_flight": 24},
+    "watermark 0.3": {"max_in_flight": None, "watermark": 0.3},
+    "watermark 0.2": {"max_in_flight": None, "watermark": 0.2},
+    "aging off": {"aging_s": None},
+    "scoring waiting-only": {"scoring": Scoring(kv_usage=0, waiting=1, running=0)},
+    "scoring kv-only": {"scoring": Scoring(kv_usage=1, waiting=0, running=0)},
+}
+
+
+def d_policy(seed: int, aging_s: float | None = 5.0, watermark: float = 0.8,
+             max_in_flight: int | None = D_MAX_IN_FLIGHT, scoring: Scoring | None = None
+             ) -> Gated:
+    return Gated(GateSettings("kvgate", aging_s=aging_s, kv_aware=True, high_watermark=watermark,
+                              critical_watermark=watermark, max_in_flight=max_in_flight,
+                              scoring=scoring), seed)
+
+
+def d_sweep(requests: int, rate: float, contention_rate: float, seed: int, engines: int,
+            fifo: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each ``D_SWEEP`` setting of (d) in both scenarios, against FIFO's latency row."""
+    out = []
+    for label, knobs in D_SWEEP.items():
+        lat, _ = run_policy(d_policy(seed, **knobs), requests, rate, seed, engines)
+        con, _ = run_policy(d_policy(seed, **knobs), requests, contention_rate, seed, engines)
+        out.append({
+            "setting": label,
+            "p99_vs_fifo": lat["interactive_ttft_p99_s"] / fifo["interactive_ttft_p99_s"],
+            "interactive_timeout_rate": lat["interactive_timeout_rate"],
+            "batch_vs_fifo": lat["batch_throughput_tok_s"] / fifo["batch_throughput_tok_s"],
+            "contention_share_error": con["weighted_share_error"],
+            "contention_jain": con["jain"],
+        })
+    return out
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'(d) setting':34}{'P99/FIFO':>10}{'int t/o':>9}{'batch/FIFO':>12}"
+            f"{'share err':>11}{'Jain':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['setting']:34}{r['p99_vs_fifo']:>10.3f}"
+                     f"{r['interactive_timeout_rate']:>9.1%}{r['batch_vs_fifo']:>12.3f}"
+                     f"{r['contention_share_error']:>11.1%}{r['contention_jain']:>7.3f}")
+    return "\n".join(lines)
 
 
 def run_policy(policy: Policy, requests: int, rate: float, seed: int, engines: int
@@ -69,13 +150,15 @@ def find_load(requests: int, seed: int, engines: int, rates: tuple[float, ...] =
     return rates[-1], sweep
 
 
-def check_targets(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def check_targets(rows: dict[str, dict[str, Any]], contention: dict[str, dict[str, Any]]
+                  ) -> dict[str, dict[str, Any]]:
+    """Latency targets on the latency scenario; the share target on the contention one."""
     a, d = rows["fifo"], rows["kvgate"]
     measured = {
         "d_vs_a_interactive_p99": d["interactive_ttft_p99_s"] / a["interactive_ttft_p99_s"],
         "d_interactive_timeout_rate": d["interactive_timeout_rate"],
         "d_vs_a_batch_throughput": d["batch_throughput_tok_s"] / a["batch_throughput_tok_s"],
-        "d_weighted_share_error": d["weighted_share_error"],
+        "d_weighted_share_error": contention["kvgate"]["weighted_share_error"],
     }
     out = {}
     for name, value in measured.items():
@@ -90,8 +173,6 @@ COLUMNS = (("interactive_ttft_p50_s", "int P50 s", "{:.3f}"),
            ("interactive_timeout_rate", "int t/o", "{:.1%}"),
            ("batch_ttft_p99_s", "batch P99 s", "{:.1f}"),
            ("batch_throughput_tok_s", "batch tok/s", "{:.0f}"),
-           ("jain", "Jain", "{:.3f}"),
-           ("weighted_share_error", "share err", "{:.1%}"),
            ("preemptions", "preempt", "{}"))
 
 
@@ -101,6 +182,20 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     for name, row in rows.items():
         lines.append(f"{name:16}" + "".join(f"{fmt.format(row[key]):>13}"
                                             for key, _, fmt in COLUMNS))
+    return "\n".join(lines)
+
+
+def share_table(rows: dict[str, dict[str, Any]]) -> str:
+    """Per tenant: share of contended tokens over weight share (1 = exactly weighted)."""
+    head = (f"{'policy':16}" + "".join(f"{t + ' ' + format(w, 'g'):>13}"
+                                       for t, w in TENANTS.items())
+            + f"{'Jain':>8}{'share err':>11}{'tokens':>11}")
+    lines = [head, "-" * len(head)]
+    for name, row in rows.items():
+        ratios = row["share_ratio"]
+        lines.append(f"{name:16}" + "".join(f"{ratios.get(t, math.nan):>13.3f}" for t in TENANTS)
+                     + f"{row['jain']:>8.3f}{row['weighted_share_error']:>11.1%}"
+                     + f"{row['contended_tokens']:>11}")
     return "\n".join(lines)
 
 
@@ -140,6 +235,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=None, help="skip the sweep, use this req/s")
     p.add_argument("--aging-s", type=float, default=5.0)
     p.add_argument("--watermark", type=float, default=0.8)
+    p.add_argument("--max-in-flight", type=int, default=D_MAX_IN_FLIGHT,
+                   help="(d)'s per-endpoint max_in_flight (0 = none)")
+    p.add_argument("--contention-factor", type=float, default=CONTENTION_FACTOR,
+                   help="the contention scenario's load, × the latency scenario's")
+    p.add_argument("--d-sweep", action="store_true",
+                   help="also run (d) under other settings and report them")
     p.add_argument("--out", type=Path, default=RESULTS / "policy-virtual.json")
     return p.parse_args(argv)
 
@@ -152,13 +253,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rate = args.rate
     if rate is None:
         rate, sweep = find_load(args.requests, args.seed, args.engines)
-    print(f"load: {rate:.1f} req/s (Poisson)")
+    print(f"latency scenario: {rate:.1f} req/s (Poisson)")
+    mif = args.max_in_flight or None
     rows, sims = {}, {}
-    for policy in policies(args.seed, args.aging_s, args.watermark):
+    for policy in policies(args.seed, args.aging_s, args.watermark, mif):
         rows[policy.name], sims[policy.name] = run_policy(policy, args.requests, rate,
                                                           args.seed, args.engines)
     print(table(rows))
-    targets = check_targets(rows)
+    contention_rate = args.contention_factor * rate
+    print(f"contention scenario: {contention_rate:.1f} req/s (Poisson, equal demand), "
+          "share of tokens / weight share while every tenant is backlogged")
+    contention = {}
+    for policy in policies(args.seed, args.aging_s, args.watermark, mif):
+        contention[policy.name], _ = run_policy(policy, args.requests, contention_rate,
+                                                args.seed, args.engines)
+    print(share_table(contention))
+    sweep_d: list[dict[str, Any]] = []
+    if args.d_sweep:
+        sweep_d = d_sweep(args.requests, rate, contention_rate, args.seed, args.engines,
+                          rows["fifo"])
+        print(sweep_table(sweep_d))
+    targets = check_targets(rows, contention)
     for name, t in targets.items():
         print(f"  {'PASS' if t['pass'] else 'MISS'} {name}: {t['value']:.3f} "
               f"(target {'>=' if name == 'd_vs_a_batch_throughput' else '<='} {t['target']})")
@@ -167,9 +282,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                               else sys.argv[1:]),
         "requests": args.requests, "seed": args.seed, "engines": args.engines,
         "rate_req_s": rate, "sweep": sweep,
-        "knobs": {"max_in_flight_b_c": MAX_IN_FLIGHT, "aging_s_d": args.aging_s,
-                  "kv_watermark_d": args.watermark, "scrape_s_d": 0.1},
-        "policies": rows, "targets": targets,
+        "knobs": {"max_in_flight_b_c": MAX_IN_FLIGHT, "max_in_flight_d": mif,
+                  "aging_s_d": args.aging_s, "kv_watermark_d": args.watermark,
+                  "scrape_s_d": 0.1},
+        "policies": rows,
+        "contention": {"rate_req_s": contention_rate, "factor": args.contention_factor,
+                       "policies": contention},
+        "d_sweep": sweep_d, "targets": targets,
         "seconds": round(time.perf_counter() - started, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from bench.engine_model import EngineConfig, SimRequest, VirtualEngine
-from extproc.config import Model, Pool, Watermarks
+from extproc.config import Model, Pool, Scoring, Watermarks
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.scheduler import Placement, PoolScheduler
@@ -101,7 +101,11 @@ class Job:
 def workload(n: int, rate: float, seed: int, tenants: dict[str, float] = TENANTS,
              interactive: float = 0.7) -> list[Job]:
     """``n`` Poisson arrivals at ``rate``/s; each tenant sends an equal share of requests
-    (equal demand, unequal weights), ``interactive`` of them interactive, the rest batch."""
+    (equal demand, unequal weights), ``interactive`` of them interactive, the rest batch.
+
+    The same generator serves both scenarios of ``bench.policy_sim``: near capacity (the
+    latency scenario) and at ~2× capacity (the contention scenario, where every tenant's
+    demand — a quarter of 2× capacity — exceeds even platinum's weighted share, 5/10)."""
     rng = random.Random(seed)
     names = sorted(tenants)
     t, jobs = 0.0, []
@@ -164,6 +168,7 @@ class GateSettings:
     max_in_flight: int | None = None  # per endpoint (kv_aware=False needs it)
     engine_priority: bool = True  # engines run --scheduling-policy priority
     scrape_s: float = 0.1
+    scoring: Scoring | None = None  # picker weights; None = kvgate's defaults
 
 
 class Gated(Policy):
@@ -188,7 +193,8 @@ class Gated(Policy):
         pool = Pool(name="sim", models=[Model(name="m")], endpoints=self.addresses,
                     kv_aware=s.kv_aware, priority_scheduling=s.engine_priority,
                     max_in_flight=s.max_in_flight,
-                    watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark))
+                    watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark),
+                    scoring=s.scoring or Scoring())
         self.scheduler = PoolScheduler(pool, dict(sim.tenants))
         self.on_tick(0.0)
 
@@ -372,12 +378,16 @@ def jain(values: list[float]) -> float:
 def weighted_shares(result: SimResult, tenants: dict[str, float] = TENANTS) -> dict:
     """Weighted-share accuracy **under contention**.
 
-    Counted over the engine admissions (first admission of a request into an engine's
-    running batch) made inside the loaded window (25–75% of the arrival period) while
-    **every** tenant had at least one request waiting (arrived, not yet admitted: in the
-    gateway queue or an engine's waiting queue) — "busy: share by weight". Each admission
-    adds its KV tokens (prompt + max output, what WFQ charges) to its tenant. ``ratio`` is a
-    tenant's share of those tokens over its weight share; the error is ``max |ratio − 1|``
+    Meaningful only when every tenant wants more than its weighted share (run it on the
+    contention scenario; near capacity with equal demand the heavy tenants never want 5/10
+    of the pool, so their ratio stays under 1 whatever the scheduler does). Counted over
+    the engine admissions (first admission of a request into an engine's running batch:
+    where the tenant starts getting GPU time) made inside the loaded window (25–75% of the
+    arrival period) while **every** tenant had at least one request waiting (arrived, not
+    yet admitted: in the gateway queue or an engine's waiting queue) — "busy: share by
+    weight". Each admission adds its KV tokens (prompt + max output, what WFQ charges) to
+    its tenant. ``ratio`` is a tenant's share of those tokens over its weight share; the
+    error is ``max |ratio − 1|``
     and Jain's index is over the ratios (1 = exactly weighted).
     """
     total = sum(result.contended.values())
