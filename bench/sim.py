@@ -169,6 +169,7 @@ class GateSettings:
     engine_priority: bool = True  # engines run --scheduling-policy priority
     scrape_s: float = 0.1
     scoring: Scoring | None = None  # picker weights; None = kvgate's defaults
+    max_waiting: int | None = None  # watermarks.max_waiting: engine queue length cap
 
 
 class Gated(Policy):
@@ -193,7 +194,8 @@ class Gated(Policy):
         pool = Pool(name="sim", models=[Model(name="m")], endpoints=self.addresses,
                     kv_aware=s.kv_aware, priority_scheduling=s.engine_priority,
                     max_in_flight=s.max_in_flight,
-                    watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark),
+                    watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark,
+                                          max_waiting=s.max_waiting),
                     scoring=s.scoring or Scoring())
         self.scheduler = PoolScheduler(pool, dict(sim.tenants))
         self.on_tick(0.0)

@@ -176,6 +176,10 @@ class Watermarks(_Strict):
     gpu_memory_critical: float = Field(
         0.98, gt=0, le=1, description="NVML memory used ratio above which an endpoint is skipped"
     )
+    max_waiting: int | None = Field(
+        None, ge=0, description="an endpoint whose own waiting queue is longer takes nothing: "
+        "the work waits in kvgate's fair queue instead, where bands and weights order it"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Watermarks:

@@ -162,7 +162,10 @@ class PoolScheduler:
         if usage is not None and usage >= marks.critical:
             return False
         gpu = state.gpu_memory_used_ratio
-        return gpu is None or gpu < marks.gpu_memory_critical
+        if gpu is not None and gpu >= marks.gpu_memory_critical:
+            return False
+        return marks.max_waiting is None or _metric(state, "num_requests_waiting") <= (
+            marks.max_waiting)
 
     def _too_large(self, states: tuple[EndpointState, ...], tokens: int) -> Shed | None:
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]

@@ -156,3 +156,11 @@ def test_requests_without_kv_go_to_a_live_endpoint_even_when_saturated():
     snap = snapshot(state("full", 0.99), state("dead", 0.0, healthy=False))
     assert place(scheduler(), snap).code == "pool_saturated"
     assert scheduler().place_light(snap, NOW, random.Random(0)).endpoints == ["full"]
+
+
+def test_an_engine_already_queueing_takes_nothing_when_max_waiting_is_set():
+    snap = snapshot(state("queueing", 0.1, waiting=3), state("calm", 0.5, waiting=0))
+    assert place(scheduler(), snap).endpoints[0] == "queueing"  # off by default
+    strict = scheduler(watermarks={"max_waiting": 0})
+    assert place(strict, snap).endpoints == ["calm"]
+    assert place(strict, snapshot(state("queueing", 0.1, waiting=3))).code == "pool_saturated"

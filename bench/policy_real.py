@@ -1,0 +1,239 @@
+"""The admission policies compared in real time, through the real Envoy, on simulated engines.
+
+Why: kvgate's policy pieces (class bands, weighted fair queueing, KV-watermark admission,
+vLLM priority) each claim a benefit; this runs the same seeded open-loop load (the
+``reference`` scenario of ``bench.loadgen``) against four set-ups in one go, so the claims
+are measured side by side rather than argued:
+
+- ``fifo``      Envoy round-robin straight to FCFS engines (no ext_proc at all);
+- ``priority``  kvgate, classes as bands, every tenant the same weight, no KV admission
+                (``kv_aware: false``, ``max_in_flight`` per endpoint), priority engines;
+- ``wfq``       kvgate, one class for everything (one band), the tenants' weights, same
+                capacity bound as ``priority``, FCFS engines;
+- ``kvgate``    everything: KV-aware admission and routing, bands + WFQ + aging, priority.
+
+Run it (~6 minutes on a 2-core machine)::
+
+    python -m bench.policy_real [--rate 3.0 --duration 40 --seed 1] \\
+        [--configs fifo,priority,wfq,kvgate] [--out bench/results/policy-real.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import (
+    LoadResult,
+    format_summary,
+    kvgate_tenants,
+    load_scenario,
+    run_load,
+    ttft_cdf_plot,
+    write_json,
+)
+from bench.ports import free_port
+from extproc.config import Config, parse_config
+
+CONFIGS = ("fifo", "priority", "wfq", "kvgate")
+# Small KV caches (2 × 64 blocks × 16 = 2048 tokens) so a few batch requests fill an engine;
+# 40 ms per token keeps the SSE chunk rate (and so Envoy's and kvgate's CPU) low on 2 cores.
+ENGINE = {"ms_per_token": 40, "kv_blocks": 64, "block_size": 16, "max_num_seqs": 32}
+ENGINES = 2
+MAX_IN_FLIGHT = 6  # per endpoint, for the set-ups without KV admission
+CLASSES = {"interactive": {"priority": 0, "deadline_s": 30, "sla_ms": 2000},
+           "batch": {"priority": 1, "deadline_s": 60, "sla_ms": 30000}}
+
+
+def kvgate_config(kind: str, endpoints: list[str]) -> Config:
+    """The kvgate configuration of one set-up; everything not under test stays equal."""
+    scenario = load_scenario("reference")
+    pool: dict[str, Any] = {"name": "tiny", "models": [{"name": "tiny-llama",
+                                                        "default_max_tokens": 256}],
+                            "endpoints": endpoints, "priority_scheduling": kind != "wfq"}
+    classes: dict[str, Any] = CLASSES
+    queue: dict[str, Any] = {"aging_s": None, "max_size": 4096}
+    section = kvgate_tenants(scenario, same_weight=kind == "priority")
+    if kind in ("priority", "wfq"):
+        pool |= {"kv_aware": False, "max_in_flight": MAX_IN_FLIGHT}
+    if kind == "wfq":  # one band: the class header is ignored, everyone gets "standard"
+        classes = {"standard": {"priority": 0, "deadline_s": 60, "sla_ms": 2000}}
+        for tenant in section["tenants"]:
+            tenant |= {"default_class": "standard", "max_class": "standard",
+                       "class_header": False}
+    if kind == "kvgate":
+        queue["aging_s"] = 5
+    return parse_config({
+        "server": {"grpc_port": free_port(), "admin_port": 0},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "scrape": {"interval_s": 0.05}, "queue": queue, "classes": classes,
+        "classification": {"long_prompt_tokens": None, "path_classes": {}},
+        **section, "pools": [pool],
+    })
+
+
+def fifo_bootstrap(config: Config, endpoints: list[str]) -> dict[str, Any]:
+    """kvgate's own bootstrap minus the ext_proc filter, with the upstream cluster made a
+    STATIC round-robin over the engines: the same Envoy, only the policy removed."""
+    from extproc.envoy_config import render_bootstrap
+
+    bootstrap = render_bootstrap(config)
+    resources = bootstrap["static_resources"]
+    hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if "ext_proc" not in f["name"]]
+    upstream = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"]
+    lb_endpoints = [{"endpoint": {"address": {"socket_address": {
+        "address": ep.split(":")[0], "port_value": int(ep.split(":")[1])}}}}
+        for ep in endpoints]
+    resources["clusters"] = [{
+        "name": upstream, "type": "STATIC", "lb_policy": "ROUND_ROBIN",
+        "connect_timeout": "2s",
+        "load_assignment": {"cluster_name": upstream, "endpoints": [{"lb_endpoints":
+                                                                     lb_endpoints}]},
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000,
+                                             "max_pending_requests": 100000,
+                                             "max_requests": 100000}]},
+    }]
+    return bootstrap
+
+
+@contextlib.contextmanager
+def fifo_stack(endpoints: list[str], config: Config) -> Iterator[str]:
+    from bench.engine import EngineProcess
+    from extproc.envoy_proc import EnvoyProcess
+
+    with contextlib.ExitStack() as stack:
+        for ep in endpoints:
+            host, port = ep.split(":")
+            stack.enter_context(EngineProcess(port=int(port), host=host,
+                                              scheduling_policy="fcfs", **ENGINE))
+        envoy = stack.enter_context(EnvoyProcess(bootstrap=fifo_bootstrap(config, endpoints)))
+        yield envoy.url
+
+
+@contextlib.contextmanager
+def stack_for(kind: str) -> Iterator[str]:
+    """Engines (+ kvgate) + Envoy for one set-up; yields the gateway URL."""
+    from extproc.demo import local_stack
+
+    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(ENGINES)]
+    config = kvgate_config("kvgate" if kind == "fifo" else kind, endpoints)
+    if kind == "fifo":
+        with fifo_stack(endpoints, config) as url:
+            yield url
+    else:
+        with local_stack(config, engine_options=ENGINE) as stack:
+            yield stack.url
+
+
+def run_one(kind: str, rate: float, duration_s: float, seed: int) -> LoadResult:
+    with stack_for(kind) as url:
+        time.sleep(0.5)  # a few scrape rounds, so kvgate sees the engines as fresh
+        return asyncio.run(run_load(url, "reference", duration_s, rate, seed,
+                                    progress=sys.stderr.isatty(), label=kind))
+
+
+def row(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
+    inter, batch = summary["classes"]["interactive"], summary["classes"]["batch"]
+    return {"config": kind, "interactive_ttft_p50_s": inter["ttft_p50_s"],
+            "interactive_ttft_p99_s": inter["ttft_p99_s"],
+            "interactive_timeout_rate": inter["timeout_rate"],
+            "interactive_reject_rate": inter["reject_rate"],
+            "batch_tokens_per_s": batch["tokens_per_s"], "batch_reject_rate": batch["reject_rate"],
+            "jain": summary["jain"], "max_share_error": summary["max_share_error"],
+            "jain_demand_aware": summary["jain_demand_aware"],
+            "max_share_error_demand_aware": summary["max_share_error_demand_aware"]}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The four targets of kvgate (d) against plain FIFO (a)."""
+    fifo, full = rows.get("fifo"), rows.get("kvgate")
+    if fifo is None or full is None:
+        return {}
+    p99 = _ratio(full["interactive_ttft_p99_s"], fifo["interactive_ttft_p99_s"])
+    thr = _ratio(full["batch_tokens_per_s"], fifo["batch_tokens_per_s"])
+    checks = {
+        "interactive_p99_ratio": (p99, p99 is not None and p99 <= 0.2, "<= 0.2"),
+        "interactive_timeout_rate": (full["interactive_timeout_rate"],
+                                     full["interactive_timeout_rate"] <= 0.02, "<= 0.02"),
+        "batch_throughput_ratio": (thr, thr is not None and thr >= 0.9, ">= 0.9"),
+        "weighted_share_error": (full["max_share_error"], full["max_share_error"] <= 0.05,
+                                 "<= 0.05"),
+        "weighted_share_error_demand_aware": (full["max_share_error_demand_aware"],
+                                              full["max_share_error_demand_aware"] <= 0.05,
+                                              "<= 0.05"),
+    }
+    return {k: {"value": v, "pass": ok, "target": t} for k, (v, ok, t) in checks.items()}
+
+
+def _f(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def format_table(rows: dict[str, dict[str, Any]], checks: dict[str, Any]) -> str:
+    lines = ["config     int P50 s  int P99 s  P99/P50  int timeout  int reject  batch tok/s"
+             "  Jain   share err  (demand-aware Jain, err)"]
+    for kind, r in rows.items():
+        spread = _ratio(r["interactive_ttft_p99_s"], r["interactive_ttft_p50_s"])
+        lines.append(
+            f"{kind:<10}{_f(r['interactive_ttft_p50_s']):>9}"
+            f"{_f(r['interactive_ttft_p99_s']):>11}"
+            f"{_f(spread, 1, 1):>9}{_f(r['interactive_timeout_rate'], 100, 1):>12}%"
+            f"{_f(r['interactive_reject_rate'], 100, 1):>11}%"
+            f"{_f(r['batch_tokens_per_s'], 1, 1):>13}"
+            f"{_f(r['jain'], 1, 3):>7}{_f(r['max_share_error'], 100, 1):>10}%"
+            f"   ({_f(r['jain_demand_aware'], 1, 3)}, "
+            f"{_f(r['max_share_error_demand_aware'], 100, 1)}%)")
+    for name, c in checks.items():
+        lines.append(f"target {name:<36} {_f(c['value'], 1, 3):>8} (target {c['target']}): "
+                     f"{'PASS' if c['pass'] else 'MISS'}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.policy_real", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=3.0)
+    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--out", default="bench/results/policy-real.json")
+    p.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    runs, rows = [], {}
+    for kind in args.configs.split(","):
+        started = time.monotonic()
+        result = run_one(kind, args.rate, args.duration, args.seed)
+        data = result.to_json()
+        runs.append(data)
+        rows[kind] = row(kind, data["summary"])
+        print(f"\n== {kind} ({time.monotonic() - started:.0f} s)\n"
+              + format_summary(data["summary"]), flush=True)
+    checks = targets(rows)
+    print("\n" + format_table(rows, checks))
+    out = Path(args.out)
+    write_json({"command": "python -m bench.policy_real " + " ".join(argv),
+                "engine": ENGINE, "engines": ENGINES, "max_in_flight": MAX_IN_FLIGHT,
+                "rate": args.rate, "duration_s": args.duration, "seed": args.seed,
+                "table": rows, "targets": checks, "runs": runs}, out)
+    print(ttft_cdf_plot(runs, args.plot or out.with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
