@@ -89,15 +89,17 @@ D_SWEEP: dict[str, dict[str, Any]] = {
     "aging off": {"aging_s": None},
     "scoring waiting-only": {"scoring": Scoring(kv_usage=0, waiting=1, running=0)},
     "scoring kv-only": {"scoring": Scoring(kv_usage=1, waiting=0, running=0)},
+    "max_waiting 0, no max_in_flight": {"max_in_flight": None, "max_waiting": 0},
+    "max_waiting 2, no max_in_flight": {"max_in_flight": None, "max_waiting": 2},
 }
 
 
 def d_policy(seed: int, aging_s: float | None = 5.0, watermark: float = 0.8,
-             max_in_flight: int | None = D_MAX_IN_FLIGHT, scoring: Scoring | None = None
-             ) -> Gated:
+             max_in_flight: int | None = D_MAX_IN_FLIGHT, scoring: Scoring | None = None,
+             max_waiting: int | None = None) -> Gated:
     return Gated(GateSettings("kvgate", aging_s=aging_s, kv_aware=True, high_watermark=watermark,
                               critical_watermark=watermark, max_in_flight=max_in_flight,
-                              scoring=scoring), seed)
+                              scoring=scoring, max_waiting=max_waiting), seed)
 
 
 def d_sweep(requests: int, rate: float, contention_rate: float, seed: int, engines: int,
