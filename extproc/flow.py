@@ -110,8 +110,10 @@ class FlowController:
             raise
 
     def kick(self) -> None:
-        """A capacity event: completion, fresh scrape, released reservation."""
-        self._kick.set()
+        """A capacity event: completion, fresh scrape, released reservation. With nothing
+        queued there is nothing to dispatch: the dispatcher stays asleep (hot path)."""
+        if len(self.queue):
+            self._kick.set()
 
     # -- the dispatcher --------------------------------------------------------------------
 

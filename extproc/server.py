@@ -60,8 +60,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ending = "cancelled"
             raise
         finally:
-            # shielded: a second cancellation must not skip the release
-            await asyncio.shield(stream.close(ending))
+            if stream.holds_admission:  # usually released already, at end of stream
+                # shielded: a second cancellation must not skip the release
+                await asyncio.shield(stream.close(ending))
 
 
 class KvgateServer:

@@ -181,6 +181,10 @@ class RequestStream:
         self.done = True
         return messages.immediate(status, body, headers, details)
 
+    @property
+    def holds_admission(self) -> bool:
+        return self.admission is not None and not self._released
+
     async def close(self, abnormal: str | None) -> None:
         """Release the admission's lease and reconcile its tokens. Safe to call repeatedly."""
         if self.admission is None or self._released:
