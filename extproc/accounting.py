@@ -46,7 +46,8 @@ class ResponseMeter:
             # the last one: the response's own usage, after any nested documents
             starts = [m.end() - 1 for m in _USAGE_PRESENT.finditer(self._tail)]
             if starts:
-                obj = _balanced_object(self._tail, starts[-1])
+                obj = _flat_object(self._tail, starts[-1]) or _balanced_object(
+                    self._tail, starts[-1])
                 self.usage = obj and _parse_usage(b'{"usage":' + obj + b"}")
 
     def _feed_sse(self, chunk: bytes) -> bytes | None:
@@ -72,6 +73,15 @@ def _parse_usage(document: bytes) -> Usage | None:
         return usage_from(orjson.loads(document))
     except orjson.JSONDecodeError:
         return None
+
+
+def _flat_object(data: bytes, start: int) -> bytes | None:
+    """The object at ``start`` when it holds no nested object (the usual ``usage``)."""
+    end = data.find(b"}", start)
+    inner = data.find(b"{", start + 1)
+    if end == -1 or -1 < inner < end:
+        return None
+    return data[start : end + 1]
 
 
 def _balanced_object(data: bytes, start: int) -> bytes | None:

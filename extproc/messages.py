@@ -15,6 +15,7 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+DESTINATION = "x-gateway-destination-endpoint"
 
 Headers = Mapping[str, str]
 
@@ -71,8 +72,11 @@ def route_request(
         common.body_mutation.body = body
         headers["content-length"] = str(len(body))
     common.header_mutation.CopyFrom(header_mutation(headers))
-    dynamic = Struct()
-    dynamic.update({"envoy.lb": {"x-gateway-destination-endpoint": endpoint}, "kvgate": metadata})
+    dynamic = Struct()  # filled field by field: Struct.update() walks values in Python
+    dynamic.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value = endpoint
+    ours = dynamic.fields["kvgate"].struct_value.fields
+    for key, value in metadata.items():
+        ours[key].string_value = value
     if in_body_phase:
         return pb.ProcessingResponse(
             request_body=pb.BodyResponse(response=common), dynamic_metadata=dynamic

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -10,6 +12,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.decisions = Counter(
             "kvgate_decisions_total",
             "Admission outcomes by tenant and outcome (admitted, or the rejection reason).",
@@ -88,3 +91,12 @@ class Metrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=self.registry,
         )
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, memoised: the request path calls this several times
+        per message, and prometheus_client's own lookup takes a lock and builds a key."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found

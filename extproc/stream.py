@@ -54,7 +54,7 @@ class RequestStream:
 
     async def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
         kind = message.WhichOneof("request")
-        self.metrics.messages.labels(kind).inc()
+        self.metrics.child(self.metrics.messages, kind).inc()
         try:
             if kind == "request_headers":
                 return await self._on_request_headers(message.request_headers)
@@ -66,12 +66,12 @@ class RequestStream:
         except BadRequest as error:
             return self._answer(*client_error(error), details=error.code or "bad_request")
         except StoreUnavailable:
-            self.metrics.stream_errors.labels("store_unavailable").inc()
+            self.metrics.child(self.metrics.stream_errors, "store_unavailable").inc()
             return self._answer(*internal_error("admission limits are unavailable; retry later"),
                                 details="kvgate_store_unavailable")
         except Exception:
             log.exception("ext_proc %s failed", kind)
-            self.metrics.stream_errors.labels("internal").inc()
+            self.metrics.child(self.metrics.stream_errors, "internal").inc()
             if kind.startswith("response"):
                 return _continue_other(kind)
             return self._answer(*internal_error("kvgate could not process the request"),
@@ -131,9 +131,9 @@ class RequestStream:
     ) -> pb.ProcessingResponse:
         self.admission = admission
         tenant = admission.tenant.name
-        self.metrics.decisions.labels(tenant, "admitted").inc()
-        self.metrics.tokens.labels(tenant, "reserved").inc(admission.cost.tokens)
-        self.metrics.in_flight.labels(tenant).inc()
+        self.metrics.child(self.metrics.decisions, tenant, "admitted").inc()
+        self.metrics.child(self.metrics.tokens, tenant, "reserved").inc(admission.cost.tokens)
+        self.metrics.child(self.metrics.in_flight, tenant).inc()
         headers = {
             "x-kvgate-tenant": tenant,
             "x-kvgate-class": admission.request_class,
@@ -165,14 +165,14 @@ class RequestStream:
 
     def _reject(self, reject: Reject) -> pb.ProcessingResponse:
         if self.tenant is not None:
-            self.metrics.decisions.labels(self.tenant.name, reject.reason.value).inc()
+            self.metrics.child(self.metrics.decisions, self.tenant.name, reject.reason.value).inc()
         return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
 
     def _refuse(self, refusal: Reject | Shed) -> pb.ProcessingResponse:
         if isinstance(refusal, Reject):
             return self._reject(refusal)
         if self.tenant is not None:
-            self.metrics.decisions.labels(self.tenant.name, refusal.code).inc()
+            self.metrics.child(self.metrics.decisions, self.tenant.name, refusal.code).inc()
         return self._answer(*shed_response(refusal), details=f"kvgate_{refusal.code}")
 
     def _answer(
@@ -191,12 +191,12 @@ class RequestStream:
             return
         self._released = True
         if abnormal:
-            self.metrics.stream_errors.labels(abnormal).inc()
+            self.metrics.child(self.metrics.stream_errors, abnormal).inc()
         used = self._used_tokens()
         tenant = self.admission.tenant.name
-        self.metrics.in_flight.labels(tenant).dec()
+        self.metrics.child(self.metrics.in_flight, tenant).dec()
         if used is not None:
-            self.metrics.tokens.labels(tenant, "used").inc(used)
+            self.metrics.child(self.metrics.tokens, tenant, "used").inc(used)
         await self.director.release(self.admission, used)
 
     def _used_tokens(self) -> int:
