@@ -1,0 +1,56 @@
+"""Reading usage off responses: JSON tails, SSE streams split anywhere, bounded memory."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.accounting import TAIL_BYTES, ResponseMeter
+from extproc.openai import Usage
+
+USAGE = {"prompt_tokens": 13, "completion_tokens": 4, "total_tokens": 17}
+
+
+def sse(events: list[dict]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def test_json_usage_flat_and_nested():
+    for usage in (USAGE, {**USAGE, "prompt_tokens_details": {"cached_tokens": 0}}):
+        meter = ResponseMeter(stream=False, strip_usage_event=False)
+        meter.feed(orjson.dumps({"choices": [{"text": '"usage": {'}], "usage": usage}))
+        meter.finish()
+        assert meter.usage == Usage(13, 4)
+
+
+def test_large_json_keeps_only_a_bounded_tail():
+    meter = ResponseMeter(stream=False, strip_usage_event=False)
+    body = orjson.dumps({"data": [[0.1] * 1000] * 200, "usage": USAGE})
+    for i in range(0, len(body), 4096):
+        meter.feed(body[i : i + 4096])
+    meter.finish()
+    assert meter.usage == Usage(13, 4)
+    assert len(meter._tail) <= TAIL_BYTES
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 400), max_size=8))
+def test_stream_split_anywhere_counts_events_and_finds_usage(cuts):
+    events = [{"choices": [{"delta": {"content": f"t{i} "}}]} for i in range(5)]
+    body = sse([*events, {"choices": [], "usage": USAGE}])
+    meter = ResponseMeter(stream=True, strip_usage_event=False)
+    start = 0
+    for cut in [*sorted({min(c, len(body)) for c in cuts}), len(body)]:
+        meter.feed(body[start:cut])
+        start = cut
+    assert meter.usage == Usage(13, 4)
+    assert meter.events == 5
+
+
+def test_injected_usage_event_is_removed_from_its_chunk():
+    meter = ResponseMeter(stream=True, strip_usage_event=True)
+    chunk = sse([{"choices": [{"delta": {"content": "a"}}]}, {"choices": [], "usage": USAGE}])
+    out = meter.feed(chunk)
+    assert out is not None and b"usage" not in out and out.endswith(b"data: [DONE]\n\n")
+    assert meter.usage == Usage(13, 4)
