@@ -1,0 +1,884 @@
+"""What kvgate costs per request, next to plain Envoy and a do-nothing Python ext_proc.
+
+    .venv/bin/python -m bench.overhead [--duration 10] [--warmup 2] [--levels 1,16,64]
+        [--modes direct,minimal,kvgate,kvgate_redis] [--no-pin]
+    .venv/bin/python -m bench.overhead --profile   # py-spy over kvgate and the floor, c=16
+
+One run; per mode, a simulated engine (``bench.engine``, every step of its loop 0 s: it answers a
+non-streaming chat completion at once) behind its own Envoy (``--concurrency 1``):
+
+- ``direct``: Envoy → engine; no ext_proc filter, the upstream cluster STATIC to the engine.
+- ``minimal``: Envoy + ``bench.minimal_extproc`` (CONTINUE to everything) — the Python floor.
+  kvgate's rendered bootstrap with one change: the upstream cluster is STATIC to the engine
+  (the floor routes nothing). The ext_proc filter, its processing modes (request headers
+  SEND, request body BUFFERED, response headers SKIP, response body STREAMED) and every
+  other setting are kvgate's.
+- ``kvgate``: ``kvgate serve -c FILE`` (in-memory limits) and its rendered bootstrap, as is:
+  API key, body parse, admission against every limit, KV-aware placement on the engine's
+  scraped metrics, body mutation, response accounting.
+- ``kvgate_redis``: the same with a ``redis:`` section (a redis-server on a free port).
+
+All modes run side by side for the whole run. Each concurrency level gives every mode
+``--duration`` seconds of a closed loop of N aiohttp clients, cut into ``--rounds`` windows
+taken in turn (mode after mode, round after round, each after a warm-up), so that whatever
+else this shared machine runs meanwhile falls on every mode alike. Per mode and level:
+requests/s, p50/p99 latency, the CPU of every process (utime + stime of ``/proc/PID/stat``,
+all threads, read before and after each window) divided by the requests completed, and the
+ext_proc messages per request (kvgate's ``kvgate_extproc_messages_total``; the floor counts
+its own). By default Envoy and the ext_proc servers run on core 1; the load generator, the
+engines and Redis on core 0.
+
+Prints a table and writes ``bench/results/overhead.json`` and ``overhead.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import yaml
+
+from bench.engine import EngineProcess
+from bench.ports import free_port
+from bench.redis_server import RedisServer
+from extproc.config import hash_api_key, parse_config
+from extproc.envoy_config import EXT_PROC_CLUSTER, UPSTREAM_CLUSTER, render_bootstrap
+from extproc.envoy_proc import EnvoyProcess, find_envoy
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).parent / "results"
+MODES = ("direct", "minimal", "kvgate", "kvgate_redis")
+LEVELS = (1, 16, 64)
+PROCESS_ROLES = ("envoy", "ext_proc", "engine", "redis", "loadgen")
+CLIENT_CORES, GATEWAY_CORES = {0}, {1}  # with pinning: who runs where
+ROUND_WARMUP_S = 0.5  # before each window after a level's first
+
+API_KEY = "sk-bench-overhead"
+MODEL = "tiny-llama"
+MAX_TOKENS = 4
+BODY = json.dumps({
+    "model": MODEL, "max_tokens": MAX_TOKENS, "stream": False,
+    "messages": [{"role": "user", "content": "Say hello to the overhead benchmark, please."}],
+}).encode()
+HEADERS = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+# Real limits on every dimension the example config uses, set far above what the run sends:
+# every admission checks and charges them all, none rejects.
+LIMITS = {
+    "requests_per_second": 1_000_000, "request_burst": 1_000_000,
+    "tokens_per_minute": 1_000_000_000, "max_concurrency": 10_000,
+    "max_context_tokens": 100_000,
+}
+# Every step of the engine's loop takes no time: it answers as fast as its HTTP layer can.
+# (Any step time > 0 sleeps; the asyncio loop rounds such sleeps up to its 1 ms clock.)
+ENGINE_OPTIONS = {"model": MODEL, "scheduling_policy": "priority", "ms_per_token": 0,
+                  "prefill_us_per_token": 0, "decode_us_per_seq": 0}
+
+# Targets from the issue.
+CPU_RATIO_TARGET = 1.5  # kvgate ext_proc CPU/request ÷ the floor's, at the reference level
+CPU_RATIO_LEVEL = 16  # REFERENCE.md measured its Python floor at c=16
+P50_DELTA_TARGET_MS = 1.5  # kvgate p50 − Envoy-direct p50 at c=1
+
+
+# -- processes and their CPU ---------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def core_busy_seconds() -> list[float]:
+    """Busy time of each core since boot (``/proc/stat``: all but idle and iowait)."""
+    busy = []
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, ticks[:8])
+                busy.append((user + nice + system + irq + softirq + steal)
+                            / os.sysconf("SC_CLK_TCK"))
+    return busy
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid``; threads started later inherit it from their creator."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _port_accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class Child:
+    """A Python subprocess of the benchmark; its output is kept for error messages."""
+
+    def __init__(self, name: str, args: Sequence[str]):
+        self.name = name
+        self.command = [sys.executable, *args]
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self, ready: Callable[[], bool], timeout: float = 30) -> Child:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.process = subprocess.Popen(self.command, cwd=ROOT, env=env,
+                                        stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not start:\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+# -- configs and bootstraps ----------------------------------------------------------------
+
+
+def kvgate_config(engine: str, grpc_port: int, admin_port: int,
+                  redis_url: str | None = None) -> dict[str, Any]:
+    """One tenant, one pool of one engine; the same file for every mode's bootstrap."""
+    config: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "grpc_port": grpc_port, "admin_port": admin_port},
+        "envoy": {"listen_port": free_port(), "admin_port": 0},
+        "tiers": {"bench": {"limits": LIMITS}},
+        "tenants": [{"name": "bench", "tier": "bench", "api_keys": [hash_api_key(API_KEY)]}],
+        "pools": [{"name": "bench", "models": [{"name": MODEL, "default_max_tokens": 16}],
+                   "endpoints": [engine], "priority_scheduling": True}],
+    }
+    if redis_url is not None:
+        config["redis"] = {"url": redis_url}
+    return config
+
+
+def _http_filters(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    listener = bootstrap["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+
+
+def static_upstream(bootstrap: dict[str, Any], host: str, port: int) -> dict[str, Any]:
+    """The bootstrap with its upstream cluster STATIC to one engine (nothing to route)."""
+    bootstrap = copy.deepcopy(bootstrap)
+    clusters = bootstrap["static_resources"]["clusters"]
+    for i, cluster in enumerate(clusters):
+        if cluster["name"] == UPSTREAM_CLUSTER:
+            address = {"socket_address": {"address": host, "port_value": port}}
+            clusters[i] = {
+                "name": UPSTREAM_CLUSTER,
+                "type": "STATIC",
+                "connect_timeout": cluster["connect_timeout"],
+                "circuit_breakers": cluster["circuit_breakers"],
+                "load_assignment": {
+                    "cluster_name": UPSTREAM_CLUSTER,
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+                },
+            }
+    return bootstrap
+
+
+def without_ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """The bootstrap with no ext_proc filter (nor its cluster)."""
+    bootstrap = copy.deepcopy(bootstrap)
+    filters = _http_filters(bootstrap)
+    filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+    clusters = bootstrap["static_resources"]["clusters"]
+    clusters[:] = [c for c in clusters if c["name"] != EXT_PROC_CLUSTER]
+    return bootstrap
+
+
+def bootstrap_for(mode: str, config: dict[str, Any], engine: EngineProcess) -> dict[str, Any]:
+    rendered = render_bootstrap(parse_config(config))
+    if mode.startswith("kvgate"):
+        return rendered
+    static = static_upstream(rendered, engine.host, engine.port)
+    return without_ext_proc(static) if mode == "direct" else static
+
+
+# -- one mode's running gateway ------------------------------------------------------------
+
+Counters = Callable[[], Awaitable[dict[str, float]]]
+_SERIES = re.compile(r"^(kvgate_\w+_total)(\{[^}]*\})? (\S+)$", re.MULTILINE)
+_KIND = re.compile(r'kind="([^"]+)"')
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """kvgate's ``/metrics`` counters; messages as ``messages:<kind>``."""
+    counters = {}
+    for name, labels, value in _SERIES.findall(text):
+        kind = _KIND.search(labels) if name == "kvgate_extproc_messages_total" else None
+        counters[f"messages:{kind.group(1)}" if kind else name + labels] = float(value)
+    return counters
+
+
+def kvgate_counters(admin_port: int) -> Counters:
+    async def read() -> dict[str, float]:
+        url = f"http://127.0.0.1:{admin_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return parse_counters(await response.text())
+
+    return read
+
+
+def minimal_counters(stats_port: int) -> Counters:
+    async def read() -> dict[str, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", stats_port)
+        stats = json.loads(await reader.read())
+        writer.close()
+        return {f"messages:{kind}": float(n) for kind, n in stats["messages"].items()}
+
+    return read
+
+
+async def _no_counters() -> dict[str, float]:
+    return {}
+
+
+@dataclass
+class Gateway:
+    mode: str
+    url: str
+    pids: dict[str, int]  # role → pid
+    counters: Counters = _no_counters
+    commands: dict[str, str] = field(default_factory=dict)
+
+
+def _start_kvgate(config: dict[str, Any], workdir: Path) -> Child:
+    path = workdir / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    health = f"http://127.0.0.1:{config['server']['admin_port']}/healthz"
+    args = ["-m", "extproc.cli", "--log-level", "warning", "serve", "-c", str(path)]
+    return Child("kvgate", args).start(lambda: _http_ok(health))
+
+
+def _start_minimal(grpc_port: int, stats_port: int) -> Child:
+    args = ["-m", "bench.minimal_extproc", "--port", str(grpc_port),
+            "--stats-port", str(stats_port)]
+    return Child("minimal ext_proc", args).start(lambda: _port_accepts(stats_port))
+
+
+def _redis_pid(url: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("server")["process_id"])
+    finally:
+        client.close()
+
+
+def _start_ext_proc(mode: str, config: dict[str, Any], workdir: Path
+                    ) -> tuple[Child, Counters] | None:
+    """kvgate or the floor, listening where the config's bootstrap sends ext_proc."""
+    if mode.startswith("kvgate"):
+        return _start_kvgate(config, workdir), kvgate_counters(config["server"]["admin_port"])
+    if mode == "minimal":
+        stats_port = free_port()
+        child = _start_minimal(config["server"]["grpc_port"], stats_port)
+        return child, minimal_counters(stats_port)
+    return None
+
+
+@contextlib.contextmanager
+def gateway(mode: str, *, pinned: bool) -> Iterator[Gateway]:
+    """Start what ``mode`` needs, its own engine included; stop it all on exit."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgate-bench-")))
+        engine = stack.enter_context(EngineProcess(**ENGINE_OPTIONS))
+        assert engine.proc is not None
+        gw = Gateway(mode, "", {"engine": engine.proc.pid})
+        redis_url = None
+        if mode == "kvgate_redis":
+            redis_url = stack.enter_context(RedisServer()).url
+            gw.pids["redis"] = _redis_pid(redis_url)
+        config = kvgate_config(f"{engine.host}:{engine.port}", free_port(), free_port(),
+                               redis_url)
+        started = _start_ext_proc(mode, config, workdir)
+        if started is not None:
+            child, gw.counters = started
+            stack.callback(child.stop)
+            gw.pids["ext_proc"] = child.pid
+            gw.commands["ext_proc"] = " ".join(child.command)
+        envoy = stack.enter_context(
+            EnvoyProcess(bootstrap=bootstrap_for(mode, config, engine), concurrency=1))
+        assert envoy.process is not None
+        gw.pids["envoy"] = envoy.process.pid
+        gw.url = envoy.url + "/v1/chat/completions"
+        if pinned:
+            for role, pid in gw.pids.items():
+                pin(pid, CLIENT_CORES if role in ("engine", "redis") else GATEWAY_CORES)
+        check(gw)
+        yield gw
+
+
+def check(gw: Gateway) -> None:
+    """One request through the gateway must come back 200 from the engine."""
+    response = httpx.post(gw.url, content=BODY, headers=HEADERS, timeout=30)
+    if response.status_code != 200 or "x-bench-engine" not in response.headers:
+        raise RuntimeError(f"{gw.mode}: {response.status_code} {response.text[:500]}")
+
+
+# -- the load and one measurement window ---------------------------------------------------
+
+
+class Load:
+    """Closed loop: each worker sends its next request as soon as the last one answers."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.running = True
+        self.recording = False
+        self.latencies: list[float] = []
+        self.statuses: Counter[int] = Counter()  # in the window; 0 = connection error
+
+    async def worker(self, session: aiohttp.ClientSession) -> None:
+        while self.running:
+            started = time.perf_counter()
+            try:
+                async with session.post(self.url, data=BODY, headers=HEADERS) as response:
+                    await response.read()
+                    status = response.status
+            except (aiohttp.ClientError, TimeoutError):
+                status = 0
+            if self.recording:
+                self.statuses[status] += 1
+                if status == 200:
+                    self.latencies.append(time.perf_counter() - started)
+            if status == 0:
+                await asyncio.sleep(0.01)
+
+
+@dataclass
+class Snapshot:
+    at: float
+    cpu: dict[str, float]
+    cores: list[float]
+    counters: dict[str, float]
+
+
+def _cpu_snapshot(pids: Mapping[str, int]) -> tuple[float, dict[str, float], list[float]]:
+    return time.perf_counter(), {r: cpu_seconds(p) for r, p in pids.items()}, core_busy_seconds()
+
+
+@dataclass
+class Window:
+    load: Load
+    start: Snapshot
+    end: Snapshot
+
+
+async def measure(gw: Gateway, concurrency: int, warmup_s: float, duration_s: float,
+                  window: Callable[[float], Awaitable[object]] = asyncio.sleep) -> Window:
+    """Warm up, then measure for ``duration_s`` (``window`` runs meanwhile)."""
+    pids = {**gw.pids, "loadgen": os.getpid()}
+    load = Load(gw.url)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        workers = [asyncio.create_task(load.worker(session)) for _ in range(concurrency)]
+        await asyncio.sleep(warmup_s)
+        counters = await gw.counters()
+        start = Snapshot(*_cpu_snapshot(pids), counters)
+        load.recording = True
+        await window(duration_s)
+        load.recording = False
+        at, cpu, cores = _cpu_snapshot(pids)
+        end = Snapshot(at, cpu, cores, await gw.counters())
+        load.running = False
+        await asyncio.gather(*workers)
+    return Window(load, start, end)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _delta(windows: Sequence[Window], part: Callable[[Snapshot], Mapping[Any, float]]
+           ) -> dict[Any, float]:
+    """Summed over the windows: how much each entry of a snapshot's part grew."""
+    total: Counter[Any] = Counter()
+    for w in windows:
+        before, after = part(w.start), part(w.end)
+        for key, value in after.items():
+            total[key] += value - before.get(key, 0)
+    return dict(total)
+
+
+def summarize(mode: str, concurrency: int, windows: Sequence[Window]) -> dict[str, Any]:
+    """One row: the windows of one mode at one level, taken together."""
+    elapsed = sum(w.end.at - w.start.at for w in windows)
+    statuses: Counter[int] = sum((w.load.statuses for w in windows), Counter())
+    requests = sum(statuses.values())
+    per = max(requests, 1)
+    cpu = _delta(windows, lambda s: s.cpu)
+    cores = _delta(windows, lambda s: dict(enumerate(s.cores)))
+    counted = _delta(windows, lambda s: s.counters)
+    messages = {k.partition(":")[2]: v / per for k, v in counted.items()
+                if k.startswith("messages:") and v}
+    ordered = sorted(t for w in windows for t in w.load.latencies)
+    other = sum(cores.values()) - sum(cpu.values())
+    return {
+        "mode": mode,
+        "concurrency": concurrency,
+        "seconds": elapsed,
+        "windows": len(windows),
+        "requests": requests,
+        "errors": requests - statuses[200],
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "rps": requests / elapsed,
+        "p50_ms": _quantile(ordered, 0.50) * 1000,
+        "p99_ms": _quantile(ordered, 0.99) * 1000,
+        "mean_ms": sum(ordered) / len(ordered) * 1000 if ordered else float("nan"),
+        "cpu_us_per_request": {role: s / per * 1e6 for role, s in cpu.items()},
+        "cpu_cores_used": {role: s / elapsed for role, s in cpu.items()},
+        "core_busy": [cores[i] / elapsed for i in sorted(cores)],
+        "other_cpu_us_per_request": other / per * 1e6,
+        "messages_per_request": sum(messages.values()),
+        "messages_by_kind": messages,
+        "ext_proc_counters": {k: v for k, v in counted.items()
+                              if v and not k.startswith("messages:")},
+    }
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def _runner() -> asyncio.Runner:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
+@contextlib.contextmanager
+def _own_affinity(cpus: set[int] | None) -> Iterator[None]:
+    before = os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
+        warmup_s: float = 2.0, duration_s: float = 10.0, rounds: int = 5,
+        pinned: bool = True, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every mode × level, one row each (see ``summarize``).
+
+    Every mode's stack runs for the whole run, idle but for its turn; each level's
+    ``duration_s`` is cut into ``rounds`` windows that go round the modes, so that whatever
+    else the machine is doing meanwhile falls on every mode alike.
+    """
+    rows = []
+    with (_own_affinity(CLIENT_CORES if pinned else None), contextlib.ExitStack() as stack,
+          _runner() as runner):
+        gateways = [stack.enter_context(gateway(mode, pinned=pinned)) for mode in modes]
+        for level in levels:
+            windows: dict[str, list[Window]] = {gw.mode: [] for gw in gateways}
+            for turn in range(rounds):
+                warmup = warmup_s if turn == 0 else min(warmup_s, ROUND_WARMUP_S)
+                for gw in gateways:
+                    windows[gw.mode].append(
+                        runner.run(measure(gw, level, warmup, duration_s / rounds)))
+            for gw in gateways:
+                rows.append(summarize(gw.mode, level, windows[gw.mode])
+                            | {"commands": gw.commands})
+                log(format_row(rows[-1]))
+    return rows
+
+
+def _row(rows: Sequence[dict[str, Any]], mode: str, level: int) -> dict[str, Any] | None:
+    return next((r for r in rows if r["mode"] == mode and r["concurrency"] == level), None)
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The two acceptance numbers (and the CPU ratio at every level)."""
+    by_level = {}
+    for level in sorted({r["concurrency"] for r in rows}):
+        kvgate, floor = _row(rows, "kvgate", level), _row(rows, "minimal", level)
+        if kvgate and floor:
+            k, f = kvgate["cpu_us_per_request"], floor["cpu_us_per_request"]
+            by_level[str(level)] = {
+                "ext_proc": k["ext_proc"] / f["ext_proc"],
+                "envoy_plus_ext_proc": (k["ext_proc"] + k["envoy"]) / (f["ext_proc"] + f["envoy"]),
+            }
+    out: dict[str, Any] = {"cpu_ratio_by_level": by_level}
+    headline = by_level.get(str(CPU_RATIO_LEVEL))
+    if headline:
+        out["cpu_ratio"] = {"level": CPU_RATIO_LEVEL, "value": headline["ext_proc"],
+                            "target": CPU_RATIO_TARGET,
+                            "met": headline["ext_proc"] <= CPU_RATIO_TARGET}
+    kvgate, direct = _row(rows, "kvgate", 1), _row(rows, "direct", 1)
+    if kvgate and direct:
+        delta = kvgate["p50_ms"] - direct["p50_ms"]
+        out["p50_delta_ms"] = {"level": 1, "value": delta, "target": P50_DELTA_TARGET_MS,
+                               "met": delta <= P50_DELTA_TARGET_MS}
+    return out
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+COLUMNS = (f"{'mode':13} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+           f"{'envoy':>6} {'extproc':>7} {'engine':>6} {'redis':>6} {'loadgen':>7} "
+           f"{'msg/req':>7} {'errors':>6} {'other':>5}")
+
+
+def format_row(r: dict[str, Any]) -> str:
+    cpu = r["cpu_us_per_request"]
+
+    def us(role: str) -> str:
+        return f"{cpu[role]:.0f}" if role in cpu else "-"
+
+    msgs = f"{r['messages_per_request']:.2f}" if r["mode"] != "direct" else "0"
+    return (f"{r['mode']:13} {r['concurrency']:>4} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "
+            f"{r['p99_ms']:>7.2f} {us('envoy'):>6} {us('ext_proc'):>7} {us('engine'):>6} "
+            f"{us('redis'):>6} {us('loadgen'):>7} {msgs:>7} {r['errors']:>6} "
+            f"{_other_cores(r):>5.2f}")
+
+
+def _other_cores(r: dict[str, Any]) -> float:
+    """Cores' worth of CPU used by processes outside the benchmark during the window."""
+    return r["other_cpu_us_per_request"] * r["rps"] / 1e6
+
+
+def format_ratios(result: dict[str, Any]) -> list[str]:
+    lines = []
+    if "cpu_ratio" in result:
+        c = result["cpu_ratio"]
+        lines.append(f"kvgate ext_proc CPU/request ÷ minimal ext_proc CPU/request at "
+                     f"c={c['level']}: {c['value']:.2f} (target ≤ {c['target']}: "
+                     f"{'met' if c['met'] else 'MISSED'})")
+    for level, r in result["cpu_ratio_by_level"].items():
+        lines.append(f"  - c={level}: ext_proc {r['ext_proc']:.2f}, "
+                     f"envoy+ext_proc {r['envoy_plus_ext_proc']:.2f}")
+    if "p50_delta_ms" in result:
+        d = result["p50_delta_ms"]
+        lines.append(f"kvgate p50 − Envoy-direct p50 at c=1: {d['value']:.2f} ms "
+                     f"(target ≤ {d['target']} ms: {'met' if d['met'] else 'MISSED'})")
+    return lines
+
+
+def _first_line(command: list[str]) -> str:
+    """The first line a command prints ("" if none, or if it cannot run)."""
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return next(iter((out.stdout or out.stderr).strip().splitlines()), "")
+
+
+def machine_info(pinned: bool) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f
+                      if line.startswith("model name")), platform.processor())
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "envoy": _first_line([find_envoy(), "--version"]).partition("/")[2],
+        "grpcio": version("grpcio"),
+        "aiohttp": version("aiohttp"),
+        "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
+        "commit": _first_line(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
+        "uncommitted_changes": bool(_first_line(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
+        "pinning": ({"envoy, ext_proc": sorted(GATEWAY_CORES),
+                     "loadgen, engine, redis": sorted(CLIENT_CORES)} if pinned else "none"),
+    }
+
+
+METHOD = """\
+- Upstream: `bench.engine` (the simulated vLLM engine), one process per mode,
+  `--ms-per-token 0 --prefill-us-per-token 0 --decode-us-per-seq 0 --scheduling-policy
+  priority` (every step of its loop takes no time); every request is
+  a non-streaming `/v1/chat/completions` with `max_tokens: {max_tokens}` (~{body} bytes in,
+  ~480 bytes out). The engine (not a trivial aiohttp app) because kvgate's KV-aware routing
+  scrapes its vLLM `/metrics` every 100 ms; its own CPU is reported apart.
+- Envoy 1.40 `--concurrency 1`, one per mode. `minimal` and `kvgate*` use the
+  bootstrap rendered by `render_bootstrap(config)`; `minimal` only swaps the ORIGINAL_DST
+  upstream cluster for a STATIC one to the engine (the floor sets no destination), `direct`
+  also drops the ext_proc filter and cluster. Same listener, HCM, timeouts, buffer limit.
+- kvgate runs as `python -m extproc.cli --log-level warning serve -c FILE` (the `kvgate`
+  entry point), one process, uvloop; one tenant with real (non-binding) limits on requests/s,
+  tokens/min, concurrency and context; one pool of one engine, priority scheduling on (the body
+  is mutated with `priority`). `kvgate_redis` adds `redis: {{url}}` to a redis-server started
+  on a free port (default timeout 20 ms, failure policy `local`; fallbacks would show in the
+  JSON's `ext_proc_counters`).
+- Load: closed loop, N aiohttp workers on one uvloop, keep-alive. All modes' processes run
+  for the whole run; each level gives every mode {duration:g} s of measurement in {rounds}
+  windows taken in turn (mode after mode, round after round; {warmup:g} s warm-up before a
+  level's first window, {round_warmup:g} s before the others), so that load from outside the
+  benchmark falls on all modes alike. Latency = send → whole response read, 200s only.
+  CPU = Δ(utime+stime) of `/proc/PID/stat` (all threads, 10 ms ticks) over the window ÷
+  requests completed in it. `other` in the JSON is whatever else the machine ran (busy time
+  of all cores minus the processes above): other engineers' tests share this machine.
+- Messages/request: kvgate's `kvgate_extproc_messages_total` (admin `/metrics`) and the
+  floor's own counter, read around the window, ÷ requests.
+- Pinning: {pinning}.
+"""
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    lines = [
+        "# kvgate overhead: Envoy direct vs Python floor vs kvgate",
+        "",
+        f"`{result['command']}` — {result['when']}, {result['machine']['cpu']}, "
+        f"{result['machine']['cores']} cores, Envoy {result['machine']['envoy']}.",
+        "",
+        "CPU columns are µs of CPU per request for each process. `other` is the cores' worth "
+        "of CPU that processes outside the benchmark used during the window (this machine is "
+        "shared): where it is high, latency and req/s are disturbed; CPU per request much "
+        "less so.",
+        "",
+        "| mode | conc | req/s | p50 ms | p99 ms | Envoy µs | ext_proc µs | engine µs | "
+        "Redis µs | loadgen µs | msgs/req | errors | other |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cpu = r["cpu_us_per_request"]
+        cell = [f"{cpu[k]:.0f}" if k in cpu else "–" for k in PROCESS_ROLES]
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['rps']:.0f} | "
+                     f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {' | '.join(cell)} | "
+                     f"{r['messages_per_request']:.2f} | {r['errors']} | "
+                     f"{_other_cores(r):.2f} |")
+    lines += ["", "## Acceptance ratios", ""]
+    lines += [line if line.startswith(" ") else f"- {line}"
+              for line in format_ratios(result["ratios"])]
+    lines += ["", "## Messages per request", ""]
+    for r in rows:
+        if r["concurrency"] == rows[0]["concurrency"] and r["messages_by_kind"]:
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["messages_by_kind"].items())
+            lines.append(f"- {r['mode']}: {r['messages_per_request']:.2f} ({kinds})")
+    pinning = result["machine"]["pinning"]
+    pin_text = ("Envoys + ext_proc servers on core 1; load generator, engines and Redis on "
+                "core 0"
+                if pinning != "none" else "none (all processes float on both cores)")
+    lines += ["", "## Method", "", METHOD.format(
+        max_tokens=MAX_TOKENS, body=len(BODY), warmup=result["warmup_s"],
+        duration=result["duration_s"], rounds=result.get("rounds", 1),
+        round_warmup=ROUND_WARMUP_S, pinning=pin_text)]
+    return "\n".join(lines)
+
+
+def write_results(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.profile:
+        profile_main(args.duration, args.out.with_name("overhead-profile.md"))
+        return
+    pinned = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    machine = machine_info(pinned)
+    print(COLUMNS)
+    rows = run(args.modes, args.levels, warmup_s=args.warmup, duration_s=args.duration,
+               rounds=args.rounds, pinned=pinned)
+    result = {
+        "command": " ".join(["python", "-m", "bench.overhead",
+                             *(sys.argv[1:] if argv is None else argv)]),
+        "when": when, "machine": machine, "warmup_s": args.warmup,
+        "duration_s": args.duration, "rounds": args.rounds, "rows": rows,
+        "ratios": ratios(rows),
+    }
+    print("\n".join(format_ratios(result["ratios"])))
+    write_results(result, args.out)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+
+
+# -- profiling (--profile) -----------------------------------------------------------------
+
+PROFILE_MODES = ("minimal", "kvgate")
+PROFILE_RATE_HZ = 250
+_LINE = re.compile(r":\d+\)$")
+_LOOP_FRAME = "run (asyncio/runners.py:"
+_NO_FRAME = {True: "(other threads: gRPC's poller)",
+             False: "(in the event loop, no Python frame: uvloop, gRPC core, kernel)"}
+
+
+def find_py_spy() -> str:
+    found = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which(
+        "py-spy")
+    if not found:
+        raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
+    return found
+
+
+def py_spy_window(pid: int, out: Path) -> Callable[[float], Awaitable[object]]:
+    """A measurement window that samples ``pid`` with py-spy (raw collapsed stacks)."""
+    async def window(seconds: float) -> None:
+        process = await asyncio.create_subprocess_exec(
+            find_py_spy(), "record", "--pid", str(pid), "--duration", str(round(seconds)),
+            "--rate", str(PROFILE_RATE_HZ), "--format", "raw", "--nonblocking",
+            "--output", str(out),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        await process.wait()
+
+    return window
+
+
+def _loop_frames(stack: str) -> list[str] | None:
+    """The frames above the event loop (the entry point cut off); None: another thread."""
+    frames = stack.split(";")
+    loop = [i for i, f in enumerate(frames) if f.startswith(_LOOP_FRAME)]
+    return frames[loop[-1] + 1:] if loop else None
+
+
+def hot_spots(raw: str, us_per_sample: float, top: int = 25) -> dict[str, list[list[Any]]]:
+    """Python frames run by the event loop: inclusive time per function and self time per
+    line, in µs per request."""
+    inclusive: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = _loop_frames(stack)
+        if not frames:
+            own[_NO_FRAME[frames is None]] += int(count)
+            continue
+        own[frames[-1]] += int(count)
+        for function in {_LINE.sub(")", f) for f in frames}:
+            inclusive[function] += int(count)
+
+    def rows(counter: Counter[str]) -> list[list[Any]]:
+        return [[name, round(n * us_per_sample, 1)] for name, n in counter.most_common(top)]
+
+    return {"inclusive": rows(inclusive), "self": rows(own)}
+
+
+def _samples(raw: str) -> int:
+    return sum(int(line.rpartition(" ")[2]) for line in raw.splitlines() if line.strip())
+
+
+def profile(duration_s: float, workdir: Path) -> list[dict[str, Any]]:
+    """Each of PROFILE_MODES at c=CPU_RATIO_LEVEL with py-spy on its ext_proc process."""
+    found = []
+    with _own_affinity(CLIENT_CORES), _runner() as runner:
+        for mode in PROFILE_MODES:
+            with gateway(mode, pinned=True) as gw:
+                out = workdir / f"{mode}.raw"
+                window = runner.run(measure(gw, CPU_RATIO_LEVEL, 2.0, duration_s,
+                                            py_spy_window(gw.pids["ext_proc"], out)))
+                row = summarize(mode, CPU_RATIO_LEVEL, [window])
+                raw = out.read_text()
+                # scaled so that all samples add up to the measured CPU per request
+                us = row["cpu_us_per_request"]["ext_proc"] / max(_samples(raw), 1)
+                found.append({"row": row, **hot_spots(raw, us)})
+    return found
+
+
+def profile_markdown(found: Sequence[dict[str, Any]]) -> str:
+    lines = ["# Where the ext_proc CPU goes (py-spy)", "",
+             f"`python -m bench.overhead --profile`: c={CPU_RATIO_LEVEL}, py-spy "
+             f"{PROFILE_RATE_HZ} Hz `--nonblocking` on the ext_proc process, Python frames "
+             "only. µs/request = the frame's share of samples × the process's measured CPU "
+             "per request (in each heading): an estimate, py-spy also counts a thread "
+             "waiting in a syscall as busy. Entry-point frames (up to the event loop's "
+             "`run`) are cut off.", ""]
+    for item in found:
+        row = item["row"]
+        lines += [f"## {row['mode']}: {row['cpu_us_per_request']['ext_proc']:.0f} µs CPU per "
+                  f"request, {row['rps']:.0f} req/s", "",
+                  "| inclusive, per function | µs/req |", "|---|---:|"]
+        lines += [f"| `{name}` | {us} |" for name, us in item["inclusive"]]
+        lines += ["", "| self, per line | µs/req |", "|---|---:|"]
+        lines += [f"| `{name}` | {us} |" for name, us in item["self"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def profile_main(duration_s: float, out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvgate-profile-") as tmp:
+        found = profile(duration_s, Path(tmp))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_markdown(found))
+    for item in found:
+        print(format_row(item["row"]))
+    print(f"wrote {out}")
+
+
+def _csv(kind: type) -> Callable[[str], list[Any]]:
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", type=_csv(str), default=list(MODES))
+    parser.add_argument("--levels", type=_csv(int), default=list(LEVELS))
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds per level")
+    parser.add_argument("--duration", type=float, default=10.0,
+                        help="measured seconds per mode and level")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="windows each level's duration is cut into, taken in turn")
+    parser.add_argument("--no-pin", action="store_true", help="leave CPU affinity alone")
+    parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy over the floor and kvgate instead (overhead-profile.md)")
+    return parser
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The overhead benchmark's machinery (``bench.overhead``): its parsers and bootstrap edits,
+then a one-second run through real Envoy for three modes. Sanity, not performance."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import overhead
+from extproc.config import parse_config
+from extproc.envoy_config import (
+    EXT_PROC_CLUSTER,
+    UPSTREAM_CLUSTER,
+    ext_proc_filter_config,
+    render_bootstrap,
+)
+
+METRICS = """\
+# HELP kvgate_extproc_messages_total ext_proc messages received, by kind.
+# TYPE kvgate_extproc_messages_total counter
+kvgate_extproc_messages_total{kind="request_headers"} 12.0
+kvgate_extproc_messages_created{kind="request_headers"} 1.7e+09
+kvgate_extproc_messages_total{kind="response_body"} 24.0
+kvgate_decisions_total{outcome="admitted",tenant="bench"} 12.0
+kvgate_in_flight_requests{tenant="bench"} 0.0
+"""
+
+
+def test_parse_counters_keeps_counters_and_names_message_kinds():
+    assert overhead.parse_counters(METRICS) == {
+        "messages:request_headers": 12.0,
+        "messages:response_body": 24.0,
+        'kvgate_decisions_total{outcome="admitted",tenant="bench"}': 12.0,
+    }
+
+
+def _rendered():
+    config = overhead.kvgate_config("127.0.0.1:8101", 9001, 9002)
+    return render_bootstrap(parse_config(config))
+
+
+def _clusters(bootstrap):
+    return {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+
+
+def test_floor_bootstrap_only_swaps_the_upstream_cluster():
+    rendered = _rendered()
+    floor = overhead.static_upstream(rendered, "127.0.0.1", 8101)
+    upstream = _clusters(floor)[UPSTREAM_CLUSTER]
+    assert upstream["type"] == "STATIC"
+    endpoint = upstream["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8101}
+    assert ext_proc_filter_config(floor) == ext_proc_filter_config(rendered)
+    assert floor["static_resources"]["listeners"] == rendered["static_resources"]["listeners"]
+    assert _clusters(floor)[EXT_PROC_CLUSTER] == _clusters(rendered)[EXT_PROC_CLUSTER]
+
+
+def test_direct_bootstrap_has_no_ext_proc():
+    direct = overhead.without_ext_proc(overhead.static_upstream(_rendered(), "127.0.0.1", 8101))
+    filters = [f["name"] for f in overhead._http_filters(direct)]
+    assert filters == ["envoy.filters.http.router"]
+    assert set(_clusters(direct)) == {UPSTREAM_CLUSTER}
+
+
+def test_hot_spots_cut_the_entry_point_and_split_loop_time():
+    entry = "main (extproc/cli.py:20);run (asyncio/runners.py:118)"
+    raw = "\n".join([
+        f"{entry};Process (extproc/server.py:52);handle (extproc/stream.py:60) 3",
+        f"{entry};Process (extproc/server.py:52) 1",
+        f"{entry} 4",
+        "_bootstrap (threading.py:995);run (threading.py:982) 2",
+    ])
+    found = overhead.hot_spots(raw, us_per_sample=10.0)
+    assert found["inclusive"][:2] == [["Process (extproc/server.py)", 40.0],
+                                      ["handle (extproc/stream.py)", 30.0]]
+    own = dict(found["self"])
+    assert own["handle (extproc/stream.py:60)"] == 30.0
+    assert own["(in the event loop, no Python frame: uvloop, gRPC core, kernel)"] == 40.0
+    assert own["(other threads: gRPC's poller)"] == 20.0
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return overhead.run(["direct", "minimal", "kvgate"], [2], warmup_s=0.3, duration_s=1.0,
+                        rounds=2, pinned=False, log=lambda _line: None)
+
+
+@pytest.mark.e2e
+def test_every_mode_serves_requests_without_errors(rows):
+    assert [r["mode"] for r in rows] == ["direct", "minimal", "kvgate"]
+    for row in rows:
+        assert row["windows"] == 2
+        assert row["requests"] > 0 and row["rps"] > 0, row
+        assert row["errors"] == 0, row["statuses"]
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+
+
+@pytest.mark.e2e
+def test_every_process_is_charged_cpu(rows):
+    for row in rows:
+        cpu = row["cpu_us_per_request"]
+        expected = {"envoy", "engine", "loadgen"} | ({"ext_proc"} if row["mode"] != "direct"
+                                                    else set())
+        assert set(cpu) == expected
+        assert all(us >= 0 for us in cpu.values())
+        assert cpu["envoy"] > 0 and cpu["loadgen"] > 0
+
+
+@pytest.mark.e2e
+def test_message_counts_per_request(rows):
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["direct"]["messages_per_request"] == 0
+    # request headers, the buffered request body, the response body chunk and Envoy's
+    # empty end-of-stream chunk: the same four for the floor and for kvgate
+    for mode in ("minimal", "kvgate"):
+        kinds = by_mode[mode]["messages_by_kind"]
+        assert set(kinds) == {"request_headers", "request_body", "response_body"}
+        assert kinds["request_headers"] == pytest.approx(1, abs=0.1)
+        assert kinds["request_body"] == pytest.approx(1, abs=0.1)
+        assert kinds["response_body"] == pytest.approx(2, abs=0.2)
+
+
+@pytest.mark.e2e
+def test_ratios_and_report(rows):
+    result = overhead.ratios(rows)
+    assert result["cpu_ratio_by_level"]["2"]["ext_proc"] > 0
+    assert "p50_delta_ms" not in result  # no c=1 row in this run
+    text = overhead.markdown({"rows": rows, "ratios": result, "command": "test", "when": "now",
+                              "machine": overhead.machine_info(pinned=False), "warmup_s": 0.3,
+                              "duration_s": 1.0})
+    assert "| kvgate | 2 |" in text
