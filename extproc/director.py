@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import os
 import random
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,13 @@ from extproc.scheduler import Placement, PoolScheduler, Shed
 from extproc.tokens import TokenCounter, make_counter
 from limiter import Admit, Cost, LimiterStore, Rate, Reject, TenantPolicy
 from limiter.fairqueue import QueuedRequest
+
+_LEASE_PREFIX = os.urandom(6).hex()  # unique per process; a counter makes each lease unique
+_lease_numbers = itertools.count()
+
+
+def _next_lease() -> str:
+    return f"{_LEASE_PREFIX}-{next(_lease_numbers):x}"
 
 
 def policy_from_limits(limits: Limits) -> TenantPolicy:
@@ -178,7 +186,7 @@ class Director:
         placed: Placement, overrides: dict[str, Any],
     ) -> Outcome:
         """Capacity is there: reserve it, then take the tenant's limits (all or nothing)."""
-        lease_id = uuid.uuid4().hex
+        lease_id = _next_lease()
         scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock())
         try:
             decision = await self.store.admit(tenant.name, self.policy(tenant), cost, lease_id)
@@ -197,7 +205,7 @@ class Director:
     ) -> Outcome:
         """Wait for capacity. The tenant's limits are taken first (a request the tenant may
         not send is not worth queueing) and given back in full if it never runs."""
-        lease_id = uuid.uuid4().hex
+        lease_id = _next_lease()
         policy = self.policy(tenant)
         decision = await self.store.admit(tenant.name, policy, cost, lease_id)
         if isinstance(decision, Reject):

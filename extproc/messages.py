@@ -20,12 +20,20 @@ DESTINATION = "x-gateway-destination-endpoint"
 Headers = Mapping[str, str]
 
 
-def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
-    """Request headers as a dict with lower-case names (values arrive in raw_value)."""
-    return {
-        h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
-        for h in headers.headers.headers
-    }
+def header_map(headers: pb.HttpHeaders, wanted: frozenset[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``wanted`` request headers (lower-case names; values arrive in raw_value), and the
+    names of any ``x-kvgate-*`` headers the client sent. Only wanted values are decoded:
+    this runs for every request."""
+    values: dict[str, str] = {}
+    ours: list[str] = []
+    for header in headers.headers.headers:
+        key = header.key.lower()
+        if key in wanted:
+            raw = header.raw_value
+            values[key] = raw.decode("utf-8", "replace") if raw else header.value
+        elif key.startswith("x-kvgate-"):
+            ours.append(key)
+    return values, ours
 
 
 def header_mutation(
@@ -47,7 +55,12 @@ def continue_request_headers(remove: Iterable[str] = ()) -> pb.ProcessingRespons
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
 
 
+_RESPONSE_CHUNK_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+
 def continue_body(*, response_phase: bool, body: bytes | None = None) -> pb.ProcessingResponse:
+    if response_phase and body is None:
+        return _RESPONSE_CHUNK_CONTINUE  # the common case, built once (never mutated)
     common = pb.CommonResponse()
     if body is not None:
         common.body_mutation.body = body

@@ -8,6 +8,7 @@ error, the client going away — ``close`` releases what the request held, exact
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -34,8 +35,12 @@ from limiter.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-SPOOFABLE_PREFIXES = ("x-kvgate-",)
-SPOOFABLE_HEADERS = ("x-gateway-destination-endpoint",)
+SPOOFABLE_HEADERS = ("x-gateway-destination-endpoint",)  # and every x-kvgate-* header
+
+
+@functools.cache
+def _wanted(class_header: str) -> frozenset[str]:
+    return frozenset((":path", "authorization", "content-length", class_header))
 
 
 class RequestStream:
@@ -80,11 +85,11 @@ class RequestStream:
     # -- request path ----------------------------------------------------------------------
 
     async def _on_request_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
-        values = messages.header_map(headers)
+        class_header = self.director.config.classification.header
+        values, spoofed = messages.header_map(headers, _wanted(class_header))
         self.path = route_path(values.get(":path", "/"))
         self.tenant = self.director.authenticate(values.get("authorization"))
-        self.requested_class = values.get(self.director.config.classification.header)
-        spoofed = [h for h in values if h.startswith(SPOOFABLE_PREFIXES)]
+        self.requested_class = values.get(class_header)
         remove = [*SPOOFABLE_HEADERS, *spoofed]
         length = values.get("content-length", "")
         if length.isdigit() and int(length) > self.settings.max_body_bytes:
