@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3.http_status_pb2 import HttpStatus
-from google.protobuf.struct_pb2 import Struct
 
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 DESTINATION = "x-gateway-destination-endpoint"
@@ -36,23 +34,23 @@ def header_map(headers: pb.HttpHeaders, wanted: frozenset[str]) -> tuple[dict[st
     return values, ours
 
 
-def header_mutation(
-    set_headers: Headers | None = None, remove: Iterable[str] = ()
-) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=[
-            HeaderValueOption(
-                header=HeaderValue(key=k, raw_value=v.encode()), append_action=OVERWRITE
-            )
-            for k, v in (set_headers or {}).items()
-        ],
-        remove_headers=list(remove),
-    )
+def fill_mutation(
+    mutation: pb.HeaderMutation, set_headers: Headers | None = None, remove: Iterable[str] = ()
+) -> None:
+    """Fill a reply's header mutation in place (building it apart and copying it in costs
+    a copy per message)."""
+    for key, value in (set_headers or {}).items():
+        option = mutation.set_headers.add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = OVERWRITE
+    mutation.remove_headers.extend(remove)
 
 
 def continue_request_headers(remove: Iterable[str] = ()) -> pb.ProcessingResponse:
-    common = pb.CommonResponse(header_mutation=header_mutation(remove=remove))
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+    reply = pb.ProcessingResponse()
+    fill_mutation(reply.request_headers.response.header_mutation, remove=remove)
+    return reply
 
 
 _RESPONSE_CHUNK_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -79,34 +77,28 @@ def route_request(
     metadata: Mapping[str, str],
 ) -> pb.ProcessingResponse:
     """Admit: set headers (and the mutated body + its content-length), pick the endpoint."""
+    reply = pb.ProcessingResponse()  # filled in place, field by field: no copies
+    common = (reply.request_body if in_body_phase else reply.request_headers).response
+    common.clear_route_cache = True
     headers = dict(set_headers)
-    common = pb.CommonResponse(clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body
         headers["content-length"] = str(len(body))
-    common.header_mutation.CopyFrom(header_mutation(headers))
-    dynamic = Struct()  # filled field by field: Struct.update() walks values in Python
-    dynamic.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value = endpoint
-    ours = dynamic.fields["kvgate"].struct_value.fields
+    fill_mutation(common.header_mutation, headers)
+    dynamic = reply.dynamic_metadata.fields
+    dynamic["envoy.lb"].struct_value.fields[DESTINATION].string_value = endpoint
+    ours = dynamic["kvgate"].struct_value.fields
     for key, value in metadata.items():
         ours[key].string_value = value
-    if in_body_phase:
-        return pb.ProcessingResponse(
-            request_body=pb.BodyResponse(response=common), dynamic_metadata=dynamic
-        )
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=common), dynamic_metadata=dynamic
-    )
+    return reply
 
 
 def immediate(status: int, body: bytes, headers: Headers, details: str) -> pb.ProcessingResponse:
     """Answer the client directly (401/400/413/429/503): the request never goes upstream."""
-    all_headers = {"content-type": "application/json", **headers}
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=HttpStatus(code=status),
-            headers=header_mutation(all_headers),
-            body=body,
-            details=details,
-        )
-    )
+    reply = pb.ProcessingResponse()
+    answer = reply.immediate_response
+    answer.status.code = status
+    fill_mutation(answer.headers, {"content-type": "application/json", **headers})
+    answer.body = body
+    answer.details = details
+    return reply
