@@ -89,6 +89,10 @@ class RequestClass(_Strict):
         30, description="longest wait in the queue; then 503 (pool) or 429 (tenant's share)"
     )
     sla_ms: PositiveInt = Field(2000, description="TTFT target: the 'dynamic' order's SLA term")
+    aging_s: PositiveFloat | None = Field(
+        None, description="this class's aging period (default: queue.aging_s); set it "
+        "explicitly to null to never promote this class"
+    )
 
 
 class Classification(_Strict):

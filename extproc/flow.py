@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 QUEUEABLE = ("pool_saturated", "kv_share_exceeded")  # waiting can fix these
 
 
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else int(seconds * 1000)
+
+
 def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
@@ -67,13 +71,16 @@ class FlowController:
         self.pool = scheduler.config.name
         self.queue = FairQueue(
             max_size=settings.max_size,
-            aging_ms=None if settings.aging_s is None else int(settings.aging_s * 1000),
+            aging_ms=_ms(settings.aging_s),
             order=settings.order,
             alpha=settings.alpha,
             beta=settings.beta,
             gamma=settings.gamma,
             sla_ms={band: config.classes[name].sla_ms
                     for band, name in enumerate(config.class_order)},
+            band_aging_ms={band: _ms(config.classes[name].aging_s)
+                           for band, name in enumerate(config.class_order)
+                           if "aging_s" in config.classes[name].model_fields_set},
         )
         if settings.order == "dynamic" and isinstance(fairness, MemoryFairness):
             self.fairness = MemoryFairness.for_queue(self.queue)  # ranks by the dynamic cost

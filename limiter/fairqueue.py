@@ -154,9 +154,16 @@ class FairQueue:
         beta: float = 0.0,
         gamma: float = 0.0,
         sla_ms: dict[int, int] | None = None,
+        band_aging_ms: dict[int, int | None] | None = None,
     ) -> None:
         self.max_size = require_int("max_size", max_size, 1)
         self.aging_ms = None if aging_ms is None else require_int("aging_ms", aging_ms, 1)
+        # per-band overrides (None: that band never ages): under sustained load, batch work
+        # promoted after a few seconds would crowd the interactive band
+        self.band_aging_ms = {
+            band: None if ms is None else require_int(f"band_aging_ms[{band}]", ms, 1)
+            for band, ms in (band_aging_ms or {}).items()
+        }
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         self.order = order
@@ -200,12 +207,17 @@ class FairQueue:
 
     # --- priority ------------------------------------------------------------------------
 
+    def aging_for(self, band: int) -> int | None:
+        """How long a request queued in ``band`` waits per promotion (None: never)."""
+        return self.band_aging_ms.get(band, self.aging_ms)
+
     def effective_band(self, item: QueuedRequest, now_ms: int) -> int:
-        """``item.band`` less one per whole ``aging_ms`` waited, never below band 0."""
+        """``item.band`` less one per whole aging period of its band waited, never below 0."""
         waited = now_ms - item.enqueued_ms
-        if self.aging_ms is None or item.band == 0 or waited <= 0:
+        aging = self.aging_for(item.band)
+        if aging is None or item.band == 0 or waited <= 0:
             return item.band
-        return max(0, item.band - waited // self.aging_ms)
+        return max(0, item.band - waited // aging)
 
     def dynamic_score(self, item: QueuedRequest, now_ms: int, progress: float = 0.0) -> float:
         """``α·wait/SLA + β·progress + γ·tier``: higher goes first (``order="dynamic"``).
@@ -347,19 +359,19 @@ class FairQueue:
         Only lane heads matter: they are the only requests :meth:`candidates` offers, so this
         is the next time aging alone can change what it returns.
         """
-        if self.aging_ms is None:
-            return None
         times = [
             self._next_promotion(lane.head().item, now_ms)
             for lane in self._lanes.values()
-            if self.effective_band(lane.head().item, now_ms) > 0
+            if self.aging_for(lane.head().item.band) is not None
+            and self.effective_band(lane.head().item, now_ms) > 0
         ]
         return min(times, default=None)
 
     def _next_promotion(self, item: QueuedRequest, now_ms: int) -> int:
-        assert self.aging_ms is not None
-        steps = max(0, now_ms - item.enqueued_ms) // self.aging_ms
-        return item.enqueued_ms + (steps + 1) * self.aging_ms
+        aging = self.aging_for(item.band)
+        assert aging is not None
+        steps = max(0, now_ms - item.enqueued_ms) // aging
+        return item.enqueued_ms + (steps + 1) * aging
 
 
 def _decrement(counter: Counter, key: object) -> None:

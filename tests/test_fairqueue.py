@@ -393,3 +393,18 @@ async def test_no_request_is_lost_or_served_late(
 def _leave(left: dict[str, str], rid: str, how: str) -> None:
     assert rid not in left, f"{rid} left twice: {left[rid]} then {how}"
     left[rid] = how
+
+
+def test_each_band_can_age_at_its_own_pace():
+    from limiter.fairqueue import FairQueue, QueuedRequest
+
+    queue = FairQueue(aging_ms=1000, band_aging_ms={1: 10_000, 2: None})
+    items = {band: QueuedRequest(f"r{band}", "t", band, 10, 1.0, 0, 10**9)
+             for band in (1, 2, 3)}
+    for item in items.values():
+        queue.push(item, 0)
+    assert [queue.effective_band(items[b], 5_000) for b in (1, 2, 3)] == [1, 2, 0]
+    assert queue.effective_band(items[1], 10_000) == 0  # its own 10 s period
+    assert queue.effective_band(items[2], 10**8) == 2  # never promoted
+    assert queue.next_aging_ms(1_500) == 2_000  # band 3's next step
+    assert queue.next_aging_ms(5_000) == 10_000  # band 3 is at 0 by then; band 1 steps at 10 s

@@ -166,3 +166,14 @@ async def test_full_queue_evicts_the_least_important_newest():
         await h.director.release(await asyncio.wait_for(task, 2), 10)
     assert await h.nothing_held()
     await h.flow.stop()
+
+
+def test_classes_may_set_their_own_aging():
+    cfg = config()
+    data = cfg.model_dump(exclude_unset=True)
+    data["queue"] = {"aging_s": 5}
+    data["classes"]["batch"]["aging_s"] = 30
+    data["classes"]["offline"]["aging_s"] = None
+    h = Harness(parse_config(data))
+    assert (h.flow.queue.aging_for(0), h.flow.queue.aging_for(1),
+            h.flow.queue.aging_for(2)) == (5000, 30_000, None)
