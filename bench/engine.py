@@ -74,6 +74,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from bench.engine_model import EngineConfig, EngineModel, SimRequest
 from bench.ports import free_port
+from extproc.processes import stop_process
 
 Kind = Literal["chat", "completion"]
 
@@ -646,13 +647,7 @@ class EngineProcess:
         raise TimeoutError(f"engine on {self.url} not healthy after {self.startup_timeout}s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=5)
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None

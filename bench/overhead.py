@@ -64,6 +64,7 @@ from bench.redis_server import RedisServer
 from extproc.config import hash_api_key, parse_config
 from extproc.envoy_config import EXT_PROC_CLUSTER, UPSTREAM_CLUSTER, render_bootstrap
 from extproc.envoy_proc import EnvoyProcess, find_envoy
+from extproc.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -176,13 +177,7 @@ class Child:
         return self._log.read().decode(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process)
 
 
 # -- configs and bootstraps ----------------------------------------------------------------

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from extproc.processes import stop_process
 
 if TYPE_CHECKING:
     from extproc.config import Config
@@ -334,13 +335,7 @@ class EnvoyProcess:
         """Terminate Envoy (SIGTERM, then SIGKILL after ``timeout``); returns its exit code."""
         code = None
         if self.process is not None:
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
-                try:
-                    self.process.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
+            stop_process(self.process, timeout)
             code = self.process.returncode
             self.process = None
         if self._log_file is not None:

@@ -12,6 +12,7 @@ import httpx
 import yaml
 
 from extproc.config import Config
+from extproc.processes import stop_process
 
 
 class KvgateProcess:
@@ -54,13 +55,7 @@ class KvgateProcess:
             self.process.wait(5)
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process)
 
     def __enter__(self) -> KvgateProcess:
         return self.start()

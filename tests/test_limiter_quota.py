@@ -25,6 +25,7 @@ from limiter import (
     period_bounds,
     wall_ms,
 )
+from tests.limiter_support import admit_ok, admit_rejected
 
 FAST = settings(max_examples=250, deadline=None)
 
@@ -33,16 +34,6 @@ def _ms(*args: int) -> int:
     return int(datetime(*args, tzinfo=UTC).timestamp() * 1000)  # type: ignore[misc]
 
 
-def _admit(limiter: TenantLimiter, cost: Cost, lease: str, now: int) -> Admit:
-    result = limiter.admit(cost, lease, now)
-    assert isinstance(result, Admit), result
-    return result
-
-
-def _reject(limiter: TenantLimiter, cost: Cost, lease: str, now: int) -> Reject:
-    result = limiter.admit(cost, lease, now)
-    assert isinstance(result, Reject), result
-    return result
 
 
 # --- calendar ----------------------------------------------------------------------------
@@ -111,8 +102,8 @@ def test_policy_validates_quotas() -> None:
 def test_daily_quota_rejects_until_midnight_utc() -> None:
     now = _ms(2026, 5, 17, 23, 0)
     limiter = TenantLimiter(DAILY, now)
-    _admit(limiter, Cost(500, 400), "a", now)
-    rejected = _reject(limiter, Cost(50, 51), "b", now)
+    admit_ok(limiter, Cost(500, 400), "a", now)
+    rejected = admit_rejected(limiter, Cost(50, 51), "b", now)
     assert rejected.reason is Reason.QUOTA
     assert rejected.retry_after_ms is None
     assert rejected.reset_ms == 3_600_000
@@ -123,14 +114,14 @@ def test_daily_quota_rejects_until_midnight_utc() -> None:
         "tenant over its daily token quota (900 of 1000 used); this request reserves 101 "
         "tokens; the quota resets in 1h0m0s"
     )
-    _admit(limiter, Cost(50, 50), "b", now)  # exactly up to the quota is fine
+    admit_ok(limiter, Cost(50, 50), "b", now)  # exactly up to the quota is fine
     assert isinstance(limiter.admit(Cost(0, 1), "c", _ms(2026, 5, 18) - 1), Reject)
-    _admit(limiter, Cost(0, 1000), "c", _ms(2026, 5, 18))
+    admit_ok(limiter, Cost(0, 1000), "c", _ms(2026, 5, 18))
 
 
 def test_request_larger_than_the_quota_is_too_large() -> None:
     limiter = TenantLimiter(TenantPolicy(daily_token_quota=100, monthly_token_quota=50), 0)
-    rejected = _reject(limiter, Cost(40, 20), "a", 0)
+    rejected = admit_rejected(limiter, Cost(40, 20), "a", 0)
     assert (rejected.reason, rejected.retry_after_ms) == (Reason.TOO_LARGE, None)
     assert "monthly token quota is 50" in rejected.message
 
@@ -139,21 +130,21 @@ def test_monthly_quota_outlives_days_and_both_failing_report_the_later_reset() -
     now = _ms(2026, 2, 27, 12)
     policy = TenantPolicy(daily_token_quota=600, monthly_token_quota=1000)
     limiter = TenantLimiter(policy, now)
-    _admit(limiter, Cost(600, 0), "a", now)
-    rejected = _reject(limiter, Cost(1, 0), "b", now)
+    admit_ok(limiter, Cost(600, 0), "a", now)
+    rejected = admit_rejected(limiter, Cost(1, 0), "b", now)
     assert rejected.reset_ms == _ms(2026, 2, 28) - now  # only the daily one is spent
-    _admit(limiter, Cost(400, 0), "b", _ms(2026, 2, 28))
-    rejected = _reject(limiter, Cost(600, 0), "c", _ms(2026, 2, 28, 1))
+    admit_ok(limiter, Cost(400, 0), "b", _ms(2026, 2, 28))
+    rejected = admit_rejected(limiter, Cost(600, 0), "c", _ms(2026, 2, 28, 1))
     assert "daily token quota (400 of 600 used) and monthly token quota" in rejected.message
     assert rejected.reset_ms == _ms(2026, 3, 1) - _ms(2026, 2, 28, 1)
     assert rejected.remaining.quota_remaining == 0  # the monthly one binds
-    _admit(limiter, Cost(600, 0), "c", _ms(2026, 3, 1))
+    admit_ok(limiter, Cost(600, 0), "c", _ms(2026, 3, 1))
 
 
 def test_tightest_quota_on_a_tie_is_the_later_reset() -> None:
     policy = TenantPolicy(daily_token_quota=100, monthly_token_quota=100)
     now = _ms(2026, 7, 10)
-    admitted = _admit(TenantLimiter(policy, now), Cost(100, 0), "a", now)
+    admitted = admit_ok(TenantLimiter(policy, now), Cost(100, 0), "a", now)
     assert admitted.remaining.quota_reset_ms == _ms(2026, 8, 1) - now
 
 
@@ -161,16 +152,16 @@ def test_quota_reconciliation_refunds_and_charges() -> None:
     now = _ms(2026, 4, 1, 8)
     limiter = TenantLimiter(TenantPolicy(daily_token_quota=1000, token_rate=Rate(1, 1),
                                          token_burst=1000), now)
-    _admit(limiter, Cost(100, 500), "a", now)
+    admit_ok(limiter, Cost(100, 500), "a", now)
     assert limiter.release("a", 150, now)
     assert limiter.usage(now)["quotas"]["daily"]["used"] == 150
-    _admit(limiter, Cost(100, 100), "b", now)
+    admit_ok(limiter, Cost(100, 100), "b", now)
     assert limiter.release("b", 700, now)  # 500 over the reservation: charged
     assert limiter.usage(now)["quotas"]["daily"]["used"] == 850
-    _admit(limiter, Cost(100, 0), "c", now)
+    admit_ok(limiter, Cost(100, 0), "c", now)
     assert limiter.release("c", None, now)  # unknown usage: the reservation counts
     assert limiter.usage(now)["quotas"]["daily"]["used"] == 950
-    _admit(limiter, Cost(0, 50), "d", now)
+    admit_ok(limiter, Cost(0, 50), "d", now)
     assert limiter.release("d", 0, now + DAY_MS)  # a lease across midnight: floored at 0
     assert limiter.usage(now + DAY_MS)["quotas"]["daily"]["used"] == 0
 
@@ -178,11 +169,11 @@ def test_quota_reconciliation_refunds_and_charges() -> None:
 def test_quota_usage_survives_a_policy_toggle() -> None:
     now = _ms(2026, 4, 1, 8)
     limiter = TenantLimiter(DAILY, now)
-    _admit(limiter, Cost(700, 0), "a", now)
+    admit_ok(limiter, Cost(700, 0), "a", now)
     limiter.update_policy(TenantPolicy(), now)
-    _admit(limiter, Cost(700, 0), "b", now)  # no quota: not counted
+    admit_ok(limiter, Cost(700, 0), "b", now)  # no quota: not counted
     limiter.update_policy(DAILY, now)
-    assert _reject(limiter, Cost(301, 0), "c", now).reason is Reason.QUOTA
+    assert admit_rejected(limiter, Cost(301, 0), "c", now).reason is Reason.QUOTA
     assert limiter.release("b", 0, now)  # b was never charged to the quota
     assert limiter.usage(now)["quotas"]["daily"]["used"] == 700
 
@@ -255,13 +246,13 @@ def _copy_counter(counter: QuotaCounter) -> QuotaCounter:
 def test_lease_ttl_frees_slots_and_renew_extends() -> None:
     policy = TenantPolicy(max_concurrency=2)
     limiter = TenantLimiter(policy, 0, lease_ttl_ms=100)
-    _admit(limiter, Cost(1, 1), "a", 0)
-    _admit(limiter, Cost(1, 1), "b", 50)
-    assert _reject(limiter, Cost(1, 1), "c", 99).reason is Reason.CONCURRENCY
+    admit_ok(limiter, Cost(1, 1), "a", 0)
+    admit_ok(limiter, Cost(1, 1), "b", 50)
+    assert admit_rejected(limiter, Cost(1, 1), "c", 99).reason is Reason.CONCURRENCY
     assert limiter.renew(["a", "zzz"], 99) == 1
     assert limiter.expire_leases(150) == 1  # b expired at 150; a lives until 199
     assert limiter.release("b", 0, 150) is False
-    _admit(limiter, Cost(1, 1), "c", 150)
+    admit_ok(limiter, Cost(1, 1), "c", 150)
     assert limiter.expire_leases(199) == 1
     assert limiter.release("a", 0, 199) is False
 
@@ -273,7 +264,7 @@ def test_usage_snapshot_is_json_friendly() -> None:
         window_limit=5, window_ms=1000, max_concurrency=3, monthly_token_quota=10_000,
     )
     limiter = TenantLimiter(policy, now)
-    _admit(limiter, Cost(30, 20), "a", now)
+    admit_ok(limiter, Cost(30, 20), "a", now)
     assert limiter.usage(now) == {
         "in_flight": 1,
         "max_concurrency": 3,
