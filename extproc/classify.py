@@ -26,18 +26,19 @@ class Classifier:
         self.config = config
         self.order = config.class_order
         self.rules = config.classification
+        self._rank = {name: rank for rank, name in enumerate(self.order)}
+        self._classes = [RequestClass(name, rank, config.classes[name].priority)
+                         for rank, name in enumerate(self.order)]
 
     def classify(
         self, tenant: Tenant, *, requested: str | None, path: str, prompt_tokens: int
     ) -> RequestClass:
-        rank = self.order.index(self._asked(tenant, requested, path))
-        ceiling = self.order.index(tenant.max_class or tenant.default_class)
-        rank = max(rank, ceiling)
+        rank = max(self._rank[self._asked(tenant, requested, path)],
+                   self._rank[tenant.max_class or tenant.default_class])
         long_prompt = self.rules.long_prompt_tokens
         if long_prompt is not None and prompt_tokens > long_prompt:
             rank = min(rank + 1, len(self.order) - 1)
-        name = self.order[rank]
-        return RequestClass(name, rank, self.config.classes[name].priority)
+        return self._classes[rank]
 
     def _asked(self, tenant: Tenant, requested: str | None, path: str) -> str:
         if requested and tenant.class_header:

@@ -30,6 +30,7 @@ from limiter.fairqueue import QueuedRequest
 
 _LEASE_PREFIX = os.urandom(6).hex()  # unique per process; a counter makes each lease unique
 _lease_numbers = itertools.count()
+RECENT_KEYS = 4096  # authenticated Authorization values remembered
 
 
 def _next_lease() -> str:
@@ -105,6 +106,7 @@ class Director:
         }
         self.classifier = Classifier(config)
         self._tenants_by_key = {key: t for t in config.tenants for key in t.api_keys}
+        self._recent_keys: dict[str, Tenant] = {}  # Authorization value → tenant
         self._tenants_by_name = {t.name: t for t in config.tenants}
         self._policies = {t.name: policy_from_limits(config.limits_for(t)) for t in config.tenants}
         self._counters: dict[str, TokenCounter] = {
@@ -113,6 +115,11 @@ class Director:
         }
 
     def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant owning the request's API key. Keys are configured as sha256 hashes;
+        a key already seen skips the hash (OpenSSL's sha256 costs microseconds a call here)."""
+        tenant = self._recent_keys.get(authorization or "")
+        if tenant is not None:
+            return tenant
         scheme, _, key = (authorization or "").partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
@@ -123,6 +130,9 @@ class Director:
         tenant = self._tenants_by_key.get("sha256:" + hashlib.sha256(key.encode()).hexdigest())
         if tenant is None:
             raise BadRequest("incorrect API key provided", status=401, code="invalid_api_key")
+        if len(self._recent_keys) >= RECENT_KEYS:
+            self._recent_keys.clear()  # bounded: a flood of distinct valid keys only re-hashes
+        self._recent_keys[authorization or ""] = tenant
         return tenant
 
     def policy(self, tenant: Tenant) -> TenantPolicy:

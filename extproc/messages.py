@@ -7,13 +7,15 @@ metadata lives under the ``envoy.lb`` namespace.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.envoy_config import DESTINATION_HEADER, KVGATE_HEADER_PREFIX
+
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-DESTINATION = "x-gateway-destination-endpoint"
 
 Headers = Mapping[str, str]
 
@@ -29,7 +31,7 @@ def header_map(headers: pb.HttpHeaders, wanted: frozenset[str]) -> tuple[dict[st
         if key in wanted:
             raw = header.raw_value
             values[key] = raw.decode("utf-8", "replace") if raw else header.value
-        elif key.startswith("x-kvgate-"):
+        elif key.startswith(KVGATE_HEADER_PREFIX):
             ours.append(key)
     return values, ours
 
@@ -70,27 +72,43 @@ def continue_body(*, response_phase: bool, body: bytes | None = None) -> pb.Proc
 
 def route_request(
     *,
-    set_headers: Headers,
+    set_headers: tuple[tuple[str, str], ...],
     endpoint: str,
     body: bytes | None,
     in_body_phase: bool,
-    metadata: Mapping[str, str],
+    metadata: tuple[tuple[str, str], ...],
+    lease: str,
 ) -> pb.ProcessingResponse:
-    """Admit: set headers (and the mutated body + its content-length), pick the endpoint."""
-    reply = pb.ProcessingResponse()  # filled in place, field by field: no copies
+    """Admit: set headers (and the mutated body + its content-length), pick the endpoint.
+
+    Everything but the body and the lease repeats across requests of one tenant, class and
+    endpoint: that part is built once and parsed back from bytes (~1 µs, against ~8 µs to
+    fill it field by field)."""
+    reply = pb.ProcessingResponse.FromString(
+        _route_template(set_headers, endpoint, in_body_phase, metadata))
     common = (reply.request_body if in_body_phase else reply.request_headers).response
-    common.clear_route_cache = True
-    headers = dict(set_headers)
     if body is not None:
         common.body_mutation.body = body
-        headers["content-length"] = str(len(body))
-    fill_mutation(common.header_mutation, headers)
-    dynamic = reply.dynamic_metadata.fields
-    dynamic["envoy.lb"].struct_value.fields[DESTINATION].string_value = endpoint
-    ours = dynamic["kvgate"].struct_value.fields
-    for key, value in metadata.items():
-        ours[key].string_value = value
+        fill_mutation(common.header_mutation, {"content-length": str(len(body))})
+    reply.dynamic_metadata.fields["kvgate"].struct_value.fields["lease"].string_value = lease
     return reply
+
+
+@functools.lru_cache(maxsize=4096)
+def _route_template(
+    set_headers: tuple[tuple[str, str], ...], endpoint: str, in_body_phase: bool,
+    metadata: tuple[tuple[str, str], ...],
+) -> bytes:
+    reply = pb.ProcessingResponse()
+    common = (reply.request_body if in_body_phase else reply.request_headers).response
+    common.clear_route_cache = True
+    fill_mutation(common.header_mutation, dict(set_headers))
+    dynamic = reply.dynamic_metadata.fields
+    dynamic["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value = endpoint
+    ours = dynamic["kvgate"].struct_value.fields
+    for key, value in metadata:
+        ours[key].string_value = value
+    return reply.SerializeToString()
 
 
 def immediate(status: int, body: bytes, headers: Headers, details: str) -> pb.ProcessingResponse:

@@ -1,10 +1,73 @@
-"""Prometheus metrics kvgate exports on its admin port (``/metrics``)."""
+"""Prometheus metrics kvgate exports on its admin port (``/metrics``).
+
+The series the request path bumps several times per request are :class:`Tally` s: a plain
+dict add per bump, read when Prometheus scrapes. prometheus_client's own metrics take a lock
+and walk label objects on every call — measurable at thousands of messages per second.
+The rest (scrapes, queue events, breaker transitions) use prometheus_client directly.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import bisect
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+
+class Tally(Collector):
+    """A counter (``kind="counter"``, exported as ``<name>_total``) or a gauge, by labels."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry, kind: str = "counter"):
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = list(labelnames)
+        self.kind = kind
+        self.values: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def add(self, labels: tuple[str, ...], amount: float = 1) -> None:
+        self.values[labels] = self.values.get(labels, 0) + amount
+
+    def collect(self) -> Iterator[Metric]:
+        family_type = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        family = family_type(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in list(self.values.items()):
+            family.add_metric(list(labels), value)
+        yield family
+
+
+class Timings(Collector):
+    """A label-less histogram of durations in seconds: one bisect and two adds per sample."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
+                 registry: CollectorRegistry):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            cumulative += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+        family = HistogramMetricFamily(self.name, self.documentation)
+        family.add_metric([], buckets, self.sum)
+        yield family
 
 
 class Metrics:
@@ -12,36 +75,30 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.decisions = Counter(
-            "kvgate_decisions_total",
+        self.decisions = Tally(
+            "kvgate_decisions",
             "Admission outcomes by tenant and outcome (admitted, or the rejection reason).",
-            ["tenant", "outcome"],
-            registry=self.registry,
+            ["tenant", "outcome"], self.registry,
         )
-        self.tokens = Counter(
-            "kvgate_tokens_total",
+        self.tokens = Tally(
+            "kvgate_tokens",
             "Tokens by tenant: reserved at admission, used per the engine's usage.",
-            ["tenant", "kind"],
-            registry=self.registry,
+            ["tenant", "kind"], self.registry,
         )
-        self.in_flight = Gauge(
+        self.in_flight = Tally(
             "kvgate_in_flight_requests",
             "Admitted requests not yet finished, by tenant.",
-            ["tenant"],
-            registry=self.registry,
+            ["tenant"], self.registry, kind="gauge",
         )
-        self.messages = Counter(
-            "kvgate_extproc_messages_total",
+        self.messages = Tally(
+            "kvgate_extproc_messages",
             "ext_proc messages received, by kind.",
-            ["kind"],
-            registry=self.registry,
+            ["kind"], self.registry,
         )
-        self.stream_errors = Counter(
-            "kvgate_extproc_stream_errors_total",
+        self.stream_errors = Tally(
+            "kvgate_extproc_stream_errors",
             "ext_proc streams that ended abnormally (client disconnect, reset, internal error).",
-            ["reason"],
-            registry=self.registry,
+            ["reason"], self.registry,
         )
         self.store_state = Gauge(
             "kvgate_store_breaker_open",
@@ -85,18 +142,9 @@ class Metrics:
             ["pool", "event"],
             registry=self.registry,
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = Timings(
             "kvgate_admission_seconds",
             "Time to decide admission (store round trip and any queueing included).",
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
-            registry=self.registry,
+            (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            self.registry,
         )
-
-    def child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, memoised: the request path calls this several times
-        per message, and prometheus_client's own lookup takes a lock and builds a key."""
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found

@@ -19,6 +19,7 @@ from extproc import messages
 from extproc.accounting import ResponseMeter
 from extproc.config import Server
 from extproc.director import Admission, Director
+from extproc.envoy_config import DESTINATION_HEADER, EXT_PROC_HEADERS
 from extproc.metrics import Metrics
 from extproc.openai import (
     INFERENCE_PATHS,
@@ -35,12 +36,12 @@ from limiter.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-SPOOFABLE_HEADERS = ("x-gateway-destination-endpoint",)  # and every x-kvgate-* header
+SPOOFABLE_HEADERS = (DESTINATION_HEADER,)  # and every x-kvgate-* header
 
 
 @functools.cache
 def _wanted(class_header: str) -> frozenset[str]:
-    return frozenset((":path", "authorization", "content-length", class_header))
+    return frozenset((*EXT_PROC_HEADERS, class_header))
 
 
 class RequestStream:
@@ -59,7 +60,7 @@ class RequestStream:
 
     async def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
         kind = message.WhichOneof("request")
-        self.metrics.child(self.metrics.messages, kind).inc()
+        self.metrics.messages.add((kind,))
         try:
             if kind == "request_headers":
                 return await self._on_request_headers(message.request_headers)
@@ -71,12 +72,12 @@ class RequestStream:
         except BadRequest as error:
             return self._answer(*client_error(error), details=error.code or "bad_request")
         except StoreUnavailable:
-            self.metrics.child(self.metrics.stream_errors, "store_unavailable").inc()
+            self.metrics.stream_errors.add(("store_unavailable",))
             return self._answer(*internal_error("admission limits are unavailable; retry later"),
                                 details="kvgate_store_unavailable")
         except Exception:
             log.exception("ext_proc %s failed", kind)
-            self.metrics.child(self.metrics.stream_errors, "internal").inc()
+            self.metrics.stream_errors.add(("internal",))
             if kind.startswith("response"):
                 return _continue_other(kind)
             return self._answer(*internal_error("kvgate could not process the request"),
@@ -136,23 +137,23 @@ class RequestStream:
     ) -> pb.ProcessingResponse:
         self.admission = admission
         tenant = admission.tenant.name
-        self.metrics.child(self.metrics.decisions, tenant, "admitted").inc()
-        self.metrics.child(self.metrics.tokens, tenant, "reserved").inc(admission.cost.tokens)
-        self.metrics.child(self.metrics.in_flight, tenant).inc()
-        headers = {
-            "x-kvgate-tenant": tenant,
-            "x-kvgate-class": admission.request_class,
-            "x-gateway-destination-endpoint": ",".join(admission.endpoints),
-        }
+        self.metrics.decisions.add((tenant, "admitted"))
+        self.metrics.tokens.add((tenant, "reserved"), admission.cost.tokens)
+        self.metrics.in_flight.add((tenant,))
+        headers = (
+            ("x-kvgate-tenant", tenant),
+            ("x-kvgate-class", admission.request_class),
+            (DESTINATION_HEADER, ",".join(admission.endpoints)),
+        )
         if admission.priority is not None:
-            headers["x-kvgate-priority"] = str(admission.priority)
-        metadata = {"tenant": tenant, "lease": admission.lease_id, "pool": admission.pool}
+            headers += (("x-kvgate-priority", str(admission.priority)),)
         return messages.route_request(
             set_headers=headers,
             endpoint=admission.endpoint,
             body=body,
             in_body_phase=in_body_phase,
-            metadata=metadata,
+            metadata=(("tenant", tenant), ("pool", admission.pool)),
+            lease=admission.lease_id,
         )
 
     # -- response path ---------------------------------------------------------------------
@@ -170,14 +171,14 @@ class RequestStream:
 
     def _reject(self, reject: Reject) -> pb.ProcessingResponse:
         if self.tenant is not None:
-            self.metrics.child(self.metrics.decisions, self.tenant.name, reject.reason.value).inc()
+            self.metrics.decisions.add((self.tenant.name, reject.reason.value))
         return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
 
     def _refuse(self, refusal: Reject | Shed) -> pb.ProcessingResponse:
         if isinstance(refusal, Reject):
             return self._reject(refusal)
         if self.tenant is not None:
-            self.metrics.child(self.metrics.decisions, self.tenant.name, refusal.code).inc()
+            self.metrics.decisions.add((self.tenant.name, refusal.code))
         return self._answer(*shed_response(refusal), details=f"kvgate_{refusal.code}")
 
     def _answer(
@@ -196,12 +197,12 @@ class RequestStream:
             return
         self._released = True
         if abnormal:
-            self.metrics.child(self.metrics.stream_errors, abnormal).inc()
+            self.metrics.stream_errors.add((abnormal,))
         used = self._used_tokens()
         tenant = self.admission.tenant.name
-        self.metrics.child(self.metrics.in_flight, tenant).dec()
+        self.metrics.in_flight.add((tenant,), -1)
         if used is not None:
-            self.metrics.child(self.metrics.tokens, tenant, "used").inc(used)
+            self.metrics.tokens.add((tenant, "used"), used)
         await self.director.release(self.admission, used)
 
     def _used_tokens(self) -> int:

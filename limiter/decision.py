@@ -8,7 +8,8 @@ token quota is different: waiting seconds cannot help, so it carries its reset t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from limiter.buckets import SlidingWindow, TokenBucket
@@ -76,6 +77,10 @@ class TenantPolicy:
     concurrency_retry_ms: int = 1000
     daily_token_quota: int | None = None
     monthly_token_quota: int | None = None
+    # Derived once (every admission reads them): the quotas, and the largest request that
+    # certainly passes ``never_fits`` — so the common case skips building its messages.
+    _quotas: tuple[tuple[Period, int], ...] = field(init=False, repr=False, compare=False)
+    _fits: tuple[float, float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _pair(self, "request_rate", "request_burst")
@@ -85,11 +90,27 @@ class TenantPolicy:
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name), 1)
         require_int("concurrency_retry_ms", self.concurrency_retry_ms, 1)
-
-    def quotas(self) -> list[tuple[Period, int]]:
-        """The configured token quotas, daily first (the order every view lists them in)."""
         pairs = ((Period.DAY, self.daily_token_quota), (Period.MONTH, self.monthly_token_quota))
-        return [(period, limit) for period, limit in pairs if limit is not None]
+        quotas = tuple((period, limit) for period, limit in pairs if limit is not None)
+        budgets = [self.token_burst, *(limit for _, limit in quotas)]
+        caps = (self.request_burst, self.window_limit)
+        fits = (_bound(self.max_context_tokens), _bound(*budgets), _bound(*caps))
+        object.__setattr__(self, "_quotas", quotas)
+        object.__setattr__(self, "_fits", fits)
+
+    def quotas(self) -> tuple[tuple[Period, int], ...]:
+        """The configured token quotas, daily first (the order every view lists them in)."""
+        return self._quotas
+
+    def surely_fits(self, cost: Cost) -> bool:
+        """True when ``never_fits(self, cost)`` is certainly None (a few comparisons)."""
+        context, budget, requests = self._fits
+        return (cost.prompt_tokens <= context and cost.prompt_tokens + cost.max_output_tokens
+                <= budget and cost.requests <= requests)
+
+
+def _bound(*limits: int | None) -> float:
+    return min((limit for limit in limits if limit is not None), default=math.inf)
 
 
 @dataclass(frozen=True)
@@ -134,6 +155,8 @@ def never_fits(policy: TenantPolicy, cost: Cost) -> tuple[Reason, str] | None:
 
     Pure, so a shared store can decide it before its round trip.
     """
+    if policy.surely_fits(cost):
+        return None
     limit = policy.max_context_tokens
     if limit is not None and cost.prompt_tokens > limit:
         return Reason.CONTEXT, (
@@ -345,10 +368,11 @@ class TenantLimiter:
                 self._tokens.refund(reserved - used, now_ms)
             elif used > reserved:
                 self._tokens.charge(used - reserved, now_ms)
-        configured = {period for period, _ in self.policy.quotas()}
-        for period in lease.quotas_charged:
-            if period in configured:
-                self._quotas[period].reconcile(reserved - used, now_ms)
+        if lease.quotas_charged:
+            configured = {period for period, _ in self.policy.quotas()}
+            for period in lease.quotas_charged:
+                if period in configured:
+                    self._quotas[period].reconcile(reserved - used, now_ms)
         return True
 
     def _request_waits(self, requests: int, now_ms: int) -> list[tuple[Reason, int]]:

@@ -96,7 +96,7 @@ def test_policy_validates_quotas() -> None:
     with pytest.raises(TypeError):
         TenantPolicy(monthly_token_quota=1.5)  # type: ignore[arg-type]
     policy = TenantPolicy(monthly_token_quota=5, daily_token_quota=3)
-    assert policy.quotas() == [(Period.DAY, 3), (Period.MONTH, 5)]
+    assert policy.quotas() == ((Period.DAY, 3), (Period.MONTH, 5))
 
 
 def test_daily_quota_rejects_until_midnight_utc() -> None:

@@ -8,6 +8,7 @@ own, since they kill it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -260,7 +261,7 @@ async def test_calendar_in_lua_matches_python(client: aioredis.Redis, now: int, 
 @st.composite
 def no_concurrency_policies(draw: st.DrawFn) -> TenantPolicy:
     policy = draw(policies())
-    return TenantPolicy(**{**policy.__dict__, "max_concurrency": None})
+    return dataclasses.replace(policy, max_concurrency=None)
 
 
 @PARITY
