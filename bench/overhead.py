@@ -71,7 +71,22 @@ RESULTS = Path(__file__).parent / "results"
 MODES = ("direct", "minimal", "kvgate", "kvgate_redis")
 LEVELS = (1, 16, 64)
 PROCESS_ROLES = ("envoy", "ext_proc", "engine", "redis", "loadgen")
-CLIENT_CORES, GATEWAY_CORES = {0}, {1}  # with pinning: who runs where
+# Who runs on which core. ``split`` (the default) gives the ext_proc server a core of its
+# own, as a separate container with its own CPU would have in production: its CPU per
+# request is then its own. ``shared`` puts Envoy on the ext_proc's core: each then preempts
+# the other on every message, and both processes' CPU per request grows with the ext_proc's
+# latency (kept to show that effect; see the README).
+LAYOUTS: dict[str, dict[str, set[int]]] = {
+    "split": {"ext_proc": {1}, "envoy": {0}, "engine": {0}, "redis": {0}, "loadgen": {0}},
+    "shared": {"ext_proc": {1}, "envoy": {1}, "engine": {0}, "redis": {0}, "loadgen": {0}},
+}
+LAYOUT_TEXT = {
+    "split": "ext_proc servers alone on core 1; Envoys, load generator, engines and Redis "
+             "on core 0",
+    "shared": "Envoys + ext_proc servers on core 1; load generator, engines and Redis on "
+              "core 0",
+    "none": "none (all processes float on both cores)",
+}
 ROUND_WARMUP_S = 0.5  # before each window after a level's first
 
 API_KEY = "sk-bench-overhead"
@@ -327,7 +342,7 @@ def _start_ext_proc(mode: str, config: dict[str, Any], workdir: Path
 
 
 @contextlib.contextmanager
-def gateway(mode: str, *, pinned: bool) -> Iterator[Gateway]:
+def gateway(mode: str, *, layout: str = "split") -> Iterator[Gateway]:
     """Start what ``mode`` needs, its own engine included; stop it all on exit."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
@@ -353,9 +368,9 @@ def gateway(mode: str, *, pinned: bool) -> Iterator[Gateway]:
         assert envoy.process is not None
         gw.pids["envoy"] = envoy.process.pid
         gw.url = envoy.url + "/v1/chat/completions"
-        if pinned:
-            for role, pid in gw.pids.items():
-                pin(pid, CLIENT_CORES if role in ("engine", "redis") else GATEWAY_CORES)
+        for role, pid in gw.pids.items():
+            if layout in LAYOUTS:
+                pin(pid, LAYOUTS[layout][role])
         check(gw)
         yield gw
 
@@ -513,7 +528,7 @@ def _own_affinity(cpus: set[int] | None) -> Iterator[None]:
 
 def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
         warmup_s: float = 2.0, duration_s: float = 10.0, rounds: int = 5,
-        pinned: bool = True, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        layout: str = "split", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every mode × level, one row each (see ``summarize``).
 
     Every mode's stack runs for the whole run, idle but for its turn; each level's
@@ -521,9 +536,10 @@ def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
     else the machine is doing meanwhile falls on every mode alike.
     """
     rows = []
-    with (_own_affinity(CLIENT_CORES if pinned else None), contextlib.ExitStack() as stack,
+    with (_own_affinity(LAYOUTS[layout]["loadgen"] if layout in LAYOUTS else None),
+          contextlib.ExitStack() as stack,
           _runner() as runner):
-        gateways = [stack.enter_context(gateway(mode, pinned=pinned)) for mode in modes]
+        gateways = [stack.enter_context(gateway(mode, layout=layout)) for mode in modes]
         for level in levels:
             windows: dict[str, list[Window]] = {gw.mode: [] for gw in gateways}
             for turn in range(rounds):
@@ -618,7 +634,7 @@ def _first_line(command: list[str]) -> str:
     return next(iter((out.stdout or out.stderr).strip().splitlines()), "")
 
 
-def machine_info(pinned: bool) -> dict[str, Any]:
+def machine_info(layout: str) -> dict[str, Any]:
     from importlib.metadata import version
 
     with open("/proc/cpuinfo") as f:
@@ -636,8 +652,9 @@ def machine_info(pinned: bool) -> dict[str, Any]:
         "commit": _first_line(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
         "uncommitted_changes": bool(_first_line(
             ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
-        "pinning": ({"envoy, ext_proc": sorted(GATEWAY_CORES),
-                     "loadgen, engine, redis": sorted(CLIENT_CORES)} if pinned else "none"),
+        "layout": layout,
+        "pinning": ({role: sorted(cores) for role, cores in LAYOUTS[layout].items()}
+                    if layout in LAYOUTS else "none"),
     }
 
 
@@ -704,10 +721,7 @@ def markdown(result: dict[str, Any]) -> str:
         if r["concurrency"] == rows[0]["concurrency"] and r["messages_by_kind"]:
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["messages_by_kind"].items())
             lines.append(f"- {r['mode']}: {r['messages_per_request']:.2f} ({kinds})")
-    pinning = result["machine"]["pinning"]
-    pin_text = ("Envoys + ext_proc servers on core 1; load generator, engines and Redis on "
-                "core 0"
-                if pinning != "none" else "none (all processes float on both cores)")
+    pin_text = LAYOUT_TEXT[result["machine"].get("layout", "shared")]
     lines += ["", "## Method", "", METHOD.format(
         max_tokens=MAX_TOKENS, body=len(BODY), warmup=result["warmup_s"],
         duration=result["duration_s"], rounds=result.get("rounds", 1),
@@ -726,12 +740,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         profile_main(args.duration, args.out.with_name("overhead-profile.md"))
         return
-    pinned = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    layout = args.layout if len(os.sched_getaffinity(0)) >= 2 else "none"
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    machine = machine_info(pinned)
+    machine = machine_info(layout)
     print(COLUMNS)
     rows = run(args.modes, args.levels, warmup_s=args.warmup, duration_s=args.duration,
-               rounds=args.rounds, pinned=pinned)
+               rounds=args.rounds, layout=layout)
     result = {
         "command": " ".join(["python", "-m", "bench.overhead",
                              *(sys.argv[1:] if argv is None else argv)]),
@@ -810,9 +824,9 @@ def _samples(raw: str) -> int:
 def profile(duration_s: float, workdir: Path) -> list[dict[str, Any]]:
     """Each of PROFILE_MODES at c=CPU_RATIO_LEVEL with py-spy on its ext_proc process."""
     found = []
-    with _own_affinity(CLIENT_CORES), _runner() as runner:
+    with _own_affinity(LAYOUTS["split"]["loadgen"]), _runner() as runner:
         for mode in PROFILE_MODES:
-            with gateway(mode, pinned=True) as gw:
+            with gateway(mode) as gw:
                 out = workdir / f"{mode}.raw"
                 window = runner.run(measure(gw, CPU_RATIO_LEVEL, 2.0, duration_s,
                                             py_spy_window(gw.pids["ext_proc"], out)))
@@ -868,7 +882,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="measured seconds per mode and level")
     parser.add_argument("--rounds", type=int, default=5,
                         help="windows each level's duration is cut into, taken in turn")
-    parser.add_argument("--no-pin", action="store_true", help="leave CPU affinity alone")
+    parser.add_argument("--layout", choices=[*LAYOUTS, "none"], default="split",
+                        help="which processes share a core (none: leave affinity alone)")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy over the floor and kvgate instead (overhead-profile.md)")

@@ -44,10 +44,9 @@ class ResponseMeter:
         """End of body: a JSON response carries its usage near the end."""
         if not self.stream and self.usage is None:
             # the last one: the response's own usage, after any nested documents
-            starts = [m.end() - 1 for m in _USAGE_PRESENT.finditer(self._tail)]
-            if starts:
-                obj = _flat_object(self._tail, starts[-1]) or _balanced_object(
-                    self._tail, starts[-1])
+            start = _last_usage_object(self._tail)
+            if start is not None:
+                obj = _flat_object(self._tail, start) or _balanced_object(self._tail, start)
                 self.usage = obj and _parse_usage(b'{"usage":' + obj + b"}")
 
     def _feed_sse(self, chunk: bytes) -> bytes | None:
@@ -66,6 +65,17 @@ class ResponseMeter:
         if not (usage_events and self.strip_usage_event):
             return None
         return _without(chunk, usage_events)
+
+
+def _last_usage_object(data: bytes) -> int | None:
+    """Where the last ``"usage": {`` object starts (searching back from the end)."""
+    at = data.rfind(b'"usage"')
+    while at != -1:
+        match = _USAGE_PRESENT.match(data, at)
+        if match:
+            return match.end() - 1
+        at = data.rfind(b'"usage"', 0, at)
+    return None
 
 
 def _parse_usage(document: bytes) -> Usage | None:

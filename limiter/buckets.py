@@ -60,7 +60,15 @@ class TokenBucket:
 
     def available(self, now_ms: int) -> int:
         """Whole tokens available now (floor); negative while in debt."""
-        return self.level_at(now_ms) // self.rate.period_ms
+        return self.view(now_ms)[1]
+
+    def view(self, now_ms: int) -> tuple[int, int, int]:
+        """``(capacity, available, reset_ms)`` at ``now_ms`` — the ``x-ratelimit-*`` numbers;
+        a copy, unaffected by later calls."""
+        level = self.level_at(now_ms)
+        rate = self.rate
+        reset = ceil_div(max(0, self.full_scaled - level), rate.amount)
+        return self.capacity, level // rate.period_ms, reset
 
     def wait_ms(self, cost: int, now_ms: int) -> int:
         """Exact ms until ``cost`` fits (0 if it fits now). Raises ValueError if cost > capacity."""
@@ -88,7 +96,7 @@ class TokenBucket:
 
     def reset_ms(self, now_ms: int) -> int:
         """Ms until the bucket is full again (``x-ratelimit-reset-*``)."""
-        return ceil_div(max(0, self.full_scaled - self.level_at(now_ms)), self.rate.amount)
+        return self.view(now_ms)[2]
 
     def reconfigure(self, rate: Rate, capacity: int, now_ms: int) -> None:
         """Swap rate/capacity on a config reload, keeping the current level (floored, clamped).

@@ -9,6 +9,7 @@ token quota is different: waiting seconds cannot help, so it carries its reset t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,9 +134,7 @@ class Cost:
 
 
 def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> BucketView | None:
-    if bucket is None:
-        return None
-    return BucketView(bucket.capacity, bucket.available(now_ms), bucket.reset_ms(now_ms))
+    return None if bucket is None else BucketView(*bucket.view(now_ms))
 
 
 def _rebucket(
@@ -342,7 +341,18 @@ class TenantLimiter:
             return wait_reject(waits, self.remaining(now_ms))
         self._consume(cost, now_ms)
         self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
-        return Admit(lease_id, cost, self.remaining(now_ms))
+        return Admit(lease_id, cost, self._remaining_later(now_ms))
+
+    def _remaining_later(self, now_ms: int) -> Callable[[], Remaining]:
+        """``remaining(now_ms)`` as of now, computed only if someone asks."""
+        requests = None if self._requests is None else self._requests.view(now_ms)
+        tokens = None if self._tokens is None else self._tokens.view(now_ms)
+        quotas = self._quota_views(now_ms) if self.policy.quotas() else []
+        return lambda: remaining_of(
+            None if requests is None else BucketView(*requests),
+            None if tokens is None else BucketView(*tokens),
+            quotas,
+        )
 
     def _new_lease(self, cost: Cost, quotas: list[QuotaView], now_ms: int) -> _Lease:
         expires = None if self.lease_ttl_ms is None else now_ms + self.lease_ttl_ms

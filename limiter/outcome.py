@@ -8,7 +8,7 @@ answers are identical to the in-memory ones by construction, messages included.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -79,13 +79,39 @@ class Remaining:
     quota_reset_ms: int | None = None
 
 
-@dataclass(frozen=True)
 class Admit:
-    """Go ahead; ``lease_id`` must be released exactly once when the request ends."""
+    """Go ahead; ``lease_id`` must be released exactly once when the request ends.
 
-    lease_id: str
-    cost: Cost
-    remaining: Remaining
+    ``remaining`` (the headroom right after this admission) may be given as a function of
+    state captured at admission: it is computed on first use, as most admissions never
+    show it to anyone.
+    """
+
+    __slots__ = ("_remaining", "cost", "lease_id")
+
+    def __init__(self, lease_id: str, cost: Cost,
+                 remaining: Remaining | Callable[[], Remaining]) -> None:
+        self.lease_id = lease_id
+        self.cost = cost
+        self._remaining = remaining
+
+    @property
+    def remaining(self) -> Remaining:
+        if not isinstance(self._remaining, Remaining):
+            self._remaining = self._remaining()
+        return self._remaining
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Admit):
+            return NotImplemented
+        return (self.lease_id, self.cost, self.remaining) == (
+            other.lease_id, other.cost, other.remaining)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable cache: unhashable, like the rest
+
+    def __repr__(self) -> str:
+        return f"Admit(lease_id={self.lease_id!r}, cost={self.cost!r}, " \
+               f"remaining={self.remaining!r})"
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def test_hot_spots_cut_the_entry_point_and_split_loop_time():
 @pytest.fixture(scope="module")
 def rows():
     return overhead.run(["direct", "minimal", "kvgate"], [2], warmup_s=0.3, duration_s=1.0,
-                        rounds=2, pinned=False, log=lambda _line: None)
+                        rounds=2, layout="none", log=lambda _line: None)
 
 
 @pytest.mark.e2e
@@ -125,6 +125,6 @@ def test_ratios_and_report(rows):
     assert result["cpu_ratio_by_level"]["2"]["ext_proc"] > 0
     assert "p50_delta_ms" not in result  # no c=1 row in this run
     text = overhead.markdown({"rows": rows, "ratios": result, "command": "test", "when": "now",
-                              "machine": overhead.machine_info(pinned=False), "warmup_s": 0.3,
+                              "machine": overhead.machine_info("none"), "warmup_s": 0.3,
                               "duration_s": 1.0})
     assert "| kvgate | 2 |" in text
