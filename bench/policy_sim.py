@@ -20,10 +20,20 @@ engine's running batch, only inside the loaded window and only while every tenan
 waiting (``bench.sim.weighted_shares``); the table gives each tenant's share over its weight
 share, Jain's index over those ratios, and the largest relative error.
 
-(d) runs kvgate's production knobs: KV watermark 0.8, aging 5 s, default scoring, and a
-per-endpoint ``max_in_flight`` of 36. Without that cap the KV gate never binds here (the
-scrape shows only running requests' KV, so work piles up in the engines' own waiting queues,
-where WFQ cannot order it); ``--d-sweep`` reports what other settings give.
+(d) runs kvgate's production knobs: KV watermark 0.8, aging 5 s, a per-endpoint
+``max_in_flight`` of 48 of which 12 are ``reserved_in_flight`` for band 0 (batch work may
+hold 36), ``prefill_clear_share`` 0.25 (one of four engines) and ``scoring.prefill`` 2
+(prefill isolation, see ``extproc.scheduler``). Without the in-flight cap the KV gate
+never binds here (the scrape shows only running requests' KV, so work piles up in the
+engines' own waiting queues, where WFQ cannot order it). Every request is streamed (kvgate
+sees its first token); ``--d-sweep`` reports what other settings give, non-streamed batch
+responses included.
+
+Aging 5 s is tuned for the contention scenario: there each free tenant's interactive demand
+alone exceeds its weighted share, so shares within 5% need bands to dissolve under sustained
+overload (with aging off the error is ~11%). kvgate's shipped default ('auto': half a
+class's deadline) instead protects the interactive band (README, "Priority and fair
+queueing").
 """
 
 from __future__ import annotations
@@ -53,7 +63,10 @@ from extproc.config import Scoring
 RESULTS = Path(__file__).resolve().parent / "results"
 SWEEP_RATES = (10.0, 12.0, 14.0, 16.0, 18.0, 20.0, 22.0)
 MAX_IN_FLIGHT = 64  # per engine, for (b) and (c): their only admission gate
-D_MAX_IN_FLIGHT = 36  # per engine, for (d): on top of the KV watermark
+D_MAX_IN_FLIGHT = 48  # per engine, for (d): on top of the KV watermark
+D_RESERVED = 12  # of those, for band 0 only: batch work holds at most 36
+D_CLEAR = 0.25  # share of endpoints kept free of batch prefill: 1 of 4
+D_SCORING = Scoring(prefill=2.0)  # the rest: kvgate's defaults
 CONTENTION_FACTOR = 2.0  # the contention scenario's load, × the latency scenario's
 TARGETS = {
     "d_vs_a_interactive_p99": 0.2,
@@ -63,7 +76,7 @@ TARGETS = {
 }
 
 
-def policies(seed: int, aging_s: float = 5.0, watermark: float = 0.8,
+def policies(seed: int, aging_s: float | None = 5.0, watermark: float = 0.8,
              max_in_flight: int | None = D_MAX_IN_FLIGHT) -> list[Policy]:
     """(a)–(d), with the knobs reported in the JSON."""
     return [
@@ -71,35 +84,46 @@ def policies(seed: int, aging_s: float = 5.0, watermark: float = 0.8,
         Gated(GateSettings("strict-priority", wfq=False, max_in_flight=MAX_IN_FLIGHT), seed),
         Gated(GateSettings("wfq", bands=False, engine_priority=False,
                            max_in_flight=MAX_IN_FLIGHT), seed),
-        Gated(GateSettings("kvgate", aging_s=aging_s, kv_aware=True, high_watermark=watermark,
-                           critical_watermark=watermark, max_in_flight=max_in_flight), seed),
+        d_policy(seed, aging_s=aging_s, watermark=watermark, max_in_flight=max_in_flight),
     ]
 
 
+PREVIOUS = {"max_in_flight": 36, "reserved_in_flight": 0, "prefill_clear_share": 0.0,
+            "scoring": Scoring()}  # (d) before prefill isolation
 # Alternative settings for (d), all kvgate config knobs (``--d-sweep``).
 D_SWEEP: dict[str, dict[str, Any]] = {
-    "watermark 0.8, no max_in_flight": {"max_in_flight": None},
-    "max_in_flight 64": {"max_in_flight": 64},
-    "max_in_flight 48": {"max_in_flight": 48},
-    "max_in_flight 36 (chosen)": {},
-    "max_in_flight 32": {"max_in_flight": 32},
-    "max_in_flight 24": {"max_in_flight": 24},
-    "watermark 0.3": {"max_in_flight": None, "watermark": 0.3},
-    "watermark 0.2": {"max_in_flight": None, "watermark": 0.2},
+    "chosen": {},
+    "no prefill isolation (previous d)": PREVIOUS,
+    "previous d, no max_in_flight": PREVIOUS | {"max_in_flight": None},
+    "scoring.prefill 0": {"scoring": Scoring()},
+    "scoring.prefill 1": {"scoring": Scoring(prefill=1.0)},
+    "prefill_clear_share 0": {"prefill_clear_share": 0.0},
+    "prefill_clear_share 0.5": {"prefill_clear_share": 0.5},
+    "reserved_in_flight 0 (cap 48)": {"reserved_in_flight": 0},
+    "reserved_in_flight 0, cap 36": {"reserved_in_flight": 0, "max_in_flight": 36},
+    "batch not streamed": {"streamed": ("interactive",)},
+    "aging 30 s (auto, 60 s deadline)": {"aging_s": 30.0},
     "aging off": {"aging_s": None},
-    "scoring waiting-only": {"scoring": Scoring(kv_usage=0, waiting=1, running=0)},
-    "scoring kv-only": {"scoring": Scoring(kv_usage=1, waiting=0, running=0)},
-    "max_waiting 0, no max_in_flight": {"max_in_flight": None, "max_waiting": 0},
-    "max_waiting 2, no max_in_flight": {"max_in_flight": None, "max_waiting": 2},
+    "previous d, aging off": PREVIOUS | {"aging_s": None},
+    "watermark 0.3, no max_in_flight": {"max_in_flight": None, "reserved_in_flight": 0,
+                                        "watermark": 0.3},
+    "max_waiting 2, no max_in_flight": {"max_in_flight": None, "reserved_in_flight": 0,
+                                        "max_waiting": 2},
 }
 
 
 def d_policy(seed: int, aging_s: float | None = 5.0, watermark: float = 0.8,
-             max_in_flight: int | None = D_MAX_IN_FLIGHT, scoring: Scoring | None = None,
-             max_waiting: int | None = None) -> Gated:
+             max_in_flight: int | None = D_MAX_IN_FLIGHT, scoring: Scoring = D_SCORING,
+             max_waiting: int | None = None, reserved_in_flight: int = D_RESERVED,
+             prefill_clear_share: float = D_CLEAR,
+             streamed: tuple[str, ...] = ("interactive", "batch")) -> Gated:
+    reserved = reserved_in_flight if max_in_flight else 0
     return Gated(GateSettings("kvgate", aging_s=aging_s, kv_aware=True, high_watermark=watermark,
                               critical_watermark=watermark, max_in_flight=max_in_flight,
-                              scoring=scoring, max_waiting=max_waiting), seed)
+                              scoring=scoring, max_waiting=max_waiting,
+                              reserved_in_flight=reserved,
+                              prefill_clear_share=prefill_clear_share,
+                              streamed=streamed), seed)
 
 
 def d_sweep(requests: int, rate: float, contention_rate: float, seed: int, engines: int,
@@ -235,7 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--rate", type=float, default=None, help="skip the sweep, use this req/s")
-    p.add_argument("--aging-s", type=float, default=5.0)
+    p.add_argument("--aging-s", type=float, default=5.0, help="(d)'s aging (0 = off)")
     p.add_argument("--watermark", type=float, default=0.8)
     p.add_argument("--max-in-flight", type=int, default=D_MAX_IN_FLIGHT,
                    help="(d)'s per-endpoint max_in_flight (0 = none)")
@@ -257,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rate, sweep = find_load(args.requests, args.seed, args.engines)
     print(f"latency scenario: {rate:.1f} req/s (Poisson)")
     mif = args.max_in_flight or None
+    aging = args.aging_s or None
     rows, sims = {}, {}
-    for policy in policies(args.seed, args.aging_s, args.watermark, mif):
+    for policy in policies(args.seed, aging, args.watermark, mif):
         rows[policy.name], sims[policy.name] = run_policy(policy, args.requests, rate,
                                                           args.seed, args.engines)
     print(table(rows))
@@ -266,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"contention scenario: {contention_rate:.1f} req/s (Poisson, equal demand), "
           "share of tokens / weight share while every tenant is backlogged")
     contention = {}
-    for policy in policies(args.seed, args.aging_s, args.watermark, mif):
+    for policy in policies(args.seed, aging, args.watermark, mif):
         contention[policy.name], _ = run_policy(policy, args.requests, contention_rate,
                                                 args.seed, args.engines)
     print(share_table(contention))
@@ -285,8 +310,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests": args.requests, "seed": args.seed, "engines": args.engines,
         "rate_req_s": rate, "sweep": sweep,
         "knobs": {"max_in_flight_b_c": MAX_IN_FLIGHT, "max_in_flight_d": mif,
-                  "aging_s_d": args.aging_s, "kv_watermark_d": args.watermark,
-                  "scrape_s_d": 0.1},
+                  "reserved_in_flight_d": D_RESERVED if mif else 0,
+                  "prefill_clear_share_d": D_CLEAR, "scoring_d": D_SCORING.model_dump(),
+                  "aging_s_d": aging, "kv_watermark_d": args.watermark,
+                  "scrape_s_d": 0.1, "streamed": ["interactive", "batch"]},
         "policies": rows,
         "contention": {"rate_req_s": contention_rate, "factor": args.contention_factor,
                        "policies": contention},

@@ -11,7 +11,10 @@ running vLLM V1's step loop. The gated policies run kvgate's own sans-IO code, n
   ``scrape_s`` (kvgate scrapes ``/metrics`` every ~100 ms), ``reserve``/``release`` around
   each request, so admission sees the last scrape plus the reservations made since — the
   same predictive rule as production. With ``kv_aware=False`` it is kvgate's
-  least-in-flight picker with a per-endpoint ``max_in_flight``.
+  least-in-flight picker with a per-endpoint ``max_in_flight``. ``first_token`` is called
+  when the engine emits a request's first token: what kvgate sees as the first chunk of a
+  streamed response (``GateSettings.streamed``: which classes stream; a non-streamed
+  response shows nothing before it ends, so that request counts as prefilling until then).
 
 The dispatch loop mirrors ``extproc.flow.FlowController._dispatch``: a request waits in the
 queue until some endpoint has room (``fits`` = ``place`` succeeds), candidates come from the
@@ -134,6 +137,9 @@ class Policy:
     def on_finish(self, job: Job, now: float) -> None:
         """A request finished on its engine."""
 
+    def on_first_token(self, job: Job, now: float) -> None:
+        """A request's first token came out of its engine."""
+
     def on_tick(self, now: float) -> None:
         """A scrape interval passed."""
 
@@ -170,6 +176,9 @@ class GateSettings:
     scrape_s: float = 0.1
     scoring: Scoring | None = None  # picker weights; None = kvgate's defaults
     max_waiting: int | None = None  # watermarks.max_waiting: engine queue length cap
+    reserved_in_flight: int = 0  # of max_in_flight, slots only band 0 may use
+    prefill_clear_share: float = 0.0  # share of endpoints kept free of lower-band prefill
+    streamed: tuple[str, ...] = ("interactive", "batch")  # classes whose first token is seen
 
 
 class Gated(Policy):
@@ -193,7 +202,8 @@ class Gated(Policy):
         self.addresses = [f"10.0.0.{i + 1}:8000" for i in range(len(sim.engines))]
         pool = Pool(name="sim", models=[Model(name="m")], endpoints=self.addresses,
                     kv_aware=s.kv_aware, priority_scheduling=s.engine_priority,
-                    max_in_flight=s.max_in_flight,
+                    max_in_flight=s.max_in_flight, reserved_in_flight=s.reserved_in_flight,
+                    prefill_clear_share=s.prefill_clear_share,
                     watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark,
                                           max_waiting=s.max_waiting),
                     scoring=s.scoring or Scoring())
@@ -217,6 +227,12 @@ class Gated(Policy):
     def on_finish(self, job: Job, now: float) -> None:
         self.scheduler.release(job.id, now)
         self.dispatch(now)
+
+    def on_first_token(self, job: Job, now: float) -> None:
+        """What the stream sees as a streamed response's first chunk (a capacity event)."""
+        if job.klass in self.settings.streamed:
+            self.scheduler.first_token(job.id, now)
+            self.dispatch(now)
 
     def on_tick(self, now: float) -> None:
         """A scrape: every engine's KV usage and queues, as kvgate's scraper reports them."""
@@ -249,13 +265,16 @@ class Gated(Policy):
             self.queue.take(chosen.id)
             address = self._place(chosen, now)
             assert address is not None
-            self.scheduler.reserve(chosen.id, chosen.tenant, address, chosen.cost, now)
             job = self.jobs.pop(chosen.id)
+            self.scheduler.reserve(chosen.id, chosen.tenant, address, chosen.cost, now,
+                                   band=self.queue.effective_band(chosen, now_ms),
+                                   prompt_tokens=job.prompt)
             priority = CLASSES[job.klass].priority if self.settings.engine_priority else 0
             self.sim.submit(job, self.addresses.index(address), priority, now)
 
     def _place(self, item: QueuedRequest, now: float) -> str | None:
-        placed = self.scheduler.place(item.tenant, item.cost, self.snapshot, now, self.rng)
+        placed = self.scheduler.place(item.tenant, item.cost, self.snapshot, now, self.rng,
+                                      band=self.queue.effective_band(item, _ms(now)))
         return placed.endpoints[0] if isinstance(placed, Placement) else None
 
 
@@ -293,6 +312,7 @@ class Simulation:
         self.engines = [VirtualEngine(engine_config(policy.engine_policy), f"e{i}")
                         for i in range(engines)]
         self.by_req: dict[int, Job] = {}
+        self._first_tokens: list[Job] = []  # seen during an engine advance, handled after
         self.pending: Counter[str] = Counter()  # arrived, not yet admitted by an engine
         last = jobs[-1].arrival if jobs else 0.0
         self.window = (0.25 * last, 0.75 * last)
@@ -301,6 +321,7 @@ class Simulation:
         self._window_tokens: list[int] = []
         for engine in self.engines:
             engine.on_admitted = self._admitted
+            engine.on_first_token = self._first_token
         policy.bind(self)
 
     def submit(self, job: Job, engine: int, priority: int, now: float) -> None:
@@ -314,6 +335,9 @@ class Simulation:
         if lo <= self.now < hi and all(self.pending[t] > 0 for t in self.tenants):
             self.contended[job.tenant] += job.cost
         self.pending[job.tenant] -= 1
+
+    def _first_token(self, req: SimRequest, waited: float) -> None:
+        self._first_tokens.append(self.by_req[id(req)])
 
     def _batch_tokens(self) -> int:
         return sum(j.req.generated for j in self.jobs if j.klass == "batch" and j.req)
@@ -356,6 +380,10 @@ class Simulation:
             if due is not None and due <= now:
                 for req in engine.advance(now):
                     self.policy.on_finish(self.by_req.pop(id(req)), req.finished_at or now)
+        firsts, self._first_tokens = self._first_tokens, []
+        for job in firsts:
+            assert job.req is not None and job.req.first_token_at is not None
+            self.policy.on_first_token(job, job.req.first_token_at)
 
 
 # -- metrics ---------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class RequestClass(_Strict):
     )
     sla_ms: PositiveInt = Field(2000, description="TTFT target: the 'dynamic' order's SLA term")
     aging_s: PositiveFloat | None = Field(
-        None, description="this class's aging period (default: queue.aging_s); set it "
+        None, description="this class's aging period (default: from queue.aging_s); set it "
         "explicitly to null to never promote this class"
     )
 
@@ -113,9 +113,22 @@ class QueueSettings(_Strict):
 
     enabled: bool = Field(True, description="false: answer 503/429 at once instead of queueing")
     max_size: PositiveInt = Field(1024, description="per pool; then the least important go")
-    aging_s: PositiveFloat | None = Field(
-        5.0, description="waiting this long promotes a request one band (null = no aging)"
+    aging_s: PositiveFloat | Literal["auto"] | None = Field(
+        "auto", description="waiting this long promotes a request one band; 'auto': half "
+        "its class's deadline_s (a short fixed period, under sustained load, promotes batch "
+        "work into the interactive band); null = no aging"
     )
+
+    @field_validator("aging_s", mode="before")
+    @classmethod
+    def _aging(cls, value: Any) -> Any:
+        """One clear message instead of one per member of the union."""
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"must be a number of seconds > 0, 'auto' or null, got {value!r}")
+        return value
+
     order: Literal["wfq", "dynamic"] = Field(
         "wfq", description="within a band: weighted fair by tokens, or the dynamic cost"
     )
@@ -198,6 +211,11 @@ class Scoring(_Strict):
     kv_usage: float = Field(1.0, ge=0, description="KV usage after this request's reservation")
     waiting: float = Field(0.5, ge=0, description="the engine's waiting queue")
     running: float = Field(0.2, ge=0, description="requests the engine is running")
+    prefill: float = Field(
+        0.0, ge=0, description="prompt tokens kvgate sent the engine whose first token has "
+        "not come back: vLLM finishes running prefills before new ones, so this is what a "
+        "new request waits behind"
+    )
 
 
 class Degradation(_Strict):
@@ -238,6 +256,16 @@ class Pool(_Strict):
     max_in_flight: PositiveInt | None = Field(
         None, description="per endpoint and kvgate process: requests in flight at most "
         "(beyond that they queue); null = bounded by KV only"
+    )
+    reserved_in_flight: int = Field(
+        0, ge=0, description="of max_in_flight, slots only the best band (interactive, or "
+        "work aged into it) may use, so it never waits for a slot behind batch work"
+    )
+    prefill_clear_share: float = Field(
+        0.0, ge=0, lt=1, description="share of the usable endpoints (rounded down) kept free "
+        "of lower-band prefill: band > 0 requests stack on endpoints already prefilling such "
+        "work once only that many are left without (at least one always takes it); band 0 is "
+        "never limited by it"
     )
     kv_profile: KvProfile | None = Field(None, description="for KV figures in bytes")
     gpu_source: str | None = Field(
@@ -434,9 +462,24 @@ class Config(_Strict):
                     )
                 owners[model.name] = pool.name
         for p, pool in enumerate(self.pools):
+            if pool.reserved_in_flight and (pool.max_in_flight is None
+                                            or pool.reserved_in_flight >= pool.max_in_flight):
+                yield (f"pools[{p}].reserved_in_flight: {pool.reserved_in_flight} must be below "
+                       f"max_in_flight ({pool.max_in_flight})")
             fallback = pool.degradation and pool.degradation.fallback_model
             if fallback and fallback not in owners:
                 yield f"pools[{p}].degradation.fallback_model: no pool serves {fallback!r}"
+
+    def aging_s(self, class_name: str) -> float | None:
+        """How long a request of this class waits per promotion (None: never promoted): the
+        class's own ``aging_s`` if set, else ``queue.aging_s``, where 'auto' means half the
+        class's deadline — promoted work still has half its deadline left to run."""
+        klass = self.classes[class_name]
+        if "aging_s" in klass.model_fields_set:
+            return klass.aging_s
+        if self.queue.aging_s == "auto":
+            return klass.deadline_s / 2
+        return self.queue.aging_s
 
     def limits_for(self, tenant: Tenant) -> Limits:
         return self.tiers[tenant.tier].limits.merged(tenant.limits)

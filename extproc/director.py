@@ -176,11 +176,11 @@ class Director:
     async def _admit(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass
     ) -> Outcome:
-        placed = self._place(tenant, scheduler, cost)
+        placed = self._place(tenant, scheduler, cost, klass.band)
         flow = self.flows.get(scheduler.config.name) if self.config.queue.enabled else None
         overrides: dict[str, Any] = {}
         if isinstance(placed, Shed):
-            degraded = self._degrade(tenant, klass.name, scheduler, cost)
+            degraded = self._degrade(tenant, klass, scheduler, cost)
             if degraded is not None:
                 scheduler, cost, placed, overrides = degraded
             elif flow is not None and placed.code in QUEUEABLE:
@@ -197,7 +197,8 @@ class Director:
     ) -> Outcome:
         """Capacity is there: reserve it, then take the tenant's limits (all or nothing)."""
         lease_id = _next_lease()
-        scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock())
+        scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock(),
+                          band=klass.band, prompt_tokens=cost.prompt_tokens)
         try:
             decision = await self.store.admit(tenant.name, self.policy(tenant), cost, lease_id)
         except BaseException:
@@ -225,7 +226,7 @@ class Director:
         item = QueuedRequest(lease_id, tenant.name, klass.band, cost.tokens,
                              self.config.tiers[tenant.tier].weight, now, deadline)
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
-                        queued_for)
+                        queued_for, prompt_tokens=cost.prompt_tokens)
         try:
             placed = await flow.wait(item, waiter)
         except BaseException:
@@ -253,28 +254,31 @@ class Director:
         )
         return admission
 
-    def _place(self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost) -> Placement | Shed:
+    def _place(
+        self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, band: int
+    ) -> Placement | Shed:
         return scheduler.place(
-            tenant.name, cost.tokens, self.endpoints.snapshot(), self.clock(), self.rng
+            tenant.name, cost.tokens, self.endpoints.snapshot(), self.clock(), self.rng,
+            band=band,
         )
 
     def _degrade(
-        self, tenant: Tenant, request_class: str, scheduler: PoolScheduler, cost: Cost
+        self, tenant: Tenant, klass: RequestClass, scheduler: PoolScheduler, cost: Cost
     ) -> tuple[PoolScheduler, Cost, Placement, dict[str, Any]] | None:
         """Under saturation, a low-priority class gets a smaller answer or a cheaper model
         rather than a rejection — when its pool is configured to degrade."""
         plan = scheduler.config.degradation
-        if plan is None or request_class not in plan.classes:
+        if plan is None or klass.name not in plan.classes:
             return None
         if plan.max_tokens_cap and cost.max_output_tokens > plan.max_tokens_cap:
             capped = Cost(cost.prompt_tokens, plan.max_tokens_cap)
-            placed = self._place(tenant, scheduler, capped)
+            placed = self._place(tenant, scheduler, capped, klass.band)
             if isinstance(placed, Placement):
                 return scheduler, capped, placed, {"max_tokens": plan.max_tokens_cap}
         if plan.fallback_model:
             fallback_pool, _ = self._models[plan.fallback_model]
             fallback = self.schedulers[fallback_pool.name]
-            placed = self._place(tenant, fallback, cost)
+            placed = self._place(tenant, fallback, cost, klass.band)
             if isinstance(placed, Placement):
                 return fallback, cost, placed, {"model": plan.fallback_model}
         return None
@@ -286,6 +290,12 @@ class Director:
         await self.store.release(
             admission.tenant.name, self.policy(admission.tenant), admission.lease_id, used_tokens
         )
+
+    def first_token(self, admission: Admission) -> None:
+        """The response has started: the engine is done prefilling this request, which
+        may open an endpoint kept clear of lower-band prefill (``prefill_clear_share``)."""
+        admission.scheduler.first_token(admission.lease_id, self.clock())
+        self.kick(admission.pool)
 
     def kick(self, pool: str | None = None) -> None:
         """Capacity may have freed (a completion; a fresh scrape when pool is None)."""

@@ -48,6 +48,7 @@ class Waiter:
     lease_id: str
     request_class: str
     queued_for: str  # the Shed code that queued it: decides 503 or 429 on expiry
+    prompt_tokens: int | None = None  # to prefill; None: its whole cost is counted
 
 
 class FlowController:
@@ -71,16 +72,15 @@ class FlowController:
         self.pool = scheduler.config.name
         self.queue = FairQueue(
             max_size=settings.max_size,
-            aging_ms=_ms(settings.aging_s),
+            aging_ms=None,  # every band's period is below, from its class
             order=settings.order,
             alpha=settings.alpha,
             beta=settings.beta,
             gamma=settings.gamma,
             sla_ms={band: config.classes[name].sla_ms
                     for band, name in enumerate(config.class_order)},
-            band_aging_ms={band: _ms(config.classes[name].aging_s)
-                           for band, name in enumerate(config.class_order)
-                           if "aging_s" in config.classes[name].model_fields_set},
+            band_aging_ms={band: _ms(config.aging_s(name))
+                           for band, name in enumerate(config.class_order)},
         )
         if settings.order == "dynamic" and isinstance(fairness, MemoryFairness):
             self.fairness = MemoryFairness.for_queue(self.queue)  # ranks by the dynamic cost
@@ -165,22 +165,30 @@ class FlowController:
             chosen = await self.fairness.choose(candidates, now)
             if chosen is None:
                 return
+            band = self.queue.effective_band(chosen, now)
             self.queue.take(chosen.id)
-            placed = self._place(chosen)
+            placed = self._place(chosen, band)
             if isinstance(placed, Shed):  # capacity went while the choice was made
                 self.queue.push(chosen, now)
                 return
             waiter: Waiter = chosen.payload  # type: ignore[assignment]
+            prompt = chosen.cost if waiter.prompt_tokens is None else waiter.prompt_tokens
             self.scheduler.reserve(waiter.lease_id, chosen.tenant, placed.endpoints[0],
-                                   chosen.cost, time.monotonic())
+                                   chosen.cost, time.monotonic(), band=band,
+                                   prompt_tokens=prompt)
             self._answer(chosen, placed, "dispatched")
 
     def _fits(self, item: QueuedRequest) -> bool:
-        return isinstance(self._place(item), Placement)
+        return isinstance(self._place(item, self.queue.effective_band(item, self.clock_ms())),
+                          Placement)
 
-    def _place(self, item: QueuedRequest) -> Placement | Shed:
+    def _place(self, item: QueuedRequest, band: int) -> Placement | Shed:
+        """Placed as the band the queue ranks it in (aging included): everything ranked
+        together sees the same gates, so a tenant's aged batch request cannot hold back
+        its own interactive one on a gate that only batch work meets."""
         return self.scheduler.place(
-            item.tenant, item.cost, self.endpoints.snapshot(), time.monotonic(), self.rng
+            item.tenant, item.cost, self.endpoints.snapshot(), time.monotonic(), self.rng,
+            band=band,
         )
 
     # -- answers and visibility ------------------------------------------------------------

@@ -10,6 +10,20 @@ headroom, a tenant over it waits ("busy: share by weight; idle: borrow").
 
 Predictive load: reservations admitted since an endpoint's last scrape are added to its
 scraped usage, so a burst spreads across endpoints before the next scrape shows it.
+
+Prefill isolation. vLLM V1 schedules its *running* requests before admitting waiting ones,
+and a long prompt is prefilled in chunks that take the whole step budget — so a new
+interactive request on an engine that is prefilling a 5,000-token batch prompt waits for
+every remaining chunk, whatever its priority. kvgate knows what it sent where: a request is
+*in prefill* from its reservation until its first token is seen (:meth:`PoolScheduler.
+first_token`; the response's first body chunk) or it ends. Per endpoint it keeps the prompt
+tokens in prefill (the ``scoring.prefill`` term: interactive work goes where the least
+prefill is ahead of it) and how many lower-band (band > 0) requests are in prefill; with
+``prefill_clear_share`` lower-band work stacks on endpoints already prefilling such work
+rather than spreading over all of them, so some endpoints stay clear for band 0. Band here is
+the request's *effective* band (aging included), so every request the fair queue ranks
+together sees the same gates. Every update is O(1); placement stays O(endpoints).
+
 Nothing here does I/O; time is passed in (monotonic seconds).
 """
 
@@ -45,13 +59,16 @@ class Shed:
     retry_after_ms: int | None  # None: retrying cannot help
 
 
-@dataclass
+@dataclass(slots=True)
 class Reservation:
     lease_id: str
     tenant: str
     endpoint: str
     tokens: int
     at: float
+    band: int = 0
+    prefill: int = 0  # prompt tokens until its first token is seen; then 0
+    prefilling: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,15 +110,19 @@ class PoolScheduler:
     staleness_s: float = 2.0
     reservations: dict[str, Reservation] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: dict[str, int] = field(default_factory=dict)  # endpoint → in prefill
+    low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
     drain: DrainRate = field(default_factory=DrainRate)
 
     # -- the decision ----------------------------------------------------------------------
 
     def place(
-        self, tenant: str, tokens: int, snapshot: StoreSnapshot, now: float, rng: random.Random
+        self, tenant: str, tokens: int, snapshot: StoreSnapshot, now: float, rng: random.Random,
+        *, band: int = 0,
     ) -> Placement | Shed:
+        """``band``: the request's effective band (0 = interactive, or aged into it)."""
         if not self.config.kv_aware:
-            return self._least_in_flight(snapshot, now, tokens, rng)
+            return self._least_in_flight(snapshot, now, tokens, rng, band)
         states = snapshot.endpoints(self.config.name)
         too_large = self._too_large(states, tokens)
         if too_large:
@@ -110,7 +131,10 @@ class PoolScheduler:
         if not usable:
             return Shed(503, "no_ready_endpoint",
                         f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
-        candidates = [self._candidate(s, tokens) for s in usable if self._takes_work(s)]
+        limit = self._slot_limit(band)
+        candidates = [self._candidate(s, tokens) for s in usable if self._takes_work(s, limit)]
+        if band and self.config.prefill_clear_share:
+            candidates = self._keep_clear(candidates, len(usable))
         eligible = [c for c in candidates if c.fits]
         if not eligible:
             busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]
@@ -134,9 +158,23 @@ class PoolScheduler:
         addresses.sort(key=lambda a: self.in_flight.get(a, 0))
         return Placement(addresses[: 1 + FALLBACKS])
 
-    def reserve(self, lease_id: str, tenant: str, endpoint: str, tokens: int, now: float) -> None:
-        self.reservations[lease_id] = Reservation(lease_id, tenant, endpoint, tokens, now)
+    def reserve(self, lease_id: str, tenant: str, endpoint: str, tokens: int, now: float,
+                *, band: int = 0, prompt_tokens: int = 0) -> None:
+        """Hold ``tokens`` of KV on ``endpoint``; the request is in prefill (``band`` as it
+        was placed, ``prompt_tokens`` to prefill) until :meth:`first_token` or release."""
+        self.reservations[lease_id] = Reservation(lease_id, tenant, endpoint, tokens, now,
+                                                  band, prompt_tokens, True)
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
+        self.prefill_tokens[endpoint] = self.prefill_tokens.get(endpoint, 0) + prompt_tokens
+        if band:
+            self.low_prefills[endpoint] = self.low_prefills.get(endpoint, 0) + 1
+
+    def first_token(self, lease_id: str, now: float) -> None:
+        """The response's first chunk came back: the engine is done prefilling this request
+        (for a non-streamed response that is its end). Idempotent; unknown ids are ignored."""
+        reservation = self.reservations.get(lease_id)
+        if reservation is not None:
+            self._prefilled(reservation)
 
     def release(self, lease_id: str, now: float, *, completed: bool = True) -> None:
         """A finished request frees its KV (and counts toward the drain rate); a reservation
@@ -144,18 +182,35 @@ class PoolScheduler:
         reservation = self.reservations.pop(lease_id, None)
         if reservation is None:
             return
+        self._prefilled(reservation)
         self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
         if completed:
             self.drain.add(reservation.tokens, now)
 
+    def _prefilled(self, reservation: Reservation) -> None:
+        if not reservation.prefilling:
+            return
+        reservation.prefilling = False
+        endpoint = reservation.endpoint
+        self.prefill_tokens[endpoint] -= reservation.prefill
+        if reservation.band:
+            self.low_prefills[endpoint] -= 1
+
     # -- filters ---------------------------------------------------------------------------
 
-    def _has_slot(self, address: str) -> bool:
+    def _slot_limit(self, band: int) -> int | None:
+        """Requests in flight per endpoint a request of ``band`` may join: band 0 gets the
+        ``reserved_in_flight`` slots on top."""
         limit = self.config.max_in_flight
+        if limit is None or not band:
+            return limit
+        return limit - self.config.reserved_in_flight
+
+    def _has_slot(self, address: str, limit: int | None) -> bool:
         return limit is None or self.in_flight.get(address, 0) < limit
 
-    def _takes_work(self, state: EndpointState) -> bool:
-        if not self._has_slot(state.address):
+    def _takes_work(self, state: EndpointState, limit: int | None) -> bool:
+        if not self._has_slot(state.address, limit):
             return False
         marks = self.config.watermarks
         usage = state.kv_cache_usage
@@ -166,6 +221,15 @@ class PoolScheduler:
             return False
         return marks.max_waiting is None or _metric(state, "num_requests_waiting") <= (
             marks.max_waiting)
+
+    def _keep_clear(self, candidates: list[Candidate], usable: int) -> list[Candidate]:
+        """Lower-band work: once only ``prefill_clear_share`` of the usable endpoints are left
+        with no lower-band prefill, only endpoints already prefilling such work take more."""
+        keep = int(self.config.prefill_clear_share * usable)
+        busy = [c for c in candidates if self.low_prefills.get(c.state.address, 0)]
+        if busy and len(candidates) - len(busy) <= keep:
+            return busy
+        return candidates
 
     def _too_large(self, states: tuple[EndpointState, ...], tokens: int) -> Shed | None:
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
@@ -201,24 +265,28 @@ class PoolScheduler:
         weights = self.config.scoring
         waiting = [_metric(c.state, "num_requests_waiting") for c in candidates]
         running = [_metric(c.state, "num_requests_running") for c in candidates]
+        prefill = [self.prefill_tokens.get(c.state.address, 0) for c in candidates]
         most_waiting, most_running = max(waiting) + 1, max(running) + 1
+        most_prefill = max(prefill) + 1
         scored = [
             (weights.kv_usage * min(c.usage_after, 1.0)
              + weights.waiting * w / most_waiting
-             + weights.running * r / most_running, rng.random(), c)
-            for c, w, r in zip(candidates, waiting, running, strict=True)
+             + weights.running * r / most_running
+             + weights.prefill * p / most_prefill, rng.random(), c)
+            for c, w, r, p in zip(candidates, waiting, running, prefill, strict=True)
         ]
         return [c for _, _, c in sorted(scored, key=lambda item: item[:2])]
 
     def _least_in_flight(
-        self, snapshot: StoreSnapshot, now: float, tokens: int, rng: random.Random
+        self, snapshot: StoreSnapshot, now: float, tokens: int, rng: random.Random, band: int
     ) -> Placement | Shed:
         states = snapshot.endpoints(self.config.name)
         addresses = [s.address for s in states] or list(self.config.endpoints)
         if not addresses:
             return Shed(503, "no_ready_endpoint",
                         f"pool '{self.config.name}' has no endpoints", MIN_RETRY_MS)
-        addresses = [a for a in addresses if self._has_slot(a)]
+        limit = self._slot_limit(band)
+        addresses = [a for a in addresses if self._has_slot(a, limit)]
         if not addresses:
             return self._saturated(tokens, now)
         rng.shuffle(addresses)

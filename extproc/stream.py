@@ -159,6 +159,8 @@ class RequestStream:
     # -- response path ---------------------------------------------------------------------
 
     async def _on_response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.meter is not None and not self.meter.bytes and self.admission is not None:
+            self.director.first_token(self.admission)  # the first chunk: prefill is done
         replacement = self.meter.feed(body.body) if self.meter else None
         if body.end_of_stream:
             if self.meter:

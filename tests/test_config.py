@@ -94,3 +94,31 @@ def test_hash_key_command():
     ).stdout.strip()
     assert out == hash_api_key("sk-demo-acme")
     assert out in EXAMPLE_CONFIG.read_text()
+
+
+def test_aging_defaults_to_half_each_class_deadline():
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["classes"] = {"interactive": {"priority": 0, "deadline_s": 30},
+                       "batch": {"priority": 1, "deadline_s": 120},
+                       "offline": {"priority": 2, "deadline_s": 600, "aging_s": None}}
+    config = parse_config(data)
+    assert config.queue.aging_s == "auto"
+    assert [config.aging_s(c) for c in ("batch", "offline")] == [60.0, None]
+    data["queue"] = {"aging_s": 5}
+    assert parse_config(data).aging_s("batch") == 5.0
+    data["queue"] = {"aging_s": None}
+    assert parse_config(data).aging_s("batch") is None
+
+
+def test_bad_aging_and_reserved_slots_name_their_paths():
+    bad = yaml.safe_load(yaml.safe_dump(GOOD))
+    bad["queue"] = {"aging_s": "soon"}
+    bad["pools"][0]["reserved_in_flight"] = 4
+    found = problems(bad)
+    assert found == ["queue.aging_s: must be a number of seconds > 0, 'auto' or null, got 'soon'"]
+    bad["queue"] = {}
+    assert problems(bad) == ["pools[0].reserved_in_flight: 4 must be below max_in_flight (None)"]
+    bad["pools"][0]["max_in_flight"] = 4
+    assert problems(bad) == ["pools[0].reserved_in_flight: 4 must be below max_in_flight (4)"]
+    bad["pools"][0]["max_in_flight"] = 5
+    assert parse_config(bad).pools[0].reserved_in_flight == 4

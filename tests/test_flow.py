@@ -168,6 +168,13 @@ async def test_full_queue_evicts_the_least_important_newest():
     await h.flow.stop()
 
 
+def test_aging_by_default_is_half_each_class_deadline():
+    data = config(deadline_s=20.0).model_dump(exclude_unset=True)
+    del data["queue"]["aging_s"]
+    h = Harness(parse_config(data))
+    assert [h.flow.queue.aging_for(b) for b in (1, 2)] == [10_000, 10_000]
+
+
 def test_classes_may_set_their_own_aging():
     cfg = config()
     data = cfg.model_dump(exclude_unset=True)

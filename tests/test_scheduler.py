@@ -164,3 +164,60 @@ def test_an_engine_already_queueing_takes_nothing_when_max_waiting_is_set():
     strict = scheduler(watermarks={"max_waiting": 0})
     assert place(strict, snap).endpoints == ["calm"]
     assert place(strict, snapshot(state("queueing", 0.1, waiting=3))).code == "pool_saturated"
+
+
+def test_prefill_lasts_from_reservation_to_first_token_or_release():
+    sched = scheduler()
+    sched.reserve("l1", "a", "e1", 900, NOW, band=1, prompt_tokens=800)
+    sched.reserve("l2", "a", "e1", 300, NOW, prompt_tokens=200)
+    assert (sched.prefill_tokens["e1"], sched.low_prefills["e1"]) == (1000, 1)
+    sched.first_token("l1", NOW + 1)
+    sched.first_token("l1", NOW + 1)  # idempotent
+    sched.first_token("unknown", NOW + 1)
+    assert (sched.prefill_tokens["e1"], sched.low_prefills["e1"]) == (200, 0)
+    sched.release("l1", NOW + 2)
+    sched.release("l2", NOW + 2)  # never saw a first token (non-streamed): ends here
+    assert (sched.prefill_tokens["e1"], sched.low_prefills["e1"]) == (0, 0)
+
+
+def test_prefill_scoring_sends_work_where_least_prefill_is_ahead():
+    snap = snapshot(state("e1", 0.1), state("e2", 0.2))
+    sched = scheduler(scoring={"prefill": 2.0})
+    assert place(sched, snap).endpoints[0] == "e1"
+    sched.reserve("batch", "a", "e1", 60, NOW, band=1, prompt_tokens=50)
+    assert place(sched, snap).endpoints[0] == "e2"
+    sched.first_token("batch", NOW)
+    assert place(sched, snap).endpoints[0] == "e1"
+    assert place(scheduler(), snap).endpoints[0] == "e1"  # off by default
+
+
+def test_reserved_slots_are_for_band_zero_only():
+    sched = scheduler(kv_aware=False, max_in_flight=2, reserved_in_flight=1)
+    sched.reserve("l1", "a", "127.0.0.1:1", 0, NOW, band=1)
+    shed = sched.place("a", 10, StoreSnapshot(), NOW, random.Random(0), band=1)
+    assert (shed.status, shed.code) == (503, "pool_saturated")
+    placed = sched.place("a", 10, StoreSnapshot(), NOW, random.Random(0), band=0)
+    assert placed.endpoints == ["127.0.0.1:1"]
+    sched.reserve("l2", "a", "127.0.0.1:1", 0, NOW)
+    assert sched.place("a", 10, StoreSnapshot(), NOW, random.Random(0)).code == "pool_saturated"
+
+
+def test_lower_bands_stack_so_some_endpoints_stay_clear_of_their_prefill():
+    snap = snapshot(state("e1", 0.3), state("e2", 0.1), state("e3", 0.2))
+    sched = scheduler(prefill_clear_share=0.34)
+    sched.reserve("b1", "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
+    # two endpoints are clear, one may still be kept clear: any endpoint takes batch
+    assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints[0] == "e2"
+    sched.reserve("b2", "a", "e2", 10, NOW, band=1, prompt_tokens=5000)
+    # only e3 is left clear: batch stacks on the busy ones, interactive goes anywhere
+    assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints == ["e2", "e1"]
+    assert sched.place("a", 10, snap, NOW, random.Random(0)).endpoints[0] == "e2"
+    sched.first_token("b1", NOW)
+    sched.first_token("b2", NOW)
+    assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints[0] == "e2"
+
+
+def test_a_lone_endpoint_still_takes_lower_band_work():
+    sched = scheduler(prefill_clear_share=0.99)
+    assert isinstance(sched.place("a", 10, snapshot(state("e1", 0.1)), NOW, random.Random(0),
+                                  band=2), Placement)

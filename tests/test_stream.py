@@ -173,6 +173,26 @@ async def test_stream_usage_is_reconciled_and_the_injected_chunk_stripped():
     assert stream.meter.usage.total == 14
 
 
+async def test_first_response_chunk_ends_the_prefill_the_scheduler_counts():
+    """The reservation carries the class band and prompt; the first chunk back (not the
+    end) tells the scheduler the engine is done prefilling it."""
+    stream, _ = new_stream()
+    await stream.handle(headers_msg(**{"x-request-class": "batch"}))
+    await stream.handle(body_msg(chat(stream=True)))
+    scheduler = stream.admission.scheduler
+    endpoint = stream.admission.endpoint
+    held = scheduler.reservations[stream.admission.lease_id]
+    assert held.band == 1 and held.prefill == stream.admission.cost.prompt_tokens > 0
+    assert scheduler.prefill_tokens[endpoint] == held.prefill
+    assert scheduler.low_prefills[endpoint] == 1
+    await stream.handle(body_msg(b'data: {"choices":[]}\n\n', response=True,
+                                 end_of_stream=False))
+    assert scheduler.prefill_tokens[endpoint] == 0 and scheduler.low_prefills[endpoint] == 0
+    assert not stream.done  # still streaming; the lease is held until the end
+    await stream.handle(body_msg(b"data: [DONE]\n\n", response=True))
+    assert stream.done and scheduler.prefill_tokens[endpoint] == 0
+
+
 async def test_disconnect_releases_exactly_once():
     stream, store = new_stream()
     await stream.handle(headers_msg())
