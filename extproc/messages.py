@@ -50,6 +50,12 @@ def fill_mutation(
 
 
 def continue_request_headers(remove: Iterable[str] = ()) -> pb.ProcessingResponse:
+    """Go on to the body, stripping ``remove``. The reply is shared: never mutate it."""
+    return _continue_headers(tuple(remove))
+
+
+@functools.lru_cache(maxsize=256)
+def _continue_headers(remove: tuple[str, ...]) -> pb.ProcessingResponse:
     reply = pb.ProcessingResponse()
     fill_mutation(reply.request_headers.response.header_mutation, remove=remove)
     return reply

@@ -112,6 +112,9 @@ class PoolScheduler:
     in_flight: dict[str, int] = field(default_factory=dict)
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # endpoint → in prefill
     low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
+    # endpoint → its reservations, oldest first (times come from a monotonic clock), so the
+    # ones newer than a scrape are found from the end without walking every reservation
+    by_endpoint: dict[str, dict[str, Reservation]] = field(default_factory=dict)
     drain: DrainRate = field(default_factory=DrainRate)
 
     # -- the decision ----------------------------------------------------------------------
@@ -162,8 +165,10 @@ class PoolScheduler:
                 *, band: int = 0, prompt_tokens: int = 0) -> None:
         """Hold ``tokens`` of KV on ``endpoint``; the request is in prefill (``band`` as it
         was placed, ``prompt_tokens`` to prefill) until :meth:`first_token` or release."""
-        self.reservations[lease_id] = Reservation(lease_id, tenant, endpoint, tokens, now,
-                                                  band, prompt_tokens, True)
+        reservation = Reservation(lease_id, tenant, endpoint, tokens, now, band, prompt_tokens,
+                                  True)
+        self.reservations[lease_id] = reservation
+        self.by_endpoint.setdefault(endpoint, {})[lease_id] = reservation
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
         self.prefill_tokens[endpoint] = self.prefill_tokens.get(endpoint, 0) + prompt_tokens
         if band:
@@ -183,6 +188,7 @@ class PoolScheduler:
         if reservation is None:
             return
         self._prefilled(reservation)
+        del self.by_endpoint[reservation.endpoint][lease_id]
         self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
         if completed:
             self.drain.add(reservation.tokens, now)
@@ -244,8 +250,11 @@ class PoolScheduler:
         usage = state.kv_cache_usage or 0.0
         if not capacity:
             return Candidate(state, usage, usage < self.config.watermarks.high)
-        pending = sum(r.tokens for r in self.reservations.values()
-                      if r.endpoint == state.address and r.at > (state.scraped_at or 0))
+        pending, scraped_at = 0, state.scraped_at or 0
+        for r in reversed(self.by_endpoint.get(state.address, {}).values()):
+            if r.at <= scraped_at:
+                break  # this one and all older ones are in the scraped usage already
+            pending += r.tokens
         after = (usage * capacity + pending + tokens) / capacity
         return Candidate(state, after, after <= self.config.watermarks.high)
 
@@ -262,6 +271,8 @@ class PoolScheduler:
     # -- scorers and picker ----------------------------------------------------------------
 
     def _ranked(self, candidates: list[Candidate], rng: random.Random) -> list[Candidate]:
+        if len(candidates) == 1:
+            return candidates  # nothing to compare (a one-endpoint pool, or one with room)
         weights = self.config.scoring
         waiting = [_metric(c.state, "num_requests_waiting") for c in candidates]
         running = [_metric(c.state, "num_requests_running") for c in candidates]

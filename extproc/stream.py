@@ -117,9 +117,10 @@ class RequestStream:
 
     async def _on_request_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
         assert self.tenant is not None
-        if len(body.body) > self.settings.max_body_bytes:
+        raw = body.body  # each read of a bytes field copies it out of the message
+        if len(raw) > self.settings.max_body_bytes:
             raise _too_large(self.settings.max_body_bytes)
-        self.request = parse_body(self.path, body.body)
+        self.request = parse_body(self.path, raw)
         started = time.perf_counter()
         decision = await self.director.admit(self.tenant, self.request, self.requested_class)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)

@@ -21,6 +21,13 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def bucket_view(capacity: int, rate: Rate, level_scaled: int) -> tuple[int, int, int]:
+    """``(capacity, available, reset_ms)`` of a bucket at a known scaled level (a pure
+    function, so the numbers can be taken later from a level remembered now)."""
+    reset = ceil_div(max(0, capacity * rate.period_ms - level_scaled), rate.amount)
+    return capacity, level_scaled // rate.period_ms, reset
+
+
 class TokenBucket:
     """Classic token bucket: refills at ``rate`` up to ``capacity``; starts full.
 
@@ -63,12 +70,8 @@ class TokenBucket:
         return self.view(now_ms)[1]
 
     def view(self, now_ms: int) -> tuple[int, int, int]:
-        """``(capacity, available, reset_ms)`` at ``now_ms`` — the ``x-ratelimit-*`` numbers;
-        a copy, unaffected by later calls."""
-        level = self.level_at(now_ms)
-        rate = self.rate
-        reset = ceil_div(max(0, self.full_scaled - level), rate.amount)
-        return self.capacity, level // rate.period_ms, reset
+        """``(capacity, available, reset_ms)`` at ``now_ms`` — the ``x-ratelimit-*`` numbers."""
+        return bucket_view(self.capacity, self.rate, self.level_at(now_ms))
 
     def wait_ms(self, cost: int, now_ms: int) -> int:
         """Exact ms until ``cost`` fits (0 if it fits now). Raises ValueError if cost > capacity."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from limiter.buckets import SlidingWindow, TokenBucket
+from limiter.buckets import SlidingWindow, TokenBucket, bucket_view
 from limiter.calendar import Period
 from limiter.outcome import (
     Admit,
@@ -344,13 +344,17 @@ class TenantLimiter:
         return Admit(lease_id, cost, self._remaining_later(now_ms))
 
     def _remaining_later(self, now_ms: int) -> Callable[[], Remaining]:
-        """``remaining(now_ms)`` as of now, computed only if someone asks."""
-        requests = None if self._requests is None else self._requests.view(now_ms)
-        tokens = None if self._tokens is None else self._tokens.view(now_ms)
+        """``remaining(now_ms)`` as of now, computed only if someone asks: only the buckets'
+        levels are remembered (just consumed, so they are current at ``now_ms``)."""
+        requests, tokens = self._requests, self._tokens
+        request_state = None if requests is None else (
+            requests.capacity, requests.rate, requests.level_scaled)
+        token_state = None if tokens is None else (tokens.capacity, tokens.rate,
+                                                   tokens.level_scaled)
         quotas = self._quota_views(now_ms) if self.policy.quotas() else []
         return lambda: remaining_of(
-            None if requests is None else BucketView(*requests),
-            None if tokens is None else BucketView(*tokens),
+            None if request_state is None else BucketView(*bucket_view(*request_state)),
+            None if token_state is None else BucketView(*bucket_view(*token_state)),
             quotas,
         )
 
@@ -387,11 +391,11 @@ class TenantLimiter:
 
     def _request_waits(self, requests: int, now_ms: int) -> list[tuple[Reason, int]]:
         waits = []
-        if self._requests is not None:
-            waits.append((Reason.REQUESTS, self._requests.wait_ms(requests, now_ms)))
-        if self._window is not None:
-            waits.append((Reason.WINDOW, self._window.wait_ms(requests, now_ms)))
-        return [(reason, wait) for reason, wait in waits if wait > 0]
+        if self._requests is not None and (wait := self._requests.wait_ms(requests, now_ms)):
+            waits.append((Reason.REQUESTS, wait))
+        if self._window is not None and (wait := self._window.wait_ms(requests, now_ms)):
+            waits.append((Reason.WINDOW, wait))
+        return waits
 
     def _token_waits(self, tokens: int, now_ms: int) -> list[tuple[Reason, int]]:
         wait = self._tokens.wait_ms(tokens, now_ms) if self._tokens is not None else 0
