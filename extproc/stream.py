@@ -160,8 +160,10 @@ class RequestStream:
     # -- response path ---------------------------------------------------------------------
 
     async def _on_response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
-        if self.meter is not None and not self.meter.bytes and self.admission is not None:
-            self.director.first_token(self.admission)  # the first chunk: prefill is done
+        if self.meter and self.meter.stream and not self.meter.bytes and self.admission:
+            # the first chunk of a stream: prefill is done (a non-streamed response comes
+            # back whole, its end releases everything anyway)
+            self.director.first_token(self.admission)
         replacement = self.meter.feed(body.body) if self.meter else None
         if body.end_of_stream:
             if self.meter:
