@@ -1,7 +1,7 @@
 """What kvgate costs per request, next to plain Envoy and a do-nothing Python ext_proc.
 
     .venv/bin/python -m bench.overhead [--duration 10] [--warmup 2] [--levels 1,16,64]
-        [--modes direct,minimal,kvgate,kvgate_redis] [--no-pin]
+        [--modes direct,minimal,kvgate,kvgate_redis] [--layout split|shared|none]
     .venv/bin/python -m bench.overhead --profile   # py-spy over kvgate and the floor, c=16
 
 One run; per mode, a simulated engine (``bench.engine``, every step of its loop 0 s: it answers a
@@ -25,8 +25,8 @@ else this shared machine runs meanwhile falls on every mode alike. Per mode and 
 requests/s, p50/p99 latency, the CPU of every process (utime + stime of ``/proc/PID/stat``,
 all threads, read before and after each window) divided by the requests completed, and the
 ext_proc messages per request (kvgate's ``kvgate_extproc_messages_total``; the floor counts
-its own). By default Envoy and the ext_proc servers run on core 1; the load generator, the
-engines and Redis on core 0.
+its own). By default (``--layout split``) the ext_proc servers run alone on core 1; Envoy, the
+load generator, the engines and Redis on core 0 (``LAYOUTS`` below).
 
 Prints a table and writes ``bench/results/overhead.json`` and ``overhead.md``.
 """
