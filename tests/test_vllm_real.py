@@ -185,23 +185,13 @@ def test_metrics_names_and_kv_capacity(client):
     assert "vllm:gpu_cache_usage_perc" not in fams
 
 
-def _gauges(client) -> dict:
-    fams = metric_families(client.get("/metrics").text)
-    return {
-        n: fams[n].samples[0].value
-        for n in (
-            "vllm:kv_cache_usage_perc",
-            "vllm:num_requests_running",
-            "vllm:num_requests_waiting",
-        )
-    }
-
-
 def test_saturation_queues_and_high_priority_not_behind_low(vllm):
-    """Fill past max_num_seqs with long low-priority requests; a high-priority request sent
-    after them must not finish after a low-priority one sent with it. (On 2 cores the API
-    server sometimes delivers all results in one burst; then both finish together, which
-    still satisfies the check. README.md has the clean measurement.)"""
+    """Fill past max_num_seqs (and past the KV cache) with long low-priority requests; a
+    high-priority request sent after them must not finish after a low-priority one sent with
+    it. Saturation is by construction: 10 fills of ~1,050 tokens each against 4 sequence
+    slots and 4,096 tokens of KV take several seconds. (Watching the queue through /metrics
+    is not reliable here: under this load on 2 cores the API server took ~9 s to answer one
+    /metrics GET, by which time the queue had drained.)"""
     fill_n, fill_tokens = 10, 1000
     url = vllm.url
 
@@ -210,7 +200,7 @@ def test_saturation_queues_and_high_priority_not_behind_low(vllm):
             r = c.post("/v1/chat/completions", json=body)
             return r.status_code, time.monotonic()
 
-    with ThreadPoolExecutor(fill_n + 2) as pool, httpx.Client(base_url=url, timeout=60) as c:
+    with ThreadPoolExecutor(fill_n + 2) as pool:
         fills = [
             pool.submit(
                 post,
@@ -222,21 +212,16 @@ def test_saturation_queues_and_high_priority_not_behind_low(vllm):
             )
             for i in range(fill_n)
         ]
-        deadline = time.monotonic() + 30
-        seen = {}
-        while time.monotonic() < deadline:
-            seen = _gauges(c)
-            if seen["vllm:num_requests_waiting"] >= 1:
-                break
-            time.sleep(0.05)
-        assert seen["vllm:num_requests_running"] <= MAX_NUM_SEQS
-        assert seen["vllm:num_requests_waiting"] >= 1, f"server never saturated: {seen}"
+        time.sleep(1.0)  # the fills reach the engine; at most 4 of them can run
         hi = pool.submit(post, chat_body("hello there", max_tokens=16, priority=-10))
         lo = pool.submit(post, chat_body("hello you", max_tokens=16, priority=10))
         (hi_status, hi_done), (lo_status, lo_done) = hi.result(), lo.result()
-        assert all(f.result()[0] == 200 for f in fills)
+        fill_results = [f.result() for f in fills]
+    assert all(status == 200 for status, _ in fill_results)
     assert hi_status == lo_status == 200
     assert hi_done <= lo_done + 0.25, (hi_done, lo_done)
+    # the queue was real: the low-priority request waited behind fills that finished first
+    assert sum(done < lo_done for _, done in fill_results) >= 1
 
 
 # -- kvgate in front of the real vLLM: Envoy → kvgate → vLLM ----------------------------------
