@@ -1,6 +1,7 @@
 """The Python floor: an ext_proc server that does nothing but answer CONTINUE.
 
     python -m bench.minimal_extproc --port 9001 [--host 127.0.0.1] [--stats-port 9003]
+        [--cpu-policy batch|normal]
 
 grpc.aio on uvloop, the same server style as kvgate (an async generator per stream, one
 reply per message, in order). Every reply is a prebuilt ``ProcessingResponse`` of the
@@ -11,6 +12,8 @@ Envoy can close the stream gracefully as it does with kvgate.
 
 It counts the messages it receives by kind; ``--stats-port`` serves those counts as one
 JSON object to whoever connects (no HTTP: read until EOF), for ``bench.overhead``.
+``--cpu-policy`` is kvgate's ``server.cpu_policy`` (``extproc.processes.set_cpu_policy``), so
+that the floor can be scheduled like kvgate.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from collections.abc import AsyncIterator
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc.processes import set_cpu_policy
 
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024  # as kvgate: its default body limit + 1 MiB
 
@@ -101,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--stats-port", type=int, help="serve message counts (JSON) here")
+    parser.add_argument("--cpu-policy", choices=("batch", "normal"), default="normal")
     args = parser.parse_args(argv)
+    set_cpu_policy(args.cpu_policy)
     with contextlib.suppress(ImportError):
         import uvloop
 

@@ -199,10 +199,11 @@ class Child:
 
 
 def kvgate_config(engine: str, grpc_port: int, admin_port: int,
-                  redis_url: str | None = None) -> dict[str, Any]:
+                  redis_url: str | None = None, cpu_policy: str = "batch") -> dict[str, Any]:
     """One tenant, one pool of one engine; the same file for every mode's bootstrap."""
     config: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "grpc_port": grpc_port, "admin_port": admin_port},
+        "server": {"host": "127.0.0.1", "grpc_port": grpc_port, "admin_port": admin_port,
+                   "cpu_policy": cpu_policy},
         "envoy": {"listen_port": free_port(), "admin_port": 0},
         "tiers": {"bench": {"limits": LIMITS}},
         "tenants": [{"name": "bench", "tier": "bench", "api_keys": [hash_api_key(API_KEY)]}],
@@ -313,9 +314,9 @@ def _start_kvgate(config: dict[str, Any], workdir: Path) -> Child:
     return Child("kvgate", args).start(lambda: _http_ok(health))
 
 
-def _start_minimal(grpc_port: int, stats_port: int) -> Child:
+def _start_minimal(grpc_port: int, stats_port: int, cpu_policy: str) -> Child:
     args = ["-m", "bench.minimal_extproc", "--port", str(grpc_port),
-            "--stats-port", str(stats_port)]
+            "--stats-port", str(stats_port), "--cpu-policy", cpu_policy]
     return Child("minimal ext_proc", args).start(lambda: _port_accepts(stats_port))
 
 
@@ -336,13 +337,15 @@ def _start_ext_proc(mode: str, config: dict[str, Any], workdir: Path
         return _start_kvgate(config, workdir), kvgate_counters(config["server"]["admin_port"])
     if mode == "minimal":
         stats_port = free_port()
-        child = _start_minimal(config["server"]["grpc_port"], stats_port)
+        child = _start_minimal(config["server"]["grpc_port"], stats_port,
+                               config["server"]["cpu_policy"])
         return child, minimal_counters(stats_port)
     return None
 
 
 @contextlib.contextmanager
-def gateway(mode: str, *, layout: str = "split") -> Iterator[Gateway]:
+def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch"
+            ) -> Iterator[Gateway]:
     """Start what ``mode`` needs, its own engine included; stop it all on exit."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
@@ -356,7 +359,7 @@ def gateway(mode: str, *, layout: str = "split") -> Iterator[Gateway]:
             redis_url = stack.enter_context(RedisServer()).url
             gw.pids["redis"] = _redis_pid(redis_url)
         config = kvgate_config(f"{engine.host}:{engine.port}", free_port(), free_port(),
-                               redis_url)
+                               redis_url, cpu_policy)
         started = _start_ext_proc(mode, config, workdir)
         if started is not None:
             child, gw.counters = started
@@ -528,7 +531,8 @@ def _own_affinity(cpus: set[int] | None) -> Iterator[None]:
 
 def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
         warmup_s: float = 2.0, duration_s: float = 10.0, rounds: int = 5,
-        layout: str = "split", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        layout: str = "split", cpu_policy: str = "batch",
+        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every mode × level, one row each (see ``summarize``).
 
     Every mode's stack runs for the whole run, idle but for its turn; each level's
@@ -539,7 +543,8 @@ def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
     with (_own_affinity(LAYOUTS[layout]["loadgen"] if layout in LAYOUTS else None),
           contextlib.ExitStack() as stack,
           _runner() as runner):
-        gateways = [stack.enter_context(gateway(mode, layout=layout)) for mode in modes]
+        gateways = [stack.enter_context(gateway(mode, layout=layout, cpu_policy=cpu_policy))
+                    for mode in modes]
         for level in levels:
             windows: dict[str, list[Window]] = {gw.mode: [] for gw in gateways}
             for turn in range(rounds):
@@ -686,6 +691,8 @@ METHOD = """\
 - Messages/request: kvgate's `kvgate_extproc_messages_total` (admin `/metrics`) and the
   floor's own counter, read around the window, ÷ requests.
 - Pinning: {pinning}.
+- Scheduling: both ext_proc servers (kvgate and the floor) run under the `{cpu_policy}` CPU
+  policy (kvgate's `server.cpu_policy`; `batch` = Linux SCHED_BATCH, its default).
 """
 
 
@@ -725,7 +732,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "## Method", "", METHOD.format(
         max_tokens=MAX_TOKENS, body=len(BODY), warmup=result["warmup_s"],
         duration=result["duration_s"], rounds=result.get("rounds", 1),
-        round_warmup=ROUND_WARMUP_S, pinning=pin_text)]
+        round_warmup=ROUND_WARMUP_S, pinning=pin_text,
+        cpu_policy=result.get("cpu_policy", "normal"))]
     return "\n".join(lines)
 
 
@@ -745,12 +753,13 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(layout)
     print(COLUMNS)
     rows = run(args.modes, args.levels, warmup_s=args.warmup, duration_s=args.duration,
-               rounds=args.rounds, layout=layout)
+               rounds=args.rounds, layout=layout, cpu_policy=args.cpu_policy)
     result = {
         "command": " ".join(["python", "-m", "bench.overhead",
                              *(sys.argv[1:] if argv is None else argv)]),
         "when": when, "machine": machine, "warmup_s": args.warmup,
-        "duration_s": args.duration, "rounds": args.rounds, "rows": rows,
+        "duration_s": args.duration, "rounds": args.rounds, "cpu_policy": args.cpu_policy,
+        "rows": rows,
         "ratios": ratios(rows),
     }
     print("\n".join(format_ratios(result["ratios"])))
@@ -884,6 +893,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="windows each level's duration is cut into, taken in turn")
     parser.add_argument("--layout", choices=[*LAYOUTS, "none"], default="split",
                         help="which processes share a core (none: leave affinity alone)")
+    parser.add_argument("--cpu-policy", choices=("batch", "normal"), default="batch",
+                        help="server.cpu_policy of kvgate, and the same for the floor")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy over the floor and kvgate instead (overhead-profile.md)")

@@ -141,10 +141,12 @@ def _serve_worker(
     config_path: Path, index: int, log_level: str, *, reuse_port: bool = True
 ) -> None:
     """One serving process; worker i serves its metrics on admin_port + i."""
+    from extproc.processes import set_cpu_policy
     from extproc.server import KvgateServer, install_uvloop
 
     _setup_logging(log_level)
     config = load_config(config_path)
+    set_cpu_policy(config.server.cpu_policy)  # before gRPC starts its threads
     admin = config.server.admin_port
     if index and admin:
         config = config.model_copy(

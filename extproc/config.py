@@ -325,6 +325,10 @@ class Server(_Strict):
     max_stream_seconds: PositiveFloat = Field(
         3600, description="Envoy's max_message_timeout: the longest one ext_proc message may wait"
     )
+    cpu_policy: Literal["batch", "normal"] = Field(
+        "batch", description="Linux scheduling of the server process: 'batch' (SCHED_BATCH) "
+        "keeps gRPC's poller thread from preempting the event loop on every completion"
+    )
 
 
 class EnvoySettings(_Strict):
