@@ -80,10 +80,12 @@ class TokenBucket:
 
     def consume(self, cost: int, now_ms: int) -> None:
         """Take ``cost`` tokens; only legal when :meth:`wait_ms` is 0 (else ValueError)."""
-        if self.wait_ms(cost, now_ms):
+        level = self.level_at(now_ms)
+        needed = self._check_cost(cost) * self.rate.period_ms
+        if needed > level:
             raise ValueError(f"cost {cost} does not fit at {now_ms} ms; check wait_ms first")
-        self._advance(now_ms)
-        self.level_scaled -= cost * self.rate.period_ms
+        self.level_scaled = level - needed
+        self.last_ms = max(self.last_ms, now_ms)
 
     def refund(self, amount: int, now_ms: int) -> None:
         """Give back unused tokens; never above capacity (a refund is not a bonus)."""
