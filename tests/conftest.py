@@ -1,13 +1,15 @@
-"""Shared test helpers: free ports, and the redis marker's install check."""
+"""Shared test helpers: free ports, a redis-server per module, and the redis marker's
+install check."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from bench.ports import free_port
-from bench.redis_server import REDIS_SERVER
+from bench.redis_server import REDIS_SERVER, RedisServer
 
 __all__ = ["free_port"]
 
@@ -24,3 +26,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.xfail(reason=message, strict=True, run=False))
             else:
                 item.add_marker(pytest.mark.skip(reason=message))
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the test module that asks for it (tests flush as needed)."""
+    with RedisServer() as srv:
+        yield srv

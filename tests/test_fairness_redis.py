@@ -7,7 +7,7 @@ One redis-server serves the module (FLUSHALL between tests); the failure test ru
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -32,16 +32,10 @@ def _client(url: str) -> aioredis.Redis:
     )
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as srv:
-        yield srv
-
-
 @pytest.fixture
-async def client(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    server.flushall()
-    redis_client = _client(server.url)
+async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    redis_server.flushall()
+    redis_client = _client(redis_server.url)
     yield redis_client
     await redis_client.aclose()
 

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import pytest
@@ -70,15 +70,9 @@ def _client(url: str, timeout_s: float = 2.0) -> aioredis.Redis:
     )
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as srv:
-        yield srv
-
-
 @pytest.fixture
-async def client(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    redis_client = _client(server.url)
+async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    redis_client = _client(redis_server.url)
     await redis_client.flushdb()
     yield redis_client
     await redis_client.aclose()
