@@ -55,7 +55,7 @@ def policy_from_limits(limits: Limits) -> TenantPolicy:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class Admission:
     """What an admitted request holds until it finishes: released exactly once."""
 
@@ -68,14 +68,14 @@ class Admission:
     request_class: str
     admit: Admit
     body_overrides: dict[str, Any] = field(default_factory=dict)  # degradation rewrites
+    pool: str = field(init=False)  # the scheduler's pool (read on every release)
+
+    def __post_init__(self) -> None:
+        self.pool = self.scheduler.config.name
 
     @property
     def endpoint(self) -> str:
         return self.endpoints[0]
-
-    @property
-    def pool(self) -> str:
-        return self.scheduler.config.name
 
 
 Outcome = Admission | Reject | Shed
@@ -140,7 +140,7 @@ class Director:
 
     async def precheck(self, tenant: Tenant) -> Reject | None:
         """Before the body arrives: is the tenant over its request rate or concurrency?"""
-        return await self.store.check_requests(tenant.name, self.policy(tenant))
+        return await self.store.check_requests(tenant.name, self._policies[tenant.name])
 
     async def admit(
         self, tenant: Tenant, request: InferenceRequest, requested_class: str | None = None
@@ -200,7 +200,8 @@ class Director:
         scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock(),
                           band=klass.band, prompt_tokens=cost.prompt_tokens)
         try:
-            decision = await self.store.admit(tenant.name, self.policy(tenant), cost, lease_id)
+            decision = await self.store.admit(tenant.name, self._policies[tenant.name], cost,
+                                              lease_id)
         except BaseException:
             scheduler.release(lease_id, self.clock(), completed=False)
             raise
@@ -286,9 +287,12 @@ class Director:
     async def release(self, admission: Admission, used_tokens: int | None) -> None:
         self.active.pop(admission.lease_id, None)
         admission.scheduler.release(admission.lease_id, self.clock())
-        self.kick(admission.pool)
+        flow = self.flows.get(admission.pool)
+        if flow is not None:
+            flow.kick()
         await self.store.release(
-            admission.tenant.name, self.policy(admission.tenant), admission.lease_id, used_tokens
+            admission.tenant.name, self._policies[admission.tenant.name], admission.lease_id,
+            used_tokens,
         )
 
     def first_token(self, admission: Admission) -> None:

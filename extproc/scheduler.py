@@ -42,7 +42,7 @@ DRAIN_WINDOW_S = 10.0
 MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Placement:
     """Endpoints best first; the first is used."""
 
@@ -71,11 +71,30 @@ class Reservation:
     prefilling: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     state: EndpointState
     usage_after: float  # KV usage once this request's reservation lands (0–1+)
     fits: bool  # usage_after within the high watermark
+
+
+@dataclass(slots=True)
+class _Scraped:
+    """What one scrape says about an endpoint, worked out once per snapshot rather than
+    once per request: the request path only compares ``fresh_until`` with the clock."""
+
+    state: EndpointState
+    fresh_until: float  # usable while now <= this (never, when unhealthy or unscraped)
+    takes_work: bool  # below the critical KV and GPU watermarks and max_waiting
+
+
+@dataclass(slots=True)
+class _PoolView:
+    """A pool's endpoints in one snapshot, as placement reads them."""
+
+    snapshot: StoreSnapshot
+    endpoints: list[_Scraped]
+    largest: int | None  # the largest KV capacity (tokens), when any endpoint reports one
 
 
 class DrainRate:
@@ -116,6 +135,7 @@ class PoolScheduler:
     # ones newer than a scrape are found from the end without walking every reservation
     by_endpoint: dict[str, dict[str, Reservation]] = field(default_factory=dict)
     drain: DrainRate = field(default_factory=DrainRate)
+    _cached_view: _PoolView | None = field(default=None, repr=False, compare=False)
 
     # -- the decision ----------------------------------------------------------------------
 
@@ -126,16 +146,18 @@ class PoolScheduler:
         """``band``: the request's effective band (0 = interactive, or aged into it)."""
         if not self.config.kv_aware:
             return self._least_in_flight(snapshot, now, tokens, rng, band)
-        states = snapshot.endpoints(self.config.name)
-        too_large = self._too_large(states, tokens)
-        if too_large:
-            return too_large
-        usable = [s for s in states if s.is_usable(now, self.staleness_s)]
+        view = self._view(snapshot)
+        if view.largest is not None and tokens > view.largest:
+            return Shed(400, "kv_exceeds_capacity",
+                        f"the request needs {tokens} tokens of KV cache; the largest endpoint "
+                        f"of pool '{self.config.name}' holds {view.largest}", None)
+        usable = [e for e in view.endpoints if now <= e.fresh_until]
         if not usable:
             return Shed(503, "no_ready_endpoint",
                         f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
         limit = self._slot_limit(band)
-        candidates = [self._candidate(s, tokens) for s in usable if self._takes_work(s, limit)]
+        candidates = [self._candidate(e.state, tokens) for e in usable
+                      if e.takes_work and self._has_slot(e.state.address, limit)]
         if band and self.config.prefill_clear_share:
             candidates = self._keep_clear(candidates, len(usable))
         eligible = [c for c in candidates if c.fits]
@@ -149,6 +171,8 @@ class PoolScheduler:
                             "than its weighted share of its KV cache",
                             self.retry_ms(tokens, now))
             eligible = busy
+        if len(eligible) == 1:
+            return Placement([eligible[0].state.address])
         return Placement([c.state.address for c in self._ranked(eligible, rng)][: 1 + FALLBACKS])
 
     def place_light(self, snapshot: StoreSnapshot, now: float, rng: random.Random) -> Placement:
@@ -215,9 +239,24 @@ class PoolScheduler:
     def _has_slot(self, address: str, limit: int | None) -> bool:
         return limit is None or self.in_flight.get(address, 0) < limit
 
-    def _takes_work(self, state: EndpointState, limit: int | None) -> bool:
-        if not self._has_slot(state.address, limit):
-            return False
+    def _view(self, snapshot: StoreSnapshot) -> _PoolView:
+        """The pool's endpoints as of ``snapshot``, built once per snapshot (a scrape round
+        swaps in a new one) and kept while requests keep reading the same one."""
+        view = self._cached_view
+        if view is not None and view.snapshot is snapshot:
+            return view
+        states = snapshot.endpoints(self.config.name)
+        capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
+        endpoints = [_Scraped(s, self._fresh_until(s), self._takes_work(s)) for s in states]
+        self._cached_view = view = _PoolView(snapshot, endpoints, max(capacities, default=None))
+        return view
+
+    def _fresh_until(self, state: EndpointState) -> float:
+        if not state.healthy or state.scraped_at is None:
+            return -math.inf
+        return state.scraped_at + self.staleness_s
+
+    def _takes_work(self, state: EndpointState) -> bool:
         marks = self.config.watermarks
         usage = state.kv_cache_usage
         if usage is not None and usage >= marks.critical:
@@ -236,14 +275,6 @@ class PoolScheduler:
         if busy and len(candidates) - len(busy) <= keep:
             return busy
         return candidates
-
-    def _too_large(self, states: tuple[EndpointState, ...], tokens: int) -> Shed | None:
-        capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
-        if capacities and tokens > max(capacities):
-            return Shed(400, "kv_exceeds_capacity",
-                        f"the request needs {tokens} tokens of KV cache; the largest endpoint "
-                        f"of pool '{self.config.name}' holds {max(capacities)}", None)
-        return None
 
     def _candidate(self, state: EndpointState, tokens: int) -> Candidate:
         capacity = state.kv_capacity_tokens
@@ -271,8 +302,6 @@ class PoolScheduler:
     # -- scorers and picker ----------------------------------------------------------------
 
     def _ranked(self, candidates: list[Candidate], rng: random.Random) -> list[Candidate]:
-        if len(candidates) == 1:
-            return candidates  # nothing to compare (a one-endpoint pool, or one with room)
         weights = self.config.scoring
         waiting = [_metric(c.state, "num_requests_waiting") for c in candidates]
         running = [_metric(c.state, "num_requests_running") for c in candidates]

@@ -25,7 +25,7 @@ class CharEstimate:
         self.chars_per_token = chars_per_token
 
     def count(self, texts: list[str]) -> int:
-        return math.ceil(sum(len(t) for t in texts) / self.chars_per_token)
+        return math.ceil(sum(map(len, texts)) / self.chars_per_token)
 
 
 class HFTokenizer:

@@ -50,20 +50,21 @@ class TokenBucket:
 
     def level_at(self, now_ms: int) -> int:
         """Scaled level at ``now_ms`` without mutating anything (peeks stay peeks)."""
-        elapsed = now_ms - self.last_ms
-        if elapsed <= 0 or self.level_scaled >= self.full_scaled:
-            return self.level_scaled
-        return min(self.full_scaled, self.level_scaled + elapsed * self.rate.amount)
+        level, elapsed = self.level_scaled, now_ms - self.last_ms
+        if elapsed <= 0:
+            return level
+        full = self.capacity * self.rate.period_ms
+        return level if level >= full else min(full, level + elapsed * self.rate.amount)
 
     def _advance(self, now_ms: int) -> None:
         self.level_scaled = self.level_at(now_ms)
         self.last_ms = max(self.last_ms, now_ms)
 
-    def _check_cost(self, cost: int) -> int:
+    def _reject_cost(self, cost: int) -> None:
+        """Raise for a cost that is not an int in 0..capacity (callers test that inline:
+        the admission path runs it several times per request)."""
         require_int("cost", cost, 0)
-        if cost > self.capacity:
-            raise ValueError(f"cost {cost} exceeds capacity {self.capacity}: it can never fit")
-        return cost
+        raise ValueError(f"cost {cost} exceeds capacity {self.capacity}: it can never fit")
 
     def available(self, now_ms: int) -> int:
         """Whole tokens available now (floor); negative while in debt."""
@@ -75,27 +76,35 @@ class TokenBucket:
 
     def wait_ms(self, cost: int, now_ms: int) -> int:
         """Exact ms until ``cost`` fits (0 if it fits now). Raises ValueError if cost > capacity."""
-        deficit = self._check_cost(cost) * self.rate.period_ms - self.level_at(now_ms)
+        if type(cost) is not int or not 0 <= cost <= self.capacity:
+            self._reject_cost(cost)
+        deficit = cost * self.rate.period_ms - self.level_at(now_ms)
         return ceil_div(deficit, self.rate.amount) if deficit > 0 else 0
 
     def consume(self, cost: int, now_ms: int) -> None:
         """Take ``cost`` tokens; only legal when :meth:`wait_ms` is 0 (else ValueError)."""
+        if type(cost) is not int or not 0 <= cost <= self.capacity:
+            self._reject_cost(cost)
         level = self.level_at(now_ms)
-        needed = self._check_cost(cost) * self.rate.period_ms
+        needed = cost * self.rate.period_ms
         if needed > level:
             raise ValueError(f"cost {cost} does not fit at {now_ms} ms; check wait_ms first")
         self.level_scaled = level - needed
-        self.last_ms = max(self.last_ms, now_ms)
+        if now_ms > self.last_ms:
+            self.last_ms = now_ms
 
     def refund(self, amount: int, now_ms: int) -> None:
         """Give back unused tokens; never above capacity (a refund is not a bonus)."""
-        require_int("amount", amount, 0)
-        self._advance(now_ms)
-        self.level_scaled = min(self.full_scaled, self.level_scaled + amount * self.rate.period_ms)
+        if type(amount) is not int or amount < 0:
+            require_int("amount", amount, 0)
+        level = self.level_at(now_ms) + amount * self.rate.period_ms
+        self.level_scaled = min(self.capacity * self.rate.period_ms, level)
+        self.last_ms = max(self.last_ms, now_ms)
 
     def charge(self, amount: int, now_ms: int) -> None:
         """Unconditional debit, possibly into debt: the output overshot its reservation."""
-        require_int("amount", amount, 0)
+        if type(amount) is not int or amount < 0:
+            require_int("amount", amount, 0)
         self._advance(now_ms)
         self.level_scaled -= amount * self.rate.period_ms
 

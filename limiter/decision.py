@@ -121,16 +121,18 @@ class Cost:
     prompt_tokens: int
     max_output_tokens: int
     requests: int = 1
+    # The reservation: the worst case, reconciled with real usage on release. Derived
+    # once: admission and release read it several times per request.
+    tokens: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        require_int("prompt_tokens", self.prompt_tokens, 0)
-        require_int("max_output_tokens", self.max_output_tokens, 0)
-        require_int("requests", self.requests, 0)
-
-    @property
-    def tokens(self) -> int:
-        """The reservation: the worst case, reconciled with real usage on release."""
-        return self.prompt_tokens + self.max_output_tokens
+        prompt, output, requests = self.prompt_tokens, self.max_output_tokens, self.requests
+        if not (type(prompt) is int and type(output) is int and type(requests) is int
+                and prompt >= 0 and output >= 0 and requests >= 0):
+            require_int("prompt_tokens", prompt, 0)  # raises with the precise complaint
+            require_int("max_output_tokens", output, 0)
+            require_int("requests", requests, 0)
+        object.__setattr__(self, "tokens", prompt + output)
 
 
 def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> BucketView | None:
@@ -319,24 +321,27 @@ class TenantLimiter:
 
     def check_requests(self, now_ms: int) -> Reject | None:
         """Peek (consumes nothing) at the request-count dimensions, before the body arrives."""
-        self.expire_leases(now_ms)
-        waits = self._request_waits(1, now_ms) + self._concurrency_wait()
+        if self._next_expiry is not None:
+            self.expire_leases(now_ms)
+        waits = self._waits(1, 0, now_ms)
         return wait_reject(waits, self.remaining(now_ms)) if waits else None
 
     def admit(self, cost: Cost, lease_id: str, now_ms: int) -> Admit | Reject:
         """Admit ``cost`` under ``lease_id`` if every dimension has room, else consume nothing."""
-        self.expire_leases(now_ms)
+        if self._next_expiry is not None:
+            self.expire_leases(now_ms)
         if lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} is already held")
-        problem = never_fits(self.policy, cost)
-        if problem is not None:
-            return Reject(problem[0], None, self.remaining(now_ms), problem[1])
-        quotas = self._quota_views(now_ms)
+        policy = self.policy
+        if not policy.surely_fits(cost):
+            problem = never_fits(policy, cost)
+            if problem is not None:
+                return Reject(problem[0], None, self.remaining(now_ms), problem[1])
+        quotas = self._quota_views(now_ms) if policy._quotas else []
         failing = [quota for quota in quotas if not quota.fits(cost.tokens)]
         if failing:
             return quota_reject(failing, cost.tokens, self.remaining(now_ms))
-        waits = self._request_waits(cost.requests, now_ms)
-        waits += self._token_waits(cost.tokens, now_ms) + self._concurrency_wait()
+        waits = self._waits(cost.requests, cost.tokens, now_ms)
         if waits:
             return wait_reject(waits, self.remaining(now_ms))
         self._consume(cost, now_ms)
@@ -351,7 +356,7 @@ class TenantLimiter:
             requests.capacity, requests.rate, requests.level_scaled)
         token_state = None if tokens is None else (tokens.capacity, tokens.rate,
                                                    tokens.level_scaled)
-        quotas = self._quota_views(now_ms) if self.policy.quotas() else []
+        quotas = self._quota_views(now_ms) if self.policy._quotas else []
         return lambda: remaining_of(
             None if request_state is None else BucketView(*bucket_view(*request_state)),
             None if token_state is None else BucketView(*bucket_view(*token_state)),
@@ -362,7 +367,7 @@ class TenantLimiter:
         expires = None if self.lease_ttl_ms is None else now_ms + self.lease_ttl_ms
         if expires is not None:
             self._lower_next_expiry(expires)
-        periods = tuple(quota.period for quota in quotas)
+        periods = tuple(quota.period for quota in quotas) if quotas else ()
         return _Lease(cost, self._tokens is not None, periods, expires)
 
     def release(self, lease_id: str, used_tokens: int | None, now_ms: int) -> bool:
@@ -371,7 +376,8 @@ class TenantLimiter:
 
         ``used_tokens=None`` (usage unknown: error, disconnect) counts the reservation as used.
         """
-        self.expire_leases(now_ms)
+        if self._next_expiry is not None:
+            self.expire_leases(now_ms)
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
@@ -389,24 +395,21 @@ class TenantLimiter:
                     self._quotas[period].reconcile(reserved - used, now_ms)
         return True
 
-    def _request_waits(self, requests: int, now_ms: int) -> list[tuple[Reason, int]]:
+    def _waits(self, requests: int, tokens: int, now_ms: int) -> list[tuple[Reason, int]]:
+        """Every dimension without room for ``requests`` and ``tokens`` now, with its exact
+        wait (in the order rejections name them); empty when the request fits."""
         waits = []
         if self._requests is not None and (wait := self._requests.wait_ms(requests, now_ms)):
             waits.append((Reason.REQUESTS, wait))
         if self._window is not None and (wait := self._window.wait_ms(requests, now_ms)):
             waits.append((Reason.WINDOW, wait))
-        return waits
-
-    def _token_waits(self, tokens: int, now_ms: int) -> list[tuple[Reason, int]]:
-        wait = self._tokens.wait_ms(tokens, now_ms) if self._tokens is not None else 0
-        return [(Reason.TOKENS, wait)] if wait > 0 else []
-
-    def _concurrency_wait(self) -> list[tuple[Reason, int]]:
+        if tokens and self._tokens is not None and (wait := self._tokens.wait_ms(tokens, now_ms)):
+            waits.append((Reason.TOKENS, wait))
         limit = self.policy.max_concurrency
-        if limit is None or self.in_flight < limit:
-            return []
-        # A slot frees when some request finishes: unknowable here, so a configured hint.
-        return [(Reason.CONCURRENCY, self.policy.concurrency_retry_ms)]
+        if limit is not None and len(self._leases) >= limit:
+            # A slot frees when some request finishes: unknowable here, so a configured hint.
+            waits.append((Reason.CONCURRENCY, self.policy.concurrency_retry_ms))
+        return waits
 
     def _consume(self, cost: Cost, now_ms: int) -> None:
         if self._requests is not None:
@@ -415,5 +418,5 @@ class TenantLimiter:
             self._window.consume(cost.requests, now_ms)
         if self._tokens is not None:
             self._tokens.consume(cost.tokens, now_ms)
-        for period, _ in self.policy.quotas():
+        for period, _ in self.policy._quotas:
             self._quotas[period].consume(cost.tokens, now_ms)
