@@ -46,6 +46,7 @@ LOCAL = "local"
 ACCEPT = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # vLLM's classic text format
 
 UpdateHook = Callable[[StoreSnapshot], Awaitable[None] | None]
+Scraped = tuple[float, EngineMetrics | None, str | None]  # when asked, metrics, error
 SessionFactory = Callable[[], aiohttp.ClientSession]
 
 
@@ -208,10 +209,14 @@ class Scraper:
         addresses = sorted({s.address for s in snapshot.states()
                             if self.pools is None or s.pool in self.pools})
         plan = self._gpu_plan(snapshot)
-        metrics, gpu_readings = await asyncio.gather(
-            asyncio.gather(*(self._scrape_metrics(a) for a in addresses)),
-            self._read_gpu_targets({target for _source, target in plan.values()}),
-        )
+        scrapes = [self._scrape_metrics(a) for a in addresses]
+        if plan:
+            metrics, gpu_readings = await asyncio.gather(
+                asyncio.gather(*scrapes),
+                self._read_gpu_targets({target for _source, target in plan.values()}),
+            )
+        else:  # no GPU sources: no second gather to pay for every round
+            metrics, gpu_readings = await _gather(scrapes), {}
         results = []
         for address, (at, parsed, error) in zip(addresses, metrics, strict=True):
             gpus = None
@@ -227,8 +232,7 @@ class Scraper:
         await self._notify(current)
         return current
 
-    async def _scrape_metrics(self, address: str
-                              ) -> tuple[float, EngineMetrics | None, str | None]:
+    async def _scrape_metrics(self, address: str) -> Scraped:
         url = f"http://{address}{self.metrics_path}"
         at = self.clock()  # when asked: anything admitted later is not in these numbers yet
         try:
@@ -258,6 +262,8 @@ class Scraper:
         An address's own entry wins over its pool's; in several pools, the first pool's.
         """
         plan: dict[str, tuple[GpuSource, str]] = {}
+        if not self.gpu_sources:
+            return plan
         for state in snapshot.states():
             source = self.gpu_sources.get(state.address) or self.gpu_sources.get(state.pool)
             if source is not None and state.address not in plan:
@@ -308,6 +314,14 @@ class Scraper:
 
 class ScrapeError(Exception):
     """A scrape that got an answer, but not metrics."""
+
+
+async def _gather(scrapes: list[Awaitable[Scraped]]) -> list[Scraped]:
+    """``asyncio.gather``, except that a lone scrape (a pool of one) is awaited in place:
+    a task for it would only add its creation and a loop iteration to every round."""
+    if len(scrapes) == 1:
+        return [await scrapes[0]]
+    return await asyncio.gather(*scrapes)
 
 
 def _log_health(before: EndpointState, after: EndpointState) -> None:
