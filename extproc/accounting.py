@@ -11,7 +11,7 @@ import re
 
 import orjson
 
-from extproc.openai import Usage, usage_from
+from extproc.openai import Usage, usage_from, usage_of
 
 TAIL_BYTES = 8192
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:\s*\{')
@@ -23,6 +23,8 @@ class ResponseMeter:
     For streams whose usage chunk kvgate itself asked for, ``feed`` returns the chunk with
     that event removed so the client sees exactly the stream it requested.
     """
+
+    __slots__ = ("_tail", "bytes", "events", "stream", "strip_usage_event", "usage")
 
     def __init__(self, *, stream: bool, strip_usage_event: bool):
         self.stream = stream
@@ -44,10 +46,9 @@ class ResponseMeter:
         """End of body: a JSON response carries its usage near the end."""
         if not self.stream and self.usage is None:
             # the last one: the response's own usage, after any nested documents
-            start = _last_usage_object(self._tail)
-            if start is not None:
-                obj = _flat_object(self._tail, start) or _balanced_object(self._tail, start)
-                self.usage = obj and _parse_usage(b'{"usage":' + obj + b"}")
+            obj = _last_usage_object(self._tail)
+            if obj is not None:
+                self.usage = _parse_usage_object(obj)
 
     def _feed_sse(self, chunk: bytes) -> bytes | None:
         data = self._tail + chunk
@@ -67,13 +68,19 @@ class ResponseMeter:
         return _without(chunk, usage_events)
 
 
-def _last_usage_object(data: bytes) -> int | None:
-    """Where the last ``"usage": {`` object starts (searching back from the end)."""
+def _last_usage_object(data: bytes) -> bytes | None:
+    """The last ``"usage": {…}`` object (searching back from the end), if it is complete."""
     at = data.rfind(b'"usage"')
     while at != -1:
         match = _USAGE_PRESENT.match(data, at)
         if match:
-            return match.end() - 1
+            start = match.end() - 1
+            # the usual usage object holds no nested object: it ends at the first brace
+            end = data.find(b"}", start)
+            inner = data.find(b"{", start + 1)
+            if end != -1 and not -1 < inner < end:
+                return data[start : end + 1]
+            return _balanced_object(data, start)
         at = data.rfind(b'"usage"', 0, at)
     return None
 
@@ -85,13 +92,12 @@ def _parse_usage(document: bytes) -> Usage | None:
         return None
 
 
-def _flat_object(data: bytes, start: int) -> bytes | None:
-    """The object at ``start`` when it holds no nested object (the usual ``usage``)."""
-    end = data.find(b"}", start)
-    inner = data.find(b"{", start + 1)
-    if end == -1 or -1 < inner < end:
+def _parse_usage_object(obj: bytes) -> Usage | None:
+    """The ``usage`` object itself (no need to wrap it in a document to reuse usage_from)."""
+    try:
+        return usage_of(orjson.loads(obj))
+    except orjson.JSONDecodeError:
         return None
-    return data[start : end + 1]
 
 
 def _balanced_object(data: bytes, start: int) -> bytes | None:

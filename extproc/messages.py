@@ -8,7 +8,8 @@ metadata lives under the ``envoy.lb`` namespace.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -49,24 +50,22 @@ def fill_mutation(
     mutation.remove_headers.extend(remove)
 
 
-def continue_request_headers(remove: Iterable[str] = ()) -> pb.ProcessingResponse:
-    """Go on to the body, stripping ``remove``. The reply is shared: never mutate it."""
-    return _continue_headers(tuple(remove))
-
-
 @functools.lru_cache(maxsize=256)
-def _continue_headers(remove: tuple[str, ...]) -> pb.ProcessingResponse:
+def continue_request_headers(remove: tuple[str, ...]) -> pb.ProcessingResponse:
+    """Go on to the body, stripping ``remove``. One reply per distinct tuple, shared: never
+    mutate it."""
     reply = pb.ProcessingResponse()
     fill_mutation(reply.request_headers.response.header_mutation, remove=remove)
     return reply
 
 
-_RESPONSE_CHUNK_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
+RESPONSE_CHUNK_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
+"""Pass a response chunk on unchanged: the common case, built once (never mutate it)."""
 
 
 def continue_body(*, response_phase: bool, body: bytes | None = None) -> pb.ProcessingResponse:
     if response_phase and body is None:
-        return _RESPONSE_CHUNK_CONTINUE  # the common case, built once (never mutated)
+        return RESPONSE_CHUNK_CONTINUE
     common = pb.CommonResponse()
     if body is not None:
         common.body_mutation.body = body
@@ -76,45 +75,116 @@ def continue_body(*, response_phase: bool, body: bytes | None = None) -> pb.Proc
     return pb.ProcessingResponse(request_body=reply)
 
 
-def route_request(
-    *,
-    set_headers: tuple[tuple[str, str], ...],
-    endpoint: str,
-    body: bytes | None,
-    in_body_phase: bool,
-    metadata: tuple[tuple[str, str], ...],
-    lease: str,
-) -> pb.ProcessingResponse:
-    """Admit: set headers (and the mutated body + its content-length), pick the endpoint.
+MAX_PARTS = 4096  # cached reply parts per kind (their keys repeat: this bounds the odd case)
+Parts = tuple[bytes, ...]  # serialized message parts; the values go in between
+# (tenant, class, priority, body phase, endpoint list size, content-length size or None)
+_header_parts: dict[tuple[str, str, int | None, bool, int, int | None], Parts] = {}
+# (tenant, pool, chosen endpoint size, lease size)
+_routing_parts: dict[tuple[str, str, int, int], Parts] = {}
 
-    Everything but the body and the lease repeats across requests of one tenant, class and
-    endpoint: that part is built once and parsed back from bytes (~1 µs, against ~8 µs to
-    fill it field by field)."""
-    reply = pb.ProcessingResponse.FromString(
-        _route_template(set_headers, endpoint, in_body_phase, metadata))
-    common = (reply.request_body if in_body_phase else reply.request_headers).response
+
+def route_request(
+    tenant: str, request_class: str, endpoints: list[str], priority: int | None, pool: str,
+    lease: str, body: bytes | None, in_body_phase: bool,
+) -> pb.ProcessingResponse:
+    """Admit: set headers (and the mutated body + its content-length), pick ``endpoints[0]``
+    (the rest are fallbacks), and carry the lease in the dynamic metadata.
+
+    Protobuf parsing merges concatenated messages, and a string value of a given size
+    changes only its own bytes: so the reply is parsed from parts cached per tenant, class,
+    priority and value *sizes*, with the values spliced in between. ~2.2 µs, against ~3.6 µs
+    to parse a template cached per endpoint list and then add the content-length header and
+    the lease field by field (and ~11 µs when that list was new: with fallbacks, a pool of
+    n endpoints has n·(n-1)·(n-2) of them)."""
+    joined = ",".join(endpoints).encode()
+    chosen = endpoints[0].encode()
+    leased = lease.encode()
+    length = None if body is None else b"%d" % len(body)
+    sizes = (tenant, request_class, priority, in_body_phase, len(joined),
+             None if length is None else len(length))
+    headers = _header_parts.get(sizes) or _cache(_header_parts, sizes, _headers_parts(*sizes))
+    where = (tenant, pool, len(chosen), len(leased))
+    routing = _routing_parts.get(where) or _cache(_routing_parts, where, _routing_parts_of(*where))
+    reply = pb.ProcessingResponse.FromString(b"".join((
+        headers[0], joined, headers[1], length or b"", headers[2],
+        routing[0], chosen, routing[1], leased, routing[2],
+    )))
     if body is not None:
-        common.body_mutation.body = body
-        fill_mutation(common.header_mutation, {"content-length": str(len(body))})
-    reply.dynamic_metadata.fields["kvgate"].struct_value.fields["lease"].string_value = lease
+        phase = reply.request_body if in_body_phase else reply.request_headers
+        phase.response.body_mutation.body = body
     return reply
 
 
-@functools.lru_cache(maxsize=4096)
-def _route_template(
-    set_headers: tuple[tuple[str, str], ...], endpoint: str, in_body_phase: bool,
-    metadata: tuple[tuple[str, str], ...],
-) -> bytes:
-    reply = pb.ProcessingResponse()
-    common = (reply.request_body if in_body_phase else reply.request_headers).response
-    common.clear_route_cache = True
-    fill_mutation(common.header_mutation, dict(set_headers))
-    dynamic = reply.dynamic_metadata.fields
-    dynamic["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value = endpoint
-    ours = dynamic["kvgate"].struct_value.fields
-    for key, value in metadata:
-        ours[key].string_value = value
-    return reply.SerializeToString()
+def _cache(cache: dict[Any, Parts], key: Any, parts: Parts) -> Parts:
+    if len(cache) >= MAX_PARTS:
+        cache.clear()
+    cache[key] = parts
+    return parts
+
+
+def _headers_parts(
+    tenant: str, request_class: str, priority: int | None, in_body_phase: bool,
+    endpoints_size: int, length_size: int | None,
+) -> Parts:
+    """The routing headers, around the endpoint list and the content-length value."""
+
+    def serialize(endpoints: bytes, length: bytes) -> bytes:
+        reply = pb.ProcessingResponse()
+        common = (reply.request_body if in_body_phase else reply.request_headers).response
+        common.clear_route_cache = True
+        headers = {"x-kvgate-tenant": tenant, "x-kvgate-class": request_class,
+                   DESTINATION_HEADER: endpoints.decode()}
+        if priority is not None:
+            headers["x-kvgate-priority"] = str(priority)
+        if length_size is not None:
+            headers["content-length"] = length.decode()
+        fill_mutation(common.header_mutation, headers)
+        return reply.SerializeToString()
+
+    return _split(serialize, (endpoints_size, length_size or 0))
+
+
+def _routing_parts_of(tenant: str, pool: str, endpoint_size: int, lease_size: int) -> Parts:
+    """The dynamic metadata, around the chosen endpoint (for Envoy's load balancer) and the
+    lease (for kvgate's own logs). One message per map entry: maps serialize in hash order,
+    so within one message the two values could come in either order."""
+
+    def balancer(endpoint: bytes) -> bytes:
+        reply = pb.ProcessingResponse()
+        lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+        lb[DESTINATION_HEADER].string_value = endpoint.decode()
+        return reply.SerializeToString()
+
+    def ours(lease: bytes) -> bytes:
+        reply = pb.ProcessingResponse()
+        fields = reply.dynamic_metadata.fields["kvgate"].struct_value.fields
+        fields["tenant"].string_value = tenant
+        fields["pool"].string_value = pool
+        fields["lease"].string_value = lease.decode()
+        return reply.SerializeToString()
+
+    before_endpoint, after_endpoint = _split(balancer, (endpoint_size,))
+    before_lease, after_lease = _split(ours, (lease_size,))
+    return before_endpoint, after_endpoint + before_lease, after_lease
+
+
+def _split(serialize: Callable[..., bytes], sizes: tuple[int, ...]) -> Parts:
+    """``serialize``'s bytes for any values of these sizes, as the parts between the values
+    (which must come in this order): found by changing one value at a time and seeing which
+    bytes change."""
+    filler = [b"a" * size for size in sizes]
+    whole = serialize(*filler)
+    parts, end = [], 0
+    for i, size in enumerate(sizes):
+        other = serialize(*filler[:i], b"b" * size, *filler[i + 1 :])
+        start = next((at for at, (x, y) in enumerate(zip(whole, other, strict=True)) if x != y),
+                     end)  # an empty value: anywhere after the previous one
+        if start < end or whole[start : start + size] != filler[i]:
+            raise RuntimeError(f"cannot split the serialized message around value {i}")
+        parts.append(whole[end:start])
+        end = start + size
+    parts.append(whole[end:])
+    return tuple(parts)
 
 
 def immediate(status: int, body: bytes, headers: Headers, details: str) -> pb.ProcessingResponse:

@@ -38,7 +38,7 @@ class BadRequest(Exception):
         self.error_type = error_type
 
 
-@dataclass
+@dataclass(slots=True)
 class InferenceRequest:
     """A parsed body: the JSON document plus the fields admission needs."""
 
@@ -71,30 +71,17 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
-    texts, messages = _prompt_texts(path, body)
-    return InferenceRequest(
-        path=path,
-        body=body,
-        model=model,
-        prompt_texts=texts,
-        message_count=messages,
-        max_output_tokens=_max_output_tokens(path, body),
-        stream=_flag(body, "stream"),
-    )
-
-
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be a boolean", param=name)
-    return value
-
-
-def _prompt_texts(path: str, body: dict[str, Any]) -> tuple[list[str], int]:
     if path == CHAT:
-        return _chat_texts(body.get("messages"))
-    field = "prompt" if path == COMPLETIONS else "input"
-    return _plain_texts(body.get(field), field), 0
+        texts, messages = _chat_texts(body.get("messages"))
+    else:
+        field = "prompt" if path == COMPLETIONS else "input"
+        texts, messages = _plain_texts(body.get(field), field), 0
+    output = _max_output_tokens(path, body)
+    stream = body.get("stream", False)
+    if stream is not True and stream is not False:
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    # positional: matching seven keyword arguments costs as much as the rest of the call
+    return InferenceRequest(path, body, model, texts, messages, output, stream)
 
 
 def _chat_texts(messages: Any) -> tuple[list[str], int]:
@@ -104,16 +91,16 @@ def _chat_texts(messages: Any) -> tuple[list[str], int]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
-        texts.extend(_content_texts(message.get("content"), f"messages[{i}].content"))
+        content = message.get("content")
+        if isinstance(content, str):  # the usual message
+            texts.append(content)
+        elif content is not None:  # null: tool calls
+            texts.extend(_content_parts(content, f"messages[{i}].content"))
     return texts, len(messages)
 
 
-def _content_texts(content: Any, param: str) -> list[str]:
-    """Message content is a string, null (tool calls), or a list of typed parts."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
+def _content_parts(content: Any, param: str) -> list[str]:
+    """Message content other than a string or null: a list of typed parts."""
     if isinstance(content, list):
         parts = [p for p in content if isinstance(p, dict)]
         return [p["text"] for p in parts if isinstance(p.get("text"), str)]
@@ -141,7 +128,8 @@ def _max_output_tokens(path: str, body: dict[str, Any]) -> int | None:
         value = body.get(name)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        # JSON integers parse to exact ints: this is "an int, and not a bool"
+        if type(value) is not int or value < 1:
             raise BadRequest(f"'{name}' must be a positive integer", param=name)
         return value
     return None
@@ -158,10 +146,11 @@ def mutate_body(
     client did not ask for it, the usage chunk kvgate needs to reconcile tokens; and any
     degradation rewrites (``model``, ``max_tokens``)."""
     body = request.body
-    for name, value in (overrides or {}).items():
-        if name == "max_tokens" and "max_completion_tokens" in body:
-            name = "max_completion_tokens"
-        body[name] = value
+    if overrides:
+        for name, value in overrides.items():
+            if name == "max_tokens" and "max_completion_tokens" in body:
+                name = "max_completion_tokens"
+            body[name] = value
     if priority is None:
         body.pop("priority", None)
     else:
@@ -200,7 +189,11 @@ def usage_from(document: Any) -> Usage | None:
     """``usage`` of a response or of the final stream chunk, if it has a valid one."""
     if not isinstance(document, dict):
         return None
-    usage = document.get("usage")
+    return usage_of(document.get("usage"))
+
+
+def usage_of(usage: Any) -> Usage | None:
+    """A parsed ``usage`` object, if it is a valid one."""
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens")

@@ -48,10 +48,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = RequestStream(self.director, self.metrics, self.settings)
+        handle = stream.handle
         ending: str | None = "envoy_closed"
         try:
             async for message in request_iterator:
-                yield await stream.handle(message)
+                yield await handle(message)
                 if stream.done:
                     ending = None
                     return  # ending the RPC here lets Envoy close the stream gracefully

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
+from time import perf_counter
 
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages
 from extproc.accounting import ResponseMeter
-from extproc.config import Server
+from extproc.config import Server, Tenant
 from extproc.director import Admission, Director
 from extproc.envoy_config import DESTINATION_HEADER, EXT_PROC_HEADERS
 from extproc.metrics import Metrics
@@ -37,6 +37,7 @@ from limiter.store import StoreUnavailable
 log = logging.getLogger(__name__)
 
 SPOOFABLE_HEADERS = (DESTINATION_HEADER,)  # and every x-kvgate-* header
+_INFERENCE_PATHS = frozenset(INFERENCE_PATHS)  # each is its own route_path()
 
 
 @functools.cache
@@ -51,7 +52,7 @@ class RequestStream:
         self.settings = settings
         self.done = False  # the last reply this stream owes Envoy has been produced
         self.path = ""
-        self.tenant = None
+        self.tenant: Tenant | None = None
         self.requested_class: str | None = None
         self.request: InferenceRequest | None = None
         self.admission: Admission | None = None
@@ -67,7 +68,12 @@ class RequestStream:
             if kind == "request_body":
                 return await self._on_request_body(message.request_body)
             if kind == "response_body":
-                return await self._on_response_body(message.response_body)
+                body = message.response_body
+                reply = self._on_response_body(body)  # no await: most chunks are just metered
+                if body.end_of_stream:
+                    await self.close(None)
+                    self.done = True
+                return reply
             return _continue_other(kind)
         except BadRequest as error:
             return self._answer(*client_error(error), details=error.code or "bad_request")
@@ -86,23 +92,25 @@ class RequestStream:
     # -- request path ----------------------------------------------------------------------
 
     async def _on_request_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
-        class_header = self.director.config.classification.header
+        director = self.director
+        class_header = director.config.classification.header
         values, spoofed = messages.header_map(headers, _wanted(class_header))
-        self.path = route_path(values.get(":path", "/"))
-        self.tenant = self.director.authenticate(values.get("authorization"))
+        path = values.get(":path", "/")
+        self.path = path = path if path in _INFERENCE_PATHS else route_path(path)
+        self.tenant = tenant = director.authenticate(values.get("authorization"))
         self.requested_class = values.get(class_header)
-        remove = [*SPOOFABLE_HEADERS, *spoofed]
-        length = values.get("content-length", "")
-        if length.isdigit() and int(length) > self.settings.max_body_bytes:
+        remove = (*SPOOFABLE_HEADERS, *spoofed) if spoofed else SPOOFABLE_HEADERS
+        length = values.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.settings.max_body_bytes:
             raise _too_large(self.settings.max_body_bytes)
-        reject = await self.director.precheck(self.tenant)
+        reject = await director.precheck(tenant)
         if reject is not None:
             return self._reject(reject)
-        if headers.end_of_stream or self.path not in INFERENCE_PATHS:
+        if headers.end_of_stream or path not in _INFERENCE_PATHS:
             return await self._admit_without_body(remove)
-        return messages.continue_request_headers(remove=remove)
+        return messages.continue_request_headers(remove)
 
-    async def _admit_without_body(self, remove: list[str]) -> pb.ProcessingResponse:
+    async def _admit_without_body(self, remove: tuple[str, ...]) -> pb.ProcessingResponse:
         """GETs and non-inference paths: one request's worth, decided on headers alone."""
         assert self.tenant is not None
         decision = await self.director.admit_request_only(
@@ -120,17 +128,17 @@ class RequestStream:
         raw = body.body  # each read of a bytes field copies it out of the message
         if len(raw) > self.settings.max_body_bytes:
             raise _too_large(self.settings.max_body_bytes)
-        self.request = parse_body(self.path, raw)
-        started = time.perf_counter()
-        decision = await self.director.admit(self.tenant, self.request, self.requested_class)
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self.request = request = parse_body(self.path, raw)
+        started = perf_counter()
+        decision = await self.director.admit(self.tenant, request, self.requested_class)
+        self.metrics.decision_seconds.observe(perf_counter() - started)
         if not isinstance(decision, Admission):
             return self._refuse(decision)
         self.admission = decision  # from here on, close() releases it whatever happens
-        inject_usage = self.request.stream and not self.request.wants_usage_chunk
-        new_body = mutate_body(self.request, priority=decision.priority,
+        inject_usage = request.stream and not request.wants_usage_chunk
+        new_body = mutate_body(request, priority=decision.priority,
                                inject_usage=inject_usage, overrides=decision.body_overrides)
-        self.meter = ResponseMeter(stream=self.request.stream, strip_usage_event=inject_usage)
+        self.meter = ResponseMeter(stream=request.stream, strip_usage_event=inject_usage)
         return self._route(decision, body=new_body, in_body_phase=True)
 
     def _route(
@@ -138,38 +146,32 @@ class RequestStream:
     ) -> pb.ProcessingResponse:
         self.admission = admission
         tenant = admission.tenant.name
-        self.metrics.decisions.add((tenant, "admitted"))
-        self.metrics.tokens.add((tenant, "reserved"), admission.cost.tokens)
-        self.metrics.in_flight.add((tenant,))
-        headers = (
-            ("x-kvgate-tenant", tenant),
-            ("x-kvgate-class", admission.request_class),
-            (DESTINATION_HEADER, ",".join(admission.endpoints)),
-        )
-        if admission.priority is not None:
-            headers += (("x-kvgate-priority", str(admission.priority)),)
+        metrics = self.metrics
+        metrics.decisions.add((tenant, "admitted"))
+        metrics.tokens.add((tenant, "reserved"), admission.cost.tokens)
+        metrics.in_flight.add((tenant,))
         return messages.route_request(
-            set_headers=headers,
-            endpoint=admission.endpoint,
-            body=body,
-            in_body_phase=in_body_phase,
-            metadata=(("tenant", tenant), ("pool", admission.pool)),
-            lease=admission.lease_id,
+            tenant, admission.request_class, admission.endpoints, admission.priority,
+            admission.pool, admission.lease_id, body, in_body_phase,
         )
 
     # -- response path ---------------------------------------------------------------------
 
-    async def _on_response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
-        if self.meter and self.meter.stream and not self.meter.bytes and self.admission:
+    def _on_response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+        """Meter one response chunk (``handle`` releases the request after the last one)."""
+        meter = self.meter
+        if meter is None:
+            return messages.RESPONSE_CHUNK_CONTINUE
+        if meter.stream and not meter.bytes and self.admission:
             # the first chunk of a stream: prefill is done (a non-streamed response comes
             # back whole, its end releases everything anyway)
             self.director.first_token(self.admission)
-        replacement = self.meter.feed(body.body) if self.meter else None
+        chunk = body.body
+        replacement = meter.feed(chunk) if chunk else None  # the end usually comes empty
         if body.end_of_stream:
-            if self.meter:
-                self.meter.finish()
-            await self.close(None)
-            self.done = True
+            meter.finish()
+        if replacement is None:
+            return messages.RESPONSE_CHUNK_CONTINUE
         return messages.continue_body(response_phase=True, body=replacement)
 
     # -- endings ---------------------------------------------------------------------------
@@ -198,27 +200,26 @@ class RequestStream:
 
     async def close(self, abnormal: str | None) -> None:
         """Release the admission's lease and reconcile its tokens. Safe to call repeatedly."""
-        if self.admission is None or self._released:
+        admission = self.admission
+        if admission is None or self._released:
             return
         self._released = True
+        metrics = self.metrics
         if abnormal:
-            self.metrics.stream_errors.add((abnormal,))
-        used = self._used_tokens()
-        tenant = self.admission.tenant.name
-        self.metrics.in_flight.add((tenant,), -1)
-        if used is not None:
-            self.metrics.tokens.add((tenant, "used"), used)
-        await self.director.release(self.admission, used)
-
-    def _used_tokens(self) -> int:
-        """The engine's usage when it reported one; for a response cut off before that, the
-        prompt plus the tokens streamed so far (the engine stops on disconnect)."""
-        assert self.admission is not None
-        if self.meter is None:
-            return 0
-        if self.meter.usage is not None:
-            return self.meter.usage.total
-        return self.admission.cost.prompt_tokens + self.meter.events
+            metrics.stream_errors.add((abnormal,))
+        # the engine's usage when it reported one; for a response cut off before that, the
+        # prompt plus the tokens streamed so far (the engine stops on disconnect)
+        meter = self.meter
+        if meter is None:
+            used = 0
+        elif meter.usage is not None:
+            used = meter.usage.total
+        else:
+            used = admission.cost.prompt_tokens + meter.events
+        tenant = admission.tenant.name
+        metrics.in_flight.add((tenant,), -1)
+        metrics.tokens.add((tenant, "used"), used)
+        await self.director.release(admission, used)
 
 
 HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this

@@ -323,7 +323,7 @@ class TenantLimiter:
         """Peek (consumes nothing) at the request-count dimensions, before the body arrives."""
         if self._next_expiry is not None:
             self.expire_leases(now_ms)
-        waits = self._waits(1, 0, now_ms)
+        waits = self._waits(1, None, now_ms)
         return wait_reject(waits, self.remaining(now_ms)) if waits else None
 
     def admit(self, cost: Cost, lease_id: str, now_ms: int) -> Admit | Reject:
@@ -395,15 +395,17 @@ class TenantLimiter:
                     self._quotas[period].reconcile(reserved - used, now_ms)
         return True
 
-    def _waits(self, requests: int, tokens: int, now_ms: int) -> list[tuple[Reason, int]]:
+    def _waits(self, requests: int, tokens: int | None, now_ms: int) -> list[tuple[Reason, int]]:
         """Every dimension without room for ``requests`` and ``tokens`` now, with its exact
-        wait (in the order rejections name them); empty when the request fits."""
+        wait (in the order rejections name them); empty when the request fits. ``tokens``
+        None skips the token bucket (the headers-phase peek); 0 still waits out a debt."""
         waits = []
         if self._requests is not None and (wait := self._requests.wait_ms(requests, now_ms)):
             waits.append((Reason.REQUESTS, wait))
         if self._window is not None and (wait := self._window.wait_ms(requests, now_ms)):
             waits.append((Reason.WINDOW, wait))
-        if tokens and self._tokens is not None and (wait := self._tokens.wait_ms(tokens, now_ms)):
+        if (tokens is not None and self._tokens is not None
+                and (wait := self._tokens.wait_ms(tokens, now_ms))):
             waits.append((Reason.TOKENS, wait))
         limit = self.policy.max_concurrency
         if limit is not None and len(self._leases) >= limit:

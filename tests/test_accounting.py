@@ -54,3 +54,21 @@ def test_injected_usage_event_is_removed_from_its_chunk():
     out = meter.feed(chunk)
     assert out is not None and b"usage" not in out and out.endswith(b"data: [DONE]\n\n")
     assert meter.usage == Usage(13, 4)
+
+
+def test_json_usage_missing_truncated_or_invalid_is_none():
+    for body in (b'{"choices": []}', b'{"usage": {"prompt_tokens": 13, "completion',
+                 b'{"usage": {"prompt_tokens": 13,}}', b'{"usage": {"prompt_tokens": "13"}}',
+                 b'{"usage": {"nested": {"prompt_tokens": 1}'):
+        meter = ResponseMeter(stream=False, strip_usage_event=False)
+        meter.feed(body)
+        meter.finish()
+        assert meter.usage is None, body
+
+
+def test_json_usage_spacing_and_the_last_one_wins():
+    meter = ResponseMeter(stream=False, strip_usage_event=False)
+    meter.feed(b'{"x": {"usage" :{"prompt_tokens": 1}}, "usage"\n:\t{"prompt_tokens": 13, '
+               b'"completion_tokens": 4, "d": {"a": "}"}}}')
+    meter.finish()
+    assert meter.usage == Usage(13, 4)

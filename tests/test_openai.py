@@ -1,0 +1,125 @@
+"""Parsing and editing OpenAI request bodies: what admission reads, and which 400 a bad one gets."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from extproc.openai import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    BadRequest,
+    Usage,
+    mutate_body,
+    parse_body,
+    route_path,
+    usage_from,
+)
+
+
+def parse(body, path=CHAT):
+    return parse_body(path, orjson.dumps(body))
+
+
+def error(body, path=CHAT) -> BadRequest:
+    with pytest.raises(BadRequest) as caught:
+        parse(body, path) if not isinstance(body, bytes) else parse_body(path, body)
+    return caught.value
+
+
+def test_chat_fields():
+    request = parse({"model": "m", "max_tokens": 7, "stream": True, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"},
+                                     "junk", {"text": 5}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+    ]})
+    assert (request.path, request.model, request.stream) == (CHAT, "m", True)
+    assert request.prompt_texts == ["be brief", "hi"]
+    assert request.message_count == 3
+    assert request.max_output_tokens == 7
+
+
+def test_completions_and_embeddings_prompts():
+    assert parse({"model": "m", "prompt": "abc"}, COMPLETIONS).prompt_texts == ["abc"]
+    assert parse({"model": "m", "prompt": ["a", "b"]}, COMPLETIONS).prompt_texts == ["a", "b"]
+    assert parse({"model": "m", "prompt": [1, 2]}, COMPLETIONS).prompt_texts == [" " * 8]
+    assert parse({"model": "m", "prompt": [[1], [2, 3]]}, COMPLETIONS).prompt_texts == [
+        " " * 4, " " * 8]
+    embedding = parse({"model": "m", "input": "x", "max_tokens": -1}, EMBEDDINGS)
+    assert (embedding.prompt_texts, embedding.max_output_tokens, embedding.message_count) == (
+        ["x"], 0, 0)
+
+
+def test_output_cap_prefers_max_completion_tokens():
+    assert parse({"model": "m", "messages": [{"content": "x"}]}).max_output_tokens is None
+    assert parse({"model": "m", "messages": [{"content": "x"}], "max_tokens": None,
+                  "max_completion_tokens": 3}).max_output_tokens == 3
+    assert parse({"model": "m", "messages": [{"content": "x"}], "max_tokens": 9,
+                  "max_completion_tokens": None}).max_output_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        (b"{nope", "invalid_json", None),
+        (b"[1]", "invalid_json", None),
+        ({"messages": []}, "invalid_request_error", "model"),
+        ({"model": "", "messages": []}, "invalid_request_error", "model"),
+        ({"model": "m", "messages": []}, "invalid_request_error", "messages"),
+        ({"model": "m", "messages": "hi"}, "invalid_request_error", "messages"),
+        ({"model": "m", "messages": [{"content": "a"}, 3]}, "invalid_request_error",
+         "messages[1]"),
+        ({"model": "m", "messages": [{"content": "a"}, {"content": 5}]},
+         "invalid_request_error", "messages[1].content"),
+        ({"model": "m", "messages": [{"content": "a"}], "max_tokens": 0},
+         "invalid_request_error", "max_tokens"),
+        ({"model": "m", "messages": [{"content": "a"}], "max_tokens": True},
+         "invalid_request_error", "max_tokens"),
+        ({"model": "m", "messages": [{"content": "a"}], "max_tokens": 2.0},
+         "invalid_request_error", "max_tokens"),
+        ({"model": "m", "messages": [{"content": "a"}], "max_completion_tokens": "2"},
+         "invalid_request_error", "max_completion_tokens"),
+        ({"model": "m", "messages": [{"content": "a"}], "stream": 1},
+         "invalid_request_error", "stream"),
+        ({"model": "m", "messages": [{"content": "a"}], "stream": None},
+         "invalid_request_error", "stream"),
+        # several problems: the prompt is checked before the cap, the cap before stream
+        ({"model": "m", "messages": [3], "max_tokens": 0, "stream": 1},
+         "invalid_request_error", "messages[0]"),
+        ({"model": "m", "messages": [{"content": "a"}], "max_tokens": 0, "stream": 1},
+         "invalid_request_error", "max_tokens"),
+    ],
+)
+def test_bad_bodies(body, code, param):
+    caught = error(body)
+    assert (caught.code, caught.param, caught.status) == (code, param, 400)
+
+
+def test_mutate_body_sets_priority_usage_and_overrides():
+    request = parse({"model": "m", "messages": [{"content": "x"}], "priority": -5,
+                     "max_completion_tokens": 50, "stream": True,
+                     "stream_options": {"other": 1}})
+    assert not request.wants_usage_chunk
+    sent = orjson.loads(mutate_body(request, priority=2, inject_usage=True,
+                                    overrides={"max_tokens": 10, "model": "small"}))
+    assert sent["priority"] == 2 and sent["model"] == "small"
+    assert sent["max_completion_tokens"] == 10 and "max_tokens" not in sent
+    assert sent["stream_options"] == {"other": 1, "include_usage": True}
+    again = orjson.loads(mutate_body(request, priority=None, inject_usage=False))
+    assert "priority" not in again
+
+
+def test_route_path():
+    assert route_path("/v1/chat/completions") == CHAT
+    assert route_path("/v1/chat/completions/?x=1") == CHAT
+    assert route_path("") == "/" and route_path("/?a") == "/"
+
+
+def test_usage_from():
+    assert usage_from({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}) == Usage(3, 4)
+    assert usage_from({"usage": {"prompt_tokens": 3, "completion_tokens": None}}) == Usage(3, 0)
+    assert usage_from({"usage": {"prompt_tokens": "3"}}) is None
+    assert usage_from({"usage": []}) is None
+    assert usage_from([]) is None
