@@ -140,7 +140,7 @@ class Director:
 
     async def precheck(self, tenant: Tenant) -> Reject | None:
         """Before the body arrives: is the tenant over its request rate or concurrency?"""
-        return await self.store.check_requests(tenant.name, self._policies[tenant.name])
+        return await self.store.check_requests(tenant.name, self.policy(tenant))
 
     async def admit(
         self, tenant: Tenant, request: InferenceRequest, requested_class: str | None = None
@@ -200,8 +200,7 @@ class Director:
         scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock(),
                           band=klass.band, prompt_tokens=cost.prompt_tokens)
         try:
-            decision = await self.store.admit(tenant.name, self._policies[tenant.name], cost,
-                                              lease_id)
+            decision = await self.store.admit(tenant.name, self.policy(tenant), cost, lease_id)
         except BaseException:
             scheduler.release(lease_id, self.clock(), completed=False)
             raise
@@ -287,12 +286,9 @@ class Director:
     async def release(self, admission: Admission, used_tokens: int | None) -> None:
         self.active.pop(admission.lease_id, None)
         admission.scheduler.release(admission.lease_id, self.clock())
-        flow = self.flows.get(admission.pool)
-        if flow is not None:
-            flow.kick()
+        self.kick(admission.pool)
         await self.store.release(
-            admission.tenant.name, self._policies[admission.tenant.name], admission.lease_id,
-            used_tokens,
+            admission.tenant.name, self.policy(admission.tenant), admission.lease_id, used_tokens
         )
 
     def first_token(self, admission: Admission) -> None:
@@ -303,9 +299,13 @@ class Director:
 
     def kick(self, pool: str | None = None) -> None:
         """Capacity may have freed (a completion; a fresh scrape when pool is None)."""
-        for name, flow in self.flows.items():
-            if pool is None or name == pool:
+        if pool is not None:
+            flow = self.flows.get(pool)
+            if flow is not None:
                 flow.kick()
+            return
+        for flow in self.flows.values():
+            flow.kick()
 
     async def renew_leases(self) -> None:
         """Keep the leases of long-running streams alive in the shared store."""

@@ -247,14 +247,10 @@ class PoolScheduler:
             return view
         states = snapshot.endpoints(self.config.name)
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
-        endpoints = [_Scraped(s, self._fresh_until(s), self._takes_work(s)) for s in states]
+        endpoints = [_Scraped(s, s.usable_until(self.staleness_s), self._takes_work(s))
+                     for s in states]
         self._cached_view = view = _PoolView(snapshot, endpoints, max(capacities, default=None))
         return view
-
-    def _fresh_until(self, state: EndpointState) -> float:
-        if not state.healthy or state.scraped_at is None:
-            return -math.inf
-        return state.scraped_at + self.staleness_s
 
     def _takes_work(self, state: EndpointState) -> bool:
         marks = self.config.watermarks

@@ -24,6 +24,7 @@ scrape results (the scraper fetches each address once per round).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -65,7 +66,14 @@ class EndpointState:
 
     def is_usable(self, now: float, staleness_s: float = DEFAULT_STALENESS_S) -> bool:
         """Healthy and fresh: what a picker should require before trusting the numbers."""
-        return self.healthy and self.is_fresh(now, staleness_s)
+        return now <= self.usable_until(staleness_s)
+
+    def usable_until(self, staleness_s: float = DEFAULT_STALENESS_S) -> float:
+        """The last instant this state is usable (-inf: never), so that a reader holding a
+        snapshot compares one number with the clock per request."""
+        if not self.healthy or self.scraped_at is None:
+            return -math.inf
+        return self.scraped_at + staleness_s
 
     @property
     def kv_cache_usage(self) -> float | None:
