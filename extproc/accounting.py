@@ -14,6 +14,7 @@ import orjson
 from extproc.openai import Usage, usage_from, usage_of
 
 TAIL_BYTES = 8192
+WHOLE_BODY_BYTES = 16384  # a first chunk up to this size is tried as the whole body
 _USAGE_PRESENT = re.compile(rb'"usage"\s*:\s*\{')
 
 
@@ -24,7 +25,7 @@ class ResponseMeter:
     that event removed so the client sees exactly the stream it requested.
     """
 
-    __slots__ = ("_tail", "bytes", "events", "stream", "strip_usage_event", "usage")
+    __slots__ = ("_tail", "bytes", "complete", "events", "stream", "strip_usage_event", "usage")
 
     def __init__(self, *, stream: bool, strip_usage_event: bool):
         self.stream = stream
@@ -32,15 +33,32 @@ class ResponseMeter:
         self.usage: Usage | None = None
         self.events = 0  # SSE data events seen: ~ one token each, used if usage never arrives
         self.bytes = 0
+        self.complete = False  # the whole body has been seen: kvgate needs no more of it
         self._tail = b""
 
     def feed(self, chunk: bytes) -> bytes | None:
         """Account for one chunk; returns replacement bytes when the chunk must change."""
+        first = not self.bytes
         self.bytes += len(chunk)
         if self.stream:
             return self._feed_sse(chunk)
+        if first and len(chunk) <= WHOLE_BODY_BYTES and chunk.rstrip().endswith(b"}"):
+            self._read_whole(chunk)
+            if self.complete:
+                return None
         self._tail = (self._tail + chunk)[-TAIL_BYTES:]
         return None
+
+    def _read_whole(self, chunk: bytes) -> None:
+        """A first chunk that is a whole JSON object is the whole body (nothing valid can
+        follow one): its usage is final, and kvgate can stop reading the response."""
+        try:
+            document = orjson.loads(chunk)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(document, dict):
+            self.complete = True
+            self.usage = usage_from(document)
 
     def finish(self) -> None:
         """End of body: a JSON response carries its usage near the end."""
@@ -63,6 +81,8 @@ class ResponseMeter:
         ) - len(usage_events)
         for event in usage_events:
             self.usage = _parse_usage(event.removeprefix(b"data:").strip()) or self.usage
+        if events[-1].startswith(b"data: [DONE]"):
+            self.complete = True  # the stream's last event
         if not (usage_events and self.strip_usage_event):
             return None
         return _without(chunk, usage_events)

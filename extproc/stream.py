@@ -2,8 +2,10 @@
 
 Envoy sends, in order: request headers, the request body (BUFFERED, one message), then the
 response body chunk by chunk (STREAMED); response headers and trailers are skipped to save
-messages. Each message gets exactly one reply. Whatever ends the stream — completion, an
-error, the client going away — ``close`` releases what the request held, exactly once.
+messages, and the RPC ends as soon as kvgate has seen the whole response body (Envoy's
+separate end-of-body message is then never sent). Each message gets exactly one reply.
+Whatever ends the stream — completion, an error, the client going away — ``close`` releases
+what the request held, exactly once.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class RequestStream:
             if kind == "response_body":
                 body = message.response_body
                 reply = self._on_response_body(body)  # no await: most chunks are just metered
-                if body.end_of_stream:
+                # a body kvgate has seen whole (the usual one-chunk JSON answer, or a stream's
+                # [DONE]) ends the RPC now: Envoy then sends no separate end-of-body message
+                if body.end_of_stream or (self.meter is not None and self.meter.complete):
                     await self.close(None)
                     self.done = True
                 return reply

@@ -72,3 +72,31 @@ def test_json_usage_spacing_and_the_last_one_wins():
                b'"completion_tokens": 4, "d": {"a": "}"}}}')
     meter.finish()
     assert meter.usage == Usage(13, 4)
+
+
+def test_a_whole_json_first_chunk_completes_the_response():
+    """Nothing valid can follow a complete JSON object: kvgate needs no more of the body."""
+    meter = ResponseMeter(stream=False, strip_usage_event=False)
+    meter.feed(orjson.dumps({"choices": [], "usage": USAGE, "kv_transfer_params": None}) + b"\n")
+    assert meter.complete and meter.usage == Usage(13, 4)
+
+
+def test_a_partial_or_non_json_body_waits_for_its_end():
+    body = orjson.dumps({"choices": [{"text": "}"}], "usage": USAGE})
+    for first in (body[:20], body[:-1], b"<html>bad gateway</html>", b"[1, 2]"):
+        meter = ResponseMeter(stream=False, strip_usage_event=False)
+        meter.feed(first)
+        assert not meter.complete, first
+    meter = ResponseMeter(stream=False, strip_usage_event=False)
+    meter.feed(body[:20])
+    meter.feed(body[20:])  # only a first chunk is tried whole: the tail still finds usage
+    meter.finish()
+    assert not meter.complete and meter.usage == Usage(13, 4)
+
+
+def test_a_stream_is_complete_at_its_done_event():
+    meter = ResponseMeter(stream=True, strip_usage_event=False)
+    meter.feed(b'data: {"choices":[]}\n\n')
+    assert not meter.complete
+    meter.feed(b"data: [DONE]\n\n")
+    assert meter.complete

@@ -173,6 +173,21 @@ async def test_stream_usage_is_reconciled_and_the_injected_chunk_stripped():
     assert stream.meter.usage.total == 14
 
 
+async def test_a_whole_response_in_one_chunk_releases_without_waiting_for_the_end():
+    """Envoy sends the end of the body as a message of its own; once the first chunk is the
+    whole JSON response, kvgate releases and ends the stream (one message fewer)."""
+    stream, store = new_stream(make_config(tokens_per_minute=1000, max_concurrency=1))
+    await stream.handle(headers_msg())
+    await stream.handle(body_msg(chat(max_tokens=100)))
+    assert await store.in_flight("acme") == 1
+    whole = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 2}})
+    reply = await stream.handle(body_msg(whole, response=True, end_of_stream=False))
+    assert reply.WhichOneof("response") == "response_body"
+    assert stream.done and not stream.holds_admission
+    assert await store.in_flight("acme") == 0
+    assert stream.meter.usage.total == 15
+
+
 async def test_first_response_chunk_ends_the_prefill_the_scheduler_counts():
     """The reservation carries the class band and prompt; the first chunk back (not the
     end) tells the scheduler the engine is done prefilling it."""
