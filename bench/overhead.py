@@ -58,6 +58,7 @@ import aiohttp
 import httpx
 import yaml
 
+import kvgate_native
 from bench.engine import EngineProcess
 from bench.ports import free_port
 from bench.redis_server import RedisServer
@@ -657,6 +658,7 @@ def machine_info(layout: str) -> dict[str, Any]:
         "commit": _first_line(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
         "uncommitted_changes": bool(_first_line(
             ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
+        "kvgate_hot_path": kvgate_native.status(),
         "layout": layout,
         "pinning": ({role: sorted(cores) for role, cores in LAYOUTS[layout].items()}
                     if layout in LAYOUTS else "none"),
@@ -702,7 +704,8 @@ def markdown(result: dict[str, Any]) -> str:
         "# kvgate overhead: Envoy direct vs Python floor vs kvgate",
         "",
         f"`{result['command']}` — {result['when']}, {result['machine']['cpu']}, "
-        f"{result['machine']['cores']} cores, Envoy {result['machine']['envoy']}.",
+        f"{result['machine']['cores']} cores, Envoy {result['machine']['envoy']}. "
+        f"kvgate's hot path: {result['machine'].get('kvgate_hot_path', 'not recorded')}.",
         "",
         "CPU columns are µs of CPU per request for each process. `other` is the cores' worth "
         "of CPU that processes outside the benchmark used during the window (this machine is "

@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import kvgate_native
 from extproc.config import Config
 from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
@@ -126,8 +127,8 @@ class KvgateServer:
             await self._start_admin(settings.host, settings.admin_port)
         if self.config.redis is not None:
             self._renewer = asyncio.create_task(self._renew_leases(self.config.redis.lease_ttl_s))
-        log.info("kvgate ext_proc on %s:%d, admin on %s:%d", settings.host, self.grpc_port,
-                 settings.host, self.admin_port)
+        log.info("kvgate ext_proc on %s:%d, admin on %s:%d; hot path: %s", settings.host,
+                 self.grpc_port, settings.host, self.admin_port, kvgate_native.status())
 
     async def _start_admin(self, host: str, port: int) -> None:
         app = web.Application()

@@ -6,6 +6,10 @@ deterministic and property-testable. The Redis store (``limiter.redis_store.Redi
 also reachable as ``limiter.RedisStore``) is imported lazily so the core needs no client.
 """
 
+import kvgate_native
+
+kvgate_native.activate(__name__, __path__)  # compiled modules, when built (make native)
+
 from typing import Any
 
 from limiter.buckets import LeakyBucket, SlidingWindow, TokenBucket, ceil_div

@@ -9,7 +9,7 @@ answers are identical to the in-memory ones by construction, messages included.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -203,7 +203,7 @@ class Snapshot:
 
 
 def _plain(view: BucketView | WindowView | None) -> dict[str, int] | None:
-    return None if view is None else dict(view.__dict__)
+    return None if view is None else asdict(view)  # (compiled classes have no __dict__)
 
 
 def _quota_dict(quota: QuotaView) -> dict[str, int]:

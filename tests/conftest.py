@@ -1,5 +1,5 @@
-"""Shared test helpers: free ports, a redis-server per module, and the redis marker's
-install check."""
+"""Shared test helpers: free ports, a redis-server per module, the redis marker's install
+check, and which hot path (compiled or pure Python) the run tests."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from collections.abc import Iterator
 
 import pytest
 
+import kvgate_native
 from bench.ports import free_port
 from bench.redis_server import REDIS_SERVER, RedisServer
 
 __all__ = ["free_port"]
+
+
+def pytest_report_header() -> str:
+    return f"kvgate hot path: {kvgate_native.status()}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -227,7 +227,7 @@ async def test_clock_stepping_back_is_safe(
             held[result.lease_id] = result.cost.tokens
         if isinstance(result, Reject):
             assert result.retry_after_ms is None or result.retry_after_ms > 0
-            counts = [v for v in result.remaining.__dict__.values() if v is not None]
+            counts = [v for v in dataclasses.asdict(result.remaining).values() if v is not None]
             assert min(counts, default=0) >= 0
     usage = await store.usage("acme", policy)
     assert usage["in_flight"] >= 0
