@@ -48,6 +48,9 @@ def _wanted(class_header: str) -> frozenset[str]:
 
 
 class RequestStream:
+    __slots__ = ("_released", "admission", "director", "done", "meter", "metrics", "path",
+                 "request", "requested_class", "settings", "tenant")
+
     def __init__(self, director: Director, metrics: Metrics, settings: Server):
         self.director = director
         self.metrics = metrics
