@@ -691,7 +691,10 @@ METHOD = """\
   requests completed in it. `other` in the JSON is whatever else the machine ran (busy time
   of all cores minus the processes above): other engineers' tests share this machine.
 - Messages/request: kvgate's `kvgate_extproc_messages_total` (admin `/metrics`) and the
-  floor's own counter, read around the window, ÷ requests.
+  floor's own counter, read around the window, ÷ requests. Both servers get the same Envoy
+  processing modes; kvgate ends the RPC once it has seen the whole response body (here the
+  one chunk of JSON), so Envoy does not send it the empty end-of-stream message the floor,
+  which only answers CONTINUE, waits for.
 - Pinning: {pinning}.
 - Scheduling: both ext_proc servers (kvgate and the floor) run under the `{cpu_policy}` CPU
   policy (kvgate's `server.cpu_policy`; `batch` = Linux SCHED_BATCH, its default).
