@@ -19,7 +19,7 @@ demo: $(BIN)/kvgate
 # stale or missing build is never loaded, kvgate then runs the same code as plain Python.
 native: $(NATIVE)
 
-$(NATIVE): $(BIN)/kvgate kvgate_native.py $(wildcard extproc/*.py limiter/*.py)
+$(NATIVE): $(BIN)/kvgate kvgate_native.py $(shell find extproc limiter -name '*.py')
 	$(BIN)/python -m kvgate_native
 
 # The suite runs twice: on the compiled modules (what `make native` deployments and the

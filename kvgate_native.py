@@ -3,9 +3,9 @@
 The request path's synchronous modules (pricing, placement, limiter math, reply building,
 response metering) are compiled with mypyc into ``build/native/``; ``extproc`` and
 ``limiter`` put that folder first on their package ``__path__`` when it is there and was
-built from exactly the sources beside it (sha256 per module). Otherwise, or with
-``KVGATE_NATIVE=0``, they run as plain Python, identical in behaviour: the build is an
-optimisation only (measured in ``bench/results/overhead.md``).
+built from exactly the sources beside it (sha256 of every module of both packages).
+Otherwise, or with ``KVGATE_NATIVE=0``, they run as plain Python, identical in behaviour:
+the build is an optimisation only (measured in ``bench/results/overhead.md``).
 
 Only modules without coroutines are compiled: a mypyc-compiled coroutine that is cancelled
 mid-await can crash the process (python/mypy#12867, reproduced here with kvgate's own
@@ -57,7 +57,11 @@ def source(module: str) -> Path:
 
 
 def source_hashes() -> dict[str, str]:
-    return {m: hashlib.sha256(source(m).read_bytes()).hexdigest() for m in MODULES}
+    """sha256 of every module of both packages, compiled or not: compiled code is built
+    against the others' classes and signatures, so any edit makes a build stale."""
+    files = sorted(f for package in PACKAGES for f in (ROOT / package).rglob("*.py"))
+    return {".".join(f.relative_to(ROOT).with_suffix("").parts):
+            hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
 
 # -- loading -------------------------------------------------------------------------------
