@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -75,27 +75,38 @@ def continue_body(*, response_phase: bool, body: bytes | None = None) -> pb.Proc
     return pb.ProcessingResponse(request_body=reply)
 
 
+Reply: TypeAlias = pb.ProcessingResponse | bytes
+"""An answer to one ext_proc message: a message, or one already serialized. The server's
+serializer (``serialize_reply``) passes bytes through as they are."""
+
+
+def serialize_reply(reply: Reply) -> bytes:
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
 MAX_PARTS = 4096  # cached reply parts per kind (their keys repeat: this bounds the odd case)
 Parts = tuple[bytes, ...]  # serialized message parts; the values go in between
 # (tenant, class, priority, body phase, endpoint list size, content-length size or None)
 _header_parts: dict[tuple[str, str, int | None, bool, int, int | None], Parts] = {}
 # (tenant, pool, chosen endpoint size, lease size)
 _routing_parts: dict[tuple[str, str, int, int], Parts] = {}
+# (body phase, body size)
+_body_parts: dict[tuple[bool, int], Parts] = {}
 
 
 def route_request(
     tenant: str, request_class: str, endpoints: list[str], priority: int | None, pool: str,
     lease: str, body: bytes | None, in_body_phase: bool,
-) -> pb.ProcessingResponse:
+) -> bytes:
     """Admit: set headers (and the mutated body + its content-length), pick ``endpoints[0]``
-    (the rest are fallbacks), and carry the lease in the dynamic metadata.
+    (the rest are fallbacks), and carry the lease in the dynamic metadata. Serialized.
 
     Protobuf parsing merges concatenated messages, and a string value of a given size
-    changes only its own bytes: so the reply is parsed from parts cached per tenant, class,
-    priority and value *sizes*, with the values spliced in between. ~2.2 µs, against ~3.6 µs
-    to parse a template cached per endpoint list and then add the content-length header and
-    the lease field by field (and ~11 µs when that list was new: with fallbacks, a pool of
-    n endpoints has n·(n-1)·(n-2) of them)."""
+    changes only its own bytes: so the reply is spliced from serialized parts cached per
+    tenant, class, priority and value *sizes*, with the values in between, and goes to gRPC
+    as it is. ~0.6 µs, against ~3.2 µs to parse the parts into a message, set the body and
+    let gRPC serialize it again (and ~11 µs more whenever a per-endpoint-list template was
+    new: with fallbacks, a pool of n endpoints has n·(n-1)·(n-2) of them)."""
     joined = ",".join(endpoints).encode()
     chosen = endpoints[0].encode()
     leased = lease.encode()
@@ -105,14 +116,14 @@ def route_request(
     headers = _header_parts.get(sizes) or _cache(_header_parts, sizes, _headers_parts(*sizes))
     where = (tenant, pool, len(chosen), len(leased))
     routing = _routing_parts.get(where) or _cache(_routing_parts, where, _routing_parts_of(*where))
-    reply = pb.ProcessingResponse.FromString(b"".join((
-        headers[0], joined, headers[1], length or b"", headers[2],
-        routing[0], chosen, routing[1], leased, routing[2],
-    )))
-    if body is not None:
-        phase = reply.request_body if in_body_phase else reply.request_headers
-        phase.response.body_mutation.body = body
-    return reply
+    if body is None:
+        return b"".join((headers[0], joined, headers[1], length or b"", headers[2],
+                         routing[0], chosen, routing[1], leased, routing[2]))
+    around = (in_body_phase, len(body))
+    mutation = _body_parts.get(around) or _cache(_body_parts, around, _body_parts_of(*around))
+    return b"".join((headers[0], joined, headers[1], length or b"", headers[2],
+                     routing[0], chosen, routing[1], leased, routing[2],
+                     mutation[0], body, mutation[1]))
 
 
 def _cache(cache: dict[Any, Parts], key: Any, parts: Parts) -> Parts:
@@ -142,6 +153,18 @@ def _headers_parts(
         return reply.SerializeToString()
 
     return _split(serialize, (endpoints_size, length_size or 0))
+
+
+def _body_parts_of(in_body_phase: bool, size: int) -> Parts:
+    """The body mutation, around the new body."""
+
+    def serialize(body: bytes) -> bytes:
+        reply = pb.ProcessingResponse()
+        phase = reply.request_body if in_body_phase else reply.request_headers
+        phase.response.body_mutation.body = body
+        return reply.SerializeToString()
+
+    return _split(serialize, (size,))
 
 
 def _routing_parts_of(tenant: str, pool: str, endpoint_size: int, lease_size: int) -> Parts:

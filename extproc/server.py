@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvgate_native
+from extproc import messages
 from extproc.config import Config
 from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
@@ -47,7 +48,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> AsyncIterator[messages.Reply]:
         stream = RequestStream(self.director, self.metrics, self.settings)
         handle = stream.handle
         ending: str | None = "envoy_closed"
@@ -66,6 +67,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if stream.holds_admission:  # usually released already, at end of stream
                 # shielded: a second cancellation must not skip the release
                 await asyncio.shield(stream.close(ending))
+
+
+def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> None:
+    """The generated ``add_ExternalProcessorServicer_to_server``, with a serializer that
+    sends replies kvgate already serialized (``messages.Reply``) as they are."""
+    service = "envoy.service.ext_proc.v3.ExternalProcessor"
+    handlers = {"Process": grpc.stream_stream_rpc_method_handler(
+        processor.Process,
+        request_deserializer=pb.ProcessingRequest.FromString,
+        response_serializer=messages.serialize_reply,
+    )}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
 
 
 class KvgateServer:
@@ -115,9 +129,7 @@ class KvgateServer:
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
         ])
-        pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.director, self.metrics, self.config), self._grpc
-        )
+        _add_processor(ExternalProcessor(self.director, self.metrics, self.config), self._grpc)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{settings.host}:{settings.grpc_port}")

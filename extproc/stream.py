@@ -64,7 +64,7 @@ class RequestStream:
         self.meter: ResponseMeter | None = None
         self._released = False
 
-    async def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    async def handle(self, message: pb.ProcessingRequest) -> messages.Reply:
         kind = message.WhichOneof("request")
         self.metrics.messages.add((kind,))
         try:
@@ -98,7 +98,7 @@ class RequestStream:
 
     # -- request path ----------------------------------------------------------------------
 
-    async def _on_request_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
+    async def _on_request_headers(self, headers: pb.HttpHeaders) -> messages.Reply:
         director = self.director
         class_header = director.config.classification.header
         values, spoofed = messages.header_map(headers, _wanted(class_header))
@@ -117,7 +117,7 @@ class RequestStream:
             return await self._admit_without_body(remove)
         return messages.continue_request_headers(remove)
 
-    async def _admit_without_body(self, remove: tuple[str, ...]) -> pb.ProcessingResponse:
+    async def _admit_without_body(self, remove: tuple[str, ...]) -> messages.Reply:
         """GETs and non-inference paths: one request's worth, decided on headers alone."""
         assert self.tenant is not None
         decision = await self.director.admit_request_only(
@@ -125,12 +125,9 @@ class RequestStream:
         )
         if not isinstance(decision, Admission):
             return self._refuse(decision)
-        reply = self._route(decision, body=None, in_body_phase=False)
-        reply.request_headers.response.header_mutation.remove_headers.extend(remove)
-        reply.mode_override.CopyFrom(HEADERS_ONLY)
-        return reply
+        return self._route(decision, body=None, in_body_phase=False) + _headers_only(remove)
 
-    async def _on_request_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+    async def _on_request_body(self, body: pb.HttpBody) -> messages.Reply:
         assert self.tenant is not None
         raw = body.body  # each read of a bytes field copies it out of the message
         if len(raw) > self.settings.max_body_bytes:
@@ -148,9 +145,7 @@ class RequestStream:
         self.meter = ResponseMeter(stream=request.stream, strip_usage_event=inject_usage)
         return self._route(decision, body=new_body, in_body_phase=True)
 
-    def _route(
-        self, admission: Admission, *, body: bytes | None, in_body_phase: bool
-    ) -> pb.ProcessingResponse:
+    def _route(self, admission: Admission, *, body: bytes | None, in_body_phase: bool) -> bytes:
         self.admission = admission
         tenant = admission.tenant.name
         metrics = self.metrics
@@ -237,6 +232,15 @@ HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode
     request_trailer_mode=ProcessingMode.SKIP,
     response_trailer_mode=ProcessingMode.SKIP,
 )
+
+
+@functools.lru_cache(maxsize=256)
+def _headers_only(remove: tuple[str, ...]) -> bytes:
+    """Appended to a serialized headers-phase routing reply (messages merge): strip
+    ``remove`` too, and turn the body and response phases off."""
+    reply = pb.ProcessingResponse(mode_override=HEADERS_ONLY)
+    reply.request_headers.response.header_mutation.remove_headers.extend(remove)
+    return reply.SerializeToString()
 
 
 def _too_large(limit: int) -> BadRequest:

@@ -73,16 +73,24 @@ def new_stream(config=None):
     return RequestStream(Director(config, store), Metrics(), config.server), store
 
 
+def parsed(reply):
+    """A reply as a message (routing replies come already serialized)."""
+    if isinstance(reply, bytes):
+        return pb.ProcessingResponse.FromString(reply)
+    return reply
+
+
 def header_dict(mutation):
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
 
 async def test_admitted_request_is_routed_with_priority_and_content_length():
     stream, _ = new_stream()
-    reply = await stream.handle(headers_msg(**{"x-gateway-destination-endpoint": "6.6.6.6:1"}))
+    spoofed = headers_msg(**{"x-gateway-destination-endpoint": "6.6.6.6:1"})
+    reply = parsed(await stream.handle(spoofed))
     removed = reply.request_headers.response.header_mutation.remove_headers
     assert "x-gateway-destination-endpoint" in removed
-    reply = await stream.handle(body_msg(chat(priority=-5)))
+    reply = parsed(await stream.handle(body_msg(chat(priority=-5))))
     common = reply.request_body.response
     sent = orjson.loads(common.body_mutation.body)
     headers = header_dict(common.header_mutation)
@@ -98,7 +106,7 @@ async def test_admitted_request_is_routed_with_priority_and_content_length():
 
 async def test_unknown_key_is_401_json():
     stream, _ = new_stream()
-    reply = await stream.handle(headers_msg(key="sk-nope"))
+    reply = parsed(await stream.handle(headers_msg(key="sk-nope")))
     assert reply.immediate_response.status.code == 401
     assert orjson.loads(reply.immediate_response.body)["error"]["code"] == "invalid_api_key"
     assert stream.done
@@ -114,7 +122,7 @@ async def test_unknown_key_is_401_json():
 async def test_bad_bodies_are_4xx_and_hold_nothing(body, status):
     stream, store = new_stream()
     await stream.handle(headers_msg())
-    reply = await stream.handle(body_msg(body))
+    reply = parsed(await stream.handle(body_msg(body)))
     assert reply.immediate_response.status.code == status
     assert "error" in orjson.loads(reply.immediate_response.body)
     assert await store.in_flight("acme") == 0
@@ -125,7 +133,7 @@ async def test_oversized_body_is_413():
     config = config.model_copy(update={"server": config.server.model_copy(
         update={"max_body_bytes": 100})})
     stream, _ = new_stream(config)
-    reply = await stream.handle(headers_msg(**{"content-length": "5000"}))
+    reply = parsed(await stream.handle(headers_msg(**{"content-length": "5000"})))
     assert reply.immediate_response.status.code == 413
 
 
@@ -135,7 +143,7 @@ async def test_request_rate_rejects_at_headers_with_retry_after():
         s = RequestStream(stream.director, stream.metrics, stream.settings)
         await s.handle(headers_msg())
         await s.handle(body_msg(chat()))
-    reply = await stream.handle(headers_msg())
+    reply = parsed(await stream.handle(headers_msg()))
     immediate = reply.immediate_response
     assert immediate.status.code == 429
     headers = header_dict(immediate.headers)
@@ -148,7 +156,7 @@ async def test_request_rate_rejects_at_headers_with_retry_after():
 async def test_context_too_long_is_400_do_not_retry():
     stream, _ = new_stream(make_config(max_context_tokens=5))
     await stream.handle(headers_msg())
-    reply = await stream.handle(body_msg(chat()))
+    reply = parsed(await stream.handle(body_msg(chat())))
     assert reply.immediate_response.status.code == 400
     assert header_dict(reply.immediate_response.headers)["x-should-retry"] == "false"
     body = orjson.loads(reply.immediate_response.body)
@@ -158,14 +166,14 @@ async def test_context_too_long_is_400_do_not_retry():
 async def test_stream_usage_is_reconciled_and_the_injected_chunk_stripped():
     stream, store = new_stream(make_config(tokens_per_minute=1000, max_concurrency=1))
     await stream.handle(headers_msg())
-    reply = await stream.handle(body_msg(chat(max_tokens=100, stream=True)))
+    reply = parsed(await stream.handle(body_msg(chat(max_tokens=100, stream=True))))
     sent = orjson.loads(reply.request_body.response.body_mutation.body)
     assert sent["stream_options"] == {"include_usage": True}
     assert await store.in_flight("acme") == 1
     chunk = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
              b'data: {"choices":[],"usage":{"prompt_tokens":13,"completion_tokens":1}}\n\n'
              b"data: [DONE]\n\n")
-    reply = await stream.handle(body_msg(chunk, response=True))
+    reply = parsed(await stream.handle(body_msg(chunk, response=True)))
     passed = reply.response_body.response.body_mutation.body
     assert b"usage" not in passed and b"[DONE]" in passed
     assert stream.done
@@ -181,7 +189,7 @@ async def test_a_whole_response_in_one_chunk_releases_without_waiting_for_the_en
     await stream.handle(body_msg(chat(max_tokens=100)))
     assert await store.in_flight("acme") == 1
     whole = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 2}})
-    reply = await stream.handle(body_msg(whole, response=True, end_of_stream=False))
+    reply = parsed(await stream.handle(body_msg(whole, response=True, end_of_stream=False)))
     assert reply.WhichOneof("response") == "response_body"
     assert stream.done and not stream.holds_admission
     assert await store.in_flight("acme") == 0
@@ -220,7 +228,7 @@ async def test_disconnect_releases_exactly_once():
 
 async def test_get_is_decided_on_headers_alone():
     stream, store = new_stream()
-    reply = await stream.handle(headers_msg(path="/v1/models", end_of_stream=True))
+    reply = parsed(await stream.handle(headers_msg(path="/v1/models", end_of_stream=True)))
     assert reply.WhichOneof("response") == "request_headers"
     assert reply.mode_override.request_body_mode == 0  # NONE
     assert header_dict(reply.request_headers.response.header_mutation)["x-kvgate-tenant"] == "acme"
@@ -231,7 +239,7 @@ async def test_get_is_decided_on_headers_alone():
 async def test_spent_quota_is_429_do_not_retry_with_its_reset():
     stream, _ = new_stream(make_config(daily_token_quota=150))
     await stream.handle(headers_msg())
-    assert (await stream.handle(body_msg(chat(max_tokens=100)))).HasField("request_body")
+    assert parsed(await stream.handle(body_msg(chat(max_tokens=100)))).HasField("request_body")
     second = RequestStream(stream.director, stream.metrics, stream.settings)
     await second.handle(headers_msg())
     reply = (await second.handle(body_msg(chat(max_tokens=100)))).immediate_response
