@@ -41,4 +41,3 @@ def test_batch_applies_to_the_thread_and_the_threads_it_starts():
 def test_normal_leaves_scheduling_alone():
     applied, own, inherited = _in_a_thread("normal")
     assert not applied and own == inherited == os.sched_getscheduler(0)
-
