@@ -89,7 +89,8 @@ async def test_two_replicas_enforce_one_global_limit(redis_url, tmp_path):
 
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
 async def test_redis_down_follows_the_policy_and_recovers(redis_server, redis_url, policy):
-    cfg = config(redis_url, {"requests_per_second": 10, "request_burst": 4},
+    # a slow refill (1 request/s for this replica alone): none comes back during the six
+    cfg = config(redis_url, {"requests_per_second": 2, "request_burst": 4},
                  failure_policy=policy, replicas=2)
     server = KvgateServer(cfg)
     await server.start()
