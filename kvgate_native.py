@@ -132,8 +132,12 @@ def build(out: Path) -> None:
                             ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         files = [str(source(m).relative_to(ROOT)) for m in MODULES]
         config = str(ROOT / "pyproject.toml")  # [tool.mypy]
-        subprocess.run([sys.executable, "-m", "mypyc", "--config-file", config, *files],
-                       cwd=work, check=True)
+        done = subprocess.run([sys.executable, "-m", "mypyc", "--config-file", config, *files],
+                              cwd=work, capture_output=True, text=True)
+        if done.returncode:  # mypy's type errors, or the C compiler's: shown only then
+            sys.stderr.write(done.stdout + done.stderr)
+            raise SystemExit(f"kvgate: mypyc failed (exit {done.returncode}); kvgate runs as "
+                             "plain Python until `make native` succeeds")
         if out.exists():
             shutil.rmtree(out)
         for folder in (*PACKAGES, RUNTIME):
