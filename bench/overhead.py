@@ -860,7 +860,9 @@ def profile_markdown(found: Sequence[dict[str, Any]]) -> str:
              "only. µs/request = the frame's share of samples × the process's measured CPU "
              "per request (in each heading): an estimate, py-spy also counts a thread "
              "waiting in a syscall as busy. Entry-point frames (up to the event loop's "
-             "`run`) are cut off.", ""]
+             "`run`) are cut off. kvgate's compiled modules (`make native`) have no Python "
+             f"frames: their time lands on the line that called them. kvgate's hot path: "
+             f"{kvgate_native.status()}.", ""]
     for item in found:
         row = item["row"]
         lines += [f"## {row['mode']}: {row['cpu_us_per_request']['ext_proc']:.0f} µs CPU per "
