@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy_config import DESTINATION_HEADER, KVGATE_HEADER_PREFIX
@@ -57,6 +58,25 @@ def continue_request_headers(remove: tuple[str, ...]) -> pb.ProcessingResponse:
     reply = pb.ProcessingResponse()
     fill_mutation(reply.request_headers.response.header_mutation, remove=remove)
     return reply
+
+
+HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this
+    request_header_mode=ProcessingMode.SEND,
+    response_header_mode=ProcessingMode.SKIP,
+    request_body_mode=ProcessingMode.NONE,
+    response_body_mode=ProcessingMode.NONE,
+    request_trailer_mode=ProcessingMode.SKIP,
+    response_trailer_mode=ProcessingMode.SKIP,
+)
+
+
+@functools.lru_cache(maxsize=256)
+def headers_only(remove: tuple[str, ...]) -> bytes:
+    """Appended to a serialized headers-phase routing reply (concatenated messages merge):
+    strip ``remove`` too, and turn the body and response phases off."""
+    reply = pb.ProcessingResponse(mode_override=HEADERS_ONLY)
+    reply.request_headers.response.header_mutation.remove_headers.extend(remove)
+    return reply.SerializeToString()
 
 
 RESPONSE_CHUNK_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -116,14 +136,13 @@ def route_request(
     headers = _header_parts.get(sizes) or _cache(_header_parts, sizes, _headers_parts(*sizes))
     where = (tenant, pool, len(chosen), len(leased))
     routing = _routing_parts.get(where) or _cache(_routing_parts, where, _routing_parts_of(*where))
-    if body is None:
-        return b"".join((headers[0], joined, headers[1], length or b"", headers[2],
-                         routing[0], chosen, routing[1], leased, routing[2]))
-    around = (in_body_phase, len(body))
-    mutation = _body_parts.get(around) or _cache(_body_parts, around, _body_parts_of(*around))
-    return b"".join((headers[0], joined, headers[1], length or b"", headers[2],
-                     routing[0], chosen, routing[1], leased, routing[2],
-                     mutation[0], body, mutation[1]))
+    parts = [headers[0], joined, headers[1], length or b"", headers[2],
+             routing[0], chosen, routing[1], leased, routing[2]]
+    if body is not None:
+        around = (in_body_phase, len(body))
+        mutation = _body_parts.get(around) or _cache(_body_parts, around, _body_parts_of(*around))
+        parts += (mutation[0], body, mutation[1])
+    return b"".join(parts)
 
 
 def _cache(cache: dict[Any, Parts], key: Any, parts: Parts) -> Parts:

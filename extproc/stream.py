@@ -14,7 +14,6 @@ import functools
 import logging
 from time import perf_counter
 
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages
@@ -125,7 +124,8 @@ class RequestStream:
         )
         if not isinstance(decision, Admission):
             return self._refuse(decision)
-        return self._route(decision, body=None, in_body_phase=False) + _headers_only(remove)
+        reply = self._route(decision, body=None, in_body_phase=False)
+        return reply + messages.headers_only(remove)  # serialized messages merge
 
     async def _on_request_body(self, body: pb.HttpBody) -> messages.Reply:
         assert self.tenant is not None
@@ -222,25 +222,6 @@ class RequestStream:
         metrics.in_flight.add((tenant,), -1)
         metrics.tokens.add((tenant, "used"), used)
         await self.director.release(admission, used)
-
-
-HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this
-    request_header_mode=ProcessingMode.SEND,
-    response_header_mode=ProcessingMode.SKIP,
-    request_body_mode=ProcessingMode.NONE,
-    response_body_mode=ProcessingMode.NONE,
-    request_trailer_mode=ProcessingMode.SKIP,
-    response_trailer_mode=ProcessingMode.SKIP,
-)
-
-
-@functools.lru_cache(maxsize=256)
-def _headers_only(remove: tuple[str, ...]) -> bytes:
-    """Appended to a serialized headers-phase routing reply (messages merge): strip
-    ``remove`` too, and turn the body and response phases off."""
-    reply = pb.ProcessingResponse(mode_override=HEADERS_ONLY)
-    reply.request_headers.response.header_mutation.remove_headers.extend(remove)
-    return reply.SerializeToString()
 
 
 def _too_large(limit: int) -> BadRequest:
