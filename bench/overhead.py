@@ -4,7 +4,7 @@
         [--modes direct,minimal,kvgate,kvgate_redis] [--layout split|shared|none]
     .venv/bin/python -m bench.overhead --profile   # py-spy over kvgate and the floor, c=16
 
-One run; per mode, a simulated engine (``bench.engine``, every step of its loop 0 s: it answers a
+One run; per mode, a simulated engine (``extproc.engine``, every step of its loop 0 s: it answers a
 non-streaming chat completion at once) behind its own Envoy (``--concurrency 1``):
 
 - ``direct``: Envoy → engine; no ext_proc filter, the upstream cluster STATIC to the engine.
@@ -59,12 +59,12 @@ import httpx
 import yaml
 
 import kvgate_native
-from bench.engine import EngineProcess
-from bench.ports import free_port
 from bench.redis_server import RedisServer
 from extproc.config import hash_api_key, parse_config
+from extproc.engine.server import EngineProcess
 from extproc.envoy_config import EXT_PROC_CLUSTER, UPSTREAM_CLUSTER, render_bootstrap
 from extproc.envoy_proc import EnvoyProcess, find_envoy
+from extproc.ports import free_port
 from extproc.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ ENGINE_OPTIONS = {"model": MODEL, "scheduling_policy": "priority", "ms_per_token
 
 # Targets from the issue.
 CPU_RATIO_TARGET = 1.5  # kvgate ext_proc CPU/request ÷ the floor's, at the reference level
-CPU_RATIO_LEVEL = 16  # REFERENCE.md measured its Python floor at c=16
+CPU_RATIO_LEVEL = 16  # the floor's level of reference: c=16
 P50_DELTA_TARGET_MS = 1.5  # kvgate p50 − Envoy-direct p50 at c=1
 
 
@@ -666,7 +666,7 @@ def machine_info(layout: str) -> dict[str, Any]:
 
 
 METHOD = """\
-- Upstream: `bench.engine` (the simulated vLLM engine), one process per mode,
+- Upstream: `extproc.engine` (the simulated vLLM engine), one process per mode,
   `--ms-per-token 0 --prefill-us-per-token 0 --decode-us-per-seq 0 --scheduling-policy
   priority` (every step of its loop takes no time); every request is
   a non-streaming `/v1/chat/completions` with `max_tokens: {max_tokens}` (~{body} bytes in,

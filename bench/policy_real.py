@@ -38,8 +38,8 @@ from bench.loadgen import (
     ttft_cdf_plot,
     write_json,
 )
-from bench.ports import free_port
 from extproc.config import Config, parse_config
+from extproc.ports import free_port
 
 CONFIGS = ("fifo", "priority", "wfq", "kvgate")
 # Small KV caches (2 × 64 blocks × 16 = 2048 tokens) so a few batch requests fill an engine;
@@ -114,7 +114,7 @@ def fifo_bootstrap(config: Config, endpoints: list[str]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def fifo_stack(endpoints: list[str], config: Config) -> Iterator[str]:
-    from bench.engine import EngineProcess
+    from extproc.engine.server import EngineProcess
     from extproc.envoy_proc import EnvoyProcess
 
     with contextlib.ExitStack() as stack:

@@ -7,7 +7,7 @@ the same arguments print the same numbers. Writes ``bench/results/policy-virtual
 Scenario (see ``bench.sim``): 4 tenants weighted 5/3/1/1 sending equal shares of Poisson
 traffic, 70% interactive (prompt U[200, 1000], output U[50, 300] tokens, TTFT SLA 2 s) and
 30% batch (prompt U[2000, 8000], output U[200, 1000], SLA 60 s), to 4 engines modelling
-Llama-3-8B on an A100-80GB (``bench.engine_model``). The load: a sweep of FIFO runs picks
+Llama-3-8B on an A100-80GB (``extproc.engine.model``). The load: a sweep of FIFO runs picks
 the lowest rate at which FIFO's interactive P99 TTFT is at least 5× its P50 *and* above
 the interactive SLA (i.e. FIFO is contended, not merely bursty). This **latency scenario**
 gives the TTFT, timeout and batch-throughput numbers.

@@ -14,7 +14,7 @@ import tempfile
 import time
 from types import TracebackType
 
-from bench.ports import free_port
+from extproc.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or (
     "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None

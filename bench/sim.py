@@ -1,11 +1,11 @@
 """Gateway policies in front of a pool of simulated vLLM engines, in virtual time.
 
 A deterministic discrete-event simulation: open-loop arrivals (``workload``), a gateway
-policy (:class:`Fifo` or :class:`Gated`), and N :class:`bench.engine_model.VirtualEngine`\\ s
+policy (:class:`Fifo` or :class:`Gated`), and N :class:`extproc.engine.model.VirtualEngine`\\ s
 running vLLM V1's step loop. The gated policies run kvgate's own sans-IO code, not a copy:
 
 - :class:`limiter.fairqueue.FairQueue` (bands, aging, FCFS per tenant) and
-  :class:`limiter.fairness.MemoryFairness` (``choose_now``: WFQ by tokens);
+  :class:`limiter.fairness.VirtualCounters` (WFQ by tokens);
 - :class:`extproc.scheduler.PoolScheduler` for placement: ``place`` over a
   :class:`~extproc.datalayer.endpoints.StoreSnapshot` built from the engines' state every
   ``scrape_s`` (kvgate scrapes ``/metrics`` every ~100 ms), ``reserve``/``release`` around
@@ -29,17 +29,16 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
-from bench.engine_model import EngineConfig, SimRequest, VirtualEngine
 from extproc.config import Model, Pool, Scoring, Watermarks
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from extproc.datalayer.metrics import EngineMetrics
+from extproc.engine.model import EngineConfig, SimRequest, VirtualEngine
 from extproc.scheduler import Placement, PoolScheduler
-from limiter.fairness import MemoryFairness
+from limiter.fairness import VirtualCounters
 from limiter.fairqueue import FairQueue, QueuedRequest
 
 NEVER_MS = 2**61
@@ -191,7 +190,7 @@ class Gated(Policy):
         self.scrape_s = s.scrape_s if s.kv_aware else None
         aging = None if s.aging_s is None else int(s.aging_s * 1000)
         self.queue = FairQueue(max_size=10**7, aging_ms=aging, order="wfq")
-        self.fairness = MemoryFairness()
+        self.fairness = VirtualCounters()
         self.rng = random.Random(seed)
         self.jobs: dict[str, Job] = {}
         self.snapshot = StoreSnapshot()
@@ -216,7 +215,7 @@ class Gated(Policy):
     def on_arrival(self, job: Job, now: float) -> None:
         spec = CLASSES[job.klass]
         if self.settings.wfq and not self.queue.queued(job.tenant):
-            _run_sync(self.fairness.activate(job.tenant))
+            self.fairness.activate(job.tenant)
         band = spec.band if self.settings.bands else 0
         item = QueuedRequest(job.id, job.tenant, band, job.cost, self.sim.tenants[job.tenant],
                              _ms(now), NEVER_MS)
@@ -259,7 +258,7 @@ class Gated(Policy):
                                                is not None)
             if not candidates:
                 return
-            chosen = (self.fairness.choose_now(candidates, now_ms) if self.settings.wfq
+            chosen = (self.fairness.choose(candidates, now_ms) if self.settings.wfq
                       else candidates[0])
             assert chosen is not None
             self.queue.take(chosen.id)
@@ -276,15 +275,6 @@ class Gated(Policy):
         placed = self.scheduler.place(item.tenant, item.cost, self.snapshot, now, self.rng,
                                       band=self.queue.effective_band(item, _ms(now)))
         return placed.endpoints[0] if isinstance(placed, Placement) else None
-
-
-def _run_sync(coro: Coroutine[Any, Any, None]) -> None:
-    """Run a coroutine that never awaits (``MemoryFairness.activate``) without a loop."""
-    try:
-        coro.send(None)
-    except StopIteration:
-        return
-    raise RuntimeError("coroutine awaited")
 
 
 def _ms(seconds: float) -> int:

@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from bench.redis_server import RedisServer
-from limiter import Cost, LimiterStore, MemoryStore, Rate, TenantPolicy
+from limiter import Cost, Rate, TenantPolicy
+from limiter.stores import LimiterStore, MemoryStore
 
 RESULTS = Path(__file__).parent / "results"
 POLICY = TenantPolicy(
@@ -69,7 +70,7 @@ async def measure(store: LimiterStore, decisions: int, concurrency: int) -> dict
 async def run(decisions: int, concurrency: int) -> list[dict[str, object]]:
     import redis.asyncio as aioredis
 
-    from limiter.redis_store import RedisStore
+    from limiter.stores.redis_store import RedisStore
 
     rows: list[dict[str, object]] = []
     with RedisServer() as server:

@@ -20,7 +20,7 @@ from extproc.config import Config, parse_endpoint
 from extproc.server import KvgateServer
 
 if TYPE_CHECKING:
-    from bench.engine import EngineProcess
+    from extproc.engine.server import EngineProcess
     from extproc.envoy_proc import EnvoyProcess
 
 DEMO_KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "hobbyist": "sk-demo-free"}
@@ -80,7 +80,7 @@ class Stack:
 @contextlib.contextmanager
 def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterator[Stack]:
     """Engines for every pool endpoint, kvgate, then Envoy; torn down in reverse order."""
-    from bench.engine import EngineProcess
+    from extproc.engine.server import EngineProcess
     from extproc.envoy_proc import EnvoyProcess
 
     with contextlib.ExitStack() as stack:

@@ -1,58 +1,38 @@
-"""The director: who is asking, may it run now, at what priority, and where.
+"""The director: may this request run now, at what priority, and where — one pipeline.
 
-It turns configuration (pydantic) into the limiter's policies, authenticates API keys by
-their sha256, prices a request in tokens, asks the scheduler for an endpoint with room in
-its KV cache and the store for an all-or-nothing admission against the tenant's limits.
-It knows nothing of Envoy messages; ``stream.py`` does.
+Headers phase: ``authenticate`` (the API key names the tenant) and ``precheck`` (is the tenant
+already over its request rate or concurrency?). Body phase, :meth:`Director.admit`:
+
+    price → classify → route (place now, degrade, or queue) → take the tenant's limits
+          → (queued: wait for capacity) → admission
+
+Every refusal on the way is a :class:`limiter.Reject`; ``extproc.rejections`` turns it into
+HTTP. Whatever was taken before a later step says no is given back at once. The parts are
+passed in (``extproc.wiring.build_director`` builds them from the configuration); this
+module knows nothing of Envoy messages (``stream.py`` does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
-import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.classify import Classifier, RequestClass
-from extproc.config import Config, Limits, Model, Pool, Tenant
+from extproc.config import Config, Tenant
 from extproc.datalayer.endpoints import EndpointStore
-from extproc.flow import QUEUEABLE, FlowController, Waiter
-from extproc.openai import PER_MESSAGE_OVERHEAD_TOKENS, BadRequest, InferenceRequest
-from extproc.scheduler import Placement, PoolScheduler, Shed
-from extproc.tokens import TokenCounter, make_counter
-from limiter import Admit, Cost, LimiterStore, Rate, Reject, TenantPolicy
+from extproc.flow import FlowController, Waiter
+from extproc.leases import LeaseBook
+from extproc.openai import InferenceRequest
+from extproc.pricing import Pricer
+from extproc.scheduler import Placement, PoolScheduler
+from extproc.tenants import Tenants
 from limiter.fairqueue import QueuedRequest
-
-_LEASE_PREFIX = os.urandom(6).hex()  # unique per process; a counter makes each lease unique
-_lease_numbers = itertools.count()
-RECENT_KEYS = 4096  # authenticated Authorization values remembered
-
-
-def _next_lease() -> str:
-    return f"{_LEASE_PREFIX}-{next(_lease_numbers):x}"
-
-
-def policy_from_limits(limits: Limits) -> TenantPolicy:
-    window = limits.sliding_window
-    return TenantPolicy(
-        request_rate=Rate.per_second(limits.requests_per_second)
-        if limits.requests_per_second
-        else None,
-        request_burst=limits.effective_request_burst,
-        token_rate=Rate.per_minute(limits.tokens_per_minute) if limits.tokens_per_minute else None,
-        token_burst=limits.effective_token_burst,
-        max_concurrency=limits.max_concurrency,
-        max_context_tokens=limits.max_context_tokens,
-        window_limit=window.requests if window else None,
-        window_ms=window.window_ms if window else None,
-        daily_token_quota=limits.daily_token_quota,
-        monthly_token_quota=limits.monthly_token_quota,
-    )
+from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
+from limiter.stores import LimiterStore
 
 
 @dataclass(slots=True)
@@ -78,185 +58,163 @@ class Admission:
         return self.endpoints[0]
 
 
-Outcome = Admission | Reject | Shed
+@dataclass(slots=True)
+class Route:
+    """Where a request goes: ``placed`` on endpoints now, or (None) into the pool's queue."""
+
+    scheduler: PoolScheduler
+    cost: Cost
+    placed: Placement | None
+    queued_for: Reason = Reason.SATURATED  # why it waits: decides 503 or 429 on expiry
+    overrides: dict[str, Any] = field(default_factory=dict)  # a degraded request's rewrites
 
 
 class Director:
     def __init__(
         self,
         config: Config,
+        *,
+        tenants: Tenants,
+        pricer: Pricer,
+        classifier: Classifier,
         store: LimiterStore,
-        endpoints: EndpointStore | None = None,
-        rng: random.Random | None = None,
+        schedulers: Mapping[str, PoolScheduler],
+        flows: Mapping[str, FlowController],
+        endpoints: EndpointStore,
+        rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
+        self.tenants = tenants
+        self.pricer = pricer
+        self.classifier = classifier
         self.store = store
-        self.endpoints = endpoints or EndpointStore()
-        self.rng = rng or random.Random()
+        self.schedulers = schedulers
+        self.flows = flows
+        self._queueing = config.queue.enabled
+        self.endpoints = endpoints
+        self.rng = rng
         self.clock = clock
-        self.active: dict[str, Admission] = {}  # by lease id, for lease renewal
-        self.flows: dict[str, FlowController] = {}  # by pool; attached by the server
-        weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
-        self.schedulers = {
-            p.name: PoolScheduler(p, weights, config.scrape.staleness_s) for p in config.pools
-        }
-        self._models: dict[str, tuple[Pool, Model]] = {
-            m.name: (p, m) for p in config.pools for m in p.models
-        }
-        self.classifier = Classifier(config)
-        self._tenants_by_key = {key: t for t in config.tenants for key in t.api_keys}
-        self._recent_keys: dict[str, Tenant] = {}  # Authorization value → tenant
-        self._tenants_by_name = {t.name: t for t in config.tenants}
-        self._policies = {t.name: policy_from_limits(config.limits_for(t)) for t in config.tenants}
-        self._counters: dict[str, TokenCounter] = {
-            name: make_counter(model.tokenizer, config.server.chars_per_token)
-            for name, (_, model) in self._models.items()
-        }
+        self.leases = LeaseBook()
+
+    @property
+    def active(self) -> dict[str, str]:
+        """Open leases (id → tenant): what is admitted and not yet released."""
+        return self.leases.open
+
+    # -- headers phase ---------------------------------------------------------------------
 
     def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant owning the request's API key. Keys are configured as sha256 hashes;
-        a key already seen skips the hash (OpenSSL's sha256 costs microseconds a call here)."""
-        tenant = self._recent_keys.get(authorization or "")
-        if tenant is not None:
-            return tenant
-        scheme, _, key = (authorization or "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise BadRequest(
-                "missing API key: send 'Authorization: Bearer <key>'",
-                status=401, code="invalid_api_key",
-            )
-        tenant = self._tenants_by_key.get("sha256:" + hashlib.sha256(key.encode()).hexdigest())
-        if tenant is None:
-            raise BadRequest("incorrect API key provided", status=401, code="invalid_api_key")
-        if len(self._recent_keys) >= RECENT_KEYS:
-            self._recent_keys.clear()  # bounded: a flood of distinct valid keys only re-hashes
-        self._recent_keys[authorization or ""] = tenant
-        return tenant
-
-    def policy(self, tenant: Tenant) -> TenantPolicy:
-        return self._policies[tenant.name]
+        return self.tenants.authenticate(authorization)
 
     async def precheck(self, tenant: Tenant) -> Reject | None:
         """Before the body arrives: is the tenant over its request rate or concurrency?"""
-        return await self.store.check_requests(tenant.name, self.policy(tenant))
+        return await self.store.check_requests(tenant.name, self.tenants.policy(tenant))
+
+    # -- body phase: the pipeline ----------------------------------------------------------
 
     async def admit(
         self, tenant: Tenant, request: InferenceRequest, requested_class: str | None = None
-    ) -> Outcome:
-        found = self._models.get(request.model)
-        if found is None:
-            raise BadRequest(
-                f"the model '{request.model}' does not exist "
-                f"(served here: {', '.join(sorted(self._models))})",
-                status=404, code="model_not_found", param="model",
-            )
-        pool, model = found
-        prompt = self._counters[model.name].count(request.prompt_texts)
-        prompt += PER_MESSAGE_OVERHEAD_TOKENS * request.message_count
-        output = request.max_output_tokens
-        cost = Cost(prompt, model.default_max_tokens if output is None else output)
+    ) -> Admission | Reject:
+        pool, model = self.pricer.resolve(request.model)
+        cost = self.pricer.price(model, request)
         klass = self.classifier.classify(
-            tenant, requested=requested_class, path=request.path, prompt_tokens=prompt
+            tenant, requested=requested_class, path=request.path, prompt_tokens=cost.prompt_tokens
         )
-        return await self._admit(tenant, self.schedulers[pool.name], cost, klass)
+        route = self._route(tenant, self.schedulers[pool.name], cost, klass)
+        if isinstance(route, Reject):
+            return route
+        return await self._take(tenant, klass, route)
 
     async def admit_request_only(
         self, tenant: Tenant, path: str, requested_class: str | None = None
-    ) -> Outcome:
-        """Requests with no inference body (GET /v1/models, …): charged one request."""
+    ) -> Admission | Reject:
+        """Requests with no inference body (GET /v1/models, …): charged one request, sent to
+        any live endpoint of the first pool; they never queue."""
         klass = self.classifier.classify(
             tenant, requested=requested_class, path=path, prompt_tokens=0
         )
         scheduler = self.schedulers[self.config.pools[0].name]
         placed = scheduler.place_light(self.endpoints.snapshot(), self.clock(), self.rng)
-        return await self._admit_now(tenant, scheduler, Cost(0, 0), klass, placed, {})
+        return await self._take(tenant, klass, Route(scheduler, Cost(0, 0), placed))
 
-    async def _admit(
+    def _route(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass
-    ) -> Outcome:
+    ) -> Route | Reject:
+        """An endpoint with room now; else a degraded form that fits; else the pool's queue
+        when waiting can help; else the scheduler's refusal. Requests already queued in this
+        band or a better one go first: no overtaking."""
         placed = self._place(tenant, scheduler, cost, klass.band)
-        flow = self.flows.get(scheduler.config.name) if self.config.queue.enabled else None
-        overrides: dict[str, Any] = {}
-        if isinstance(placed, Shed):
+        flow = self.flows.get(scheduler.config.name) if self._queueing else None
+        if isinstance(placed, Reject):
             degraded = self._degrade(tenant, klass, scheduler, cost)
             if degraded is not None:
-                scheduler, cost, placed, overrides = degraded
-            elif flow is not None and placed.code in QUEUEABLE:
-                return await self._queue(tenant, flow, cost, klass, placed.code)
-            else:
-                return placed
-        elif flow is not None and flow.must_queue(klass.band):
-            return await self._queue(tenant, flow, cost, klass, "pool_saturated")
-        return await self._admit_now(tenant, scheduler, cost, klass, placed, overrides)
+                return degraded
+            if flow is not None and placed.reason in QUEUEABLE:
+                return Route(scheduler, cost, None, queued_for=placed.reason)
+            return placed
+        if flow is not None and flow.must_queue(klass.band):
+            return Route(scheduler, cost, None)
+        return Route(scheduler, cost, placed)
 
-    async def _admit_now(
-        self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass,
-        placed: Placement, overrides: dict[str, Any],
-    ) -> Outcome:
-        """Capacity is there: reserve it, then take the tenant's limits (all or nothing)."""
-        lease_id = _next_lease()
-        scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens, self.clock(),
-                          band=klass.band, prompt_tokens=cost.prompt_tokens)
+    async def _take(self, tenant: Tenant, klass: RequestClass, route: Route) -> Admission | Reject:
+        """Hold the endpoint's KV (placed now: held across the limits' round trip, so no
+        other request takes it meanwhile), take the tenant's limits all or nothing, then —
+        when queued — wait for capacity. A later "no" gives back what was taken."""
+        lease_id = self.leases.new_id()
+        scheduler, cost, placed = route.scheduler, route.cost, route.placed
+        if placed is not None:
+            scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens,
+                              self.clock(), band=klass.band, prompt_tokens=cost.prompt_tokens)
         try:
-            decision = await self.store.admit(tenant.name, self.policy(tenant), cost, lease_id)
+            decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), cost,
+                                              lease_id)
         except BaseException:
-            scheduler.release(lease_id, self.clock(), completed=False)
+            if placed is not None:
+                scheduler.release(lease_id, self.clock(), completed=False)
             raise
         if isinstance(decision, Reject):
-            scheduler.release(lease_id, self.clock(), completed=False)
+            if placed is not None:
+                scheduler.release(lease_id, self.clock(), completed=False)
             return decision
-        return self._admitted(tenant, lease_id, cost, scheduler, placed, klass, decision,
-                              overrides)
+        if placed is None:
+            waited = await self._wait(tenant, klass, route, lease_id)
+            if isinstance(waited, Reject):
+                return waited
+            placed = waited
+        self.leases.opened(lease_id, tenant.name)
+        return Admission(
+            tenant=tenant, lease_id=lease_id, cost=cost, scheduler=scheduler,
+            endpoints=placed.endpoints,
+            priority=klass.priority if scheduler.config.priority_scheduling else None,
+            request_class=klass.name, admit=decision, body_overrides=route.overrides,
+        )
 
-    async def _queue(
-        self, tenant: Tenant, flow: FlowController, cost: Cost, klass: RequestClass,
-        queued_for: str,
-    ) -> Outcome:
-        """Wait for capacity. The tenant's limits are taken first (a request the tenant may
-        not send is not worth queueing) and given back in full if it never runs."""
-        lease_id = _next_lease()
-        policy = self.policy(tenant)
-        decision = await self.store.admit(tenant.name, policy, cost, lease_id)
-        if isinstance(decision, Reject):
-            return decision
+    async def _wait(
+        self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str
+    ) -> Placement | Reject:
+        """Queue until the dispatcher reserves KV under ``lease_id`` or the class deadline
+        passes; the tenant's limits are given back in full if it never runs."""
+        flow = self.flows[route.scheduler.config.name]
         now = flow.clock_ms()
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
-        item = QueuedRequest(lease_id, tenant.name, klass.band, cost.tokens,
-                             self.config.tiers[tenant.tier].weight, now, deadline)
+        item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens,
+                             self.tenants.weight(tenant), now, deadline)
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
-                        queued_for, prompt_tokens=cost.prompt_tokens)
+                        route.queued_for, prompt_tokens=route.cost.prompt_tokens)
+        policy = self.tenants.policy(tenant)
         try:
             placed = await flow.wait(item, waiter)
         except BaseException:
             await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
             raise
-        if isinstance(placed, Shed):
+        if isinstance(placed, Reject):
             await self.store.release(tenant.name, policy, lease_id, 0)
-            return placed
-        return self._admitted(tenant, lease_id, cost, flow.scheduler, placed, klass, decision, {})
-
-    def _admitted(
-        self, tenant: Tenant, lease_id: str, cost: Cost, scheduler: PoolScheduler,
-        placed: Placement, klass: RequestClass, decision: Admit, overrides: dict[str, Any],
-    ) -> Admission:
-        self.active[lease_id] = admission = Admission(
-            tenant=tenant,
-            lease_id=lease_id,
-            cost=cost,
-            scheduler=scheduler,
-            endpoints=placed.endpoints,
-            priority=klass.priority if scheduler.config.priority_scheduling else None,
-            request_class=klass.name,
-            admit=decision,
-            body_overrides=overrides,
-        )
-        return admission
+        return placed
 
     def _place(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, band: int
-    ) -> Placement | Shed:
+    ) -> Placement | Reject:
         return scheduler.place(
             tenant.name, cost.tokens, self.endpoints.snapshot(), self.clock(), self.rng,
             band=band,
@@ -264,9 +222,9 @@ class Director:
 
     def _degrade(
         self, tenant: Tenant, klass: RequestClass, scheduler: PoolScheduler, cost: Cost
-    ) -> tuple[PoolScheduler, Cost, Placement, dict[str, Any]] | None:
+    ) -> Route | None:
         """Under saturation, a low-priority class gets a smaller answer or a cheaper model
-        rather than a rejection — when its pool is configured to degrade."""
+        rather than a refusal — when its pool is configured to degrade."""
         plan = scheduler.config.degradation
         if plan is None or klass.name not in plan.classes:
             return None
@@ -274,22 +232,24 @@ class Director:
             capped = Cost(cost.prompt_tokens, plan.max_tokens_cap)
             placed = self._place(tenant, scheduler, capped, klass.band)
             if isinstance(placed, Placement):
-                return scheduler, capped, placed, {"max_tokens": plan.max_tokens_cap}
+                return Route(scheduler, capped, placed,
+                             overrides={"max_tokens": plan.max_tokens_cap})
         if plan.fallback_model:
-            fallback_pool, _ = self._models[plan.fallback_model]
+            fallback_pool, _ = self.pricer.resolve(plan.fallback_model)
             fallback = self.schedulers[fallback_pool.name]
             placed = self._place(tenant, fallback, cost, klass.band)
             if isinstance(placed, Placement):
-                return fallback, cost, placed, {"model": plan.fallback_model}
+                return Route(fallback, cost, placed, overrides={"model": plan.fallback_model})
         return None
 
+    # -- the request's life after admission ------------------------------------------------
+
     async def release(self, admission: Admission, used_tokens: int | None) -> None:
-        self.active.pop(admission.lease_id, None)
+        self.leases.closed(admission.lease_id)
         admission.scheduler.release(admission.lease_id, self.clock())
         self.kick(admission.pool)
-        await self.store.release(
-            admission.tenant.name, self.policy(admission.tenant), admission.lease_id, used_tokens
-        )
+        await self.store.release(admission.tenant.name, self.tenants.policy(admission.tenant),
+                                 admission.lease_id, used_tokens)
 
     def first_token(self, admission: Admission) -> None:
         """The response has started: the engine is done prefilling this request, which
@@ -309,15 +269,12 @@ class Director:
 
     async def renew_leases(self) -> None:
         """Keep the leases of long-running streams alive in the shared store."""
-        by_tenant: dict[str, list[str]] = {}
-        for admission in list(self.active.values()):
-            by_tenant.setdefault(admission.tenant.name, []).append(admission.lease_id)
-        for tenant, leases in by_tenant.items():
-            await self.store.renew(tenant, leases)
+        await self.leases.renew(self.store)
 
     async def usage(self, tenant_name: str) -> dict | None:
-        tenant = self._tenants_by_name.get(tenant_name)
+        """The admin view of one tenant's limits (None: no such tenant)."""
+        tenant = self.tenants.get(tenant_name)
         if tenant is None:
             return None
         return {"tenant": tenant.name, "tier": tenant.tier,
-                **await self.store.usage(tenant.name, self.policy(tenant))}
+                **await self.store.usage(tenant.name, self.tenants.policy(tenant))}

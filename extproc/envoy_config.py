@@ -24,20 +24,20 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from extproc.headers import (
+    DESTINATION_HEADER,
+    EXT_PROC_HEADERS,
+    KVGATE_HEADER_PREFIX,
+    LB_NAMESPACE,
+    RECEIVING_NAMESPACES,
+)
+
 if TYPE_CHECKING:
     from extproc.config import Config
 
 GATEWAY_LISTENER = "kvgate_gateway"
 EXT_PROC_CLUSTER = "kvgate_ext_proc"
 UPSTREAM_CLUSTER = "kvgate_upstream"
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-# The request headers kvgate reads (plus the class header and any x-kvgate-* a client sent,
-# which kvgate strips): Envoy forwards only these to it.
-EXT_PROC_HEADERS = (":path", "authorization", "content-length")
-KVGATE_HEADER_PREFIX = "x-kvgate-"
-# Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.
-LB_NAMESPACE = "envoy.lb"
-RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate")
 
 # Envoy buffers the whole request body for ext_proc (BUFFERED mode); its limit is the
 # connection's buffer limit. It sits above server.max_body_bytes so that kvgate, not Envoy,
@@ -56,7 +56,7 @@ CIRCUIT_BREAKER_LIMIT = 1_000_000
 MAX_DOWNSTREAM_CONNECTIONS = 50_000
 
 RUNTIME_FLAGS = {
-    # Close ext_proc streams with a half-close instead of a reset (REFERENCE.md pitfall 4).
+    # Close ext_proc streams with a half-close: Envoy resets every stream otherwise.
     "envoy.reloadable_features.ext_proc_graceful_grpc_close": True,
 }
 

@@ -22,32 +22,26 @@ from typing import Any
 from extproc.config import Config
 from extproc.datalayer.endpoints import EndpointStore
 from extproc.metrics import Metrics
-from extproc.scheduler import Placement, PoolScheduler, Shed
+from extproc.scheduler import Placement, PoolScheduler
 from extproc.tasks import cancel
-from limiter.fairness import Fairness, MemoryFairness
 from limiter.fairqueue import FairQueue, QueuedRequest
+from limiter.outcome import Reason, Reject, refuse
+from limiter.stores import Fairness, MemoryFairness
 
 log = logging.getLogger(__name__)
 
-QUEUEABLE = ("pool_saturated", "kv_share_exceeded")  # waiting can fix these
-
-
 def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1000)
-
-
-def _now_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
 
 
 @dataclass
 class Waiter:
     """What the dispatcher needs to place a queued request, and where to send the answer."""
 
-    future: asyncio.Future[Placement | Shed]
+    future: asyncio.Future[Placement | Reject]
     lease_id: str
     request_class: str
-    queued_for: str  # the Shed code that queued it: decides 503 or 429 on expiry
+    queued_for: Reason  # what queued it: decides 503 or 429 on expiry
     prompt_tokens: int | None = None  # to prefill; None: its whole cost is counted
 
 
@@ -60,7 +54,7 @@ class FlowController:
         endpoints: EndpointStore,
         metrics: Metrics,
         rng: random.Random,
-        clock_ms: Callable[[], int] = _now_ms,
+        clock: Callable[[], float] = time.monotonic,
     ):
         settings = config.queue
         self.scheduler = scheduler
@@ -68,7 +62,7 @@ class FlowController:
         self.endpoints = endpoints
         self.metrics = metrics
         self.rng = rng
-        self.clock_ms = clock_ms
+        self.clock = clock  # monotonic seconds, the scheduler's clock; the queue counts ms
         self.pool = scheduler.config.name
         self.queue = FairQueue(
             max_size=settings.max_size,
@@ -87,6 +81,9 @@ class FlowController:
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
+    def clock_ms(self) -> int:
+        return int(self.clock() * 1000)
+
     # -- the request side ------------------------------------------------------------------
 
     def must_queue(self, band: int) -> bool:
@@ -97,14 +94,14 @@ class FlowController:
         heads = self.queue.candidates(now)
         return bool(heads) and self.queue.effective_band(heads[0], now) <= band
 
-    async def wait(self, item: QueuedRequest, waiter: Waiter) -> Placement | Shed:
+    async def wait(self, item: QueuedRequest, waiter: Waiter) -> Placement | Reject:
         """Queue the request until the dispatcher places it (its KV is then reserved under
         ``waiter.lease_id``) or its deadline passes. Cancellation removes it."""
         item.payload = waiter
         if not self.queue.queued(item.tenant):
             await self.fairness.activate(item.tenant)
         for evicted in self.queue.push(item, self.clock_ms()):
-            self._answer(evicted, self._shed(evicted, "queue_full"), "evicted")
+            self._answer(evicted, self._refusal(evicted, "queue full"), "evicted")
         self._gauge()
         self.kick()
         try:
@@ -113,7 +110,7 @@ class FlowController:
             if self.queue.remove(item.id) is not None:
                 self.metrics.queue_events.labels(self.pool, "cancelled").inc()
                 self._gauge()
-            self.scheduler.release(waiter.lease_id, time.monotonic(), completed=False)
+            self.scheduler.release(waiter.lease_id, self.clock(), completed=False)
             raise
 
     def kick(self) -> None:
@@ -132,7 +129,7 @@ class FlowController:
         await cancel(self._task)
         for item in list(self.queue.items()):
             self.queue.remove(item.id)
-            self._answer(item, self._shed(item, "shutting_down"), "shutdown")
+            self._answer(item, self._refusal(item, "shutting down"), "shutdown")
 
     async def _run(self) -> None:
         while True:
@@ -153,8 +150,7 @@ class FlowController:
 
     def _expire(self) -> None:
         for item in self.queue.expire(self.clock_ms()):
-            waiter: Waiter = item.payload  # type: ignore[assignment]
-            self._answer(item, self._shed(item, waiter.queued_for), "expired")
+            self._answer(item, self._refusal(item, "expired"), "expired")
 
     async def _dispatch(self) -> None:
         while len(self.queue):
@@ -168,13 +164,13 @@ class FlowController:
             band = self.queue.effective_band(chosen, now)
             self.queue.take(chosen.id)
             placed = self._place(chosen, band)
-            if isinstance(placed, Shed):  # capacity went while the choice was made
+            if isinstance(placed, Reject):  # capacity went while the choice was made
                 self.queue.push(chosen, now)
                 return
             waiter: Waiter = chosen.payload  # type: ignore[assignment]
             prompt = chosen.cost if waiter.prompt_tokens is None else waiter.prompt_tokens
             self.scheduler.reserve(waiter.lease_id, chosen.tenant, placed.endpoints[0],
-                                   chosen.cost, time.monotonic(), band=band,
+                                   chosen.cost, self.clock(), band=band,
                                    prompt_tokens=prompt)
             self._answer(chosen, placed, "dispatched")
 
@@ -182,26 +178,28 @@ class FlowController:
         return isinstance(self._place(item, self.queue.effective_band(item, self.clock_ms())),
                           Placement)
 
-    def _place(self, item: QueuedRequest, band: int) -> Placement | Shed:
+    def _place(self, item: QueuedRequest, band: int) -> Placement | Reject:
         """Placed as the band the queue ranks it in (aging included): everything ranked
         together sees the same gates, so a tenant's aged batch request cannot hold back
         its own interactive one on a gate that only batch work meets."""
         return self.scheduler.place(
-            item.tenant, item.cost, self.endpoints.snapshot(), time.monotonic(), self.rng,
+            item.tenant, item.cost, self.endpoints.snapshot(), self.clock(), self.rng,
             band=band,
         )
 
     # -- answers and visibility ------------------------------------------------------------
 
-    def _shed(self, item: QueuedRequest, reason: str) -> Shed:
-        retry = self.scheduler.retry_ms(item.cost, time.monotonic())
-        if reason == "kv_share_exceeded":
-            return Shed(429, reason, f"tenant '{item.tenant}' stayed over its weighted share of "
-                        f"pool '{self.pool}' until its deadline", retry)
-        return Shed(503, "pool_saturated", f"pool '{self.pool}' stayed saturated "
-                    f"({reason.replace('_', ' ')})", retry)
+    def _refusal(self, item: QueuedRequest, why: str) -> Reject:
+        """A queued request that will not run: over its share until its deadline (429), or
+        the pool stayed saturated (503: expired, queue full, shutting down)."""
+        waiter: Waiter = item.payload  # type: ignore[assignment]
+        retry = self.scheduler.retry_ms(item.cost, self.clock())
+        if why == "expired" and waiter.queued_for is Reason.KV_SHARE:
+            return refuse(Reason.KV_SHARE, f"tenant '{item.tenant}' stayed over its weighted "
+                          f"share of pool '{self.pool}' until its deadline", retry)
+        return refuse(Reason.SATURATED, f"pool '{self.pool}' stayed saturated ({why})", retry)
 
-    def _answer(self, item: QueuedRequest, outcome: Placement | Shed, event: str) -> None:
+    def _answer(self, item: QueuedRequest, outcome: Placement | Reject, event: str) -> None:
         waiter: Waiter = item.payload  # type: ignore[assignment]
         if not waiter.future.done():
             waiter.future.set_result(outcome)

@@ -1,6 +1,6 @@
 """Building ext_proc replies (xds-protos / upb messages) — the only module that knows their shape.
 
-REFERENCE.md facts honoured here: header values go in ``raw_value`` (setting ``value`` too
+Envoy facts honoured here: header values go in ``raw_value`` (setting ``value`` too
 makes Envoy fail the request); a JSON immediate response carries its content-type; routing
 metadata lives under the ``envoy.lb`` namespace.
 """
@@ -15,7 +15,7 @@ from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.envoy_config import DESTINATION_HEADER, KVGATE_HEADER_PREFIX
+from extproc.headers import DESTINATION_HEADER, KVGATE_HEADER_PREFIX
 
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 

@@ -1,5 +1,9 @@
 """What a client sees when kvgate says no: status, OpenAI-style JSON, and retry headers.
 
+The one place a refusal becomes HTTP: :func:`rejection` for every :class:`limiter.Reject`
+(the tenant's limits, the scheduler, flow control), :func:`client_error` for bad input,
+:func:`internal_error` for kvgate's own failures.
+
 Clients (openai-python and friends) read ``retry-after-ms`` first, then ``retry-after``;
 they honour it only up to 60–120 s, so ``retry-after`` is capped at 60 while
 ``retry-after-ms`` stays exact. ``x-should-retry: false`` stops retries that cannot help.
@@ -12,7 +16,6 @@ import math
 import orjson
 
 from extproc.openai import BadRequest, error_body
-from extproc.scheduler import Shed
 from limiter import Reason, Reject, Remaining, format_duration
 
 MAX_RETRY_AFTER_S = 60
@@ -53,33 +56,23 @@ def retry_headers(retry_after_ms: int) -> dict[str, str]:
 
 
 def rejection(reject: Reject) -> tuple[int, bytes, dict[str, str]]:
-    """(status, body, headers) for a limiter rejection."""
+    """(status, body, headers) for a refusal: the status is the refusal's own (400 never
+    fits, 429 tenant over its limits or share, 503 pool saturated or without endpoints)."""
+    status = reject.status
     headers = {"x-kvgate-reject": reject.reason.value, **ratelimit_headers(reject.remaining)}
     if reject.reason is Reason.CONTEXT:
         error = BadRequest(reject.message, code="context_length_exceeded", param="messages")
-        headers["x-should-retry"] = "false"
-        return 400, error_body(error), headers
-    error = BadRequest(
-        reject.message, status=429, code=_CODES[reject.reason], error_type="rate_limit_error"
-    )
+    else:
+        error_type = "rate_limit_error" if status == 429 else (
+            "invalid_request_error" if status < 500 else "server_error")
+        error = BadRequest(reject.message, status=status,
+                           code=_CODES.get(reject.reason, reject.reason.value),
+                           error_type=error_type)
     if reject.retry_after_ms is None:
         headers["x-should-retry"] = "false"
     else:
         headers.update(retry_headers(reject.retry_after_ms))
-    return 429, error_body(error), headers
-
-
-def shed_response(shed: Shed) -> tuple[int, bytes, dict[str, str]]:
-    """(status, body, headers) when no endpoint may take the request (KV admission)."""
-    error_type = "rate_limit_error" if shed.status == 429 else (
-        "invalid_request_error" if shed.status < 500 else "server_error")
-    error = BadRequest(shed.message, status=shed.status, code=shed.code, error_type=error_type)
-    headers = {"x-kvgate-reject": shed.code}
-    if shed.retry_after_ms is None:
-        headers["x-should-retry"] = "false"
-    else:
-        headers.update(retry_headers(shed.retry_after_ms))
-    return shed.status, error_body(error), headers
+    return status, error_body(error), headers
 
 
 def client_error(error: BadRequest) -> tuple[int, bytes, dict[str, str]]:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from extproc.config import Pool
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
+from limiter.outcome import Reason, Reject, refuse
 
 FALLBACKS = 2  # endpoints after the chosen one, for Envoy's retries
 DRAIN_WINDOW_S = 10.0
@@ -47,16 +48,6 @@ class Placement:
     """Endpoints best first; the first is used."""
 
     endpoints: list[str]
-
-
-@dataclass(frozen=True)
-class Shed:
-    """No endpoint may take the request now: status, OpenAI-style code, and when to retry."""
-
-    status: int
-    code: str
-    message: str
-    retry_after_ms: int | None  # None: retrying cannot help
 
 
 @dataclass(slots=True)
@@ -142,19 +133,19 @@ class PoolScheduler:
     def place(
         self, tenant: str, tokens: int, snapshot: StoreSnapshot, now: float, rng: random.Random,
         *, band: int = 0,
-    ) -> Placement | Shed:
+    ) -> Placement | Reject:
         """``band``: the request's effective band (0 = interactive, or aged into it)."""
         if not self.config.kv_aware:
             return self._least_in_flight(snapshot, now, tokens, rng, band)
         view = self._view(snapshot)
         if view.largest is not None and tokens > view.largest:
-            return Shed(400, "kv_exceeds_capacity",
-                        f"the request needs {tokens} tokens of KV cache; the largest endpoint "
-                        f"of pool '{self.config.name}' holds {view.largest}", None)
+            return refuse(Reason.KV_TOO_LARGE,
+                          f"the request needs {tokens} tokens of KV cache; the largest endpoint "
+                          f"of pool '{self.config.name}' holds {view.largest}", None)
         usable = [e for e in view.endpoints if now <= e.fresh_until]
         if not usable:
-            return Shed(503, "no_ready_endpoint",
-                        f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
+            return refuse(Reason.NO_ENDPOINT,
+                          f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
         limit = self._slot_limit(band)
         candidates = [self._candidate(e.state, tokens) for e in usable
                       if e.takes_work and self._has_slot(e.state.address, limit)]
@@ -166,10 +157,10 @@ class PoolScheduler:
             if not busy:
                 return self._saturated(tokens, now)
             if self._over_share(tenant, tokens):
-                return Shed(429, "kv_share_exceeded",
-                            f"pool '{self.config.name}' is busy and tenant '{tenant}' holds more "
-                            "than its weighted share of its KV cache",
-                            self.retry_ms(tokens, now))
+                return refuse(Reason.KV_SHARE,
+                              f"pool '{self.config.name}' is busy and tenant '{tenant}' holds "
+                              "more than its weighted share of its KV cache",
+                              self.retry_ms(tokens, now))
             eligible = busy
         if len(eligible) == 1:
             return Placement([eligible[0].state.address])
@@ -315,12 +306,12 @@ class PoolScheduler:
 
     def _least_in_flight(
         self, snapshot: StoreSnapshot, now: float, tokens: int, rng: random.Random, band: int
-    ) -> Placement | Shed:
+    ) -> Placement | Reject:
         states = snapshot.endpoints(self.config.name)
         addresses = [s.address for s in states] or list(self.config.endpoints)
         if not addresses:
-            return Shed(503, "no_ready_endpoint",
-                        f"pool '{self.config.name}' has no endpoints", MIN_RETRY_MS)
+            return refuse(Reason.NO_ENDPOINT,
+                          f"pool '{self.config.name}' has no endpoints", MIN_RETRY_MS)
         limit = self._slot_limit(band)
         addresses = [a for a in addresses if self._has_slot(a, limit)]
         if not addresses:
@@ -331,10 +322,10 @@ class PoolScheduler:
 
     # -- when to come back -----------------------------------------------------------------
 
-    def _saturated(self, tokens: int, now: float) -> Shed:
-        return Shed(503, "pool_saturated",
-                    f"pool '{self.config.name}' is saturated (no endpoint has room)",
-                    self.retry_ms(tokens, now))
+    def _saturated(self, tokens: int, now: float) -> Reject:
+        return refuse(Reason.SATURATED,
+                      f"pool '{self.config.name}' is saturated (no endpoint has room)",
+                      self.retry_ms(tokens, now))
 
     def retry_ms(self, tokens: int, now: float) -> int:
         """Time for the pool to drain this request's worth of KV at the recent drain rate."""

@@ -1,7 +1,7 @@
 """The kvgate process: the ext_proc gRPC service, gRPC health, and the admin HTTP port.
 
 grpc.aio (with uvloop where available) because kvgate holds a stream open for the whole
-LLM call; a thread per stream would not scale (REFERENCE.md measurements).
+LLM call; a thread per stream would not scale.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
-from extproc.flow import FlowController
-from extproc.limits import build_fairness, build_store
 from extproc.metrics import Metrics
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
-from limiter import LimiterStore
+from extproc.wiring import build_director, build_store
+from limiter.stores import LimiterStore
 
 log = logging.getLogger(__name__)
 
@@ -92,18 +91,13 @@ class KvgateServer:
         self.metrics = Metrics()
         self.endpoints = EndpointStore({p.name: p.kv_capacity_tokens for p in config.pools
                                         if p.kv_capacity_tokens})
-        self.director = Director(config, store or build_store(config, self.metrics),
-                                 self.endpoints)
+        self.director = build_director(config, store or build_store(config, self.metrics),
+                                       self.endpoints, metrics=self.metrics)
         self.discoveries: list[StaticDiscovery | DnsDiscovery] = [
             DnsDiscovery(self.endpoints, p.name, p.dns.hostname, p.dns.port, p.dns.interval_s)
             if p.dns else StaticDiscovery(self.endpoints, p.name, p.endpoints)
             for p in config.pools
         ]
-        self.director.flows = {
-            name: FlowController(scheduler, build_fairness(config, name), config,
-                                 self.endpoints, self.metrics, self.director.rng)
-            for name, scheduler in self.director.schedulers.items()
-        }
         self.scraper = _scraper(config, self.endpoints, self.metrics, self.director)
         self.reuse_port = reuse_port  # several worker processes share the gRPC port
         self._renewer: asyncio.Task[None] | None = None

@@ -20,7 +20,7 @@ from extproc import messages
 from extproc.accounting import ResponseMeter
 from extproc.config import Server, Tenant
 from extproc.director import Admission, Director
-from extproc.envoy_config import DESTINATION_HEADER, EXT_PROC_HEADERS
+from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS
 from extproc.metrics import Metrics
 from extproc.openai import (
     INFERENCE_PATHS,
@@ -30,10 +30,9 @@ from extproc.openai import (
     parse_body,
     route_path,
 )
-from extproc.rejections import client_error, internal_error, rejection, shed_response
-from extproc.scheduler import Shed
+from extproc.rejections import client_error, internal_error, rejection
 from limiter import Reject
-from limiter.store import StoreUnavailable
+from limiter.stores import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ class RequestStream:
             raise _too_large(self.settings.max_body_bytes)
         reject = await director.precheck(tenant)
         if reject is not None:
-            return self._reject(reject)
+            return self._refuse(reject)
         if headers.end_of_stream or path not in _INFERENCE_PATHS:
             return await self._admit_without_body(remove)
         return messages.continue_request_headers(remove)
@@ -178,17 +177,10 @@ class RequestStream:
 
     # -- endings ---------------------------------------------------------------------------
 
-    def _reject(self, reject: Reject) -> pb.ProcessingResponse:
+    def _refuse(self, reject: Reject) -> pb.ProcessingResponse:
         if self.tenant is not None:
             self.metrics.decisions.add((self.tenant.name, reject.reason.value))
         return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
-
-    def _refuse(self, refusal: Reject | Shed) -> pb.ProcessingResponse:
-        if isinstance(refusal, Reject):
-            return self._reject(refusal)
-        if self.tenant is not None:
-            self.metrics.decisions.add((self.tenant.name, refusal.code))
-        return self._answer(*shed_response(refusal), details=f"kvgate_{refusal.code}")
 
     def _answer(
         self, status: int, body: bytes, headers: dict[str, str], *, details: str

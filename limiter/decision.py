@@ -18,6 +18,7 @@ from limiter.calendar import Period
 from limiter.outcome import (
     Admit,
     BucketView,
+    Cost,
     Reason,
     Reject,
     Remaining,
@@ -30,16 +31,7 @@ from limiter.outcome import (
 from limiter.quota import QuotaCounter, QuotaView
 from limiter.rates import Rate, require_int
 
-__all__ = [
-    "Admit",
-    "Cost",
-    "Reason",
-    "Reject",
-    "Remaining",
-    "TenantLimiter",
-    "TenantPolicy",
-    "never_fits",
-]
+__all__ = ["TenantLimiter", "TenantPolicy", "never_fits"]
 
 _POSITIVE_FIELDS = (
     "request_burst",
@@ -112,27 +104,6 @@ class TenantPolicy:
 
 def _bound(*limits: int | None) -> float:
     return min((limit for limit in limits if limit is not None), default=math.inf)
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What one request asks for: its prompt plus the output it may generate."""
-
-    prompt_tokens: int
-    max_output_tokens: int
-    requests: int = 1
-    # The reservation: the worst case, reconciled with real usage on release. Derived
-    # once: admission and release read it several times per request.
-    tokens: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        prompt, output, requests = self.prompt_tokens, self.max_output_tokens, self.requests
-        if not (type(prompt) is int and type(output) is int and type(requests) is int
-                and prompt >= 0 and output >= 0 and requests >= 0):
-            require_int("prompt_tokens", prompt, 0)  # raises with the precise complaint
-            require_int("max_output_tokens", output, 0)
-            require_int("requests", requests, 0)
-        object.__setattr__(self, "tokens", prompt + output)
 
 
 def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> BucketView | None:

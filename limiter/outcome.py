@@ -9,19 +9,40 @@ answers are identical to the in-memory ones by construction, messages included.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from limiter.quota import QuotaView
-from limiter.rates import format_duration
+from limiter.rates import format_duration, require_int
 
-if TYPE_CHECKING:
-    from limiter.decision import Cost
+
+@dataclass(frozen=True)
+class Cost:
+    """What one request asks for: its prompt plus the output it may generate."""
+
+    prompt_tokens: int
+    max_output_tokens: int
+    requests: int = 1
+    # The reservation: the worst case, reconciled with real usage on release. Derived
+    # once: admission and release read it several times per request.
+    tokens: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        prompt, output, requests = self.prompt_tokens, self.max_output_tokens, self.requests
+        if not (type(prompt) is int and type(output) is int and type(requests) is int
+                and prompt >= 0 and output >= 0 and requests >= 0):
+            require_int("prompt_tokens", prompt, 0)  # raises with the precise complaint
+            require_int("max_output_tokens", output, 0)
+            require_int("requests", requests, 0)
+        object.__setattr__(self, "tokens", prompt + output)
+
 
 
 class Reason(StrEnum):
-    """Why a request was rejected; the values double as OpenAI-style error codes."""
+    """Why a request was refused. The tenant's limits give the first seven, KV admission
+    (the scheduler and flow control) the last four; the values are the ``x-kvgate-reject``
+    header and the metrics' ``reason`` label."""
 
     REQUESTS = "requests"
     TOKENS = "tokens"
@@ -30,6 +51,19 @@ class Reason(StrEnum):
     CONTEXT = "context_length_exceeded"
     TOO_LARGE = "tokens_exceed_capacity"
     QUOTA = "quota_exceeded"
+    KV_TOO_LARGE = "kv_exceeds_capacity"  # larger than any endpoint's KV cache
+    NO_ENDPOINT = "no_ready_endpoint"  # the pool has no fresh, healthy endpoint
+    KV_SHARE = "kv_share_exceeded"  # the tenant is over its weighted share of a busy pool
+    SATURATED = "pool_saturated"  # every endpoint is full
+
+
+_STATUS = {  # the rest are 429: the tenant is over its own limits or share
+    Reason.CONTEXT: 400,
+    Reason.KV_TOO_LARGE: 400,
+    Reason.NO_ENDPOINT: 503,
+    Reason.SATURATED: 503,
+}
+QUEUEABLE = frozenset((Reason.SATURATED, Reason.KV_SHARE))  # waiting for capacity can fix these
 
 
 _LIMIT_NAMES = {
@@ -114,17 +148,37 @@ class Admit:
                f"remaining={self.remaining!r})"
 
 
+NO_REMAINING = Remaining(None, None, None, None, None, None)
+
+
 @dataclass(frozen=True)
 class Reject:
-    """No; ``retry_after_ms`` is None when waiting a little cannot help (the request is too
+    """No — the one refusal type, whoever refuses: the tenant's limits, the scheduler or flow
+    control. ``retry_after_ms`` is None when waiting a little cannot help (the request is too
     big, or a token quota is spent). ``reset_ms`` is set for quota rejections: the ms until
-    the exhausted quota resets (a client may show it; retrying before then is pointless)."""
+    the exhausted quota resets (a client may show it; retrying before then is pointless).
+    ``extproc.rejections`` turns it into the HTTP answer."""
 
     reason: Reason
     retry_after_ms: int | None
     remaining: Remaining
     message: str
     reset_ms: int | None = None
+
+    @property
+    def status(self) -> int:
+        """400 for a request that can never run, 503 for a pool that cannot run it now, 429
+        for a tenant over its limits or share."""
+        return _STATUS.get(self.reason, 429)
+
+    @property
+    def retryable(self) -> bool:
+        return self.retry_after_ms is not None
+
+
+def refuse(reason: Reason, message: str, retry_after_ms: int | None) -> Reject:
+    """A refusal that no tenant limit gave (KV admission): nothing to report as remaining."""
+    return Reject(reason, retry_after_ms, NO_REMAINING, message)
 
 
 def _seconds(ms: int) -> str:

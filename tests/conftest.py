@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 import kvgate_native
-from bench.ports import free_port
 from bench.redis_server import REDIS_SERVER, RedisServer
+from extproc.ports import free_port
 
 __all__ = ["free_port"]
 

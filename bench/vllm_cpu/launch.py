@@ -12,7 +12,7 @@ Command line (foreground until Ctrl-C / SIGTERM)::
     .venv/bin/python -m bench.vllm_cpu.launch --policy priority --port 8011 \
         --num-gpu-blocks 256 --max-num-seqs 4
 
-The command it runs is the one in REFERENCE.md:
+The command it runs (the documented vLLM OpenAI server entry point):
 `python -m vllm.entrypoints.openai.api_server --model .vllm-model --served-model-name
 tiny-llama --scheduling-policy {priority|fcfs} --dtype float32 --max-model-len 2048 --port P`
 (+ `--num-gpu-blocks-override`, `--max-num-seqs`, `--enforce-eager` when asked), with
@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.ports import free_port
+from extproc.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_DIR = Path(os.environ.get("VLLM_VENV", ROOT / ".vllm-venv"))

@@ -48,7 +48,7 @@ fi
 done_step
 
 # 3. torchvision & co. from PyPI fail to import beside this torch build, and vLLM
-#    imports torchvision opportunistically: remove them (REFERENCE.md).
+#    imports torchvision opportunistically: remove them (seen here).
 step "pip uninstall torchvision torchaudio torchcodec"
 present=()
 for p in torchvision torchaudio torchcodec; do

@@ -1,0 +1,3 @@
+from extproc.engine.server import main
+
+main()

@@ -1,0 +1,14 @@
+"""The names kvgate and Envoy agree on: headers kvgate reads or sets, metadata namespaces.
+
+The request path and the bootstrap renderer (``envoy_config.py``) both import them from here,
+so the rendered filter forwards exactly the headers the stream reads.
+"""
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# The request headers kvgate reads (plus the class header and any x-kvgate-* a client sent,
+# which kvgate strips): Envoy forwards only these to it.
+EXT_PROC_HEADERS = (":path", "authorization", "content-length")
+KVGATE_HEADER_PREFIX = "x-kvgate-"
+# Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.
+LB_NAMESPACE = "envoy.lb"
+RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate")

@@ -1,0 +1,42 @@
+"""What a request costs: the model (and so the pool) that serves it, and its tokens.
+
+Prompt tokens come from the model's tokenizer when one is configured (else a chars-per-token
+estimate) plus the chat template's overhead per message; output tokens are the request's
+``max_tokens``, or the model's default. The reservation is reconciled with the engine's
+real usage when the request ends.
+"""
+
+from __future__ import annotations
+
+from extproc.config import Config, Model, Pool
+from extproc.openai import PER_MESSAGE_OVERHEAD_TOKENS, BadRequest, InferenceRequest
+from extproc.tokens import TokenCounter, make_counter
+from limiter.outcome import Cost
+
+
+class Pricer:
+    def __init__(self, config: Config):
+        self._models: dict[str, tuple[Pool, Model]] = {
+            m.name: (p, m) for p in config.pools for m in p.models
+        }
+        self._counters: dict[str, TokenCounter] = {
+            name: make_counter(model.tokenizer, config.server.chars_per_token)
+            for name, (_, model) in self._models.items()
+        }
+
+    def resolve(self, model_name: str) -> tuple[Pool, Model]:
+        """The pool serving ``model_name`` and its configuration; 404 for an unknown one."""
+        found = self._models.get(model_name)
+        if found is None:
+            raise BadRequest(
+                f"the model '{model_name}' does not exist "
+                f"(served here: {', '.join(sorted(self._models))})",
+                status=404, code="model_not_found", param="model",
+            )
+        return found
+
+    def price(self, model: Model, request: InferenceRequest) -> Cost:
+        prompt = self._counters[model.name].count(request.prompt_texts)
+        prompt += PER_MESSAGE_OVERHEAD_TOKENS * request.message_count
+        output = request.max_output_tokens
+        return Cost(prompt, model.default_max_tokens if output is None else output)

@@ -1,0 +1,72 @@
+"""Who is asking: tenants by API key (configured as sha256 hashes) and by name, and the
+limiter policy each tenant's configured limits make."""
+
+from __future__ import annotations
+
+import hashlib
+
+from extproc.config import Config, Limits, Tenant
+from extproc.openai import BadRequest
+from limiter.decision import TenantPolicy
+from limiter.rates import Rate
+
+RECENT_KEYS = 4096  # authenticated Authorization values remembered
+
+
+def policy_from_limits(limits: Limits) -> TenantPolicy:
+    window = limits.sliding_window
+    return TenantPolicy(
+        request_rate=Rate.per_second(limits.requests_per_second)
+        if limits.requests_per_second
+        else None,
+        request_burst=limits.effective_request_burst,
+        token_rate=Rate.per_minute(limits.tokens_per_minute) if limits.tokens_per_minute else None,
+        token_burst=limits.effective_token_burst,
+        max_concurrency=limits.max_concurrency,
+        max_context_tokens=limits.max_context_tokens,
+        window_limit=window.requests if window else None,
+        window_ms=window.window_ms if window else None,
+        daily_token_quota=limits.daily_token_quota,
+        monthly_token_quota=limits.monthly_token_quota,
+    )
+
+
+class Tenants:
+    def __init__(self, config: Config):
+        self._by_key = {key: t for t in config.tenants for key in t.api_keys}
+        self._by_name = {t.name: t for t in config.tenants}
+        self._recent: dict[str, Tenant] = {}  # Authorization value → tenant
+        self._policies = {t.name: policy_from_limits(config.limits_for(t))
+                          for t in config.tenants}
+        self._weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant owning the request's API key. A key already seen skips the hash
+        (OpenSSL's sha256 costs microseconds a call here)."""
+        tenant = self._recent.get(authorization or "")
+        if tenant is not None:
+            return tenant
+        scheme, _, key = (authorization or "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise BadRequest(
+                "missing API key: send 'Authorization: Bearer <key>'",
+                status=401, code="invalid_api_key",
+            )
+        tenant = self._by_key.get("sha256:" + hashlib.sha256(key.encode()).hexdigest())
+        if tenant is None:
+            raise BadRequest("incorrect API key provided", status=401, code="invalid_api_key")
+        if len(self._recent) >= RECENT_KEYS:
+            self._recent.clear()  # bounded: a flood of distinct valid keys only re-hashes
+        self._recent[authorization or ""] = tenant
+        return tenant
+
+    def get(self, name: str) -> Tenant | None:
+        return self._by_name.get(name)
+
+    def policy(self, tenant: Tenant) -> TenantPolicy:
+        return self._policies[tenant.name]
+
+    def weight(self, tenant: Tenant) -> float:
+        """The tenant's tier weight: its share of a busy pool and of the fair queue."""
+        return self._weights[tenant.name]

@@ -1,0 +1,111 @@
+"""Builds the parts a configuration asks for: the limit store, the fair-queue counters, and
+the director over its pipeline's parts.
+
+Stores are in-memory unless ``redis:`` is configured; then Redis behind the failover wrapper
+(:mod:`limiter.stores.failover`), with its breaker and failure policy wired to metrics.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from extproc.classify import Classifier
+from extproc.config import Config, RedisSettings
+from extproc.datalayer.endpoints import EndpointStore
+from extproc.director import Director
+from extproc.flow import FlowController
+from extproc.metrics import Metrics
+from extproc.pricing import Pricer
+from extproc.scheduler import PoolScheduler
+from extproc.tenants import Tenants
+from limiter.breaker import CircuitBreaker, Transition
+from limiter.stores import (
+    FailoverFairness,
+    FailoverStore,
+    FailurePolicy,
+    Fairness,
+    LimiterStore,
+    MemoryFairness,
+    MemoryStore,
+)
+
+
+def redis_client(settings: RedisSettings) -> Any:
+    """One attempt per call within the timeout budget; the breaker does the rest."""
+    import redis.asyncio as aioredis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    timeout_s = settings.timeout_ms / 1000
+    return aioredis.from_url(
+        settings.url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def build_store(config: Config, metrics: Metrics) -> LimiterStore:
+    """In-memory unless ``redis`` is configured; then Redis behind the failure policy."""
+    if config.redis is None:
+        return MemoryStore()
+    from limiter.stores.redis_store import RedisStore
+
+    settings = config.redis
+    timeout_s = settings.timeout_ms / 1000
+    client = redis_client(settings)
+    primary = RedisStore(
+        client, prefix=settings.prefix, lease_ttl_ms=int(settings.lease_ttl_s * 1000)
+    )
+
+    def on_transition(transition: Transition) -> None:
+        metrics.store_transitions.labels(transition.new.value).inc()
+        metrics.store_state.set(0 if transition.new == "closed" else 1)
+
+    return FailoverStore(
+        primary,
+        policy=FailurePolicy(settings.failure_policy),
+        replicas=settings.replicas,
+        timeout_s=timeout_s,
+        breaker=CircuitBreaker(settings.breaker_failures, settings.breaker_open_ms),
+        on_transition=on_transition,
+        on_fallback=lambda policy: metrics.store_fallbacks.labels(policy).inc(),
+    )
+
+
+def build_fairness(config: Config, pool: str) -> Fairness:
+    """Who goes next in a pool's queue: counters shared through Redis when configured."""
+    if config.redis is None:
+        return MemoryFairness()
+    from limiter.stores.fairness import RedisFairness
+
+    shared = RedisFairness(redis_client(config.redis), pool=pool, prefix=config.redis.prefix)
+    return FailoverFairness(shared, config.redis.timeout_ms / 1000)
+
+
+def build_director(
+    config: Config,
+    store: LimiterStore,
+    endpoints: EndpointStore | None = None,
+    *,
+    metrics: Metrics | None = None,
+    rng: random.Random | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Director:
+    """The director with a scheduler and a flow controller (fair queue) per pool."""
+    endpoints = endpoints or EndpointStore()
+    metrics = metrics or Metrics()
+    rng = rng or random.Random()
+    tenants = Tenants(config)
+    weights = {t.name: tenants.weight(t) for t in config.tenants}
+    schedulers = {p.name: PoolScheduler(p, weights, config.scrape.staleness_s)
+                  for p in config.pools}
+    flows = {name: FlowController(scheduler, build_fairness(config, name), config, endpoints,
+                                  metrics, rng, clock)
+             for name, scheduler in schedulers.items()}
+    return Director(config, tenants=tenants, pricer=Pricer(config),
+                    classifier=Classifier(config), store=store, schedulers=schedulers,
+                    flows=flows, endpoints=endpoints, rng=rng, clock=clock)

@@ -1,0 +1,88 @@
+"""The interfaces the request path uses for limits and fair-queue counters, whichever store
+sits behind them."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from limiter.decision import TenantPolicy
+from limiter.fairqueue import QueuedRequest
+from limiter.outcome import Admit, Cost, Reject
+
+
+class StoreUnavailable(Exception):
+    """The shared store could not answer (connection refused, timeout, server error).
+
+    One exception type so the caller's failure policy (fail open, fail closed, fall back to
+    local limits) needs to know nothing about the store's client library.
+    """
+
+
+@runtime_checkable
+class LimiterStore(Protocol):
+    """Per-tenant admission state. Async because the shared (Redis) store does I/O.
+
+    The policy travels with every call so a store never holds stale limits: it creates a
+    tenant's state lazily and applies a changed policy on the next call. Any method of a
+    shared store may raise :class:`StoreUnavailable`.
+    """
+
+    async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
+        """Peek at request-count limits (headers phase); consumes nothing."""
+        ...
+
+    async def admit(
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+    ) -> Admit | Reject:
+        """All-or-nothing admission across every dimension."""
+        ...
+
+    async def release(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> bool:
+        """Release a lease exactly once; False if unknown, expired or already released."""
+        ...
+
+    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
+        """Extend the TTL of held leases (long streams), so they are not reclaimed as leaked."""
+        ...
+
+    async def in_flight(self, tenant: str) -> int:
+        """Leases currently held by ``tenant``."""
+        ...
+
+    async def usage(self, tenant: str, policy: TenantPolicy) -> dict[str, Any]:
+        """JSON-friendly snapshot of every dimension (admin endpoint)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the store's resources (connections)."""
+        ...
+
+
+@runtime_checkable
+class Fairness(Protocol):
+    """Picks the next request of a band and charges its tenant, atomically.
+
+    Async because the shared implementation does I/O; every method of a shared one may raise
+    :class:`~limiter.stores.base.StoreUnavailable` (the caller then falls back to a
+    :class:`MemoryFairness`).
+    """
+
+    async def activate(self, tenant: str) -> None:
+        """``tenant``'s queue went from empty to non-empty (on this replica)."""
+        ...
+
+    async def choose(
+        self, candidates: list[QueuedRequest], now_ms: int
+    ) -> QueuedRequest | None:
+        """Pick one of ``candidates`` (None if empty) and charge it, in one step."""
+        ...
+
+    async def counters(self) -> dict[str, float]:
+        """Tenant → virtual counter in tokens per unit of weight (``/debug/queues``)."""
+        ...
+
+    async def close(self) -> None:
+        """Release resources (connections)."""
+        ...

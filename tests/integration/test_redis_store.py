@@ -1,0 +1,447 @@
+"""The Redis store against a real redis-server: identical decisions to the memory store,
+exact retries, lease TTLs, exactly-once release, key hygiene and failure behaviour.
+
+One redis-server serves the module (FLUSHDB between examples); the failure tests run their
+own, since they kill it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+
+from bench.redis_server import RedisServer
+from limiter import (
+    DAY_MS,
+    Admit,
+    Cost,
+    Period,
+    Rate,
+    Reason,
+    Reject,
+    TenantPolicy,
+    period_bounds,
+    wall_ms,
+)
+from limiter.stores import LimiterStore, MemoryStore, StoreUnavailable
+from limiter.stores.redis_store import RedisStore
+from tests.limiter_support import policies
+
+pytestmark = pytest.mark.redis
+
+PARITY = settings(
+    max_examples=int(os.environ.get("KVGATE_REDIS_EXAMPLES", "80")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+EPOCH_2026 = 1_767_225_600_000  # 2026-01-01T00:00:00Z
+
+
+class FakeClock:
+    """Epoch ms that only move when the test says so (shared by both stores)."""
+
+    def __init__(self, now: int = EPOCH_2026) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _client(url: str, timeout_s: float = 2.0) -> aioredis.Redis:
+    """Short timeouts, one quick retry: a dead Redis must fail fast, not hang admissions."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    redis_client = _client(redis_server.url)
+    await redis_client.flushdb()
+    yield redis_client
+    await redis_client.aclose()
+
+
+# --- parity with the in-memory store -----------------------------------------------------
+
+def _boundaries() -> st.SearchStrategy[int]:
+    """Just before a UTC month (hence day) boundary, leap Februaries included."""
+    months = st.tuples(st.integers(2020, 2035), st.integers(1, 12))
+    return st.builds(
+        lambda ym, back: int(datetime(ym[0], ym[1], 1, tzinfo=UTC).timestamp() * 1000) - back,
+        months,
+        st.integers(1, 5000),
+    )
+
+
+starts = st.one_of(_boundaries(), st.integers(EPOCH_2026, EPOCH_2026 + 400 * DAY_MS))
+
+permille = st.one_of(st.integers(0, 1000), st.integers(800, 1000), st.integers(0, 1100))
+ops = st.one_of(
+    st.tuples(st.just("admit"), permille, permille, st.sampled_from([1, 1, 1, 0, 2])),
+    st.tuples(st.just("admit"), permille, permille, st.just(1)),
+    st.tuples(st.just("admit"), st.integers(0, 400), st.integers(0, 400), st.just(1)),
+    st.tuples(st.just("release"), st.integers(0, 10**6),
+              st.one_of(st.none(), st.integers(0, 2000))),
+    st.tuples(st.just("check")),
+    st.tuples(st.just("renew"), st.integers(0, 10**6)),
+    st.tuples(st.just("advance"), st.one_of(st.integers(0, 50), st.integers(0, 3000))),
+    st.tuples(st.just("advance"), st.integers(0, 500)),
+    st.tuples(st.just("advance"), st.sampled_from([DAY_MS // 2, DAY_MS, 31 * DAY_MS])),
+    st.tuples(st.just("switch")),
+    st.tuples(st.just("usage")),
+)
+
+
+def _scaled_cost(policy: TenantPolicy, prompt: int, output: int, requests: int) -> Cost:
+    """Costs in per-mille of the tenant's token budget, so every dimension gets to say no
+    (above 1000 ‰ the request can never fit)."""
+    cap = policy.token_burst or 3000
+    tokens = cap * prompt // 1000
+    return Cost(tokens, max(0, cap - tokens) * output // 1000, requests)
+
+
+async def _step(
+    store: LimiterStore, op: tuple, policy: TenantPolicy, held: dict[str, int], n: int
+) -> object:
+    """Apply one scripted operation to ``store``; returns what the caller must compare."""
+    kind, leases = op[0], sorted(held)
+    if kind == "admit":
+        return await store.admit("acme", policy, _scaled_cost(policy, *op[1:]), f"lease-{n}")
+    if kind == "release":
+        lease = leases[op[1] % len(leases)] if leases else "never"
+        used = None if op[2] is None else held.get(lease, 0) * op[2] // 1000
+        return await store.release("acme", policy, lease, used)
+    if kind == "renew":
+        await store.renew("acme", [leases[op[1] % len(leases)]] if leases else [])
+        return await store.in_flight("acme")
+    if kind == "check":
+        return await store.check_requests("acme", policy)
+    return await store.usage("acme", policy)
+
+
+@PARITY
+@given(st.data(), st.lists(policies(quotas=True), min_size=1, max_size=2), starts,
+       st.sampled_from([None, 700, 5000]))
+async def test_parity_with_memory_store(
+    client: aioredis.Redis,
+    data: st.DataObject,
+    pols: list[TenantPolicy],
+    start: int,
+    lease_ttl: int | None,
+) -> None:
+    """Scripted arrivals give identical answers (decision, reason, retry, remaining, reset,
+    messages, usage) from the memory and the Redis store driven by one fake clock."""
+    await client.flushdb()
+    clock = FakeClock(start)
+    memory = MemoryStore(clock, lease_ttl_ms=lease_ttl)
+    shared = RedisStore(client, clock=clock, lease_ttl_ms=lease_ttl or 10**12)
+    held: dict[str, int] = {}
+    which = 0
+    for n, op in enumerate(data.draw(st.lists(ops, min_size=5, max_size=60), label="ops")):
+        if op[0] == "advance":
+            clock.now += op[1]
+            continue
+        if op[0] == "switch":
+            which = (which + 1) % len(pols)
+            continue
+        policy = pols[which]
+        expected = await _step(memory, op, policy, held, n)
+        assert await _step(shared, op, policy, held, n) == expected, (op, clock.now)
+        if isinstance(expected, Admit):
+            held[expected.lease_id] = expected.cost.tokens
+        event(f"{op[0]}: {type(expected).__name__}")
+        if isinstance(expected, Reject):
+            event(f"reject: {expected.reason}")
+    assert await shared.in_flight("acme") == await memory.in_flight("acme")
+    assert await shared.usage("acme", pols[which]) == await memory.usage("acme", pols[which])
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.data(), policies(quotas=True), starts)
+async def test_clock_stepping_back_is_safe(
+    client: aioredis.Redis, data: st.DataObject, policy: TenantPolicy, start: int
+) -> None:
+    """Steps back in time (exact parity is only promised for a clock that does not go
+    back): no script error, every wait positive, no negative count."""
+    await client.flushdb()
+    clock = FakeClock(start)
+    store = RedisStore(client, clock=clock, lease_ttl_ms=700)
+    steps = st.one_of(ops, st.tuples(st.just("back"), st.integers(1, 5000)))
+    held: dict[str, int] = {}
+    for n, op in enumerate(data.draw(st.lists(steps, min_size=5, max_size=40))):
+        if op[0] in ("advance", "back"):
+            clock.now += op[1] if op[0] == "advance" else -op[1]
+            continue
+        if op[0] == "switch":
+            continue
+        result = await _step(store, op, policy, held, n)
+        if isinstance(result, Admit):
+            held[result.lease_id] = result.cost.tokens
+        if isinstance(result, Reject):
+            assert result.retry_after_ms is None or result.retry_after_ms > 0
+            counts = [v for v in dataclasses.asdict(result.remaining).values() if v is not None]
+            assert min(counts, default=0) >= 0
+    usage = await store.usage("acme", policy)
+    assert usage["in_flight"] >= 0
+    assert all(q["used"] >= 0 for q in usage["quotas"].values())
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(-(10**12), 4_102_444_800_000), st.integers(1, 10**6))
+async def test_calendar_in_lua_matches_python(client: aioredis.Redis, now: int, quota: int) -> None:
+    """The script's UTC day/month arithmetic (from 1938 to 2100) equals period_bounds."""
+    clock = FakeClock(now)
+    store = RedisStore(client, clock=clock)
+    policy = TenantPolicy(daily_token_quota=quota, monthly_token_quota=quota)
+    usage = await store.usage("acme", policy)
+    for period in Period:
+        start, end = period_bounds(now, period)
+        got = usage["quotas"][period.value]
+        assert (got["period_start_ms"], got["reset_ms"]) == (start, end - now)
+
+
+# --- retries, leases, release ------------------------------------------------------------
+
+
+def no_concurrency_policies() -> st.SearchStrategy[TenantPolicy]:
+    return policies(concurrency=False, quotas=True)
+
+
+@PARITY
+@given(st.data(), no_concurrency_policies(), starts)
+async def test_retry_after_is_exact_through_redis(
+    client: aioredis.Redis, data: st.DataObject, policy: TenantPolicy, start: int
+) -> None:
+    """Rejected with retry_after_ms = w: admitted at now + w, still rejected at now + w − 1."""
+    await client.flushdb()
+    clock = FakeClock(start)
+    store = RedisStore(client, clock=clock)
+    for n in range(data.draw(st.integers(0, 15))):
+        clock.now += data.draw(st.one_of(st.integers(0, 20), st.integers(0, 400)))
+        cost = _scaled_cost(policy, data.draw(st.integers(300, 1000)), 0, 1)
+        await store.admit("acme", policy, cost, f"h{n}")
+    cost = _scaled_cost(policy, data.draw(permille), data.draw(permille), 1)
+    result = await store.admit("acme", policy, cost, "probe")
+    if not isinstance(result, Reject) or result.retry_after_ms is None:
+        event("admitted at once or never retryable")
+        return
+    now, wait = clock.now, result.retry_after_ms
+    clock.now = now + wait - 1
+    assert isinstance(await store.admit("acme", policy, cost, "probe"), Reject)
+    clock.now = now + wait
+    assert isinstance(await store.admit("acme", policy, cost, "probe"), Admit)
+
+
+async def test_unreleased_lease_expires_and_renew_keeps_it(client: aioredis.Redis) -> None:
+    clock = FakeClock()
+    policy = TenantPolicy(max_concurrency=1, concurrency_retry_ms=250)
+    for store in (RedisStore(client, clock=clock, lease_ttl_ms=1000),
+                  MemoryStore(clock, lease_ttl_ms=1000)):
+        start = clock.now
+        assert isinstance(await store.admit("acme", policy, Cost(1, 1), "crashed"), Admit)
+        clock.now = start + 999
+        blocked = await store.check_requests("acme", policy)
+        assert blocked is not None and blocked.reason is Reason.CONCURRENCY
+        clock.now = start + 1000  # never released: the slot frees itself
+        assert await store.in_flight("acme") == 0
+        assert await store.release("acme", policy, "crashed", 0) is False
+        assert isinstance(await store.admit("acme", policy, Cost(1, 1), "streaming"), Admit)
+        clock.now = start + 1900
+        await store.renew("acme", ["streaming", "unknown"])
+        clock.now = start + 2500  # past the first expiry, inside the renewed one
+        assert await store.in_flight("acme") == 1
+        assert await store.release("acme", policy, "streaming", 2) is True
+        clock.now += 10_000
+
+
+async def test_release_is_exactly_once(client: aioredis.Redis) -> None:
+    clock = FakeClock()
+    store = RedisStore(client, clock=clock)
+    policy = TenantPolicy(token_rate=Rate(1, 1), token_burst=1000, daily_token_quota=5000)
+    admitted = await store.admit("acme", policy, Cost(100, 500), "a")
+    assert isinstance(admitted, Admit) and admitted.remaining.tokens_remaining == 400
+    assert await store.release("acme", policy, "a", 150) is True
+    after = await store.usage("acme", policy)
+    assert after["tokens"]["available"] == 850
+    assert after["quotas"]["daily"]["used"] == 150
+    assert await store.release("acme", policy, "a", 0) is False
+    assert await store.release("acme", policy, "a", 10_000) is False
+    assert await store.usage("acme", policy) == after
+
+
+async def test_duplicate_lease_is_a_bug(client: aioredis.Redis) -> None:
+    store = RedisStore(client, clock=FakeClock())
+    assert isinstance(await store.admit("acme", TenantPolicy(), Cost(1, 1), "a"), Admit)
+    with pytest.raises(ValueError, match="already held"):
+        await store.admit("acme", TenantPolicy(), Cost(1, 1), "a")
+
+
+async def test_quota_reject_carries_reset_time(client: aioredis.Redis) -> None:
+    clock = FakeClock(EPOCH_2026 - 10_000)  # 10 s before 2026 (and a new day and month)
+    store = RedisStore(client, clock=clock)
+    policy = TenantPolicy(daily_token_quota=1000, monthly_token_quota=100_000)
+    assert isinstance(await store.admit("acme", policy, Cost(600, 300), "a"), Admit)
+    rejected = await store.admit("acme", policy, Cost(100, 100), "b")
+    assert isinstance(rejected, Reject)
+    assert (rejected.reason, rejected.retry_after_ms, rejected.reset_ms) == (
+        Reason.QUOTA, None, 10_000,
+    )
+    assert rejected.remaining.quota_remaining == 100
+    clock.now = EPOCH_2026
+    assert isinstance(await store.admit("acme", policy, Cost(100, 100), "b"), Admit)
+
+
+async def test_server_clock_mode(client: aioredis.Redis) -> None:
+    """clock=None: the scripts read Redis TIME; quotas land in today's UTC period."""
+    store = RedisStore(client)
+    policy = TenantPolicy(request_rate=Rate(1, 60_000), request_burst=1, daily_token_quota=50)
+    before = wall_ms()
+    assert isinstance(await store.admit("acme", policy, Cost(10, 10), "a"), Admit)
+    rejected = await store.admit("acme", policy, Cost(1, 1), "b")
+    assert isinstance(rejected, Reject) and rejected.reason is Reason.REQUESTS
+    assert rejected.retry_after_ms is not None and 0 < rejected.retry_after_ms <= 60_000
+    usage = await store.usage("acme", policy)
+    assert usage["quotas"]["daily"]["used"] == 20
+    starts = {period_bounds(t, Period.DAY)[0] for t in (before, wall_ms())}
+    assert usage["quotas"]["daily"]["period_start_ms"] in starts
+
+
+# --- keys --------------------------------------------------------------------------------
+
+
+async def _busy_tenant(store: RedisStore, policy: TenantPolicy, clock: FakeClock) -> None:
+    for n in range(5):
+        await store.admit("acme", policy, Cost(50, 50), f"l{n}")
+        clock.now += 7
+    await store.release("acme", policy, "l0", 10)
+
+
+FULL = TenantPolicy(
+    request_rate=Rate(1, 100), request_burst=10, token_rate=Rate(1, 1), token_burst=5000,
+    window_limit=10, window_ms=1000, max_concurrency=10, daily_token_quota=10**6,
+    monthly_token_quota=10**7,
+)
+
+
+async def test_every_key_has_a_ttl_and_the_tenant_hash_tag(client: aioredis.Redis) -> None:
+    clock = FakeClock()
+    store = RedisStore(client, clock=clock)
+    await _busy_tenant(store, FULL, clock)
+    keys = [key async for key in client.scan_iter("*")]
+    assert sorted(k.decode() for k in keys) == sorted(store.keys("acme"))
+    for key in keys:
+        assert key.startswith(b"kvgate:{kvgate:acme}:")
+        assert await client.pttl(key) > 0, key
+    assert len({key_slot(key) for key in keys}) == 1
+
+
+async def test_prefix_and_odd_tenant_names(client: aioredis.Redis) -> None:
+    clock = FakeClock()
+    store = RedisStore(client, prefix="kvtest", clock=clock)
+    for tenant in ("a}b{c", "x%7Dy"):
+        await store.admit(tenant, FULL, Cost(1, 1), "l")
+    keys = [key.decode() async for key in client.scan_iter("*")]
+    assert all(key.startswith("kvtest:{kvtest:") for key in keys)
+    assert len({key_slot(k.encode()) for k in store.keys("a}b{c")}) == 1
+    assert set(store.keys("a}b{c")).isdisjoint(store.keys("x%7Dy"))
+    assert await store.in_flight("a}b{c") == 1 and await store.in_flight("x%7Dy") == 1
+
+
+async def test_idle_tenant_leaves_nothing_behind(client: aioredis.Redis) -> None:
+    """Server clock, short slack: once every dimension is back to its default state (and
+    the lease has expired), every key is gone by itself."""
+    store = RedisStore(client, lease_ttl_ms=100, ttl_slack_ms=20)
+    policy = TenantPolicy(
+        request_rate=Rate(1, 20), request_burst=1, window_limit=1, window_ms=50,
+        token_rate=Rate(1, 1), token_burst=10, max_concurrency=1,
+    )
+    assert isinstance(await store.admit("acme", policy, Cost(5, 5), "a"), Admit)
+    assert await client.dbsize() == 6  # both buckets, window + meta, leases + meta
+    ttls = [await client.pttl(key) async for key in client.scan_iter("*")]
+    assert all(0 < ttl <= 200 for ttl in ttls), ttls
+    for _ in range(100):
+        if await client.dbsize() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await client.dbsize() == 0
+
+
+# --- scripts and failures ----------------------------------------------------------------
+
+
+async def test_noscript_reload(client: aioredis.Redis) -> None:
+    store = RedisStore(client, clock=FakeClock())
+    assert isinstance(await store.admit("acme", FULL, Cost(1, 1), "a"), Admit)
+    await client.script_flush()
+    assert isinstance(await store.admit("acme", FULL, Cost(1, 1), "b"), Admit)
+    assert await store.release("acme", FULL, "a", 1) is True
+    assert await store.in_flight("acme") == 1
+
+
+async def test_redis_down_raises_store_unavailable_promptly_then_recovers() -> None:
+    with RedisServer() as srv:
+        store = RedisStore(_client(srv.url, timeout_s=0.5), clock=FakeClock())
+        assert isinstance(await store.admit("acme", FULL, Cost(1, 1), "a"), Admit)
+        srv.kill()
+        for call in (
+            store.admit("acme", FULL, Cost(1, 1), "b"),
+            store.release("acme", FULL, "a", 1),
+            store.check_requests("acme", FULL),
+            store.in_flight("acme"),
+        ):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                await call
+            assert time.monotonic() - started < 2.0
+        srv.start()  # an empty server: scripts reload on NOSCRIPT, state starts afresh
+        assert isinstance(await store.admit("acme", FULL, Cost(1, 1), "c"), Admit)
+        assert await store.in_flight("acme") == 1
+        await store.close()
+
+
+async def test_memory_and_redis_satisfy_the_protocol(client: aioredis.Redis) -> None:
+    assert isinstance(RedisStore(client), LimiterStore)
+    assert isinstance(MemoryStore(), LimiterStore)
+
+
+def test_policy_bounds_are_checked_before_lua() -> None:
+    from limiter.stores.redis_store import _policy_arg
+
+    ok = TenantPolicy(token_rate=Rate.per_minute(1.5), token_burst=10**7)
+    assert _policy_arg(ok) == "0,0,0,1,40000,10000000,0,0,0,1000,0,0"
+    with pytest.raises(ValueError, match="2\\^51"):
+        _policy_arg(TenantPolicy(token_rate=Rate(1, 60_000), token_burst=10**11))
+
+
+async def test_timing_one_admission(client: aioredis.Redis) -> None:
+    """Not a benchmark: a sanity bound (one round trip, ~0.1 ms of Lua) that catches a
+    script accidentally going O(n) in the window or lease sets."""
+    store = RedisStore(client)
+    policy = TenantPolicy(
+        request_rate=Rate(1, 1), request_burst=10**6, token_rate=Rate(1000, 1),
+        token_burst=10**8, window_limit=10**6, window_ms=60_000, max_concurrency=10**6,
+        daily_token_quota=10**12,
+    )
+    started = time.perf_counter()
+    for n in range(300):
+        await store.admit("acme", policy, Cost(100, 100), f"l{n}")
+    per_call = (time.perf_counter() - started) / 300
+    assert per_call < 0.01, per_call

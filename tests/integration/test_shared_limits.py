@@ -1,0 +1,171 @@
+"""Limits shared through a real redis-server: several kvgate processes, Redis failures, and
+the leases of a crashed replica."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+import yaml
+
+from bench.extproc_client import ExtProcClient
+from bench.redis_server import RedisServer
+from extproc.cli import main
+from extproc.config import hash_api_key, parse_config
+from extproc.server import KvgateServer
+from limiter.stores import FailoverStore
+from tests.conftest import free_port
+from tests.kvgate_process import KvgateProcess
+
+pytestmark = pytest.mark.redis
+
+KEY = "sk-shared"
+USAGE = orjson.dumps({"usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+BODY = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    if not redis_server.running:
+        redis_server.start()
+    redis_server.flushall()
+    return redis_server.url
+
+
+def config(redis_url, limits, **redis):
+    return parse_config({
+        "server": {"grpc_port": free_port(), "admin_port": free_port()},
+        "redis": {"url": redis_url, "timeout_ms": 50, "breaker_open_ms": 300, **redis},
+        "tiers": {"t": {"limits": limits}},
+        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:9"], "kv_aware": False}],
+    })
+
+
+async def hammer(target: str, seconds: float, tasks: int = 4) -> list[tuple[float, bool]]:
+    """Offer far more load than the limit; every admitted request completes at once."""
+    client = ExtProcClient(target)
+    deadline = time.monotonic() + seconds
+    results: list[tuple[float, bool]] = []
+
+    async def worker() -> None:
+        while time.monotonic() < deadline:
+            outcome = await client.chat(KEY, BODY, response=USAGE)
+            assert outcome.status in (200, 429), outcome
+            results.append((time.monotonic(), outcome.admitted))
+
+    await asyncio.gather(*(worker() for _ in range(tasks)))
+    await client.close()
+    return results
+
+
+async def test_two_replicas_enforce_one_global_limit(redis_url, tmp_path):
+    rate, burst = 40, 20
+    shared = config(redis_url, {"requests_per_second": rate, "request_burst": burst})
+    other = shared.model_copy(update={"server": shared.server.model_copy(
+        update={"grpc_port": free_port(), "admin_port": free_port()})})
+    # replica b runs two worker processes on one port (SO_REUSEPORT): three processes in all
+    with KvgateProcess(shared, tmp_path, "a") as a, \
+            KvgateProcess(other, tmp_path, "b", workers=2) as b:
+        start = time.monotonic()
+        runs = await asyncio.gather(hammer(a.target, 3.0), hammer(b.target, 3.0))
+    results = runs[0] + runs[1]
+    admitted = sum(ok for _, ok in results)
+    elapsed = max(t for t, _ in results) - start
+    ceiling = rate * elapsed + burst
+    assert sum(1 for _, ok in runs[0] if ok) and sum(1 for _, ok in runs[1] if ok)
+    print(f"admitted {admitted} of {len(results)} offered; ceiling {ceiling:.1f}")
+    assert admitted <= ceiling, (admitted, ceiling)
+    assert admitted >= 0.95 * ceiling, (admitted, ceiling)
+
+
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
+async def test_redis_down_follows_the_policy_and_recovers(redis_server, redis_url, policy):
+    # a slow refill (1 request/s for this replica alone): none comes back during the six
+    cfg = config(redis_url, {"requests_per_second": 2, "request_burst": 4},
+                 failure_policy=policy, replicas=2)
+    server = KvgateServer(cfg)
+    await server.start()
+    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        assert (await client.chat(KEY, BODY, response=USAGE)).admitted
+        redis_server.kill()
+        outcomes = []
+        for _ in range(6):
+            started = time.monotonic()
+            outcomes.append(await asyncio.wait_for(client.chat(KEY, BODY, response=USAGE), 2))
+            assert time.monotonic() - started < 0.5  # never stuck on a dead Redis
+        statuses = [o.status for o in outcomes]
+        if policy == "fail_open":
+            assert statuses == [200] * 6
+        elif policy == "fail_closed":
+            assert statuses == [503] * 6
+            assert outcomes[0].headers["retry-after"] == "1"
+        else:  # this replica's half of a 4-request burst
+            assert statuses == [200, 200, 429, 429, 429, 429]
+        assert server.metrics.store_fallbacks.labels(policy)._value.get() >= 1
+
+        redis_server.start()
+        recovered = time.monotonic()
+        while (await client.chat(KEY, BODY, response=USAGE)).status == 503 or (
+            server.director.store.breaker.state != "closed"
+        ):
+            assert time.monotonic() - recovered < 1.0, "limits did not resume within 1 s"
+            await asyncio.sleep(0.02)
+        store = server.director.store
+        assert isinstance(store, FailoverStore) and not store._where  # nothing held
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_leases_of_a_killed_replica_expire(redis_url, tmp_path):
+    cfg = config(redis_url, {"max_concurrency": 1}, lease_ttl_s=1)
+    other = cfg.model_copy(update={"server": cfg.server.model_copy(
+        update={"grpc_port": free_port(), "admin_port": free_port()})})
+    with KvgateProcess(cfg, tmp_path, "doomed") as doomed, KvgateProcess(other, tmp_path, "b") as b:
+        client_a, client_b = ExtProcClient(doomed.target), ExtProcClient(b.target)
+        outcome, _call = await client_a.open(KEY, BODY)
+        assert outcome.admitted
+        busy = await client_b.chat(KEY, BODY, response=USAGE)
+        assert busy.status == 429 and b"concurrency" in busy.body
+        doomed.kill()
+        killed = time.monotonic()
+        while not (await client_b.chat(KEY, BODY, response=USAGE)).admitted:
+            assert time.monotonic() - killed < 3.0, "the dead replica's lease never expired"
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - killed >= 0.5  # held until its TTL, not freed early
+        await client_a.close()
+        await client_b.close()
+
+
+async def test_long_streams_keep_their_lease(redis_url, tmp_path):
+    cfg = config(redis_url, {"max_concurrency": 1}, lease_ttl_s=0.6)
+    with KvgateProcess(cfg, tmp_path, "a") as a:
+        client = ExtProcClient(a.target)
+        outcome, call = await client.open(KEY, BODY)
+        assert outcome.admitted
+        await asyncio.sleep(1.5)  # > 2 TTLs: renewal keeps the slot
+        assert (await client.chat(KEY, BODY, response=USAGE)).status == 429
+        call.cancel()  # the stream ends: the slot comes back
+        deadline = time.monotonic() + 2
+        while not (await client.chat(KEY, BODY, response=USAGE)).admitted:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await client.close()
+
+
+def test_workers_need_redis(tmp_path, capsys):
+    cfg = config("redis://127.0.0.1:1", {}).model_copy(update={"redis": None})
+    path = tmp_path / "k.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    assert main(["serve", "-c", str(path), "--workers", "2"]) == 2
+    assert "needs `redis:`" in capsys.readouterr().err

@@ -1,0 +1,330 @@
+"""The NVML seam and the agent (extproc.datalayer.nvml, .agent).
+
+This machine has no GPU, so the real NVML is only checked for its "unavailable" path; GPU
+data comes from ``FakeGpuReader`` injected at the ``GpuReader`` seam. ``StubNvml`` stands in
+for the ``pynvml`` module in the two tests that walk NvmlReader's device/MIG enumeration,
+which would otherwise run nowhere without a MIG-capable GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pynvml
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.datalayer.agent import NO_NVML_TEXT, start_agent
+from extproc.datalayer.nvml import (
+    AsyncGpuReader,
+    GpuReading,
+    NvmlReader,
+    open_gpu_reader,
+    parse_gpu_metrics,
+    render_gpu_metrics,
+)
+
+GiB = 1 << 30
+GPUS = [
+    GpuReading(0, "GPU-aaaa", "NVIDIA H200", 40 * GiB, 141 * GiB, 37.0),
+    GpuReading(1, "GPU-bbbb", 'Odd "name" \\ here', 10 * GiB, 80 * GiB, None),
+    GpuReading(2, "MIG-cccc", "NVIDIA H200 MIG 1g.18gb", 3 * GiB, 18 * GiB, None,
+               mig=True, parent_index=1),
+]
+
+
+@dataclass
+class FakeGpuReader:
+    """A ``GpuReader`` whose readings the test sets.
+
+    ``fail`` makes ``read()`` raise; ``gate``, when set, makes it hang until the gate opens
+    (as NVML can on a sick driver).
+    """
+
+    readings: list[GpuReading] = field(default_factory=lambda: list(GPUS))
+    fail: bool = False
+    gate: threading.Event | None = None
+    reads: int = 0
+
+    def read(self) -> list[GpuReading]:
+        self.reads += 1
+        if self.gate is not None:
+            self.gate.wait(timeout=5)
+        if self.fail:
+            raise RuntimeError("GPU has fallen off the bus")
+        return list(self.readings)
+
+
+# -- NVML: the unavailable path, and enumeration through a stub ----------------------------
+
+
+def nvml_works() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def test_no_nvml_gives_none_and_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    if nvml_works():
+        pytest.skip("NVML works on this host")
+    with caplog.at_level(logging.DEBUG, logger="extproc.datalayer"):
+        assert open_gpu_reader() is None
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "NVML unavailable" in record.getMessage()
+
+
+class StubNvml:
+    """The few ``pynvml`` calls NvmlReader makes, over a scripted set of devices.
+
+    Device 0: a plain GPU. Device 1: MIG enabled, 3 slots, slot 1 empty; utilization not
+    supported on it or its instances. Device 2 (when ``lost``): answers nothing.
+    """
+
+    NVMLError = pynvml.NVMLError
+    NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
+
+    def __init__(self, lost: bool = False, init_error: Exception | None = None):
+        self.lost, self.init_error, self.shut_down = lost, init_error, False
+        self.devices = {
+            ("gpu", 0): dict(uuid="GPU-0", name=b"NVIDIA H200", used=5, total=100, util=42,
+                             mig=None),
+            ("gpu", 1): dict(uuid="GPU-1", name="NVIDIA H200", used=30, total=100, util=None,
+                             mig=pynvml.NVML_DEVICE_MIG_ENABLE),
+            ("mig", 1, 0): dict(uuid="MIG-10", name="NVIDIA H200 MIG 3g", used=10, total=50,
+                                util=None, mig=None),
+            ("mig", 1, 2): dict(uuid="MIG-12", name="NVIDIA H200 MIG 1g", used=2, total=16,
+                                util=None, mig=None),
+        }
+
+    def _device(self, handle: Any) -> dict[str, Any]:
+        if handle not in self.devices:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self.devices[handle]
+
+    def nvmlInit(self) -> None:
+        if self.init_error:
+            raise self.init_error
+
+    def nvmlShutdown(self) -> None:
+        self.shut_down = True
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 3 if self.lost else 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        return ("gpu", index)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+        device = self._device(handle)
+        return SimpleNamespace(used=device["used"], total=device["total"])
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return self._device(handle)["uuid"]
+
+    def nvmlDeviceGetName(self, handle: Any) -> str | bytes:
+        return self._device(handle)["name"]
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        util = self._device(handle)["util"]
+        if util is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return SimpleNamespace(gpu=util, memory=0)
+
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        mode = self._device(handle)["mig"]
+        if mode is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        return 3
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, slot: int) -> Any:
+        key = ("mig", handle[1], slot)
+        if key not in self.devices:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return key
+
+
+def test_nvml_reader_walks_gpus_and_mig_instances() -> None:
+    readings = NvmlReader(StubNvml(lost=True)).read()
+    assert readings == [
+        GpuReading(0, "GPU-0", "NVIDIA H200", 5, 100, 42.0),
+        GpuReading(1, "GPU-1", "NVIDIA H200", 30, 100, None),
+        GpuReading(0, "MIG-10", "NVIDIA H200 MIG 3g", 10, 50, None, mig=True, parent_index=1),
+        GpuReading(2, "MIG-12", "NVIDIA H200 MIG 1g", 2, 16, None, mig=True, parent_index=1),
+    ]  # the lost device 2 is left out, the others still read
+    assert [r.key for r in readings] == ["0", "1", "1:0", "1:2"]
+
+
+def test_open_gpu_reader_with_working_nvml(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
+        reader = open_gpu_reader(StubNvml())
+    assert isinstance(reader, NvmlReader) and len(reader.read()) == 4
+    assert "reading 4 GPU" in caplog.text
+
+
+def test_open_gpu_reader_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
+        assert open_gpu_reader(StubNvml(init_error=OSError("libnvidia-ml.so.1"))) is None
+    assert len(caplog.records) == 1 and "libnvidia-ml.so.1" in caplog.text
+
+
+async def test_a_hung_read_times_out_and_is_not_started_twice() -> None:
+    reader = FakeGpuReader(gate=threading.Event())
+    threaded = AsyncGpuReader(reader)
+    for _ in range(3):
+        with pytest.raises(TimeoutError):
+            await threaded.read(timeout_s=0.02)
+    assert reader.reads == 1  # every call waited on the one hung read
+    reader.gate.set()
+    assert await threaded.read(timeout_s=1) == GPUS  # the hung read's own result
+    reader.fail = True
+    with pytest.raises(RuntimeError, match="fallen off"):
+        await threaded.read(timeout_s=1)
+    assert reader.reads == 2
+
+
+# -- Prometheus text round trip ------------------------------------------------------------
+
+
+def test_render_then_parse_gives_the_readings_back() -> None:
+    text = render_gpu_metrics(GPUS)
+    assert ('kvgate_gpu_memory_used_bytes{gpu="0",mig_instance="",name="NVIDIA H200",'
+            'uuid="GPU-aaaa"} 4.294967296e+10') in text
+    assert 'kvgate_gpu_utilization_ratio{gpu="0",' in text  # only GPU 0 reports it
+    assert text.count("kvgate_gpu_utilization_ratio{") == 1
+    assert parse_gpu_metrics(text) == GPUS
+    assert parse_gpu_metrics(render_gpu_metrics([])) == [] == parse_gpu_metrics("")
+
+
+readings = st.builds(
+    GpuReading,
+    index=st.integers(0, 64),
+    uuid=st.uuids().map(lambda u: f"GPU-{u}"),
+    name=st.text(max_size=30),
+    memory_used_bytes=st.integers(0, 1 << 50),
+    memory_total_bytes=st.integers(0, 1 << 50),
+    utilization_pct=st.none() | st.integers(0, 100).map(float),
+    mig=st.just(False),
+)
+
+
+@given(st.lists(readings, max_size=8, unique_by=lambda r: r.uuid))
+def test_round_trip_property(gpus: list[GpuReading]) -> None:
+    assert parse_gpu_metrics(render_gpu_metrics(gpus)) == gpus
+
+
+def test_parse_skips_incomplete_and_junk_rows() -> None:
+    text = render_gpu_metrics(GPUS[:1]) + (
+        'kvgate_gpu_memory_used_bytes{gpu="5",uuid="GPU-half"} 7\n'  # no total: skipped
+        'kvgate_gpu_memory_total_bytes{gpu="x",uuid="GPU-bad"} 7\n'
+        'kvgate_gpu_memory_used_bytes{gpu="x",uuid="GPU-bad"} 7\n'  # gpu not a number
+        "kvgate_gpu_memory_used_bytes{broken 7\n<html>\n")
+    assert parse_gpu_metrics(text) == GPUS[:1]
+
+
+# -- the agent over HTTP -------------------------------------------------------------------
+
+
+async def get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.text()
+
+
+async def test_agent_serves_readings_and_health() -> None:
+    reader = FakeGpuReader()
+    agent = await start_agent(reader=reader, interval_s=0.02)
+    try:
+        status, text = await get(agent.metrics_url)
+        assert status == 200 and parse_gpu_metrics(text) == GPUS
+        assert await get(f"{agent.url}/healthz") == (200, "ok\n")
+
+        reader.readings = [GPUS[0]]
+        reads = reader.reads
+        await eventually(lambda: reader.reads >= reads + 2)  # a refresh completed since
+        assert parse_gpu_metrics((await get(agent.metrics_url))[1]) == [GPUS[0]]
+    finally:
+        await agent.stop()
+
+
+async def test_agent_without_nvml_serves_a_valid_empty_page() -> None:
+    agent = await start_agent(reader=None)
+    try:
+        status, text = await get(agent.metrics_url)
+        assert (status, text) == (200, NO_NVML_TEXT)
+        assert parse_gpu_metrics(text) == []
+        assert (await get(f"{agent.url}/healthz"))[0] == 200
+    finally:
+        await agent.stop()
+
+
+async def test_agent_serves_no_stale_readings_when_a_read_fails(
+        caplog: pytest.LogCaptureFixture) -> None:
+    reader = FakeGpuReader(fail=True)
+    with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
+        agent = await start_agent(reader=reader, interval_s=0.01)
+        try:
+            await eventually(lambda: reader.reads >= 4)
+            text = (await get(agent.metrics_url))[1]
+            assert "fallen off the bus" in text and parse_gpu_metrics(text) == []
+            reader.fail = False
+            deadline = time.monotonic() + 3.0
+            while parse_gpu_metrics((await get(agent.metrics_url))[1]) != GPUS:
+                assert time.monotonic() < deadline, "the agent did not recover"
+                await asyncio.sleep(0.01)
+        finally:
+            await agent.stop()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    """Wait until ``condition()`` holds; fail the test (not hang it) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def test_kvgate_agent_command_serves_metrics_without_a_gpu():
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from extproc.ports import free_port
+
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "extproc.cli", "agent", "--host",
+                              "127.0.0.1", "--port", str(port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "agent did not start"
+                time.sleep(0.1)
+        assert page.status_code == 200
+        assert page.text.startswith("#")  # valid, empty: NVML is absent here
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    finally:
+        agent.terminate()
+        output = agent.communicate(timeout=10)[0].decode()
+    assert agent.returncode == 0
+    assert output.count("NVML") >= 1  # one clear line saying the GPU signal is absent

@@ -1,0 +1,413 @@
+"""The scraper (extproc.datalayer.scraper) against real simulated vLLM engines over HTTP.
+
+Engines run in-process (``extproc.engine.server.start_engine``); ``MetricsServers`` is a real HTTP
+server (several ports) answering ``/metrics`` with a vLLM body after a delay, for what the
+engine cannot show: how many scrapes are in flight at once, timeouts, non-vLLM answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from extproc.datalayer.agent import start_agent
+from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
+from extproc.datalayer.scraper import GpuSource, Scraper, ScrapeSettings
+from extproc.engine.server import EngineHandle, start_engine
+from tests.paths import DATA
+from tests.unit.extproc.datalayer.test_nvml import GPUS, FakeGpuReader
+
+SAMPLE = (DATA / "vllm-sample-metrics.txt").read_text()
+ENGINE_OPTS = {"ms_per_token": 1, "prefill_us_per_token": 1, "kv_blocks": 100,
+               "block_size": 16}
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[EngineHandle]:
+    handle = await start_engine(port=0, **ENGINE_OPTS)
+    yield handle
+    await handle.stop()
+
+
+def address(engine: EngineHandle) -> str:
+    return f"{engine.host}:{engine.port}"
+
+
+async def post(url: str, payload: Any) -> Any:
+    async with aiohttp.ClientSession() as session, session.post(url, json=payload) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    """Wait until ``condition()`` holds; fail the test (not hang it) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def one_engine_store(engine: EngineHandle, pool: str = "chat") -> EndpointStore:
+    store = EndpointStore()
+    await store.set_endpoints(pool, [address(engine)])
+    return store
+
+
+class MetricsServers:
+    """One aiohttp app on ``count`` ports: ``/metrics`` answers after ``delay_s``."""
+
+    def __init__(self, count: int, delay_s: float = 0.0, status: int = 200,
+                 body: str = SAMPLE):
+        self.count, self.delay_s, self.status, self.body = count, delay_s, status, body
+        self.in_flight = self.max_in_flight = self.requests = 0
+        self.runner: web.AppRunner | None = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
+        return web.Response(text=self.body, status=self.status)
+
+    async def __aenter__(self) -> list[str]:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self.runner.setup()
+        for _ in range(self.count):
+            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return [f"127.0.0.1:{port}" for _host, port in self.runner.addresses]
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+# -- values flow through -------------------------------------------------------------------
+
+
+async def test_engine_values_flow_into_the_store(engine: EngineHandle) -> None:
+    store = await one_engine_store(engine)
+    await post(f"{engine.url}/v1/completions",
+               {"prompt": "one two three four five", "max_tokens": 3})
+    scraper = Scraper(store)
+    try:
+        before = time.monotonic()
+        snapshot = await scraper.scrape_once()
+    finally:
+        await scraper.stop()
+    state = snapshot.get("chat", address(engine))
+    assert state is not None and state.healthy and state.is_fresh(time.monotonic())
+    assert state.scraped_at is not None and state.scraped_at >= before
+    metrics = state.metrics
+    assert metrics is not None and metrics.problems == ()
+    assert (metrics.prompt_tokens_total, metrics.generation_tokens_total) == (5, 3)
+    assert (metrics.num_requests_running, metrics.num_requests_waiting) == (0, 0)
+    assert metrics.kv_cache_usage == 0.0 and metrics.models == ("tiny-llama",)
+    assert state.kv_capacity_tokens == 100 * 16
+
+
+async def test_debug_overrides_show_on_the_next_scrape(engine: EngineHandle) -> None:
+    store = await one_engine_store(engine)
+    scraper = Scraper(store)
+    try:
+        await scraper.scrape_once()
+        await post(f"{engine.url}/debug/metrics",
+                   {"kv_cache_usage_perc": 0.93, "num_requests_waiting": 12,
+                    "num_preemptions_total": 4})
+        metrics = (await scraper.scrape_once()).get("chat", address(engine)).metrics
+        assert (metrics.kv_cache_usage, metrics.num_requests_waiting,
+                metrics.num_preemptions_total) == (0.93, 12, 4)
+        await post(f"{engine.url}/debug/metrics", {})
+        metrics = (await scraper.scrape_once()).get("chat", address(engine)).metrics
+        assert (metrics.kv_cache_usage, metrics.num_requests_waiting) == (0.0, 0)
+    finally:
+        await scraper.stop()
+
+
+# -- failures, health and staleness --------------------------------------------------------
+
+
+async def test_a_stopped_engine_turns_unhealthy_then_stale_and_recovers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine = await start_engine(port=0, **ENGINE_OPTS)
+    port, where = engine.port, address(engine)
+    store = await one_engine_store(engine)
+    scraper = Scraper(store, unhealthy_after=3, timeout_s=0.5)
+    with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
+        try:
+            last_good = (await scraper.scrape_once()).get("chat", where).scraped_at
+            await engine.stop()
+            for attempt in range(1, 6):
+                state = (await scraper.scrape_once()).get("chat", where)
+                assert state.consecutive_failures == attempt
+                assert state.healthy is (attempt < 3)
+                assert state.scraped_at == last_good  # the last good scrape ages
+            assert "Connect" in state.last_error
+            assert state.is_fresh(last_good + 0.2, staleness_s=0.3)
+            assert not state.is_fresh(last_good + 0.31, staleness_s=0.3)
+
+            engine = await start_engine(port=port, **ENGINE_OPTS)
+            state = (await scraper.scrape_once()).get("chat", where)
+            assert state.healthy and state.consecutive_failures == 0
+        finally:
+            await scraper.stop()
+            await engine.stop()
+    messages = [r.getMessage() for r in caplog.records if r.name.endswith("scraper")]
+    assert len(messages) == 3, messages  # up, unhealthy (once, not per failure), recovered
+    assert "up" in messages[0] and "unhealthy after 3" in messages[1]
+    assert "recovered" in messages[2]
+
+
+async def test_a_slow_endpoint_times_out_without_holding_the_round() -> None:
+    async with MetricsServers(1, delay_s=2.0) as [slow]:
+        store = EndpointStore()
+        await store.set_endpoints("p", [slow])
+        scraper = Scraper(store, timeout_s=0.1)
+        started = time.monotonic()
+        try:
+            state = (await scraper.scrape_once()).get("p", slow)
+        finally:
+            await scraper.stop()
+        assert time.monotonic() - started < 0.5
+        assert state.last_error == "timed out after 0.1s" and state.consecutive_failures == 1
+
+
+@pytest.mark.parametrize(("status", "body", "error"), [
+    (404, "not found", "HTTP 404"),
+    (200, "<html>a proxy page</html>", "no vLLM metrics"),
+])
+async def test_answers_that_are_not_vllm_metrics_are_failures(status: int, body: str,
+                                                              error: str) -> None:
+    async with MetricsServers(1, status=status, body=body) as [where]:
+        store = EndpointStore()
+        await store.set_endpoints("p", [where])
+        scraper = Scraper(store)
+        try:
+            state = (await scraper.scrape_once()).get("p", where)
+        finally:
+            await scraper.stop()
+        assert state.metrics is None and error in state.last_error
+
+
+async def test_the_loop_keeps_metrics_within_the_staleness_bound(engine: EngineHandle) -> None:
+    store = await one_engine_store(engine)
+    scraper = Scraper(store, interval_s=0.02)
+    scraper.start()
+    try:
+        await eventually(lambda: scraper.rounds > 0)
+        worst = 0.0
+        deadline = time.monotonic() + 0.4
+        while time.monotonic() < deadline:
+            state = store.snapshot().get("chat", address(engine))
+            worst = max(worst, time.monotonic() - state.scraped_at)
+            await asyncio.sleep(0.003)
+        assert worst < 0.3  # interval + one round, with room for a busy CI machine
+        assert scraper.rounds >= 8
+    finally:
+        await scraper.stop()
+    assert not scraper.running
+    rounds = scraper.rounds
+    await asyncio.sleep(0.05)
+    assert scraper.rounds == rounds  # stopped means stopped
+
+
+async def test_readers_see_the_previous_snapshot_while_a_round_waits_on_the_network() -> None:
+    servers = MetricsServers(2, delay_s=0.2)
+    async with servers as addresses:
+        store = EndpointStore()
+        await store.set_endpoints("p", addresses)
+        before = store.snapshot()
+        scraper = Scraper(store)
+        round_task = asyncio.create_task(scraper.scrape_once())
+        try:
+            await eventually(lambda: servers.in_flight == 2)  # the round waits on both ...
+            assert store.snapshot() is before  # ... and readers get the last swap's state
+            after = await round_task
+        finally:
+            await scraper.stop()
+    assert after.version == before.version + 1
+    assert servers.max_in_flight == 2
+
+
+@pytest.mark.parametrize("own_session", [False, True], ids=["default", "factory"])
+async def test_concurrency_is_bounded(own_session: bool) -> None:
+    servers = MetricsServers(10, delay_s=0.03)
+    # a factory's session has aiohttp's default connection limit (100): the semaphore bounds
+    factory = aiohttp.ClientSession if own_session else None
+    async with servers as addresses:
+        store = EndpointStore()
+        await store.set_endpoints("p", addresses)
+        scraper = Scraper(store, session_factory=factory, max_concurrency=3)
+        started = time.monotonic()
+        try:
+            await scraper.scrape_once()
+            snapshot = await scraper.scrape_once()
+        finally:
+            await scraper.stop()
+        elapsed = time.monotonic() - started
+    assert all(state.healthy for state in snapshot.states())
+    assert servers.requests == 20 and servers.max_in_flight == 3
+    assert elapsed >= 2 * 4 * 0.03  # two rounds of ceil(10 / 3) waves
+
+
+# -- GPU sources ---------------------------------------------------------------------------
+
+
+async def test_gpu_readings_from_an_agent_url(engine: EngineHandle) -> None:
+    agent = await start_agent(reader=FakeGpuReader(), interval_s=0.05)
+    store = await one_engine_store(engine)
+    scraper = Scraper(store, gpu_sources={address(engine): agent.metrics_url})
+    try:
+        state = (await scraper.scrape_once()).get("chat", address(engine))
+    finally:
+        await scraper.stop()
+        await agent.stop()
+    assert state.gpus == tuple(GPUS) and state.gpus_read_at is not None
+    assert state.gpu_memory_used_ratio == pytest.approx(40 / 141)
+
+
+async def test_an_agent_url_template_and_a_gpu_filter_per_pool(engine: EngineHandle) -> None:
+    agent = await start_agent(reader=FakeGpuReader())
+    store = await one_engine_store(engine)
+    template = f"http://{{ip}}:{agent.port}"  # /metrics is added
+    source = GpuSource(GpuSource.parse(template).url, gpus=frozenset({"1:2", "GPU-aaaa"}))
+    scraper = Scraper(store, gpu_sources={"chat": source})
+    try:
+        state = (await scraper.scrape_once()).get("chat", address(engine))
+    finally:
+        await scraper.stop()
+        await agent.stop()
+    assert state.gpus == (GPUS[0], GPUS[2])  # by UUID, and MIG slot 2 of GPU 1 by key
+
+
+async def test_local_gpu_reader_is_read_once_per_round(engine: EngineHandle) -> None:
+    second = await start_engine(port=0, **ENGINE_OPTS)
+    reader = FakeGpuReader()
+    store = EndpointStore()
+    await store.set_endpoints("chat", [address(engine), address(second)])
+    scraper = Scraper(store, gpu_sources={"chat": "local"}, gpu_reader=reader)
+    try:
+        snapshot = await scraper.scrape_once()
+    finally:
+        await scraper.stop()
+        await second.stop()
+    assert reader.reads == 1
+    assert all(state.gpus == tuple(GPUS) for state in snapshot.states())
+
+
+async def test_a_failing_gpu_source_keeps_old_readings_and_logs_once(
+        engine: EngineHandle, caplog: pytest.LogCaptureFixture) -> None:
+    reader = FakeGpuReader()
+    store = await one_engine_store(engine)
+    scraper = Scraper(store, gpu_sources={"chat": "local"}, gpu_reader=reader)
+    try:
+        first = (await scraper.scrape_once()).get("chat", address(engine))
+        reader.fail = True
+        with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
+            for _ in range(3):
+                state = (await scraper.scrape_once()).get("chat", address(engine))
+            reader.fail = False
+            await scraper.scrape_once()
+    finally:
+        await scraper.stop()
+    assert state.gpus == tuple(GPUS) and state.gpus_read_at == first.gpus_read_at
+    assert state.healthy  # GPU trouble is not endpoint trouble
+    assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
+
+
+async def test_a_hung_local_gpu_read_does_not_hold_the_round(engine: EngineHandle) -> None:
+    reader = FakeGpuReader(gate=threading.Event())
+    store = await one_engine_store(engine)
+    scraper = Scraper(store, timeout_s=0.3, gpu_sources={"chat": "local"}, gpu_reader=reader)
+    try:
+        started = time.monotonic()
+        state = (await scraper.scrape_once()).get("chat", address(engine))
+        assert time.monotonic() - started < 1.0  # the 0.3 s timeout, not the 5 s hang
+        assert state.healthy and state.gpus == ()
+        await scraper.scrape_once()
+        assert reader.reads <= 1  # no second thread stuck behind the first
+    finally:
+        reader.gate.set()
+        await scraper.stop()
+
+
+def test_gpu_source_specs() -> None:
+    assert GpuSource.parse("local") == GpuSource()
+    assert GpuSource.parse("http://10.0.0.9:9400").url == "http://10.0.0.9:9400/metrics"
+    assert GpuSource.parse("http://{ip}:9400/gpu").target("10.1.2.3:8000") == (
+        "http://10.1.2.3:9400/gpu")
+    assert GpuSource.parse("http://{ip}:9400").target("[fd00::1]:8000") == (
+        "http://[fd00::1]:9400/metrics")
+    with pytest.raises(ValueError, match="neither"):
+        GpuSource.parse("10.0.0.9:9400")
+
+
+# -- the update hook and the loop's resilience ---------------------------------------------
+
+
+async def test_on_update_gets_each_rounds_snapshot_sync_or_async(engine: EngineHandle) -> None:
+    seen: list[int] = []
+    async_seen: list[StoreSnapshot] = []
+
+    async def on_update(snapshot: StoreSnapshot) -> None:
+        await asyncio.sleep(0)
+        async_seen.append(snapshot)
+
+    store = await one_engine_store(engine)
+    for hook in (lambda snapshot: seen.append(snapshot.version), on_update):
+        scraper = Scraper(store, on_update=hook)
+        try:
+            returned = await scraper.scrape_once()
+        finally:
+            await scraper.stop()
+    assert seen == [returned.version - 1] and async_seen == [returned]
+
+
+async def test_the_loop_survives_a_failing_hook_and_a_failing_round(
+        engine: EngineHandle, caplog: pytest.LogCaptureFixture) -> None:
+    class FlakyScraper(Scraper):
+        calls = 0
+
+        async def scrape_once(self) -> StoreSnapshot:
+            self.calls += 1
+            if self.calls <= 2:
+                raise RuntimeError("a bug in a round")
+            return await super().scrape_once()
+
+    def bad_hook(snapshot: StoreSnapshot) -> None:
+        raise ValueError("a bug in the hook")
+
+    store = await one_engine_store(engine)
+    scraper = FlakyScraper(store, interval_s=0.01, on_update=bad_hook)
+    with caplog.at_level(logging.ERROR, logger="extproc.datalayer"):
+        scraper.start()
+        try:
+            await eventually(lambda: scraper.rounds >= 5)
+        finally:
+            await scraper.stop()
+    assert store.snapshot().get("chat", address(engine)).healthy
+    errors = [r.getMessage() for r in caplog.records]
+    assert errors.count("scrape round failed; the loop goes on") == 1  # same error: once
+    assert errors.count("on_update hook failed; scraping goes on") == 1
+
+
+def test_settings_build_a_scraper() -> None:
+    settings = ScrapeSettings(interval_s=0.2, timeout_s=0.3, max_concurrency=4,
+                              unhealthy_after=5, metrics_path="/m")
+    scraper = Scraper.from_settings(EndpointStore(), settings)
+    assert (scraper.interval_s, scraper.timeout_s, scraper.max_concurrency,
+            scraper.unhealthy_after, scraper.metrics_path) == (0.2, 0.3, 4, 5, "/m")
+    with pytest.raises(ValueError):
+        Scraper(EndpointStore(), max_concurrency=0)

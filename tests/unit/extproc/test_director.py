@@ -1,0 +1,113 @@
+"""The director over a real endpoint store: KV admission, degradation, and no leaks."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+
+from extproc.config import hash_api_key, parse_config
+from extproc.datalayer.endpoints import EndpointStore, ScrapeResult
+from extproc.datalayer.metrics import EngineMetrics
+from extproc.director import Admission, Director
+from extproc.openai import BadRequest, parse_body
+from extproc.wiring import build_director
+from limiter import Reject
+from limiter.stores import MemoryStore
+
+KEY = "sk-director"
+
+
+def config(degradation=None, limits=None):
+    return parse_config({
+        "queue": {"enabled": False},  # these tests are about what is decided at once
+        "tiers": {"t": {"limits": limits or {}}},
+        "classes": {"interactive": {"priority": 0}, "batch": {"priority": 1}},
+        "tenants": [{"name": "acme", "tier": "t", "default_class": "batch",
+                     "api_keys": [hash_api_key(KEY)]}],
+        "pools": [
+            {"name": "big", "models": ["big-model"], "endpoints": ["127.0.0.1:1"],
+             **({"degradation": degradation} if degradation else {})},
+            {"name": "small", "models": ["small-model"], "endpoints": ["127.0.0.1:2"]},
+        ],
+    })
+
+
+async def director_with_usage(cfg, big: float, small: float = 0.0) -> Director:
+    endpoints = EndpointStore()
+    await endpoints.set_endpoints("big", ["127.0.0.1:1"])
+    await endpoints.set_endpoints("small", ["127.0.0.1:2"])
+    now = time.monotonic()
+    await endpoints.apply([
+        ScrapeResult(addr, now, EngineMetrics(kv_cache_usage=usage, kv_capacity_tokens=1000))
+        for addr, usage in (("127.0.0.1:1", big), ("127.0.0.1:2", small))
+    ])
+    return build_director(cfg, MemoryStore(), endpoints)
+
+
+def request(model="big-model", max_tokens=300):
+    body = {"model": model, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "x" * 40}]}
+    return parse_body("/v1/chat/completions", orjson.dumps(body))
+
+
+async def test_saturated_pool_sheds_without_degradation():
+    director = await director_with_usage(config(), big=0.7)
+    tenant = director.authenticate(f"Bearer {KEY}")
+    outcome = await director.admit(tenant, request())
+    assert isinstance(outcome, Reject) and outcome.reason == "pool_saturated"
+    assert not director.schedulers["big"].reservations  # nothing held
+
+
+async def test_degradation_caps_max_tokens_for_low_priority_classes():
+    cfg = config({"classes": ["batch"], "max_tokens_cap": 100})
+    director = await director_with_usage(cfg, big=0.7)
+    tenant = director.authenticate(f"Bearer {KEY}")
+    outcome = await director.admit(tenant, request())
+    assert isinstance(outcome, Admission)
+    assert outcome.body_overrides == {"max_tokens": 100}
+    assert outcome.cost.max_output_tokens == 100
+
+
+async def test_degradation_falls_back_to_a_cheaper_model():
+    cfg = config({"classes": ["batch"], "fallback_model": "small-model"})
+    director = await director_with_usage(cfg, big=0.9, small=0.1)
+    tenant = director.authenticate(f"Bearer {KEY}")
+    outcome = await director.admit(tenant, request())
+    assert isinstance(outcome, Admission)
+    assert outcome.body_overrides == {"model": "small-model"}
+    assert (outcome.pool, outcome.endpoint) == ("small", "127.0.0.1:2")
+
+
+async def test_classes_not_listed_are_not_degraded():
+    cfg = config({"classes": ["interactive"], "max_tokens_cap": 100})
+    director = await director_with_usage(cfg, big=0.7)
+    outcome = await director.admit(director.authenticate(f"Bearer {KEY}"), request())
+    assert isinstance(outcome, Reject)
+
+
+async def test_a_limiter_rejection_undoes_the_kv_reservation():
+    director = await director_with_usage(config(limits={"tokens_per_minute": 100}), big=0.1)
+    outcome = await director.admit(director.authenticate(f"Bearer {KEY}"), request())
+    assert isinstance(outcome, Reject)
+    assert not director.schedulers["big"].reservations
+    assert not director.active
+
+
+async def test_release_frees_everything_exactly_once():
+    director = await director_with_usage(config(), big=0.1)
+    admission = await director.admit(director.authenticate(f"Bearer {KEY}"), request())
+    assert isinstance(admission, Admission)
+    await director.release(admission, 50)
+    assert not director.schedulers["big"].reservations
+    assert not director.active
+    assert await director.store.in_flight("acme") == 0
+
+
+@pytest.mark.parametrize("model", ["nope", "other"])
+async def test_unknown_model_is_404(model):
+    director = await director_with_usage(config(), big=0.1)
+    with pytest.raises(BadRequest) as info:
+        await director.admit(director.authenticate(f"Bearer {KEY}"), request(model=model))
+    assert info.value.status == 404

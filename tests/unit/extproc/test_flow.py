@@ -1,0 +1,184 @@
+"""Flow control in-process: the director queues saturated requests and the dispatcher hands
+capacity out in band order as it frees, with deadlines and disconnects leaving nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from extproc.config import hash_api_key, parse_config
+from extproc.datalayer.endpoints import EndpointStore, ScrapeResult
+from extproc.datalayer.metrics import EngineMetrics
+from extproc.director import Admission
+from extproc.openai import parse_body
+from extproc.wiring import build_director
+from limiter import Reject
+from limiter.stores import MemoryStore
+
+ENDPOINT = "127.0.0.1:1"
+
+
+def config(deadline_s=5.0):
+    return parse_config({
+        "tiers": {"gold": {"weight": 3}, "free": {"weight": 1}},
+        "classes": {name: {"priority": p, "deadline_s": deadline_s}
+                    for p, name in enumerate(["interactive", "batch", "offline"])},
+        "queue": {"aging_s": None},
+        "classification": {"long_prompt_tokens": None},
+        "tenants": [
+            {"name": "a", "tier": "gold", "api_keys": [hash_api_key("ka")]},
+            {"name": "b", "tier": "free", "api_keys": [hash_api_key("kb")]},
+        ],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": [ENDPOINT],
+                   "priority_scheduling": True}],
+    })
+
+
+class Harness:
+    def __init__(self, cfg):
+        self.endpoints = EndpointStore()
+        self.director = build_director(cfg, MemoryStore(), self.endpoints)
+        self.flow = self.director.flows["p"]
+
+    async def start(self, usage: float) -> Harness:
+        await self.endpoints.set_endpoints("p", [ENDPOINT])
+        await self.set_usage(usage)
+        self.flow.start()
+        return self
+
+    async def set_usage(self, usage: float) -> None:
+        metrics = EngineMetrics(kv_cache_usage=usage, kv_capacity_tokens=1000)
+        await self.endpoints.apply([ScrapeResult(ENDPOINT, time.monotonic(), metrics)])
+        self.director.kick()
+
+    def admit(self, tenant="a", klass=None):
+        body = {"model": "m", "max_tokens": 100,
+                "messages": [{"role": "user", "content": "x" * 40}]}  # ~113 tokens
+        request = parse_body("/v1/chat/completions", orjson.dumps(body))
+        who = self.director.authenticate(f"Bearer k{tenant}")
+        return asyncio.create_task(self.director.admit(who, request, klass))
+
+    async def nothing_held(self) -> bool:
+        scheduler = self.director.schedulers["p"]
+        return (not scheduler.reservations and not len(self.flow.queue)
+                and await self.director.store.in_flight("a") == 0
+                and await self.director.store.in_flight("b") == 0)
+
+
+@pytest.fixture
+async def harness():
+    h = Harness(config())
+    yield h
+    await h.flow.stop()
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+
+
+async def test_interactive_goes_before_earlier_queued_batch(harness):
+    await harness.start(usage=0.99)
+    tasks = [harness.admit(klass="batch"), harness.admit(klass="batch")]
+    await settle()
+    tasks.append(harness.admit(klass="interactive"))
+    await settle()
+    assert len(harness.flow.queue) == 3
+    await harness.set_usage(0.8)  # room for exactly one ~113-token request at a time
+    order = []
+    while len(order) < 3:
+        done, _ = await asyncio.wait(tasks, timeout=2, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "nothing was dispatched"
+        (task,) = done
+        tasks.remove(task)
+        admission = task.result()
+        assert isinstance(admission, Admission)
+        order.append(admission.request_class)
+        await harness.director.release(admission, 50)  # completion: a capacity event
+    assert order == ["interactive", "batch", "batch"]
+    assert await harness.nothing_held()
+
+
+async def test_dispatched_request_carries_its_class_priority(harness):
+    await harness.start(usage=0.99)
+    task = harness.admit(klass="offline")
+    await settle()
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    assert (admission.request_class, admission.priority) == ("offline", 2)
+    await harness.director.release(admission, 10)
+
+
+async def test_deadline_passes_503_and_nothing_is_held():
+    h = Harness(config(deadline_s=0.2))
+    await h.start(usage=0.99)
+    outcome = await asyncio.wait_for(h.admit(), 2)
+    assert isinstance(outcome, Reject)
+    assert (outcome.status, outcome.reason) == (503, "pool_saturated")
+    assert outcome.retry_after_ms >= 1000
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_tenant_over_its_share_gets_429_at_its_deadline():
+    h = Harness(config(deadline_s=0.2))
+    scheduler = h.director.schedulers["p"]
+    before_the_scrape = time.monotonic()
+    scheduler.reserve("a-held", "a", ENDPOINT, 100, before_the_scrape)
+    scheduler.reserve("b-held", "b", ENDPOINT, 200, before_the_scrape)
+    await h.start(usage=0.80)  # busy: one more request lands between the watermarks
+    outcome = await asyncio.wait_for(h.admit("b"), 2)  # b (weight 1) holds 2/3
+    assert isinstance(outcome, Reject) and (outcome.status, outcome.reason) == (429,
+                                                                              "kv_share_exceeded")
+    assert await h.director.store.in_flight("b") == 0
+    await h.flow.stop()
+
+
+async def test_client_disconnect_while_queued_leaves_nothing(harness):
+    await harness.start(usage=0.99)
+    task = harness.admit()
+    await settle()
+    assert len(harness.flow.queue) == 1
+    assert await harness.director.store.in_flight("a") == 1  # its concurrency slot, held
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await harness.nothing_held()
+
+
+async def test_full_queue_evicts_the_least_important_newest():
+    cfg = config()
+    cfg = cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"max_size": 2})})
+    h = Harness(cfg)
+    await h.start(usage=0.99)
+    first, second = h.admit(klass="batch"), h.admit(klass="offline")
+    await settle()
+    third = h.admit(klass="interactive")
+    evicted = await asyncio.wait_for(second, 2)
+    assert isinstance(evicted, Reject) and evicted.status == 503
+    await h.set_usage(0.1)
+    for task in (first, third):
+        await h.director.release(await asyncio.wait_for(task, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+def test_aging_by_default_is_half_each_class_deadline():
+    data = config(deadline_s=20.0).model_dump(exclude_unset=True)
+    del data["queue"]["aging_s"]
+    h = Harness(parse_config(data))
+    assert [h.flow.queue.aging_for(b) for b in (1, 2)] == [10_000, 10_000]
+
+
+def test_classes_may_set_their_own_aging():
+    cfg = config()
+    data = cfg.model_dump(exclude_unset=True)
+    data["queue"] = {"aging_s": 5}
+    data["classes"]["batch"]["aging_s"] = 30
+    data["classes"]["offline"]["aging_s"] = None
+    h = Harness(parse_config(data))
+    assert (h.flow.queue.aging_for(0), h.flow.queue.aging_for(1),
+            h.flow.queue.aging_for(2)) == (5000, 30_000, None)

@@ -1,0 +1,104 @@
+"""Reply building: the admit reply spliced from cached bytes equals one built field by field."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import messages
+from extproc.headers import DESTINATION_HEADER
+
+
+def reference(key: tuple, body: bytes | None, lease: str) -> pb.ProcessingResponse:
+    """The admit reply built the plain way, one field after another."""
+    tenant, request_class, endpoint_list, priority, pool, in_body_phase = key
+    endpoints, endpoint = ",".join(endpoint_list), endpoint_list[0]
+    reply = pb.ProcessingResponse()
+    common = (reply.request_body if in_body_phase else reply.request_headers).response
+    common.clear_route_cache = True
+    headers = [("x-kvgate-tenant", tenant), ("x-kvgate-class", request_class),
+               (DESTINATION_HEADER, endpoints)]
+    if priority is not None:
+        headers.append(("x-kvgate-priority", str(priority)))
+    if body is not None:
+        common.body_mutation.body = body
+        headers.append(("content-length", str(len(body))))
+    for name, value in headers:
+        option = common.header_mutation.set_headers.add()
+        option.header.key = name
+        option.header.raw_value = value.encode()
+        option.append_action = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    dynamic = reply.dynamic_metadata.fields
+    dynamic["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value = endpoint
+    ours = dynamic["kvgate"].struct_value.fields
+    ours["tenant"].string_value = tenant
+    ours["pool"].string_value = pool
+    ours["lease"].string_value = lease
+    return reply
+
+
+KEYS = [  # (tenant, class, endpoints, priority, pool, in the body phase)
+    ("acme", "interactive", ["10.0.0.1:8000", "10.0.0.2:8000"], 0, "p", True),
+    ("acme", "batch", ["10.0.0.2:8000"], None, "p", True),
+    ("a" * 200, "c" * 130, [f"10.0.{i}.1:8000" for i in range(20)], -7, "pool-é", True),
+    ("acme", "interactive", ["10.0.0.1:8000"], 3, "p", False),
+    ("", "", [""], None, "", True),
+]
+# sizes around the varint boundaries of every nested length prefix
+BODY_SIZES = [0, 1, 9, 10, 99, 100, 110, 127, 128, 200, 16_383, 16_384, 70_000, 2_100_000]
+LEASES = ["1", "cafebabe0001-0", "cafebabe0001-7fffffff", "é" * 50, "x" * 300]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_route_reply_equals_the_field_by_field_one(key):
+    for size in BODY_SIZES:
+        for lease in LEASES:
+            body = None if not key[5] else b"b" * size
+            reply = pb.ProcessingResponse.FromString(
+                messages.route_request(*key[:5], lease, body, key[5]))
+            expected = reference(key, body, lease)
+            assert reply == expected
+            # maps (the metadata Structs) serialize in an order that varies with the process
+            # and with how the message was built: compare the canonical bytes
+            assert reply.SerializeToString(deterministic=True) == expected.SerializeToString(
+                deterministic=True)
+
+
+def test_route_replies_go_to_grpc_serialized_and_carry_their_own_lease():
+    first = messages.route_request(*KEYS[0][:5], "lease-1", b"{}", True)
+    second = messages.route_request(*KEYS[0][:5], "lease-2", b"{}", True)
+    assert messages.serialize_reply(first) is first  # bytes pass through as they are
+    leases = [pb.ProcessingResponse.FromString(r).dynamic_metadata.fields["kvgate"]
+              .struct_value.fields["lease"].string_value for r in (first, second)]
+    assert leases == ["lease-1", "lease-2"]
+    message = pb.ProcessingResponse.FromString(first)
+    assert messages.serialize_reply(message) == message.SerializeToString()
+
+
+def test_route_parts_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(messages, "MAX_PARTS", 3)
+    monkeypatch.setattr(messages, "_header_parts", {})
+    monkeypatch.setattr(messages, "_routing_parts", {})
+    monkeypatch.setattr(messages, "_body_parts", {})
+    for i in range(10):
+        key = (f"t{i}", "interactive", ["e:1"], 0, "p", True)
+        reply = messages.route_request(*key[:5], "l", b"{}", True)
+        assert pb.ProcessingResponse.FromString(reply) == reference(key, b"{}", "l")
+        assert len(messages._header_parts) <= 3 and len(messages._routing_parts) <= 3
+        assert len(messages._body_parts) <= 3
+
+
+def test_continue_request_headers_strips_and_is_shared():
+    reply = messages.continue_request_headers((DESTINATION_HEADER, "x-kvgate-foo"))
+    removed = reply.request_headers.response.header_mutation.remove_headers
+    assert list(removed) == [DESTINATION_HEADER, "x-kvgate-foo"]
+    assert messages.continue_request_headers((DESTINATION_HEADER, "x-kvgate-foo")) is reply
+
+
+def test_unchanged_response_chunk_reply():
+    assert messages.continue_body(response_phase=True) is messages.RESPONSE_CHUNK_CONTINUE
+    assert pb.ProcessingResponse(
+        response_body=pb.BodyResponse()) == messages.RESPONSE_CHUNK_CONTINUE
+    changed = messages.continue_body(response_phase=True, body=b"x")
+    assert changed.response_body.response.body_mutation.body == b"x"

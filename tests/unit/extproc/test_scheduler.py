@@ -1,0 +1,224 @@
+"""The scheduler's filters, scorers and picker over hand-made endpoint snapshots."""
+
+from __future__ import annotations
+
+import random
+
+from extproc.config import Pool
+from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
+from extproc.datalayer.metrics import EngineMetrics
+from extproc.datalayer.nvml import GpuReading
+from extproc.scheduler import MIN_RETRY_MS, Placement, PoolScheduler
+from limiter import Reject
+
+CAPACITY = 1000
+NOW = 100.0
+
+
+def state(address, usage, *, waiting=0, running=0, scraped_at=NOW - 0.05, healthy=True,
+          capacity=CAPACITY, gpu_used=None):
+    metrics = EngineMetrics(kv_cache_usage=usage, num_requests_waiting=waiting,
+                            num_requests_running=running, kv_capacity_tokens=capacity)
+    gpus = () if gpu_used is None else (
+        GpuReading(0, "GPU-0", "H200", int(gpu_used * 100), 100),)
+    return EndpointState(address, "p", metrics, scraped_at, 0, healthy, capacity, gpus)
+
+
+def snapshot(*states):
+    return StoreSnapshot(1, {"p": {s.address: s for s in states}})
+
+
+def scheduler(weights=None, **pool):
+    config = Pool.model_validate({"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:1"],
+                                  **pool})
+    return PoolScheduler(config, weights or {"a": 3.0, "b": 1.0})
+
+
+def place(sched, snap, tokens=100, tenant="a", seed=0):
+    return sched.place(tenant, tokens, snap, NOW, random.Random(seed))
+
+
+def test_least_loaded_endpoint_wins_and_the_rest_are_fallbacks():
+    snap = snapshot(state("e1", 0.5), state("e2", 0.1), state("e3", 0.3))
+    assert place(scheduler(), snap) == Placement(["e2", "e3", "e1"])
+
+
+def test_waiting_queue_breaks_kv_ties():
+    snap = snapshot(state("e1", 0.2, waiting=5), state("e2", 0.2, waiting=0))
+    assert place(scheduler(), snap).endpoints[0] == "e2"
+
+
+def test_equal_endpoints_share_load_by_random_tie_break():
+    snap = snapshot(state("e1", 0.2), state("e2", 0.2))
+    firsts = {place(scheduler(), snap, seed=seed).endpoints[0] for seed in range(20)}
+    assert firsts == {"e1", "e2"}
+
+
+def test_saturated_stale_unhealthy_and_gpu_critical_endpoints_take_nothing():
+    snap = snapshot(
+        state("full", 0.96),
+        state("stale", 0.0, scraped_at=NOW - 5),
+        state("sick", 0.0, healthy=False),
+        state("gpu", 0.0, gpu_used=0.99),
+        state("ok", 0.6),
+    )
+    assert place(scheduler(), snap).endpoints == ["ok"]
+
+
+def test_reservation_must_fit_under_the_high_watermark():
+    sched = scheduler()
+    snap = snapshot(state("e1", 0.7), state("e2", 0.75))
+    assert place(sched, snap, tokens=100).endpoints[0] == "e1"  # 0.80 fits exactly
+    shed = place(sched, snapshot(state("e1", 0.71)), tokens=100, tenant="a")
+    assert isinstance(shed, Placement)  # busy zone, but 'a' is alone: borrows
+
+
+def test_all_saturated_is_503_with_retry_after_from_the_drain_rate():
+    sched = scheduler()
+    for i in range(10):  # 10 × 500 tokens freed over the last 5 s: 1000 tokens/s
+        sched.reserve(f"l{i}", "a", "e1", 500, NOW - 6 + i * 0.5)
+        sched.release(f"l{i}", NOW - 5 + i * 0.5)
+    full = snapshot(state("e1", 0.97, capacity=10_000), state("e2", 0.96, capacity=10_000))
+    shed = place(sched, full, tokens=3000)
+    assert isinstance(shed, Reject) and (shed.status, shed.reason) == (503, "pool_saturated")
+    assert shed.retry_after_ms == 3000  # 3000 tokens at 1000 tokens/s
+
+
+def test_no_drain_history_falls_back_to_a_one_second_retry():
+    shed = place(scheduler(), snapshot(state("e1", 0.99)))
+    assert shed.retry_after_ms == MIN_RETRY_MS
+
+
+def test_nothing_ready_is_503():
+    shed = place(scheduler(), snapshot(state("e1", 0.1, healthy=False)))
+    assert (shed.status, shed.reason) == (503, "no_ready_endpoint")
+
+
+def test_larger_than_any_endpoints_kv_is_400_do_not_retry():
+    shed = place(scheduler(), snapshot(state("e1", 0.0)), tokens=CAPACITY + 1)
+    assert (shed.status, shed.reason, shed.retry_after_ms) == (400, "kv_exceeds_capacity", None)
+
+
+def test_reservations_since_the_last_scrape_spread_a_burst():
+    sched = scheduler()
+    snap = snapshot(state("e1", 0.1), state("e2", 0.1), state("e3", 0.1))
+    chosen = []
+    for i in range(6):
+        endpoint = place(sched, snap, tokens=150, seed=i).endpoints[0]
+        sched.reserve(f"l{i}", "a", endpoint, 150, NOW)
+        chosen.append(endpoint)
+    assert sorted(chosen) == ["e1", "e1", "e2", "e2", "e3", "e3"]
+
+
+def test_a_newer_scrape_absorbs_older_reservations():
+    sched = scheduler()
+    sched.reserve("old", "a", "e1", 500, NOW - 1)  # admitted before e1's last scrape
+    snap = snapshot(state("e1", 0.1), state("e2", 0.2))
+    assert place(sched, snap).endpoints[0] == "e1"
+
+
+def test_busy_pool_makes_the_tenant_over_its_share_wait():
+    sched = scheduler(weights={"a": 3.0, "b": 1.0})
+    sched.reserve("a1", "a", "e1", 300, NOW - 1)
+    sched.reserve("b1", "b", "e1", 300, NOW - 1)  # b holds half; its share is a quarter
+    busy = snapshot(state("e1", 0.85))
+    shed = place(sched, busy, tenant="b")
+    assert (shed.status, shed.reason) == (429, "kv_share_exceeded")
+    assert isinstance(place(sched, busy, tenant="a"), Placement)  # under its share
+    idle = snapshot(state("e1", 0.3))
+    assert isinstance(place(sched, idle, tenant="b"), Placement)  # idle: borrow
+
+
+def test_release_frees_the_reservation_once():
+    sched = scheduler()
+    sched.reserve("l", "a", "e1", 100, NOW)
+    sched.release("l", NOW)
+    sched.release("l", NOW)
+    assert not sched.reservations and sched.in_flight["e1"] == 0
+
+
+def test_pool_without_kv_awareness_is_least_in_flight():
+    sched = scheduler(kv_aware=False, endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    sched.reserve("l", "a", "127.0.0.1:1", 0, NOW)
+    assert place(sched, StoreSnapshot()).endpoints[0] == "127.0.0.1:2"
+
+
+def test_max_in_flight_bounds_each_endpoint():
+    sched = scheduler(kv_aware=False, max_in_flight=1,
+                      endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    sched.reserve("l1", "a", "127.0.0.1:1", 0, NOW)
+    assert place(sched, StoreSnapshot()).endpoints == ["127.0.0.1:2"]
+    sched.reserve("l2", "a", "127.0.0.1:2", 0, NOW)
+    shed = place(sched, StoreSnapshot())
+    assert (shed.status, shed.reason) == (503, "pool_saturated")
+
+
+def test_requests_without_kv_go_to_a_live_endpoint_even_when_saturated():
+    snap = snapshot(state("full", 0.99), state("dead", 0.0, healthy=False))
+    assert place(scheduler(), snap).reason == "pool_saturated"
+    assert scheduler().place_light(snap, NOW, random.Random(0)).endpoints == ["full"]
+
+
+def test_an_engine_already_queueing_takes_nothing_when_max_waiting_is_set():
+    snap = snapshot(state("queueing", 0.1, waiting=3), state("calm", 0.5, waiting=0))
+    assert place(scheduler(), snap).endpoints[0] == "queueing"  # off by default
+    strict = scheduler(watermarks={"max_waiting": 0})
+    assert place(strict, snap).endpoints == ["calm"]
+    assert place(strict, snapshot(state("queueing", 0.1, waiting=3))).reason == "pool_saturated"
+
+
+def test_prefill_lasts_from_reservation_to_first_token_or_release():
+    sched = scheduler()
+    sched.reserve("l1", "a", "e1", 900, NOW, band=1, prompt_tokens=800)
+    sched.reserve("l2", "a", "e1", 300, NOW, prompt_tokens=200)
+    assert (sched.prefill_tokens["e1"], sched.low_prefills["e1"]) == (1000, 1)
+    sched.first_token("l1", NOW + 1)
+    sched.first_token("l1", NOW + 1)  # idempotent
+    sched.first_token("unknown", NOW + 1)
+    assert (sched.prefill_tokens["e1"], sched.low_prefills["e1"]) == (200, 0)
+    sched.release("l1", NOW + 2)
+    sched.release("l2", NOW + 2)  # never saw a first token (non-streamed): ends here
+    assert (sched.prefill_tokens["e1"], sched.low_prefills["e1"]) == (0, 0)
+
+
+def test_prefill_scoring_sends_work_where_least_prefill_is_ahead():
+    snap = snapshot(state("e1", 0.1), state("e2", 0.2))
+    sched = scheduler(scoring={"prefill": 2.0})
+    assert place(sched, snap).endpoints[0] == "e1"
+    sched.reserve("batch", "a", "e1", 60, NOW, band=1, prompt_tokens=50)
+    assert place(sched, snap).endpoints[0] == "e2"
+    sched.first_token("batch", NOW)
+    assert place(sched, snap).endpoints[0] == "e1"
+    assert place(scheduler(), snap).endpoints[0] == "e1"  # off by default
+
+
+def test_reserved_slots_are_for_band_zero_only():
+    sched = scheduler(kv_aware=False, max_in_flight=2, reserved_in_flight=1)
+    sched.reserve("l1", "a", "127.0.0.1:1", 0, NOW, band=1)
+    shed = sched.place("a", 10, StoreSnapshot(), NOW, random.Random(0), band=1)
+    assert (shed.status, shed.reason) == (503, "pool_saturated")
+    placed = sched.place("a", 10, StoreSnapshot(), NOW, random.Random(0), band=0)
+    assert placed.endpoints == ["127.0.0.1:1"]
+    sched.reserve("l2", "a", "127.0.0.1:1", 0, NOW)
+    assert sched.place("a", 10, StoreSnapshot(), NOW, random.Random(0)).reason == "pool_saturated"
+
+
+def test_lower_bands_stack_so_some_endpoints_stay_clear_of_their_prefill():
+    snap = snapshot(state("e1", 0.3), state("e2", 0.1), state("e3", 0.2))
+    sched = scheduler(prefill_clear_share=0.34)
+    sched.reserve("b1", "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
+    # two endpoints are clear, one may still be kept clear: any endpoint takes batch
+    assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints[0] == "e2"
+    sched.reserve("b2", "a", "e2", 10, NOW, band=1, prompt_tokens=5000)
+    # only e3 is left clear: batch stacks on the busy ones, interactive goes anywhere
+    assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints == ["e2", "e1"]
+    assert sched.place("a", 10, snap, NOW, random.Random(0)).endpoints[0] == "e2"
+    sched.first_token("b1", NOW)
+    sched.first_token("b2", NOW)
+    assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints[0] == "e2"
+
+
+def test_a_lone_endpoint_still_takes_lower_band_work():
+    sched = scheduler(prefill_clear_share=0.99)
+    assert isinstance(sched.place("a", 10, snapshot(state("e1", 0.1)), NOW, random.Random(0),
+                                  band=2), Placement)

@@ -1,0 +1,253 @@
+"""The per-request state machine, driven with real ext_proc messages but no Envoy."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.config import parse_config
+from extproc.metrics import Metrics
+from extproc.stream import RequestStream
+from extproc.wiring import build_director
+from limiter.stores import MemoryStore
+
+KEY = "sk-test-acme"
+
+
+def make_config(**limits):
+    return parse_config(
+        {
+            "tiers": {"gold": {"limits": limits}},
+            "tenants": [
+                {"name": "acme", "tier": "gold", "api_keys": [_hash(KEY)]},
+            ],
+            "pools": [
+                {
+                    "name": "p",
+                    "models": [{"name": "m", "default_max_tokens": 100}],
+                    "endpoints": ["127.0.0.1:7001", "127.0.0.1:7002"],
+                    "priority_scheduling": True,
+                    "kv_aware": False,  # no scraping here: least-in-flight picking
+                }
+            ],
+        }
+    )
+
+
+def _hash(key: str) -> str:
+    from extproc.config import hash_api_key
+
+    return hash_api_key(key)
+
+
+def headers_msg(path="/v1/chat/completions", key=KEY, end_of_stream=False, **extra):
+    values = {":method": "POST", ":path": path, "content-type": "application/json", **extra}
+    if key is not None:
+        values["authorization"] = f"Bearer {key}"
+    header_list = [HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=header_list), end_of_stream=end_of_stream
+        )
+    )
+
+
+def body_msg(body, response=False, end_of_stream=True):
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    http_body = pb.HttpBody(body=raw, end_of_stream=end_of_stream)
+    if response:
+        return pb.ProcessingRequest(response_body=http_body)
+    return pb.ProcessingRequest(request_body=http_body)
+
+
+def chat(max_tokens=10, **extra):
+    return {"model": "m", "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "x" * 40}], **extra}
+
+
+def new_stream(config=None):
+    config = config or make_config(requests_per_second=1, request_burst=2, max_concurrency=5)
+    store = MemoryStore()
+    return RequestStream(build_director(config, store), Metrics(), config.server), store
+
+
+def parsed(reply):
+    """A reply as a message (routing replies come already serialized)."""
+    if isinstance(reply, bytes):
+        return pb.ProcessingResponse.FromString(reply)
+    return reply
+
+
+def header_dict(mutation):
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+async def test_admitted_request_is_routed_with_priority_and_content_length():
+    stream, _ = new_stream()
+    spoofed = headers_msg(**{"x-gateway-destination-endpoint": "6.6.6.6:1"})
+    reply = parsed(await stream.handle(spoofed))
+    removed = reply.request_headers.response.header_mutation.remove_headers
+    assert "x-gateway-destination-endpoint" in removed
+    reply = parsed(await stream.handle(body_msg(chat(priority=-5))))
+    common = reply.request_body.response
+    sent = orjson.loads(common.body_mutation.body)
+    headers = header_dict(common.header_mutation)
+    assert sent["priority"] == 0  # the tenant's class, not the client's -5
+    assert headers["content-length"] == str(len(common.body_mutation.body))
+    assert headers["x-kvgate-tenant"] == "acme"
+    chosen, fallback = headers["x-gateway-destination-endpoint"].split(",")
+    assert {chosen, fallback} == {"127.0.0.1:7001", "127.0.0.1:7002"}
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == chosen
+    assert common.clear_route_cache
+
+
+async def test_unknown_key_is_401_json():
+    stream, _ = new_stream()
+    reply = parsed(await stream.handle(headers_msg(key="sk-nope")))
+    assert reply.immediate_response.status.code == 401
+    assert orjson.loads(reply.immediate_response.body)["error"]["code"] == "invalid_api_key"
+    assert stream.done
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [(b"{not json", 400), (b"[1,2]", 400), ({"messages": []}, 400),
+     ({"model": "m", "messages": "hi"}, 400),
+     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+     (chat(max_tokens=-1), 400)],
+)
+async def test_bad_bodies_are_4xx_and_hold_nothing(body, status):
+    stream, store = new_stream()
+    await stream.handle(headers_msg())
+    reply = parsed(await stream.handle(body_msg(body)))
+    assert reply.immediate_response.status.code == status
+    assert "error" in orjson.loads(reply.immediate_response.body)
+    assert await store.in_flight("acme") == 0
+
+
+async def test_oversized_body_is_413():
+    config = make_config()
+    config = config.model_copy(update={"server": config.server.model_copy(
+        update={"max_body_bytes": 100})})
+    stream, _ = new_stream(config)
+    reply = parsed(await stream.handle(headers_msg(**{"content-length": "5000"})))
+    assert reply.immediate_response.status.code == 413
+
+
+async def test_request_rate_rejects_at_headers_with_retry_after():
+    stream, _ = new_stream()
+    for _ in range(2):
+        s = RequestStream(stream.director, stream.metrics, stream.settings)
+        await s.handle(headers_msg())
+        await s.handle(body_msg(chat()))
+    reply = parsed(await stream.handle(headers_msg()))
+    immediate = reply.immediate_response
+    assert immediate.status.code == 429
+    headers = header_dict(immediate.headers)
+    assert int(headers["retry-after-ms"]) > 0
+    assert headers["retry-after"] == "1"
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_context_too_long_is_400_do_not_retry():
+    stream, _ = new_stream(make_config(max_context_tokens=5))
+    await stream.handle(headers_msg())
+    reply = parsed(await stream.handle(body_msg(chat())))
+    assert reply.immediate_response.status.code == 400
+    assert header_dict(reply.immediate_response.headers)["x-should-retry"] == "false"
+    body = orjson.loads(reply.immediate_response.body)
+    assert body["error"]["code"] == "context_length_exceeded"
+
+
+async def test_stream_usage_is_reconciled_and_the_injected_chunk_stripped():
+    stream, store = new_stream(make_config(tokens_per_minute=1000, max_concurrency=1))
+    await stream.handle(headers_msg())
+    reply = parsed(await stream.handle(body_msg(chat(max_tokens=100, stream=True))))
+    sent = orjson.loads(reply.request_body.response.body_mutation.body)
+    assert sent["stream_options"] == {"include_usage": True}
+    assert await store.in_flight("acme") == 1
+    chunk = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+             b'data: {"choices":[],"usage":{"prompt_tokens":13,"completion_tokens":1}}\n\n'
+             b"data: [DONE]\n\n")
+    reply = parsed(await stream.handle(body_msg(chunk, response=True)))
+    passed = reply.response_body.response.body_mutation.body
+    assert b"usage" not in passed and b"[DONE]" in passed
+    assert stream.done
+    assert await store.in_flight("acme") == 0
+    assert stream.meter.usage.total == 14
+
+
+async def test_a_whole_response_in_one_chunk_releases_without_waiting_for_the_end():
+    """Envoy sends the end of the body as a message of its own; once the first chunk is the
+    whole JSON response, kvgate releases and ends the stream (one message fewer)."""
+    stream, store = new_stream(make_config(tokens_per_minute=1000, max_concurrency=1))
+    await stream.handle(headers_msg())
+    await stream.handle(body_msg(chat(max_tokens=100)))
+    assert await store.in_flight("acme") == 1
+    whole = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 2}})
+    reply = parsed(await stream.handle(body_msg(whole, response=True, end_of_stream=False)))
+    assert reply.WhichOneof("response") == "response_body"
+    assert stream.done and not stream.holds_admission
+    assert await store.in_flight("acme") == 0
+    assert stream.meter.usage.total == 15
+
+
+async def test_first_response_chunk_ends_the_prefill_the_scheduler_counts():
+    """The reservation carries the class band and prompt; the first chunk back (not the
+    end) tells the scheduler the engine is done prefilling it."""
+    stream, _ = new_stream()
+    await stream.handle(headers_msg(**{"x-request-class": "batch"}))
+    await stream.handle(body_msg(chat(stream=True)))
+    scheduler = stream.admission.scheduler
+    endpoint = stream.admission.endpoint
+    held = scheduler.reservations[stream.admission.lease_id]
+    assert held.band == 1 and held.prefill == stream.admission.cost.prompt_tokens > 0
+    assert scheduler.prefill_tokens[endpoint] == held.prefill
+    assert scheduler.low_prefills[endpoint] == 1
+    await stream.handle(body_msg(b'data: {"choices":[]}\n\n', response=True,
+                                 end_of_stream=False))
+    assert scheduler.prefill_tokens[endpoint] == 0 and scheduler.low_prefills[endpoint] == 0
+    assert not stream.done  # still streaming; the lease is held until the end
+    await stream.handle(body_msg(b"data: [DONE]\n\n", response=True))
+    assert stream.done and scheduler.prefill_tokens[endpoint] == 0
+
+
+async def test_disconnect_releases_exactly_once():
+    stream, store = new_stream()
+    await stream.handle(headers_msg())
+    await stream.handle(body_msg(chat(stream=True)))
+    assert await store.in_flight("acme") == 1
+    await stream.close("cancelled")
+    await stream.close("cancelled")
+    assert await store.in_flight("acme") == 0
+
+
+async def test_get_is_decided_on_headers_alone():
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(path="/v1/models", end_of_stream=True)))
+    assert reply.WhichOneof("response") == "request_headers"
+    assert reply.mode_override.request_body_mode == 0  # NONE
+    assert header_dict(reply.request_headers.response.header_mutation)["x-kvgate-tenant"] == "acme"
+    await stream.close(None)
+    assert await store.in_flight("acme") == 0
+
+
+async def test_spent_quota_is_429_do_not_retry_with_its_reset():
+    stream, _ = new_stream(make_config(daily_token_quota=150))
+    await stream.handle(headers_msg())
+    assert parsed(await stream.handle(body_msg(chat(max_tokens=100)))).HasField("request_body")
+    second = RequestStream(stream.director, stream.metrics, stream.settings)
+    await second.handle(headers_msg())
+    reply = (await second.handle(body_msg(chat(max_tokens=100)))).immediate_response
+    assert reply.status.code == 429
+    headers = header_dict(reply.headers)
+    assert headers["x-should-retry"] == "false"
+    assert headers["x-ratelimit-limit-quota"] == "150"
+    assert headers["x-ratelimit-reset-quota"].endswith("s")
+    assert orjson.loads(reply.body)["error"]["code"] == "insufficient_quota"
+    usage = await stream.director.usage("acme")
+    assert usage["quotas"]["daily"]["limit"] == 150

@@ -1,0 +1,377 @@
+"""Hypothesis properties of the limiter core, all checked with exact integer arithmetic.
+
+The central promise: a rejected request retried exactly ``retry_after_ms`` later is admitted,
+and 1 ms earlier it is not (absent other traffic). Plus the classic bounds: a token bucket
+never admits more than ``rate × t + burst`` in any interval, a sliding window never more than
+``limit`` in any window, and a leaky bucket spaces departures at its rate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+from typing import Any
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from limiter import (
+    Admit,
+    Cost,
+    LeakyBucket,
+    Rate,
+    Reason,
+    Reject,
+    SlidingWindow,
+    TenantLimiter,
+    TenantPolicy,
+    TokenBucket,
+    format_duration,
+)
+from tests.limiter_support import policies
+
+FAST = settings(max_examples=250, deadline=None)
+SLOW = settings(max_examples=150, deadline=None)
+
+rates = st.builds(Rate, st.integers(1, 50), st.integers(1, 5000))
+# None: arrive exactly when the previous wait says it fits (exercises the tight edge).
+gaps = st.one_of(st.none(), st.integers(0, 400))
+
+
+def _ratio(draw: st.DrawFn, limit: int) -> int:
+    """A cost in [0, limit], biased to the interesting top end."""
+    return draw(st.one_of(st.integers(0, limit), st.just(limit), st.integers(limit // 2, limit)))
+
+
+# --- rates and durations -----------------------------------------------------------------
+
+
+@FAST
+@given(st.integers(1, 10**6))
+def test_per_second_is_exact_for_millis_decimals(n: int) -> None:
+    assert Rate.per_second(n / 1000).per_ms() == Fraction(n, 10**6)
+
+
+def _parse_duration(text: str) -> int:
+    if text.endswith("ms"):
+        return int(text[:-2])
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?([\d.]+)s", text)
+    assert match, text
+    hours, minutes, seconds = match.groups()
+    total = Fraction(seconds) * 1000 + int(minutes or 0) * 60_000 + int(hours or 0) * 3_600_000
+    assert total.denominator == 1
+    return int(total)
+
+
+@FAST
+@given(st.integers(0, 10**9))
+def test_format_duration_round_trips(ms: int) -> None:
+    assert _parse_duration(format_duration(ms)) == ms
+
+
+# --- token bucket ------------------------------------------------------------------------
+
+
+@FAST
+@given(rates, st.integers(1, 40), st.lists(st.tuples(gaps, st.integers(0, 40)), max_size=60))
+def test_token_bucket_interval_bound(
+    rate: Rate, capacity: int, arrivals: list[tuple[int | None, int]]
+) -> None:
+    """Over any [t_i, t_j]: admitted × period ≤ amount × (t_j − t_i) + capacity × period."""
+    now, bucket, admitted = 0, TokenBucket(rate, capacity, 0), []
+    for gap, raw_cost in arrivals:
+        cost = min(raw_cost, capacity)
+        now += bucket.wait_ms(cost, now) if gap is None else gap
+        if bucket.wait_ms(cost, now) == 0:
+            bucket.consume(cost, now)
+            admitted.append((now, cost))
+    period, amount = rate.period_ms, rate.amount
+    for i, (start, _) in enumerate(admitted):
+        total = 0
+        for end, cost in admitted[i:]:
+            total += cost
+            assert total * period <= amount * (end - start) + capacity * period
+
+
+@st.composite
+def token_histories(draw: st.DrawFn) -> tuple[TokenBucket, int, int]:
+    """A bucket (small or realistic per-minute sizes) after random consumes/charges/refunds."""
+    big = draw(st.booleans())
+    capacity = draw(st.integers(1, 10**6 if big else 50))
+    rate = Rate.per_minute(draw(st.integers(1, 10**6))) if big else draw(rates)
+    now = draw(st.integers(-(10**6), 10**6))
+    bucket = TokenBucket(rate, capacity, now)
+    for _ in range(draw(st.integers(0, 12))):
+        op = draw(st.sampled_from(["consume", "consume", "charge", "refund"]))
+        now += draw(st.integers(0, 5000))
+        amount = _ratio(draw, capacity)
+        if op == "consume" and bucket.wait_ms(amount, now) == 0:
+            bucket.consume(amount, now)
+        elif op == "charge":
+            bucket.charge(amount, now)
+        elif op == "refund":
+            bucket.refund(amount, now)
+        assert bucket.level_at(now) <= bucket.full_scaled
+    return bucket, now, _ratio(draw, capacity)
+
+
+@FAST
+@given(token_histories())
+def test_token_bucket_retry_exactness(history: tuple[TokenBucket, int, int]) -> None:
+    bucket, now, cost = history
+    wait = bucket.wait_ms(cost, now)
+    event("token bucket: must wait" if wait else "token bucket: fits now")
+    if wait > 0:
+        assert bucket.wait_ms(cost, now + wait - 1) > 0
+        assert bucket.available(now + wait - 1) * bucket.rate.period_ms < bucket.full_scaled
+    assert bucket.wait_ms(cost, now + wait) == 0
+    bucket.consume(cost, now + wait)
+
+
+# --- sliding window ----------------------------------------------------------------------
+
+windows = st.tuples(st.integers(1, 20), st.integers(1, 3000))
+
+
+@FAST
+@given(windows, st.lists(st.tuples(gaps, st.integers(0, 20)), max_size=80))
+def test_sliding_window_never_exceeds_limit(
+    shape: tuple[int, int], arrivals: list[tuple[int | None, int]]
+) -> None:
+    limit, window_ms = shape
+    window, now, admitted = SlidingWindow(limit, window_ms), 0, []
+    for gap, raw_cost in arrivals:
+        cost = min(raw_cost, limit)
+        now += window.wait_ms(cost, now) if gap is None else gap
+        if window.wait_ms(cost, now) == 0:
+            window.consume(cost, now)
+            admitted.append((now, cost))
+        assert len(window) <= limit
+    for end, _ in admitted:
+        assert sum(c for t, c in admitted if end - window_ms < t <= end) <= limit
+
+
+@FAST
+@given(windows, st.lists(st.tuples(st.booleans(), st.integers(0, 800), st.integers(0, 20))))
+def test_sliding_window_retry_exactness(
+    shape: tuple[int, int], ops: list[tuple[bool, int, int]]
+) -> None:
+    limit, window_ms = shape
+
+    def replayed() -> tuple[SlidingWindow, int]:
+        window, now = SlidingWindow(limit, window_ms), 0
+        for is_refund, gap, raw_cost in ops:
+            now, cost = now + gap, min(raw_cost, limit)
+            if is_refund:
+                window.refund(cost // 2, now)
+            elif window.wait_ms(cost, now) == 0:
+                window.consume(cost, now)
+        return window, now
+
+    for cost in range(limit + 1):
+        probe, now = replayed()  # a fresh copy of the state for every probe
+        wait = probe.wait_ms(cost, now)
+        if wait > 0:
+            assert probe.wait_ms(cost, now + wait - 1) > 0
+        assert probe.wait_ms(cost, now + wait) == 0
+        probe.consume(cost, now + wait)
+
+
+# --- leaky bucket ------------------------------------------------------------------------
+
+
+@FAST
+@given(rates, st.integers(1, 30), st.lists(st.tuples(gaps, st.integers(0, 30)), max_size=60))
+def test_leaky_bucket_spacing_and_no_overflow(
+    rate: Rate, capacity: int, arrivals: list[tuple[int | None, int]]
+) -> None:
+    shaper, now, departures = LeakyBucket(rate, capacity), 0, []
+    next_free = Fraction(0)  # exact model: when the water ahead of a new arrival has drained
+    for gap, cost in arrivals:
+        if gap is None and cost <= capacity:
+            now += shaper.wait_ms(cost, now)
+        elif gap is not None:
+            now += gap
+        delay = shaper.admit(cost, now)
+        if delay is None:
+            assert cost > capacity or shaper.wait_ms(cost, now) > 0
+            continue
+        assert shaper.level_at(now) <= shaper.full_scaled
+        # Never overflows: the work ahead of it is at most capacity − cost.
+        assert delay * rate.amount < (capacity - cost) * rate.period_ms + rate.amount
+        departure = max(Fraction(now), next_free)
+        assert now + delay == math.ceil(departure)  # never early, never late by a full ms
+        next_free = departure + Fraction(cost * rate.period_ms, rate.amount)
+        departures.append((now + delay, cost))
+    period, amount = rate.period_ms, rate.amount
+    for i, (start, _) in enumerate(departures):
+        total = 0
+        for j in range(i + 1, len(departures)):
+            total += departures[j - 1][1]
+            end = departures[j][0]
+            # In order, and spaced at the rate up to the 1 ms rounding of integer send times.
+            assert start <= end
+            assert total * period < (end - start + 1) * amount
+
+
+@FAST
+@given(rates, st.integers(1, 30), st.lists(st.tuples(st.integers(0, 300), st.integers(0, 30))))
+def test_leaky_bucket_retry_exactness(
+    rate: Rate, capacity: int, arrivals: list[tuple[int, int]]
+) -> None:
+
+    def replayed() -> tuple[LeakyBucket, int]:
+        shaper, now = LeakyBucket(rate, capacity), 0
+        for gap, cost in arrivals:
+            now += gap
+            shaper.admit(min(cost, capacity), now)
+        return shaper, now
+
+    shaper, now = replayed()
+    for cost in range(capacity + 1):
+        wait = shaper.wait_ms(cost, now)
+        if wait > 0:
+            assert replayed()[0].admit(cost, now + wait - 1) is None
+        assert replayed()[0].admit(cost, now + wait) is not None
+
+
+# --- the tenant limiter ------------------------------------------------------------------
+
+
+def _costs(draw: st.DrawFn, policy: TenantPolicy) -> Cost:
+    cap = policy.token_burst or 3000
+    prompt = _ratio(draw, cap)
+    return Cost(prompt, _ratio(draw, cap - prompt), requests=draw(st.sampled_from([1, 1, 0, 2])))
+
+
+def _snapshot(limiter: TenantLimiter, now: int) -> tuple[object, ...]:
+    buckets = [limiter.request_bucket, limiter.token_bucket]
+    window = limiter.window
+    return (
+        [(b.level_scaled, b.last_ms) for b in buckets if b is not None],
+        (window.used(now), window.reset_ms(now)) if window is not None else None,
+        limiter.in_flight,
+        limiter.remaining(now),
+    )
+
+
+def _levels(limiter: TenantLimiter, now: int) -> tuple[int | None, ...]:
+    """Exact scaled levels of the request and token buckets and the window's usage."""
+    req, tok, window = limiter.request_bucket, limiter.token_bucket, limiter.window
+    return (
+        req.level_at(now) if req is not None else None,
+        tok.level_at(now) if tok is not None else None,
+        window.used(now) if window is not None else None,
+    )
+
+
+def _minus(
+    levels: tuple[int | None, ...], limiter: TenantLimiter, cost: Cost
+) -> tuple[object, ...]:
+    """What :func:`_levels` must read after admitting ``cost``."""
+    req, tok = limiter.request_bucket, limiter.token_bucket
+    return (
+        None if req is None else levels[0] - cost.requests * req.rate.period_ms,
+        None if tok is None else levels[1] - cost.tokens * tok.rate.period_ms,
+        None if levels[2] is None else levels[2] + cost.requests,
+    )
+
+
+def _release(limiter: TenantLimiter, lease: str, cost: Cost, used: int | None, now: int) -> None:
+    """Release and check the token reconciliation exactly (refund capped, overshoot charged)."""
+    bucket = limiter.token_bucket
+    before = bucket.level_at(now) if bucket is not None else 0
+    assert limiter.release(lease, used, now) is True
+    after = _snapshot(limiter, now)
+    assert limiter.release(lease, used, now) is False
+    assert _snapshot(limiter, now) == after
+    if bucket is None:
+        return
+    delta = (cost.tokens - (cost.tokens if used is None else used)) * bucket.rate.period_ms
+    expected = min(bucket.full_scaled, before + delta) if delta > 0 else before + delta
+    assert bucket.level_at(now) == expected
+
+
+def _run_history(
+    draw: st.DrawFn, limiter: TenantLimiter, steps: int, now: int
+) -> tuple[int, dict[str, Cost]]:
+    """Random admits/releases with invariants checked at every step; returns (now, leases)."""
+    policy, leases = limiter.policy, {}
+    for step in range(steps):
+        now += draw(st.one_of(st.just(0), st.integers(0, 50), st.integers(0, 600)))
+        if leases and draw(st.booleans()):
+            lease = draw(st.sampled_from(sorted(leases)))
+            used = draw(st.one_of(st.none(), st.integers(0, 2 * leases[lease].tokens + 5)))
+            _release(limiter, lease, leases.pop(lease), used, now)
+            continue
+        cost, before, levels = _costs(draw, policy), _snapshot(limiter, now), _levels(limiter, now)
+        result = limiter.admit(cost, f"l{step}", now)
+        if isinstance(result, Admit):
+            leases[result.lease_id] = cost
+            assert _levels(limiter, now) == _minus(levels, limiter, cost)  # consumed exactly
+        else:
+            assert _snapshot(limiter, now) == before  # all or nothing
+        assert limiter.in_flight == len(leases) <= (policy.max_concurrency or len(leases))
+        bucket = limiter.token_bucket
+        assert bucket is None or bucket.available(now) <= bucket.capacity
+    return now, leases
+
+
+@SLOW
+@given(st.data(), policies(concurrency=True))
+def test_tenant_limiter_invariants(data: st.DataObject, policy: TenantPolicy) -> None:
+    limiter = TenantLimiter(policy, now_ms=0)
+    now, leases = _run_history(data.draw, limiter, data.draw(st.integers(0, 25)), 0)
+    for lease, cost in sorted(leases.items()):
+        _release(limiter, lease, cost, data.draw(st.one_of(st.none(), st.integers(0, 50))), now)
+    assert limiter.in_flight == 0
+    blocked = limiter.check_requests(now)
+    assert blocked is None or blocked.reason in {Reason.REQUESTS, Reason.WINDOW}
+
+
+@SLOW
+@given(st.data(), policies(concurrency=False))
+def test_tenant_limiter_retry_exactness(data: st.DataObject, policy: TenantPolicy) -> None:
+    """Reject.retry_after_ms is the exact max over every dimension's wait."""
+    steps, drawn = data.draw(st.integers(0, 20)), []
+
+    def record(strategy: st.SearchStrategy[Any]) -> Any:
+        drawn.append(data.draw(strategy))
+        return drawn[-1]
+
+    def replayed() -> TenantLimiter:
+        """The same history on a new limiter: a copy of its state (compiled classes, see
+        kvgate_native, cannot be deep-copied)."""
+        values, copy = iter(drawn), TenantLimiter(policy, now_ms=0)
+        _run_history(lambda _: next(values), copy, steps, 0)
+        return copy
+
+    limiter = TenantLimiter(policy, now_ms=0)
+    now, _ = _run_history(record, limiter, steps, 0)
+    cost = _costs(data.draw, policy)
+    result = replayed().admit(cost, "probe", now)
+    event(f"probe: {result.reason if isinstance(result, Reject) else 'admitted'}")
+    if isinstance(result, Admit):
+        return
+    if result.retry_after_ms is None:
+        assert result.reason in {Reason.CONTEXT, Reason.TOO_LARGE}
+        return
+    retry = result.retry_after_ms
+    assert retry > 0
+    event(f"several dimensions: {' and ' in result.message}")
+    assert isinstance(replayed().admit(cost, "probe", now + retry - 1), Reject)
+    assert isinstance(limiter.admit(cost, "probe", now + retry), Admit)
+
+
+@SLOW
+@given(st.data(), policies(concurrency=False))
+def test_check_requests_retry_exactness(data: st.DataObject, policy: TenantPolicy) -> None:
+    limiter = TenantLimiter(policy, now_ms=0)
+    now, _ = _run_history(data.draw, limiter, data.draw(st.integers(0, 20)), 0)
+    result = limiter.check_requests(now)
+    if result is None:
+        return
+    assert result.retry_after_ms is not None
+    assert limiter.check_requests(now + result.retry_after_ms - 1) is not None
+    assert limiter.check_requests(now + result.retry_after_ms) is None
