@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.extproc_client import ExtProcClient
 from bench.redis_server import RedisServer
 from extproc.config import hash_api_key, parse_config
+from extproc.processes import KvgateProcess
 from tests.conftest import free_port
-from tests.kvgate_process import KvgateProcess
 
 pytestmark = pytest.mark.redis
 

@@ -14,10 +14,10 @@ from bench.extproc_client import ExtProcClient
 from bench.redis_server import RedisServer
 from extproc.cli import main
 from extproc.config import hash_api_key, parse_config
+from extproc.processes import KvgateProcess
 from extproc.server import KvgateServer
 from limiter.stores import FailoverStore
 from tests.conftest import free_port
-from tests.kvgate_process import KvgateProcess
 
 pytestmark = pytest.mark.redis
 
