@@ -353,7 +353,9 @@ class ScrapeSettings(_Strict):
     interval_s: PositiveFloat = Field(0.1, description="one round of scrapes every this long")
     timeout_s: PositiveFloat = Field(0.5, description="per scrape")
     max_concurrency: PositiveInt = Field(16, description="scrapes in flight at once")
-    unhealthy_after: PositiveInt = Field(3, description="consecutive failures → unhealthy")
+    unhealthy_after: PositiveInt = Field(
+        3, description="consecutive unreachable scrapes (refused, reset, DNS gone) → unhealthy; "
+        "a slow scrape only ages the last reading")
     staleness_s: PositiveFloat = Field(2.0, description="older metrics exclude the endpoint")
     metrics_path: str = "/metrics"
 

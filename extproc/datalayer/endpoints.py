@@ -45,7 +45,9 @@ class EndpointState:
     A new endpoint starts unscraped: ``scraped_at`` None, not healthy, not fresh.
     ``scraped_at`` and ``gpus_read_at`` are ``time.monotonic()`` of the last *successful*
     read, so a failing endpoint keeps its last metrics but goes stale. ``healthy`` turns
-    False after ``unhealthy_after`` consecutive failures and True on the next success.
+    False after ``unhealthy_after`` consecutive scrapes that could not reach the engine
+    (``consecutive_failures``) and True on the next success; a slow or garbled answer only
+    lets the last reading age, since a busy engine is not a gone one.
     ``kv_capacity_tokens`` is the engine's own figure, else the pool's configured fallback.
     """
 
@@ -91,7 +93,9 @@ class ScrapeResult:
     """One round's outcome for one address: metrics or an error, and maybe GPU readings.
 
     ``gpus`` None means "no GPU reading this round" (no source, or the source failed): the
-    previous readings are kept and age through ``gpus_read_at``.
+    previous readings are kept and age through ``gpus_read_at``. ``reached`` marks an error
+    from an engine that was there (timed out, answered HTTP 500 or not metrics): it does not
+    count towards unhealthy.
     """
 
     address: str
@@ -99,6 +103,7 @@ class ScrapeResult:
     metrics: EngineMetrics | None = None
     error: str | None = None
     gpus: tuple[GpuReading, ...] | None = None
+    reached: bool = False
 
 
 def advance(state: EndpointState, result: ScrapeResult, unhealthy_after: int,
@@ -106,6 +111,8 @@ def advance(state: EndpointState, result: ScrapeResult, unhealthy_after: int,
     """The state after one scrape result: the health rules, as a pure function."""
     if result.gpus is not None:
         state = replace(state, gpus=result.gpus, gpus_read_at=result.at)
+    if result.metrics is None and result.reached:
+        return replace(state, last_error=result.error)
     if result.metrics is None:
         failures = state.consecutive_failures + 1
         return replace(state, consecutive_failures=failures, last_error=result.error,

@@ -13,6 +13,10 @@ at once if that one overran). So the age of a healthy endpoint's metrics is boun
 ``max_concurrency`` scrapes (defaults: 0.1 + 0.5 s for up to 16 endpoints, well inside the
 2 s staleness bound). GPU reads, local NVML calls included, get the same timeout.
 
+Only an engine that cannot be reached (refused, reset, its name gone) counts towards
+``unhealthy_after``: one that is slow or answers with something other than metrics keeps its
+last reading, which ages out after ``staleness_s`` (then the picker stops using it).
+
 Nothing that goes wrong in a round stops the loop. Logging is by transition only: one line
 when an endpoint turns unhealthy or recovers, one when a GPU source starts or stops failing.
 """
@@ -46,7 +50,7 @@ LOCAL = "local"
 ACCEPT = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # vLLM's classic text format
 
 UpdateHook = Callable[[StoreSnapshot], Awaitable[None] | None]
-Scraped = tuple[float, EngineMetrics | None, str | None]  # when asked, metrics, error
+Scraped = tuple[float, EngineMetrics | None, str | None, bool]  # when, metrics, error, reached
 SessionFactory = Callable[[], aiohttp.ClientSession]
 
 
@@ -218,13 +222,13 @@ class Scraper:
         else:  # no GPU sources: no second gather to pay for every round
             metrics, gpu_readings = await _gather(scrapes), {}
         results = []
-        for address, (at, parsed, error) in zip(addresses, metrics, strict=True):
+        for address, (at, parsed, error, reached) in zip(addresses, metrics, strict=True):
             gpus = None
             if address in plan:
                 source, target = plan[address]
                 readings = gpu_readings[target]
                 gpus = None if readings is None else source.select(readings)
-            results.append(ScrapeResult(address, at, parsed, error, gpus))
+            results.append(ScrapeResult(address, at, parsed, error, gpus, reached))
         for before, after in await self.store.apply(results, self.unhealthy_after):
             _log_health(before, after)
         self.rounds += 1
@@ -238,11 +242,11 @@ class Scraper:
         try:
             body = await self._fetch(url)
         except Exception as exc:
-            return self.clock(), None, _describe(exc, self.timeout_s)
+            return self.clock(), None, _describe(exc, self.timeout_s), not _unreachable(exc)
         metrics = parse_vllm_metrics(body)
         if not metrics.has_data:
-            return at, None, f"no vLLM metrics at {url}"
-        return at, metrics, None
+            return at, None, f"no vLLM metrics at {url}", True
+        return at, metrics, None, True
 
     async def _fetch(self, url: str) -> str:
         """GET ``url``'s body, bounded by the semaphore (waiting) and the timeout (not)."""
@@ -331,6 +335,14 @@ def _log_health(before: EndpointState, after: EndpointState) -> None:
     else:
         log.warning("%s unhealthy after %d failed scrapes: %s", where,
                     after.consecutive_failures, after.last_error)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Refused, reset, closed before answering, or a name that no longer resolves: the engine
+    is not there. A timeout (also an ``OSError``) is a busy engine, not a missing one."""
+    if isinstance(exc, TimeoutError):
+        return False
+    return isinstance(exc, OSError | aiohttp.ServerDisconnectedError)
 
 
 def _describe(exc: BaseException, timeout_s: float) -> str:

@@ -47,6 +47,15 @@ def test_success_makes_healthy_and_fresh_until_the_staleness_bound() -> None:
     assert state.is_usable(now=11.0)
 
 
+def test_a_slow_or_garbled_scrape_keeps_health_and_the_last_reading_until_stale() -> None:
+    state = advance(EndpointState(A, "p"), ok(A, 1.0), unhealthy_after=3)
+    for at in (2.0, 3.0, 4.0, 5.0):  # the engine answered late, or not with metrics
+        state = advance(state, ScrapeResult(A, at, error="timed out", reached=True), 3)
+    assert state.healthy and state.consecutive_failures == 0
+    assert state.metrics == GOOD and state.scraped_at == 1.0 and state.last_error == "timed out"
+    assert state.is_usable(2.9, staleness_s=2.0) and not state.is_usable(3.1, staleness_s=2.0)
+
+
 def test_unhealthy_after_n_consecutive_failures_and_healthy_on_the_next_success() -> None:
     state = advance(EndpointState(A, "p"), ok(A, 1.0), unhealthy_after=3)
     for at, still_healthy in ((2.0, True), (3.0, True), (4.0, False), (5.0, False)):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -181,7 +183,48 @@ async def test_a_slow_endpoint_times_out_without_holding_the_round() -> None:
         finally:
             await scraper.stop()
         assert time.monotonic() - started < 0.5
-        assert state.last_error == "timed out after 0.1s" and state.consecutive_failures == 1
+        assert state.last_error == "timed out after 0.1s" and state.consecutive_failures == 0
+
+
+async def test_a_slow_engine_keeps_its_last_reading_until_stale_and_stays_healthy() -> None:
+    """Slow is not down: an engine that answers late keeps its last numbers (they age), and
+    only an unreachable one is unhealthy."""
+    servers = MetricsServers(1)
+    async with servers as [where]:
+        store = EndpointStore()
+        await store.set_endpoints("p", [where])
+        scraper = Scraper(store, timeout_s=0.1, unhealthy_after=3)
+        try:
+            good = (await scraper.scrape_once()).get("p", where)
+            servers.delay_s = 1.0
+            for _ in range(5):
+                state = (await scraper.scrape_once()).get("p", where)
+        finally:
+            await scraper.stop()
+    assert state.healthy and state.consecutive_failures == 0
+    assert state.metrics == good.metrics and state.scraped_at == good.scraped_at
+    assert state.last_error == "timed out after 0.1s"
+    assert state.is_usable(good.scraped_at + 1.9) and not state.is_usable(good.scraped_at + 2.1)
+
+
+async def test_a_connection_reset_counts_as_unreachable() -> None:
+    async def reset(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()  # linger 0: the close sends RST
+
+    server = await asyncio.start_server(reset, "127.0.0.1", 0)
+    where = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    store = EndpointStore()
+    await store.set_endpoints("p", [where])
+    scraper = Scraper(store, unhealthy_after=2)
+    try:
+        for _ in range(2):
+            state = (await scraper.scrape_once()).get("p", where)
+    finally:
+        await scraper.stop()
+        server.close()
+    assert state.consecutive_failures == 2 and state.last_error
 
 
 @pytest.mark.parametrize(("status", "body", "error"), [
