@@ -11,7 +11,8 @@ import contextlib
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -50,10 +51,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[messages.Reply]:
         stream = RequestStream(self.director, self.metrics, self.settings)
         handle = stream.handle
+        incoming = Incoming(request_iterator)
         ending: str | None = "envoy_closed"
         try:
-            async for message in request_iterator:
-                yield await handle(message)
+            while (message := await incoming.next()) is not None:
+                if not _may_wait(message):
+                    yield await handle(message)
+                elif (reply := await incoming.unless_closed(handle(message))) is not None:
+                    yield reply
+                else:
+                    ending = "client_gone"
+                    return  # its client left while it waited (in the queue): nothing to say
                 if stream.done:
                     ending = None
                     return  # ending the RPC here lets Envoy close the stream gracefully
@@ -63,9 +71,68 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ending = "cancelled"
             raise
         finally:
+            await incoming.close()
             if stream.holds_admission:  # usually released already, at end of stream
                 # shielded: a second cancellation must not skip the release
                 await asyncio.shield(stream.close(ending))
+
+
+def _may_wait(message: pb.ProcessingRequest) -> bool:
+    """The messages whose reply is the admission decision, which may wait in the queue."""
+    kind = message.WhichOneof("request")
+    return kind == "request_body" or (kind == "request_headers"
+                                      and message.request_headers.end_of_stream)
+
+
+class Incoming:
+    """Envoy's messages on one ext_proc stream, read one ahead while an admission waits.
+
+    When an HTTP client goes away, Envoy half-closes the ext_proc stream and resets it only
+    after a second without kvgate ending the RPC (with graceful close, see envoy_config.py);
+    a servicer awaiting the queue reads nothing meanwhile, so it would learn of the departure
+    a second late, and the request could be dispatched to an engine for nobody. So while a
+    decision is pending, the next read runs beside it: its end of stream cancels the wait.
+    """
+
+    __slots__ = ("_ahead", "_requests")
+
+    def __init__(self, requests: AsyncIterator[pb.ProcessingRequest]):
+        self._requests = aiter(requests)
+        self._ahead: asyncio.Future[pb.ProcessingRequest | None] | None = None
+
+    async def next(self) -> pb.ProcessingRequest | None:
+        """The next message, or None at the end of the stream."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            return await ahead
+        return await anext(self._requests, None)
+
+    async def unless_closed(self, reply: Coroutine[Any, Any, messages.Reply]
+                            ) -> messages.Reply | None:
+        """``reply``'s result, or None (``reply`` cancelled) if the stream ends first."""
+        work = asyncio.ensure_future(reply)
+        ahead = self._ahead = asyncio.ensure_future(anext(self._requests, None))
+        try:
+            await asyncio.wait((work, ahead), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and _ended(ahead):
+                await cancel(work)
+                return None
+            return await work  # done, or a message came early (kept for next())
+        finally:
+            await cancel(work)  # when this task itself is cancelled (Envoy reset the RPC)
+
+    async def close(self) -> None:
+        """Stop a pending read; its failure, if any, no longer matters (the RPC is over)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await ahead
+
+
+def _ended(ahead: asyncio.Future[pb.ProcessingRequest | None]) -> bool:
+    """The read ahead found the end of the stream, or the stream broke."""
+    return ahead.cancelled() or ahead.exception() is not None or ahead.result() is None
 
 
 def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> None:
