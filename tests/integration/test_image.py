@@ -9,6 +9,7 @@ editable install of this checkout (a ``.pth`` hook) cannot supply a module the i
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -50,10 +51,21 @@ def test_the_image_contents_install_and_start(tmp_path: Path) -> None:
     installed = subprocess.run(pip, capture_output=True, text=True, timeout=120)
     assert installed.returncode == 0, installed.stderr
 
-    path = os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]])
-    env = {**os.environ, "PYTHONPATH": path, "KVGATE_NATIVE": "0"}
-    started = subprocess.run([sys.executable, "-S", str(site / "bin" / "kvgate"), "--help"],
-                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    started = run_from(site, str(site / "bin" / "kvgate"), "--help", cwd=tmp_path)
     assert started.returncode == 0, started.stderr
     assert "serve" in started.stdout
     assert not (site / "bench").exists()  # benchmarks are not part of the distribution
+    # the image compiles the hot path from the source tree: the installed loader accepts
+    # that build only if both trees hash the same
+    hashes = "import json, kvgate_native; print(json.dumps(kvgate_native.source_hashes()))"
+    installed, source = (run_from(root, "-c", hashes, cwd=tmp_path) for root in (site, context))
+    assert installed.returncode == source.returncode == 0, installed.stderr + source.stderr
+    assert json.loads(installed.stdout) == json.loads(source.stdout)
+
+
+def run_from(root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The venv's interpreter with ``root`` first and none of this checkout's hooks."""
+    path = os.pathsep.join([str(root), sysconfig.get_paths()["purelib"]])
+    env = {**os.environ, "PYTHONPATH": path, "KVGATE_NATIVE": "0"}
+    return subprocess.run([sys.executable, "-S", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=60)
