@@ -311,9 +311,25 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, port_number
 
 
+class GrpcTls(_Strict):
+    """TLS on the ext_proc gRPC listener; with a client CA, Envoy must present a certificate
+    it signed (mutual TLS)."""
+
+    cert_file: str = Field(description="PEM certificate chain kvgate presents")
+    key_file: str = Field(description="PEM private key of that certificate")
+    client_ca_file: str | None = Field(
+        None, description="PEM CA bundle: require and verify client certificates (mTLS)"
+    )
+
+
 class Server(_Strict):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="where the ext_proc gRPC port listens")
     grpc_port: int = Field(9001, ge=0, lt=65536, description="0 = any free port")
+    tls: GrpcTls | None = Field(None, description="TLS for the gRPC port; null = plaintext")
+    admin_host: str = Field(
+        "127.0.0.1", description="where the admin port listens: its /admin and /debug pages "
+        "are unauthenticated, so loopback unless set (0.0.0.0 to let Prometheus in)"
+    )
     admin_port: int | None = Field(
         9002, ge=0, lt=65536, description="/metrics, /healthz; null = off, 0 = any free port"
     )
@@ -331,6 +347,24 @@ class Server(_Strict):
     )
 
 
+class ExtProcTls(_Strict):
+    """How Envoy talks TLS to kvgate's gRPC port (``server.tls``); paths as Envoy sees them."""
+
+    ca_file: str = Field(description="PEM CA bundle that signed kvgate's certificate")
+    server_name: str | None = Field(
+        None, description="SNI, and the DNS name kvgate's certificate must carry; "
+        "null = chain checked only"
+    )
+    cert_file: str | None = Field(None, description="Envoy's client certificate (mTLS)")
+    key_file: str | None = Field(None, description="its private key")
+
+    @model_validator(mode="after")
+    def _client_pair(self) -> ExtProcTls:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
 class EnvoySettings(_Strict):
     """What ``kvgate render-envoy`` puts into the Envoy bootstrap."""
 
@@ -338,6 +372,9 @@ class EnvoySettings(_Strict):
     listen_port: int = Field(10000, ge=0, lt=65536)
     admin_port: int = Field(9901, ge=0, lt=65536)
     ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate")
+    ext_proc_tls: ExtProcTls | None = Field(
+        None, description="TLS to kvgate (set when server.tls is); null = plaintext"
+    )
     message_timeout_s: PositiveFloat = Field(
         1000, description="per ext_proc message; must outlast the longest queueing"
     )

@@ -148,7 +148,7 @@ def run_demo(config: Config, *, smoke: bool = False) -> int:
         kvgate = stack.kvgate
         print(f"\nEnvoy gateway : {_gateway_url(config)}")
         print(f"kvgate ext_proc: {config.server.host}:{kvgate.server.grpc_port}, metrics: "
-              f"http://{config.server.host}:{kvgate.server.admin_port}/metrics")
+              f"http://{config.server.admin_host}:{kvgate.server.admin_port}/metrics")
         print("demo API keys : " + ", ".join(f"{k} ({t})" for t, k in DEMO_KEYS.items()))
         print("\nTry:\n  " + curl_line(config) + "\n")
         if smoke:

@@ -33,7 +33,7 @@ from extproc.headers import (
 )
 
 if TYPE_CHECKING:
-    from extproc.config import Config
+    from extproc.config import Config, ExtProcTls
 
 GATEWAY_LISTENER = "kvgate_gateway"
 EXT_PROC_CLUSTER = "kvgate_ext_proc"
@@ -379,7 +379,44 @@ def _ext_proc_cluster(config: Config) -> Any:
             endpoints=[LocalityLbEndpoints(lb_endpoints=[endpoint])],
         ),
         circuit_breakers=_circuit_breakers(),
+        transport_socket=_ext_proc_tls(config.envoy.ext_proc_tls),
     )
+
+
+def _ext_proc_tls(tls: ExtProcTls | None) -> Any:
+    """TLS to kvgate's gRPC port (its ``server.tls``), or None: plaintext."""
+    if tls is None:
+        return None
+    from envoy_data_plane.envoy.config.core.v3 import DataSource, TransportSocket
+    from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
+        CertificateValidationContext,
+        CommonTlsContext,
+        SubjectAltNameMatcher,
+        SubjectAltNameMatcherSanType,
+        TlsCertificate,
+        UpstreamTlsContext,
+    )
+    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    names = [] if tls.server_name is None else [SubjectAltNameMatcher(
+        san_type=SubjectAltNameMatcherSanType.DNS, matcher=StringMatcher(exact=tls.server_name))]
+    client = [] if tls.cert_file is None or tls.key_file is None else [TlsCertificate(
+        certificate_chain=DataSource(filename=tls.cert_file),
+        private_key=DataSource(filename=tls.key_file))]
+    context = UpstreamTlsContext(
+        sni=tls.server_name or "",
+        common_tls_context=CommonTlsContext(
+            # gRPC requires ALPN h2 over TLS
+            alpn_protocols=["h2"],
+            tls_certificates=client,
+            validation_context=CertificateValidationContext(
+                trusted_ca=DataSource(filename=tls.ca_file),
+                match_typed_subject_alt_names=names,
+            ),
+        ),
+    )
+    return TransportSocket(name="envoy.transport_sockets.tls", typed_config=AnyMsg.pack(context))
 
 
 def _overload_manager() -> Any:

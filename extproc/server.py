@@ -12,6 +12,7 @@ import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvgate_native
 from extproc import messages
-from extproc.config import Config
+from extproc.config import Config, GrpcTls
 from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.datalayer.nvml import open_gpu_reader
@@ -148,6 +149,15 @@ def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> Non
     server.add_registered_method_handlers(service, handlers)
 
 
+def _server_credentials(tls: GrpcTls) -> grpc.ServerCredentials:
+    """The listener's certificate; with a client CA, clients must present one it signed."""
+    chain = Path(tls.cert_file).read_bytes()
+    key = Path(tls.key_file).read_bytes()
+    ca = None if tls.client_ca_file is None else Path(tls.client_ca_file).read_bytes()
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 class KvgateServer:
     """Owns the gRPC server and the admin site; ports 0 bind ephemeral ports (tests)."""
 
@@ -193,15 +203,20 @@ class KvgateServer:
         _add_processor(ExternalProcessor(self.director, self.metrics, self.config), self._grpc)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+        address = f"{settings.host}:{settings.grpc_port}"
+        if settings.tls is None:
+            self.grpc_port = self._grpc.add_insecure_port(address)
+        else:
+            self.grpc_port = self._grpc.add_secure_port(address, _server_credentials(settings.tls))
         await self._grpc.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         if settings.admin_port is not None:
-            await self._start_admin(settings.host, settings.admin_port)
+            await self._start_admin(settings.admin_host, settings.admin_port)
         if self.config.redis is not None:
             self._renewer = asyncio.create_task(self._renew_leases(self.config.redis.lease_ttl_s))
-        log.info("kvgate ext_proc on %s:%d, admin on %s:%d; hot path: %s", settings.host,
-                 self.grpc_port, settings.host, self.admin_port, kvgate_native.status())
+        log.info("kvgate ext_proc on %s:%d (%s), admin on %s:%d; hot path: %s", settings.host,
+                 self.grpc_port, "plaintext" if settings.tls is None else "TLS",
+                 settings.admin_host, self.admin_port, kvgate_native.status())
 
     async def _start_admin(self, host: str, port: int) -> None:
         app = web.Application()

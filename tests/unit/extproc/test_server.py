@@ -1,0 +1,93 @@
+"""The kvgate server's listeners (extproc.server): where each port binds, and gRPC over TLS.
+
+Real servers on ephemeral ports; throwaway certificates from ``tests.pki`` (``openssl``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.config import Config, hash_api_key, parse_config
+from extproc.server import KvgateServer
+from tests.conftest import free_port
+from tests.pki import make_pki
+
+
+def config(**server: object) -> Config:
+    return parse_config({
+        "server": {"grpc_port": 0, "admin_port": 0, **server},
+        "tiers": {"t": {}},
+        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key("sk-x")]}],
+        "pools": [{"name": "p", "models": [{"name": "m"}],
+                   "endpoints": [f"127.0.0.1:{free_port()}"]}],
+    })
+
+
+async def started(cfg: Config) -> AsyncIterator[KvgateServer]:
+    server = KvgateServer(cfg)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0)
+
+
+def admin_host(server: KvgateServer) -> str:
+    assert server._admin is not None
+    return server._admin.addresses[0][0]
+
+
+async def test_admin_listens_on_loopback_unless_told_otherwise() -> None:
+    async for server in started(config(host="0.0.0.0")):  # gRPC for Envoy, on every address
+        assert admin_host(server) == "127.0.0.1"  # /admin and /debug are unauthenticated
+    async for server in started(config(host="127.0.0.1", admin_host="0.0.0.0")):
+        assert admin_host(server) == "0.0.0.0"
+
+
+# -- TLS -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def health(target: str, credentials: grpc.ChannelCredentials | None) -> int:
+    channel = (grpc.aio.insecure_channel(target) if credentials is None
+               else grpc.aio.secure_channel(target, credentials))
+    async with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return reply.status
+
+
+def client_tls(pki: Path, *, with_cert: bool) -> grpc.ChannelCredentials:
+    cert = {"private_key": (pki / "envoy.key").read_bytes(),
+            "certificate_chain": (pki / "envoy.pem").read_bytes()} if with_cert else {}
+    return grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes(), **cert)
+
+
+async def test_a_tls_listener_serves_tls_clients_and_refuses_plaintext(pki: Path) -> None:
+    tls = {"cert_file": str(pki / "localhost.pem"), "key_file": str(pki / "localhost.key")}
+    async for server in started(config(tls=tls)):
+        target = f"localhost:{server.grpc_port}"
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert await health(target, client_tls(pki, with_cert=False)) == serving
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health(target, None)
+
+
+async def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki: Path) -> None:
+    tls = {"cert_file": str(pki / "localhost.pem"), "key_file": str(pki / "localhost.key"),
+           "client_ca_file": str(pki / "ca.pem")}
+    async for server in started(config(tls=tls)):
+        target = f"localhost:{server.grpc_port}"
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert await health(target, client_tls(pki, with_cert=True)) == serving
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health(target, client_tls(pki, with_cert=False))
