@@ -1,0 +1,221 @@
+"""Faults with real processes: kvgate killed under load, an engine killed mid-stream, a
+scrape target that hangs or answers garbage. What the client sees, and that nothing admitted
+stays held."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from extproc.config import Config, hash_api_key, parse_config
+from extproc.demo import ServerThread, local_stack
+from extproc.engine.server import EngineProcess
+from extproc.envoy_config import EXT_PROC_FAILURE_MESSAGE
+from extproc.envoy_proc import EnvoyProcess
+from tests.conftest import free_port
+from tests.kvgate_process import KvgateProcess
+from tests.paths import DATA
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-faults"
+HEADERS = {"authorization": f"Bearer {KEY}"}
+SAMPLE = (DATA / "vllm-sample-metrics.txt").read_text()
+
+
+def config(endpoint: str, **extra: object) -> Config:
+    return parse_config({
+        "server": {"grpc_port": free_port(), "admin_port": free_port()},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "tiers": {"t": {}},
+        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
+        "pools": [{"name": "one", "models": [{"name": "tiny-llama"}], "endpoints": [endpoint]}],
+        **extra,
+    })
+
+
+def chat(max_tokens: int = 4, stream: bool = False) -> dict:
+    return {"model": "tiny-llama", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": "hello"}]}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.02)
+
+
+def in_background(work: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``work`` in a thread; its result (or exception) lands in the list."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except Exception as exc:  # the outcome under test, not a test failure
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+# -- kvgate killed ---------------------------------------------------------------------------
+
+
+def test_a_killed_kvgate_means_json_503s_and_a_restarted_one_serves_at_once(
+        tmp_path: Path) -> None:
+    with EngineProcess(ms_per_token=20) as engine:
+        cfg = config(f"127.0.0.1:{engine.port}")
+        with KvgateProcess(cfg, tmp_path) as kvgate, EnvoyProcess(cfg) as envoy:
+            url = envoy.url + "/v1/chat/completions"
+            assert httpx.post(url, json=chat(), headers=HEADERS, timeout=10).status_code == 200
+            # under load: streams in flight (100 tokens × 20 ms) when kvgate dies
+            load = [in_background(lambda: httpx.post(
+                url, json=chat(100, stream=True), headers=HEADERS, timeout=20))
+                for _ in range(4)]
+            wait_until(lambda: len(engine.requests()) >= 5)
+            kvgate.kill()
+            for thread, _outcome in load:
+                thread.join(15)
+                assert not thread.is_alive()  # every client got an answer or an error
+            refused = httpx.post(url, json=chat(), headers=HEADERS, timeout=10)
+            assert refused.status_code == 503
+            assert refused.headers["content-type"] == "application/json"
+            assert refused.json()["error"]["message"] == EXT_PROC_FAILURE_MESSAGE
+
+            kvgate.start()  # same port, same config
+            served = httpx.post(url, json=chat(), headers=HEADERS, timeout=10)
+            assert served.status_code == 200, served.text
+
+
+# -- engine killed ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stack() -> Iterator:
+    cfg = config(f"127.0.0.1:{free_port()}", scrape={"interval_s": 0.05})
+    with local_stack(cfg, engine_options={"ms_per_token": 20}) as running:
+        yield running
+
+
+def test_an_engine_killed_mid_stream_ends_the_stream_and_releases_everything(stack) -> None:
+    (engine,) = stack.engines.values()
+    director = stack.kvgate.server.director
+    chunks: list[bytes] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", stack.url + "/v1/chat/completions", headers=HEADERS,
+                          json=chat(200, stream=True), timeout=10) as response:
+            assert response.status_code == 200
+            for chunk in response.iter_raw():
+                chunks.append(chunk)
+
+    thread, outcome = in_background(stream)
+    wait_until(lambda: len(chunks) >= 3)
+    assert director.active
+    engine.proc.kill()  # SIGKILL mid-stream: no [DONE], no usage
+    thread.join(10)
+    assert not thread.is_alive()  # an error (or a cut-off stream), never a hang
+    assert b"[DONE]" not in b"".join(chunks)
+    wait_until(lambda: not director.active and not director.schedulers["one"].reservations)
+    assert stack.kvgate.call(director.store.in_flight("acme")) == 0
+    usage = httpx.get(f"http://127.0.0.1:{stack.kvgate.server.admin_port}"
+                      "/admin/tenants/acme/usage").json()
+    assert usage["in_flight"] == 0, usage
+    [result] = outcome  # a transport error, or a body cut off before [DONE]
+    assert result is None or isinstance(result, httpx.HTTPError), result
+
+
+# -- a scrape target that hangs or answers garbage -------------------------------------------
+
+
+class FlakyMetrics:
+    """A real HTTP ``/metrics`` on its own thread: good vLLM metrics, until told to hang
+    or to answer garbage. Counts the scrapes in flight, to show they do not pile up."""
+
+    def __init__(self) -> None:
+        self.mode = "good"
+        self.in_flight = self.max_in_flight = self.requests = 0
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        self.requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.mode == "hang":
+                await asyncio.sleep(3600)
+            if self.mode == "garbage":
+                return web.Response(body=b"\x00\xff<html>not metrics", status=200)
+            return web.Response(text=SAMPLE)
+        finally:
+            self.in_flight -= 1
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        # a scraper that gives up closes its connection: that ends the handler too, so
+        # in_flight counts the scrapes still waiting on this target
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1,
+                                    handler_cancellation=True)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        self._ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self) -> FlakyMetrics:
+        self._thread.start()
+        self._ready.wait(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@pytest.mark.parametrize("fault", ["hang", "garbage"])
+def test_a_hung_or_garbled_scrape_target_goes_stale_without_piling_up(fault: str) -> None:
+    with FlakyMetrics() as target:
+        cfg = config(f"127.0.0.1:{target.port}",
+                     scrape={"interval_s": 0.05, "timeout_s": 0.2, "staleness_s": 1.0})
+        kvgate = ServerThread(cfg).start()
+        try:
+            server = kvgate.server
+            where = f"127.0.0.1:{target.port}"
+            state = lambda: server.endpoints.snapshot().get("one", where)  # noqa: E731
+            assert state().is_usable(time.monotonic(), 1.0)
+            target.mode = fault
+            rounds = server.scraper.rounds
+            wait_until(lambda: not state().is_usable(time.monotonic(), 1.0))  # stale: unused
+            assert state().healthy  # reachable, so not "down": its numbers aged out
+            assert server.scraper.rounds > rounds + 2  # each round bounded by the timeout
+            assert target.max_in_flight <= 1  # one scrape at a time, however long they hang
+            decision = kvgate.call(server.director.admit(
+                server.director.authenticate(f"Bearer {KEY}"),
+                _parsed(chat()), None))
+            assert decision.reason.value == "no_ready_endpoint"
+            assert server.scraper.running  # nothing crashed
+        finally:
+            kvgate.stop()
+
+
+def _parsed(body: dict):  # type: ignore[no-untyped-def]
+    from extproc.openai import parse_body
+
+    return parse_body("/v1/chat/completions", orjson.dumps(body))
