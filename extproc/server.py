@@ -89,7 +89,8 @@ class Incoming:
     """Envoy's messages on one ext_proc stream, read one ahead while an admission waits.
 
     When an HTTP client goes away, Envoy half-closes the ext_proc stream and resets it only
-    after a second without kvgate ending the RPC (with graceful close, see envoy_config.py);
+    after a second without kvgate ending the RPC (graceful close, see envoy_config.py; the
+    second is Envoy's ``envoy.filters.http.ext_proc.remote_close_timeout_milliseconds``);
     a servicer awaiting the queue reads nothing meanwhile, so it would learn of the departure
     a second late, and the request could be dispatched to an engine for nobody. So while a
     decision is pending, the next read runs beside it: its end of stream cancels the wait.
