@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvgate_native
 from extproc import messages
-from extproc.config import Config, GrpcTls
+from extproc.config import Config, ConfigError, GrpcTls
 from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.datalayer.nvml import open_gpu_reader
@@ -152,11 +152,17 @@ def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> Non
 
 def _server_credentials(tls: GrpcTls) -> grpc.ServerCredentials:
     """The listener's certificate; with a client CA, clients must present one it signed."""
-    chain = Path(tls.cert_file).read_bytes()
-    key = Path(tls.key_file).read_bytes()
-    ca = None if tls.client_ca_file is None else Path(tls.client_ca_file).read_bytes()
+    chain, key = _read("cert_file", tls.cert_file), _read("key_file", tls.key_file)
+    ca = None if tls.client_ca_file is None else _read("client_ca_file", tls.client_ca_file)
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
                                        require_client_auth=ca is not None)
+
+
+def _read(field: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:  # a config problem, reported like one (exit 2), not a traceback
+        raise ConfigError("server.tls", [f"{field}: cannot read {path}: {exc.strerror}"]) from None
 
 
 class KvgateServer:
@@ -187,13 +193,15 @@ class KvgateServer:
     async def start(self) -> None:
         """Discover endpoints and scrape them once (so the first requests are scheduled on
         real data), then serve."""
+        settings = self.config.server
+        # first: an unreadable certificate fails the start before anything runs
+        credentials = None if settings.tls is None else _server_credentials(settings.tls)
         for discovery in self.discoveries:
             await discovery.start()
         await self.scraper.scrape_once()
         self.scraper.start()
         for flow in self.director.flows.values():
             flow.start()
-        settings = self.config.server
         # the whole buffered request body arrives as one gRPC message
         max_message = settings.max_body_bytes + 1024 * 1024
         self._grpc = grpc.aio.server(options=[
@@ -205,10 +213,10 @@ class KvgateServer:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
         address = f"{settings.host}:{settings.grpc_port}"
-        if settings.tls is None:
+        if credentials is None:
             self.grpc_port = self._grpc.add_insecure_port(address)
         else:
-            self.grpc_port = self._grpc.add_secure_port(address, _server_credentials(settings.tls))
+            self.grpc_port = self._grpc.add_secure_port(address, credentials)
         await self._grpc.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         if settings.admin_port is not None:

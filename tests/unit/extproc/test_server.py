@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.config import Config, hash_api_key, parse_config
+from extproc.config import Config, ConfigError, hash_api_key, parse_config
 from extproc.server import KvgateServer
 from tests.conftest import free_port
 from tests.pki import make_pki
@@ -91,3 +91,10 @@ async def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki: Path) -
         assert await health(target, client_tls(pki, with_cert=True)) == serving
         with pytest.raises(grpc.aio.AioRpcError):
             await health(target, client_tls(pki, with_cert=False))
+
+
+async def test_an_unreadable_certificate_is_a_config_error(tmp_path: Path) -> None:
+    tls = {"cert_file": str(tmp_path / "missing.pem"), "key_file": str(tmp_path / "k.pem")}
+    with pytest.raises(ConfigError, match="cert_file: cannot read"):
+        async for _server in started(config(tls=tls)):
+            pass
