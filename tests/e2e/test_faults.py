@@ -20,8 +20,8 @@ from extproc.demo import ServerThread, local_stack
 from extproc.engine.server import EngineProcess
 from extproc.envoy_config import EXT_PROC_FAILURE_MESSAGE
 from extproc.envoy_proc import EnvoyProcess
+from extproc.processes import KvgateProcess
 from tests.conftest import free_port
-from tests.kvgate_process import KvgateProcess
 from tests.paths import DATA
 
 pytestmark = pytest.mark.e2e
