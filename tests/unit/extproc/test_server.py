@@ -1,19 +1,22 @@
-"""The kvgate server's listeners (extproc.server): where each port binds, and gRPC over TLS.
+"""The kvgate server (extproc.server): reading a stream ahead while an admission waits, where
+each port binds, and gRPC over TLS.
 
 Real servers on ephemeral ports; throwaway certificates from ``tests.pki`` (``openssl``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import Config, ConfigError, hash_api_key, parse_config
-from extproc.server import KvgateServer
+from extproc.server import Incoming, KvgateServer
 from tests.conftest import free_port
 from tests.pki import make_pki
 
@@ -35,6 +38,58 @@ async def started(cfg: Config) -> AsyncIterator[KvgateServer]:
         yield server
     finally:
         await server.stop(grace=0)
+
+
+# -- a stream that ends while its admission waits --------------------------------------------
+
+
+HEADERS = pb.ProcessingRequest(request_headers=pb.HttpHeaders())
+BODY = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}"))
+
+
+async def envoy_messages(*messages: pb.ProcessingRequest,
+                         end: asyncio.Event) -> AsyncIterator[pb.ProcessingRequest]:
+    for message in messages:
+        yield message
+    await end.wait()  # then Envoy half-closes
+
+
+async def test_the_end_of_the_stream_cancels_a_waiting_admission() -> None:
+    end, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def queued() -> bytes:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cancelled.set()
+        return b""
+
+    incoming = Incoming(envoy_messages(BODY, end=end))
+    assert await incoming.next() == BODY
+    waiting = asyncio.create_task(incoming.unless_closed(queued()))
+    await asyncio.sleep(0.01)
+    end.set()  # the client went away
+    assert await asyncio.wait_for(waiting, 2) is None
+    assert cancelled.is_set()
+    await incoming.close()
+
+
+async def test_a_reply_that_comes_first_is_returned_and_the_read_ahead_kept() -> None:
+    end = asyncio.Event()
+    incoming = Incoming(envoy_messages(HEADERS, BODY, end=end))
+    assert await incoming.next() == HEADERS
+
+    async def admitted() -> bytes:
+        await asyncio.sleep(0.05)  # the next message arrives meanwhile
+        return b"reply"
+
+    assert await incoming.unless_closed(admitted()) == b"reply"
+    assert await incoming.next() == BODY  # read ahead, not lost
+    end.set()
+    assert await incoming.next() is None
+
+
+# -- listeners -----------------------------------------------------------------------------
 
 
 def admin_host(server: KvgateServer) -> str:
