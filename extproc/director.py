@@ -15,9 +15,11 @@ module knows nothing of Envoy messages (``stream.py`` does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,9 @@ from extproc.tenants import Tenants
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
 from limiter.stores import LimiterStore
+
+Watch = Callable[[], AbstractContextManager[None]]
+"""Entered while a request waits in the queue: cancels the wait if its client goes away."""
 
 
 @dataclass(slots=True)
@@ -114,7 +119,8 @@ class Director:
     # -- body phase: the pipeline ----------------------------------------------------------
 
     async def admit(
-        self, tenant: Tenant, request: InferenceRequest, requested_class: str | None = None
+        self, tenant: Tenant, request: InferenceRequest, requested_class: str | None = None,
+        *, watch: Watch = contextlib.nullcontext,
     ) -> Admission | Reject:
         pool, model = self.pricer.resolve(request.model)
         cost = self.pricer.price(model, request)
@@ -124,7 +130,7 @@ class Director:
         route = self._route(tenant, self.schedulers[pool.name], cost, klass)
         if isinstance(route, Reject):
             return route
-        return await self._take(tenant, klass, route)
+        return await self._take(tenant, klass, route, watch)
 
     async def admit_request_only(
         self, tenant: Tenant, path: str, requested_class: str | None = None
@@ -157,7 +163,8 @@ class Director:
             return Route(scheduler, cost, None)
         return Route(scheduler, cost, placed)
 
-    async def _take(self, tenant: Tenant, klass: RequestClass, route: Route) -> Admission | Reject:
+    async def _take(self, tenant: Tenant, klass: RequestClass, route: Route,
+                    watch: Watch = contextlib.nullcontext) -> Admission | Reject:
         """Hold the endpoint's KV (placed now: held across the limits' round trip, so no
         other request takes it meanwhile), take the tenant's limits all or nothing, then —
         when queued — wait for capacity. A later "no" gives back what was taken."""
@@ -178,7 +185,7 @@ class Director:
                 scheduler.release(lease_id, self.clock(), completed=False)
             return decision
         if placed is None:
-            waited = await self._wait(tenant, klass, route, lease_id)
+            waited = await self._wait(tenant, klass, route, lease_id, watch)
             if isinstance(waited, Reject):
                 return waited
             placed = waited
@@ -191,7 +198,7 @@ class Director:
         )
 
     async def _wait(
-        self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str
+        self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, watch: Watch
     ) -> Placement | Reject:
         """Queue until the dispatcher reserves KV under ``lease_id`` or the class deadline
         passes; the tenant's limits are given back in full if it never runs."""
@@ -204,7 +211,8 @@ class Director:
                         route.queued_for, prompt_tokens=route.cost.prompt_tokens)
         policy = self.tenants.policy(tenant)
         try:
-            placed = await flow.wait(item, waiter)
+            with watch():
+                placed = await flow.wait(item, waiter)
         except BaseException:
             await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
             raise

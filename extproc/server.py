@@ -11,9 +11,8 @@ import contextlib
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 from aiohttp import web
@@ -50,27 +49,24 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[messages.Reply]:
-        stream = RequestStream(self.director, self.metrics, self.settings)
-        handle = stream.handle
         incoming = Incoming(request_iterator)
+        stream = RequestStream(self.director, self.metrics, self.settings, incoming.watch)
+        handle = stream.handle
         ending: str | None = "envoy_closed"
         try:
             while (message := await incoming.next()) is not None:
-                if not _may_wait(message):
-                    yield await handle(message)
-                elif (reply := await incoming.unless_closed(handle(message))) is not None:
-                    yield reply
-                else:
-                    ending = "client_gone"
-                    return  # its client left while it waited (in the queue): nothing to say
+                yield await handle(message)
                 if stream.done:
                     ending = None
                     return  # ending the RPC here lets Envoy close the stream gracefully
             if stream.meter is None:
                 ending = None  # a headers-only request: Envoy closes once routed
         except asyncio.CancelledError:
-            ending = "cancelled"
-            raise
+            if not incoming.departed:
+                ending = "cancelled"
+                raise
+            _uncancel()  # the watch cancelled the wait: its client left while it queued
+            ending = "client_gone"
         finally:
             await incoming.close()
             if stream.holds_admission:  # usually released already, at end of stream
@@ -78,29 +74,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 await asyncio.shield(stream.close(ending))
 
 
-def _may_wait(message: pb.ProcessingRequest) -> bool:
-    """The messages whose reply is the admission decision, which may wait in the queue."""
-    kind = message.WhichOneof("request")
-    return kind == "request_body" or (kind == "request_headers"
-                                      and message.request_headers.end_of_stream)
-
-
 class Incoming:
-    """Envoy's messages on one ext_proc stream, read one ahead while an admission waits.
+    """Envoy's messages on one ext_proc stream, and a watch for the client leaving while its
+    request waits in the queue.
 
     When an HTTP client goes away, Envoy half-closes the ext_proc stream and resets it only
     after a second without kvgate ending the RPC (graceful close, see envoy_config.py; the
     second is Envoy's ``envoy.filters.http.ext_proc.remote_close_timeout_milliseconds``);
     a servicer awaiting the queue reads nothing meanwhile, so it would learn of the departure
-    a second late, and the request could be dispatched to an engine for nobody. So while a
-    decision is pending, the next read runs beside it: its end of stream cancels the wait.
+    a second late, and the request could be dispatched to an engine for nobody. Inside
+    :meth:`watch` the next read runs ahead, and the stream's end cancels the waiting task.
+    Only queued requests pay for it: an admission decided at once reads nothing ahead.
     """
 
-    __slots__ = ("_ahead", "_requests")
+    __slots__ = ("_ahead", "_requests", "departed")
 
     def __init__(self, requests: AsyncIterator[pb.ProcessingRequest]):
         self._requests = aiter(requests)
         self._ahead: asyncio.Future[pb.ProcessingRequest | None] | None = None
+        self.departed = False  # the watch saw the stream end and cancelled the wait
 
     async def next(self) -> pb.ProcessingRequest | None:
         """The next message, or None at the end of the stream."""
@@ -109,19 +101,25 @@ class Incoming:
             return await ahead
         return await anext(self._requests, None)
 
-    async def unless_closed(self, reply: Coroutine[Any, Any, messages.Reply]
-                            ) -> messages.Reply | None:
-        """``reply``'s result, or None (``reply`` cancelled) if the stream ends first."""
-        work = asyncio.ensure_future(reply)
-        ahead = self._ahead = asyncio.ensure_future(anext(self._requests, None))
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """While inside, the end of the stream cancels the task that entered; a message that
+        arrives instead is kept for :meth:`next`."""
+        task = asyncio.current_task()
+        if self._ahead is None:
+            self._ahead = asyncio.ensure_future(anext(self._requests, None))
+        watching = True
+
+        def on_read(ahead: asyncio.Future[pb.ProcessingRequest | None]) -> None:
+            if watching and task is not None and _ended(ahead):
+                self.departed = True
+                task.cancel()
+
+        self._ahead.add_done_callback(on_read)
         try:
-            await asyncio.wait((work, ahead), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done() and _ended(ahead):
-                await cancel(work)
-                return None
-            return await work  # done, or a message came early (kept for next())
+            yield
         finally:
-            await cancel(work)  # when this task itself is cancelled (Envoy reset the RPC)
+            watching = False
 
     async def close(self) -> None:
         """Stop a pending read; its failure, if any, no longer matters (the RPC is over)."""
@@ -135,6 +133,12 @@ class Incoming:
 def _ended(ahead: asyncio.Future[pb.ProcessingRequest | None]) -> bool:
     """The read ahead found the end of the stream, or the stream broke."""
     return ahead.cancelled() or ahead.exception() is not None or ahead.result() is None
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> None:

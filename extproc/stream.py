@@ -10,6 +10,7 @@ what the request held, exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from time import perf_counter
@@ -19,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import messages
 from extproc.accounting import ResponseMeter
 from extproc.config import Server, Tenant
-from extproc.director import Admission, Director
+from extproc.director import Admission, Director, Watch
 from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS
 from extproc.metrics import Metrics
 from extproc.openai import (
@@ -47,12 +48,14 @@ def _wanted(class_header: str) -> frozenset[str]:
 
 class RequestStream:
     __slots__ = ("_released", "admission", "director", "done", "meter", "metrics", "path",
-                 "request", "requested_class", "settings", "tenant")
+                 "request", "requested_class", "settings", "tenant", "watch")
 
-    def __init__(self, director: Director, metrics: Metrics, settings: Server):
+    def __init__(self, director: Director, metrics: Metrics, settings: Server,
+                 watch: Watch = contextlib.nullcontext):
         self.director = director
         self.metrics = metrics
         self.settings = settings
+        self.watch = watch  # while queued: notices the client leaving (server.Incoming)
         self.done = False  # the last reply this stream owes Envoy has been produced
         self.path = ""
         self.tenant: Tenant | None = None
@@ -133,7 +136,8 @@ class RequestStream:
             raise _too_large(self.settings.max_body_bytes)
         self.request = request = parse_body(self.path, raw)
         started = perf_counter()
-        decision = await self.director.admit(self.tenant, request, self.requested_class)
+        decision = await self.director.admit(self.tenant, request, self.requested_class,
+                                             watch=self.watch)
         self.metrics.decision_seconds.observe(perf_counter() - started)
         if not isinstance(decision, Admission):
             return self._refuse(decision)

@@ -1,4 +1,4 @@
-"""The kvgate server (extproc.server): reading a stream ahead while an admission waits, where
+"""The kvgate server (extproc.server): reading a stream ahead while a request queues, where
 each port binds, and gRPC over TLS.
 
 Real servers on ephemeral ports; throwaway certificates from ``tests.pki`` (``openssl``).
@@ -54,37 +54,46 @@ async def envoy_messages(*messages: pb.ProcessingRequest,
     await end.wait()  # then Envoy half-closes
 
 
-async def test_the_end_of_the_stream_cancels_a_waiting_admission() -> None:
+async def test_the_end_of_the_stream_cancels_a_watched_wait() -> None:
     end, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def queued() -> bytes:
-        try:
-            await asyncio.sleep(3600)
-        finally:
-            cancelled.set()
-        return b""
-
     incoming = Incoming(envoy_messages(BODY, end=end))
     assert await incoming.next() == BODY
-    waiting = asyncio.create_task(incoming.unless_closed(queued()))
+
+    async def queued() -> None:
+        with incoming.watch():
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                cancelled.set()
+
+    waiting = asyncio.create_task(queued())
     await asyncio.sleep(0.01)
     end.set()  # the client went away
-    assert await asyncio.wait_for(waiting, 2) is None
-    assert cancelled.is_set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, 2)
+    assert cancelled.is_set() and incoming.departed
     await incoming.close()
 
 
-async def test_a_reply_that_comes_first_is_returned_and_the_read_ahead_kept() -> None:
+async def test_a_message_read_while_watching_is_kept_and_nothing_is_cancelled() -> None:
     end = asyncio.Event()
     incoming = Incoming(envoy_messages(HEADERS, BODY, end=end))
     assert await incoming.next() == HEADERS
-
-    async def admitted() -> bytes:
+    with incoming.watch():
         await asyncio.sleep(0.05)  # the next message arrives meanwhile
-        return b"reply"
-
-    assert await incoming.unless_closed(admitted()) == b"reply"
     assert await incoming.next() == BODY  # read ahead, not lost
+    assert not incoming.departed
+    end.set()
+    assert await incoming.next() is None
+
+
+async def test_unwatched_admissions_read_nothing_ahead() -> None:
+    """Only a queued request pays for the read-ahead: outside a watch the stream is read
+    only when the servicer asks for the next message."""
+    end = asyncio.Event()
+    incoming = Incoming(envoy_messages(HEADERS, end=end))
+    assert await incoming.next() == HEADERS
+    assert incoming._ahead is None
     end.set()
     assert await incoming.next() is None
 
