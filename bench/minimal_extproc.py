@@ -30,12 +30,16 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.messages import WITH_BODY
 from extproc.processes import set_cpu_policy
 
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024  # as kvgate: its default body limit + 1 MiB
 
 REPLIES: dict[str, pb.ProcessingResponse] = {
-    "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+    # the modes kvgate turns on for an inference request (the bootstrap's own send no
+    # response body), so the floor gets the same messages
+    "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                             mode_override=WITH_BODY),
     "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
     "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
     "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),

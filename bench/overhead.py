@@ -10,9 +10,9 @@ non-streaming chat completion at once) behind its own Envoy (``--concurrency 1``
 - ``direct``: Envoy → engine; no ext_proc filter, the upstream cluster STATIC to the engine.
 - ``minimal``: Envoy + ``bench.minimal_extproc`` (CONTINUE to everything) — the Python floor.
   kvgate's rendered bootstrap with one change: the upstream cluster is STATIC to the engine
-  (the floor routes nothing). The ext_proc filter, its processing modes (request headers
-  SEND, request body BUFFERED, response headers SKIP, response body STREAMED) and every
-  other setting are kvgate's.
+  (the floor routes nothing). The ext_proc filter and every other setting are kvgate's; the
+  floor's headers reply turns on the processing modes kvgate's does for an inference request
+  (request body BUFFERED, response body STREAMED; headers SEND, response headers SKIP).
 - ``kvgate``: ``kvgate serve -c FILE`` (in-memory limits) and its rendered bootstrap, as is:
   API key, body parse, admission against every limit, KV-aware placement on the engine's
   scraped metrics, body mutation, response accounting.

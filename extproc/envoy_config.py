@@ -66,6 +66,10 @@ RUNTIME_FLAGS = {
 # local-reply mapper runs, and Envoy's own replies carry no content-type at that point.
 _ENVOY_OWN_REPLY = "!('content-type' in response.headers)"
 _EXT_PROC_FAILED = "response.code_details.startsWith('ext_proc_error')"
+# Envoy's own 4xx (400 malformed, 413 body over the buffer, 431 headers too large, …) cannot
+# succeed on a retry; 408 (request timeout) can.
+_CLIENT_FAULT = "response.code >= 400 && response.code < 500 && response.code != 408"
+DO_NOT_RETRY = {"x-should-retry": "false"}
 EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
 
 
@@ -126,7 +130,11 @@ def _ext_proc_filter(config: Config) -> Any:
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
             response_header_mode=ProcessingModeHeaderSendMode.SKIP,
-            response_body_mode=ProcessingModeBodySendMode.STREAMED,
+            # NONE here: kvgate turns the response body on (mode_override) for the requests
+            # it meters. Envoy's own local replies (a header too large, an escaped slash, a
+            # body over the buffer before kvgate answered) would otherwise go to kvgate on a
+            # stream it never answered, and Envoy closes the connection before their body.
+            response_body_mode=ProcessingModeBodySendMode.NONE,
             response_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
         ),
         metadata_options=MetadataOptions(
@@ -221,10 +229,28 @@ def _local_reply_config() -> Any:
                 body_format_override=_json_error_format("server_error"),
             ),
             ResponseMapper(
+                filter=_cel_filter(f"{own} && {_CLIENT_FAULT}"),
+                body_format_override=_json_error_format("invalid_request_error"),
+                headers_to_add=[_header_option(k, v) for k, v in DO_NOT_RETRY.items()],
+            ),
+            ResponseMapper(
                 filter=_cel_filter(f"{own} && response.code >= 400"),
                 body_format_override=_json_error_format("invalid_request_error"),
             ),
         ]
+    )
+
+
+def _header_option(key: str, value: str) -> Any:
+    from envoy_data_plane.envoy.config.core.v3 import (
+        HeaderValue,
+        HeaderValueOption,
+        HeaderValueOptionHeaderAppendAction,
+    )
+
+    return HeaderValueOption(
+        header=HeaderValue(key=key, value=value),
+        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
     )
 
 
@@ -239,6 +265,7 @@ def _http_connection_manager(config: Config) -> Any:
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
         HttpConnectionManager,
         HttpConnectionManagerCodecType,
+        HttpConnectionManagerPathWithEscapedSlashesAction,
     )
 
     env = config.envoy
@@ -260,8 +287,15 @@ def _http_connection_manager(config: Config) -> Any:
         # Also covers replies produced before a route is chosen.
         stream_idle_timeout=idle,
         use_remote_address=True,
+        # The engine decodes the path before routing, so a path must mean one thing to
+        # Envoy, kvgate and the engine (kvgate normalises again, for hand-written configs).
+        # An escaped slash or backslash (%2F, %5C) is refused (400): no OpenAI client sends
+        # one, and a redirect would cost a round trip and a re-sent body.
         normalize_path=True,
         merge_slashes=True,
+        path_with_escaped_slashes_action=(
+            HttpConnectionManagerPathWithEscapedSlashesAction.REJECT_REQUEST
+        ),
         route_config=RouteConfiguration(
             name="kvgate_routes",
             virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=[route])],

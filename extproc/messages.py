@@ -51,14 +51,17 @@ def fill_mutation(
     mutation.remove_headers.extend(remove)
 
 
-@functools.lru_cache(maxsize=256)
-def continue_request_headers(remove: tuple[str, ...]) -> pb.ProcessingResponse:
-    """Go on to the body, stripping ``remove``. One reply per distinct tuple, shared: never
-    mutate it."""
-    reply = pb.ProcessingResponse()
-    fill_mutation(reply.request_headers.response.header_mutation, remove=remove)
-    return reply
-
+WITH_BODY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this
+    request_header_mode=ProcessingMode.SEND,
+    response_header_mode=ProcessingMode.SKIP,
+    request_body_mode=ProcessingMode.BUFFERED,
+    response_body_mode=ProcessingMode.STREAMED,
+    request_trailer_mode=ProcessingMode.SKIP,
+    response_trailer_mode=ProcessingMode.SKIP,
+)
+"""An inference request: its body next, then its response for metering. The bootstrap's own
+mode sends no response body: Envoy's local replies to requests kvgate never answered (a
+header too large, a path rejected, a body over the buffer) then reach the client whole."""
 
 HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this
     request_header_mode=ProcessingMode.SEND,
@@ -68,6 +71,15 @@ HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode
     request_trailer_mode=ProcessingMode.SKIP,
     response_trailer_mode=ProcessingMode.SKIP,
 )
+
+
+@functools.lru_cache(maxsize=256)
+def continue_request_headers(remove: tuple[str, ...]) -> pb.ProcessingResponse:
+    """Go on to the body (and meter the response: ``WITH_BODY``), stripping ``remove``. One
+    reply per distinct tuple, shared: never mutate it."""
+    reply = pb.ProcessingResponse(mode_override=WITH_BODY)
+    fill_mutation(reply.request_headers.response.header_mutation, remove=remove)
+    return reply
 
 
 @functools.lru_cache(maxsize=256)

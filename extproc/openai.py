@@ -8,13 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
-INFERENCE_PATHS = (CHAT, COMPLETIONS, EMBEDDINGS)
+INFERENCE_PATHS = (CHAT, COMPLETIONS, EMBEDDINGS)  # metered by their body
+HARMLESS_PATHS = ("/v1/models", "/health")  # one request's worth, decided on headers
+# Default-deny: the only paths that pass, and the methods each allows. Everything else an
+# engine serves (responses, scoring, pooling, audio, tokenize, debug hooks…) kvgate cannot
+# meter, so it answers 404 itself.
+ROUTES: dict[str, frozenset[str]] = {
+    **{path: frozenset({"POST"}) for path in INFERENCE_PATHS},
+    **{path: frozenset({"GET", "HEAD"}) for path in HARMLESS_PATHS},
+}
 PER_MESSAGE_OVERHEAD_TOKENS = 3  # chat-template tokens around each message
 
 
@@ -29,6 +38,7 @@ class BadRequest(Exception):
         code: str | None = "invalid_request_error",
         param: str | None = None,
         error_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message = message
@@ -36,6 +46,7 @@ class BadRequest(Exception):
         self.code = code
         self.param = param
         self.error_type = error_type
+        self.headers = headers  # extra response headers (405's allow)
 
 
 @dataclass(slots=True)
@@ -56,9 +67,48 @@ class InferenceRequest:
         return isinstance(options, dict) and options.get("include_usage") is True
 
 
+_MAX_CACHED_PATHS = 4096
+_route_paths: dict[str, str] = {}
+
+
 def route_path(path: str) -> str:
-    """The request path without query string, as matched against INFERENCE_PATHS."""
-    return path.split("?", 1)[0].rstrip("/") or "/"
+    """The path as the engine routes it, to match against ROUTES: without the query string,
+    percent-decoded once (vLLM's server decodes ``%2F`` before routing), slashes merged, dot
+    segments resolved, no trailing slash. Cached per path: clients send the same few."""
+    raw = path.partition("?")[0]
+    found = _route_paths.get(raw)
+    if found is None:
+        if len(_route_paths) >= _MAX_CACHED_PATHS:
+            _route_paths.clear()
+        found = _route_paths[raw] = _normalise(raw)
+    return found
+
+
+_METERED = frozenset(INFERENCE_PATHS)
+
+
+def check_route(method: str, path: str) -> bool:
+    """Whether ``path`` (from :func:`route_path`) is metered by its body; 404 for a path
+    kvgate does not let through, 405 for a method the path does not take."""
+    allowed = ROUTES.get(path)
+    if allowed is None:
+        raise BadRequest(f"Invalid URL ({method[:16]} {path[:200]})", status=404,
+                         code="unknown_url")
+    if method not in allowed:
+        raise BadRequest(f"{method[:16]} is not allowed on {path}", status=405,
+                         code="method_not_allowed", headers={"allow": ", ".join(sorted(allowed))})
+    return path in _METERED
+
+
+def _normalise(raw: str) -> str:
+    segments: list[str] = []
+    for segment in unquote(raw).split("/"):
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment and segment != ".":
+            segments.append(segment)
+    return "/" + "/".join(segments)
 
 
 def parse_body(path: str, raw: bytes) -> InferenceRequest:

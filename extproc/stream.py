@@ -24,9 +24,9 @@ from extproc.director import Admission, Director, Watch
 from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS
 from extproc.metrics import Metrics
 from extproc.openai import (
-    INFERENCE_PATHS,
     BadRequest,
     InferenceRequest,
+    check_route,
     mutate_body,
     parse_body,
     route_path,
@@ -38,7 +38,6 @@ from limiter.stores import StoreUnavailable
 log = logging.getLogger(__name__)
 
 SPOOFABLE_HEADERS = (DESTINATION_HEADER,)  # and every x-kvgate-* header
-_INFERENCE_PATHS = frozenset(INFERENCE_PATHS)  # each is its own route_path()
 
 
 @functools.cache
@@ -103,9 +102,9 @@ class RequestStream:
         director = self.director
         class_header = director.config.classification.header
         values, spoofed = messages.header_map(headers, _wanted(class_header))
-        path = values.get(":path", "/")
-        self.path = path = path if path in _INFERENCE_PATHS else route_path(path)
+        self.path = path = route_path(values.get(":path", "/"))
         self.tenant = tenant = director.authenticate(values.get("authorization"))
+        metered = check_route(values.get(":method", ""), path)
         self.requested_class = values.get(class_header)
         remove = (*SPOOFABLE_HEADERS, *spoofed) if spoofed else SPOOFABLE_HEADERS
         length = values.get("content-length")
@@ -114,12 +113,14 @@ class RequestStream:
         reject = await director.precheck(tenant)
         if reject is not None:
             return self._refuse(reject)
-        if headers.end_of_stream or path not in _INFERENCE_PATHS:
+        if not metered:
             return await self._admit_without_body(remove)
+        if headers.end_of_stream:
+            raise BadRequest(f"{path} needs a JSON request body")
         return messages.continue_request_headers(remove)
 
     async def _admit_without_body(self, remove: tuple[str, ...]) -> messages.Reply:
-        """GETs and non-inference paths: one request's worth, decided on headers alone."""
+        """The harmless GETs: one request's worth, decided on headers alone."""
         assert self.tenant is not None
         decision = await self.director.admit_request_only(
             self.tenant, self.path, self.requested_class

@@ -107,11 +107,10 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     assert ext_proc["@type"].endswith("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor")
     assert ext_proc["grpc_service"] == {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}}
     assert ext_proc["failure_mode_allow"] is False
-    assert ext_proc["processing_mode"] == {
+    assert ext_proc["processing_mode"] == {  # response_body_mode NONE (kvgate enables it)
         "request_header_mode": "SEND",
         "response_header_mode": "SKIP",
         "request_body_mode": "BUFFERED",
-        "response_body_mode": "STREAMED",
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
     }
@@ -120,6 +119,8 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     assert ext_proc["allow_mode_override"] is True
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb", "kvgate"]
     assert hcm["stat_prefix"] == "kvgate_gateway"
+    assert (hcm["normalize_path"], hcm["merge_slashes"]) == (True, True)
+    assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
     assert hcm.get("codec_type", "AUTO") == "AUTO"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -208,3 +209,97 @@ def test_admin_port_serves_usage_and_metrics(stack):
     assert httpx.get(f"{admin}/admin/tenants/nobody/usage").status_code == 404
     metrics = httpx.get(f"{admin}/metrics").text
     assert "# TYPE kvgate_decisions_total counter" in metrics
+
+
+# -- hostile paths and Envoy's own replies -------------------------------------------------
+
+
+def raw_exchange(stack, request: bytes) -> bytes:
+    """Send ``request`` on a fresh connection; everything Envoy answers until it closes (a
+    reply sent before the whole request was read may be followed by a reset: the kernel's
+    answer to a close with unread bytes, after the reply)."""
+    received = b""
+    with socket.create_connection((stack.envoy.listen_host, stack.envoy.listen_port),
+                                  timeout=10) as sock:
+        sock.sendall(request)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                received += chunk
+    return received
+
+
+def json_reply(raw: bytes) -> tuple[int, dict[str, str], dict]:
+    """Status, headers and JSON body of a whole HTTP/1.1 reply (chunked or sized)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines)
+    if headers.get("transfer-encoding") == "chunked":
+        whole = b""
+        while body:  # the last chunk (size 0) may be cut off by a reset, see raw_exchange
+            size, _, body = body.partition(b"\r\n")
+            if int(size, 16) == 0:
+                break
+            whole, body = whole + body[: int(size, 16)], body[int(size, 16) + 2 :]
+        body = whole
+    return int(status_line.split()[1]), headers, orjson.loads(body)
+
+
+def engine_log_sizes(stack):
+    return {endpoint: len(engine.requests()) for endpoint, engine in stack.engines.items()}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat%2Fcompletions", "/v1/chat%2fcompletions",
+                                  "/v1%5Cchat/completions"])
+def test_an_escaped_slash_is_refused_before_anything_runs(stack, path):
+    before = engine_log_sizes(stack)
+    response = post(stack, "acme", chat(priority=-100), path=path)
+    assert response.status_code == 400, response.text
+    assert response.headers["x-should-retry"] == "false"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert engine_log_sizes(stack) == before
+
+
+def test_paths_kvgate_cannot_meter_never_reach_an_engine(stack):
+    before = engine_log_sizes(stack)
+    auth = {"authorization": f"Bearer {KEYS['acme']}"}
+    for path in ("/v1/responses", "/v1/score", "/pooling", "/invocations", "/tokenize",
+                 "/v1/audio/transcriptions", "/v1/chat/completions%252F", "/metrics"):
+        response = post(stack, "acme", chat(), path=path)
+        assert response.status_code == 404, (path, response.text)
+        assert response.headers["x-kvgate-reject"] == "unknown_url"
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    debug = httpx.get(stack.url + "/debug/requests", headers=auth, timeout=10)
+    assert debug.status_code == 404 and "authorization" not in debug.text
+    wrong = httpx.get(stack.url + "/v1/chat/completions", headers=auth, timeout=10)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert engine_log_sizes(stack) == before
+    assert httpx.get(stack.url + "/v1/models", headers=auth, timeout=10).status_code == 200
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
+def test_a_merged_slash_path_is_still_metered(stack):
+    response = post(stack, "acme", chat(priority=-100), path="//v1//chat/completions")
+    assert response.status_code == 200, response.text
+    served = response.headers["x-bench-engine"]
+    assert stack.engines[served].requests()[-1]["body"]["priority"] == 5
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+    (b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+     b"Authorization: Bearer " + KEYS["acme"].encode() + b"\r\n\r\n"
+     + b"%x\r\n" % (MAX_BODY + 200_000) + b"x" * (MAX_BODY + 200_000) + b"\r\n0\r\n\r\n", 413),
+], ids=["header-too-large", "malformed-header", "body-over-buffer"])
+def test_envoys_own_replies_arrive_whole(stack, request_bytes, status):
+    got, headers, body = json_reply(raw_exchange(stack, request_bytes))
+    assert (got, body["error"]["code"]) == (status, status)
+    assert headers["content-type"] == "application/json"
+    assert headers["x-should-retry"] == "false"
+
+
+def test_a_large_upload_gets_a_whole_413_not_a_broken_connection(stack):
+    response = post(stack, "acme", b"x" * 5_000_000)
+    assert response.status_code == 413
+    assert response.headers["x-should-retry"] == "false"
+    assert response.json()["error"]

@@ -117,6 +117,18 @@ def test_route_path():
     assert route_path("") == "/" and route_path("/?a") == "/"
 
 
+@pytest.mark.parametrize("raw", [
+    "/v1/chat%2Fcompletions", "/v1/chat%2fcompletions", "/v1//chat/completions",
+    "//v1/chat/completions/", "/v1/./chat/completions", "/v1/x/../chat/completions",
+    "/%76%31/chat/completions?stream=1", "/v1/chat/completions%3Fx",
+])
+def test_route_path_decodes_and_normalises_as_the_engine_would(raw):
+    """vLLM's server percent-decodes the path once before routing: kvgate matches the same
+    path (slashes merged and dot segments resolved too), whatever Envoy did or did not do."""
+    expected = CHAT if "%3F" not in raw else CHAT + "?x"
+    assert route_path(raw) == expected
+
+
 def test_usage_from():
     assert usage_from({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}) == Usage(3, 4)
     assert usage_from({"usage": {"prompt_tokens": 3, "completion_tokens": None}}) == Usage(3, 0)

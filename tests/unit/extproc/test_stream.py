@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import parse_config
@@ -43,7 +44,8 @@ def _hash(key: str) -> str:
 
 
 def headers_msg(path="/v1/chat/completions", key=KEY, end_of_stream=False, **extra):
-    values = {":method": "POST", ":path": path, "content-type": "application/json", **extra}
+    method = "GET" if end_of_stream else "POST"
+    values = {":method": method, ":path": path, "content-type": "application/json", **extra}
     if key is not None:
         values["authorization"] = f"Bearer {key}"
     header_list = [HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
@@ -251,3 +253,70 @@ async def test_spent_quota_is_429_do_not_retry_with_its_reset():
     assert orjson.loads(reply.body)["error"]["code"] == "insufficient_quota"
     usage = await stream.director.usage("acme")
     assert usage["quotas"]["daily"]["limit"] == 150
+
+
+# -- paths: normalised, then default-deny --------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat%2Fcompletions", "/v1/chat%2fcompletions",
+                                  "/v1//chat/completions", "/v1/chat/completions/",
+                                  "/v1/./chat/completions?x=1"])
+async def test_an_encoded_or_unnormalised_inference_path_is_metered(path):
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(path=path)))
+    assert not reply.HasField("immediate_response")
+    assert reply.mode_override.request_body_mode == ProcessingMode.BUFFERED  # body comes next
+    reply = parsed(await stream.handle(body_msg(chat(priority=-100))))
+    assert orjson.loads(reply.request_body.response.body_mutation.body)["priority"] == 0
+    assert await store.in_flight("acme") == 1
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/score", "/score", "/pooling",
+                                  "/classify", "/invocations", "/v1/rerank", "/rerank",
+                                  "/v2/rerank", "/v1/audio/transcriptions", "/tokenize",
+                                  "/detokenize", "/debug/requests", "/metrics", "/", "/v1",
+                                  "/v1/chat%252Fcompletions", "/docs", "/openapi.json"])
+async def test_paths_kvgate_cannot_meter_are_404_from_kvgate(method, path):
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(path=path, **{":method": method})))
+    answer = reply.immediate_response
+    assert answer.status.code == 404
+    headers = header_dict(answer.headers)
+    assert headers["x-kvgate-reject"] == "unknown_url"
+    assert headers["content-type"] == "application/json"
+    assert orjson.loads(answer.body)["error"]["type"] == "invalid_request_error"
+    assert stream.done and not stream.holds_admission
+    assert await store.in_flight("acme") == 0
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/embeddings", "POST"),
+    ("POST", "/v1/models", "GET, HEAD"), ("DELETE", "/health", "GET, HEAD"),
+])
+async def test_a_wrong_method_on_a_known_path_is_405(method, path, allow):
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(path=path, **{":method": method})))
+    answer = reply.immediate_response
+    assert answer.status.code == 405
+    headers = header_dict(answer.headers)
+    assert headers["allow"] == allow and headers["x-kvgate-reject"] == "method_not_allowed"
+    assert await store.in_flight("acme") == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/v1/models/?x", "//health"])
+async def test_harmless_gets_are_admitted_as_one_request(path):
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(path=path, end_of_stream=True,
+                                                   **{":method": "GET"})))
+    assert reply.WhichOneof("response") == "request_headers"
+    assert reply.mode_override.request_body_mode == ProcessingMode.NONE
+    await stream.close(None)
+    assert await store.in_flight("acme") == 0
+
+
+async def test_an_inference_path_without_a_body_is_400():
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(end_of_stream=True, **{":method": "POST"})))
+    assert reply.immediate_response.status.code == 400
+    assert await store.in_flight("acme") == 0
