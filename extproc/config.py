@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -239,6 +240,37 @@ class KvProfile(_Strict):
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+class SecretRef(_Strict):
+    """A secret kept out of the YAML: the name of an environment variable, or a file (a
+    mounted Kubernetes secret, say). Read once, when kvgate starts."""
+
+    env: str | None = Field(None, min_length=1)
+    file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SecretRef:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env, file")
+        return self
+
+    def read(self) -> str:
+        if self.env is not None:
+            value = os.environ.get(self.env, "").strip()
+            where = f"environment variable {self.env}"
+        else:
+            assert self.file is not None
+            try:
+                value = self.file.read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read {self.file}: {exc.strerror}") from None
+            where = str(self.file)
+        if not value:
+            raise ValueError(f"{where} is empty or not set")
+        if not value.isprintable():
+            raise ValueError(f"{where} holds characters a header cannot carry")
+        return value
+
+
 class Pool(_Strict):
     name: str = Field(min_length=1)
     models: list[Model] = Field(min_length=1)
@@ -246,6 +278,10 @@ class Pool(_Strict):
     dns: Dns | None = Field(None, description="discover endpoints by DNS instead")
     priority_scheduling: bool = Field(
         False, description="the engines run vLLM with --scheduling-policy priority"
+    )
+    upstream_api_key: SecretRef | None = Field(
+        None, description="the key the engines expect (vLLM --api-key), sent as the "
+        "Bearer token; the client's own key never goes upstream either way"
     )
     kv_aware: bool = Field(
         True, description="scrape vLLM /metrics and admit by KV; false = least-in-flight only"
@@ -532,6 +568,21 @@ class Config(_Strict):
         """Classes most important first (by vLLM priority, then as written): band = index."""
         names = list(self.classes)
         return sorted(names, key=lambda n: (self.classes[n].priority, names.index(n)))
+
+
+def upstream_authorizations(config: Config) -> dict[str, str]:
+    """``Authorization`` values for the pools that name an upstream key (read now, so a
+    missing secret stops kvgate at start-up rather than failing requests)."""
+    values, problems = {}, []
+    for i, pool in enumerate(config.pools):
+        if pool.upstream_api_key is not None:
+            try:
+                values[pool.name] = "Bearer " + pool.upstream_api_key.read()
+            except ValueError as exc:
+                problems.append(f"pools[{i}].upstream_api_key: {exc}")
+    if problems:
+        raise ConfigError("<config>", problems)
+    return values
 
 
 def _names(mapping: dict[str, Any]) -> str:

@@ -88,8 +88,11 @@ class Director:
         endpoints: EndpointStore,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
+        upstream_authorization: Mapping[str, str] | None = None,
     ):
         self.config = config
+        # pool → the Authorization its engines expect (none: the header is just removed)
+        self.upstream_authorization = dict(upstream_authorization or {})
         self.tenants = tenants
         self.pricer = pricer
         self.classifier = classifier

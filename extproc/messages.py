@@ -118,8 +118,9 @@ def serialize_reply(reply: Reply) -> bytes:
 
 MAX_PARTS = 4096  # cached reply parts per kind (their keys repeat: this bounds the odd case)
 Parts = tuple[bytes, ...]  # serialized message parts; the values go in between
-# (tenant, class, priority, body phase, endpoint list size, content-length size or None)
-_header_parts: dict[tuple[str, str, int | None, bool, int, int | None], Parts] = {}
+# (tenant, class, priority, body phase, endpoint list size, content-length size or None,
+# the pool's upstream Authorization or None)
+_header_parts: dict[tuple[str, str, int | None, bool, int, int | None, str | None], Parts] = {}
 # (tenant, pool, chosen endpoint size, lease size)
 _routing_parts: dict[tuple[str, str, int, int], Parts] = {}
 # (body phase, body size)
@@ -128,10 +129,11 @@ _body_parts: dict[tuple[bool, int], Parts] = {}
 
 def route_request(
     tenant: str, request_class: str, endpoints: list[str], priority: int | None, pool: str,
-    lease: str, body: bytes | None, in_body_phase: bool,
+    lease: str, body: bytes | None, in_body_phase: bool, authorization: str | None = None,
 ) -> bytes:
-    """Admit: set headers (and the mutated body + its content-length), pick ``endpoints[0]``
-    (the rest are fallbacks), and carry the lease in the dynamic metadata. Serialized.
+    """Admit: set headers (and the mutated body + its content-length, and the pool's own
+    ``authorization`` when it has one), pick ``endpoints[0]`` (the rest are fallbacks), and
+    carry the lease in the dynamic metadata. Serialized.
 
     Protobuf parsing merges concatenated messages, and a string value of a given size
     changes only its own bytes: so the reply is spliced from serialized parts cached per
@@ -144,7 +146,7 @@ def route_request(
     leased = lease.encode()
     length = None if body is None else b"%d" % len(body)
     sizes = (tenant, request_class, priority, in_body_phase, len(joined),
-             None if length is None else len(length))
+             None if length is None else len(length), authorization)
     headers = _header_parts.get(sizes) or _cache(_header_parts, sizes, _headers_parts(*sizes))
     where = (tenant, pool, len(chosen), len(leased))
     routing = _routing_parts.get(where) or _cache(_routing_parts, where, _routing_parts_of(*where))
@@ -166,7 +168,7 @@ def _cache(cache: dict[Any, Parts], key: Any, parts: Parts) -> Parts:
 
 def _headers_parts(
     tenant: str, request_class: str, priority: int | None, in_body_phase: bool,
-    endpoints_size: int, length_size: int | None,
+    endpoints_size: int, length_size: int | None, authorization: str | None,
 ) -> Parts:
     """The routing headers, around the endpoint list and the content-length value."""
 
@@ -180,6 +182,8 @@ def _headers_parts(
             headers["x-kvgate-priority"] = str(priority)
         if length_size is not None:
             headers["content-length"] = length.decode()
+        if authorization is not None:
+            headers["authorization"] = authorization
         fill_mutation(common.header_mutation, headers)
         return reply.SerializeToString()
 

@@ -37,7 +37,9 @@ from limiter.stores import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-SPOOFABLE_HEADERS = (DESTINATION_HEADER,)  # and every x-kvgate-* header
+# Never sent upstream: a client's routing header (and every x-kvgate-* header it sent), and
+# the tenant's API key — the routing reply sets the pool's own key where it has one.
+STRIPPED_HEADERS = (DESTINATION_HEADER, "authorization")
 
 
 @functools.cache
@@ -106,7 +108,7 @@ class RequestStream:
         self.tenant = tenant = director.authenticate(values.get("authorization"))
         metered = check_route(values.get(":method", ""), path)
         self.requested_class = values.get(class_header)
-        remove = (*SPOOFABLE_HEADERS, *spoofed) if spoofed else SPOOFABLE_HEADERS
+        remove = (*STRIPPED_HEADERS, *spoofed) if spoofed else STRIPPED_HEADERS
         length = values.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.settings.max_body_bytes:
             raise _too_large(self.settings.max_body_bytes)
@@ -159,6 +161,7 @@ class RequestStream:
         return messages.route_request(
             tenant, admission.request_class, admission.endpoints, admission.priority,
             admission.pool, admission.lease_id, body, in_body_phase,
+            self.director.upstream_authorization.get(admission.pool),
         )
 
     # -- response path ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from extproc.classify import Classifier
-from extproc.config import Config, RedisSettings
+from extproc.config import Config, RedisSettings, upstream_authorizations
 from extproc.datalayer.endpoints import EndpointStore
 from extproc.director import Director
 from extproc.flow import FlowController
@@ -108,4 +108,5 @@ def build_director(
              for name, scheduler in schedulers.items()}
     return Director(config, tenants=tenants, pricer=Pricer(config),
                     classifier=Classifier(config), store=store, schedulers=schedulers,
-                    flows=flows, endpoints=endpoints, rng=rng, clock=clock)
+                    flows=flows, endpoints=endpoints, rng=rng, clock=clock,
+                    upstream_authorization=upstream_authorizations(config))

@@ -16,6 +16,8 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
 
+UPSTREAM_KEY_ENV = "KVGATE_E2E_UPSTREAM_KEY"  # the engines' own key (vLLM --api-key)
+UPSTREAM_KEY = "sk-engine-only"
 KEYS = {"acme": "sk-e2e-acme", "slow": "sk-e2e-slow", "solo": "sk-e2e-solo",
         "tokens": "sk-e2e-tokens"}
 MAX_BODY = 64 * 1024
@@ -41,14 +43,17 @@ def e2e_config():
                                       ("tokens", "tokens", "interactive")]
         ],
         "pools": [{"name": "tiny", "models": [{"name": "tiny-llama", "default_max_tokens": 16}],
-                   "endpoints": engines, "priority_scheduling": True}],
+                   "endpoints": engines, "priority_scheduling": True,
+                   "upstream_api_key": {"env": UPSTREAM_KEY_ENV}}],
     })
 
 
 @pytest.fixture(scope="module")
 def stack():
-    with local_stack(e2e_config(), engine_options={"ms_per_token": 5}) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(UPSTREAM_KEY_ENV, UPSTREAM_KEY)
+        with local_stack(e2e_config(), engine_options={"ms_per_token": 5}) as running:
+            yield running
 
 
 def chat(tenant="acme", max_tokens=8, **extra):
@@ -94,6 +99,19 @@ def test_admitted_request_reaches_engine_with_priority_and_content_length(stack)
     assert received["headers"]["x-kvgate-priority"] == "5"
     assert received["headers"]["x-gateway-destination-endpoint"].split(",")[0] == served
     assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
+def test_engines_get_the_pools_key_never_a_tenants(stack):
+    for engine in stack.engines.values():
+        engine.clear_requests()
+    assert post(stack, "acme", chat()).status_code == 200
+    assert post(stack, "acme", chat(stream=True)).status_code == 200
+    auth = {"authorization": f"Bearer {KEYS['acme']}"}
+    assert httpx.get(stack.url + "/v1/models", headers=auth, timeout=10).status_code == 200
+    received = [r for engine in stack.engines.values() for r in engine.requests()]
+    assert len(received) == 3
+    assert all(r["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}" for r in received)
+    assert KEYS["acme"] not in orjson.dumps(received).decode()
 
 
 def test_requests_spread_over_both_engines(stack):

@@ -10,7 +10,8 @@ from extproc import messages
 from extproc.headers import DESTINATION_HEADER
 
 
-def reference(key: tuple, body: bytes | None, lease: str) -> pb.ProcessingResponse:
+def reference(key: tuple, body: bytes | None, lease: str,
+              authorization: str | None = None) -> pb.ProcessingResponse:
     """The admit reply built the plain way, one field after another."""
     tenant, request_class, endpoint_list, priority, pool, in_body_phase = key
     endpoints, endpoint = ",".join(endpoint_list), endpoint_list[0]
@@ -24,6 +25,8 @@ def reference(key: tuple, body: bytes | None, lease: str) -> pb.ProcessingRespon
     if body is not None:
         common.body_mutation.body = body
         headers.append(("content-length", str(len(body))))
+    if authorization is not None:
+        headers.append(("authorization", authorization))
     for name, value in headers:
         option = common.header_mutation.set_headers.add()
         option.header.key = name
@@ -48,6 +51,15 @@ KEYS = [  # (tenant, class, endpoints, priority, pool, in the body phase)
 # sizes around the varint boundaries of every nested length prefix
 BODY_SIZES = [0, 1, 9, 10, 99, 100, 110, 127, 128, 200, 16_383, 16_384, 70_000, 2_100_000]
 LEASES = ["1", "cafebabe0001-0", "cafebabe0001-7fffffff", "é" * 50, "x" * 300]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_route_reply_with_the_pools_upstream_key(key):
+    for authorization in ("Bearer k", "Bearer " + "s" * 300):
+        body = None if not key[5] else b"{}"
+        reply = pb.ProcessingResponse.FromString(
+            messages.route_request(*key[:5], "lease", body, key[5], authorization))
+        assert reply == reference(key, body, "lease", authorization)
 
 
 @pytest.mark.parametrize("key", KEYS)

@@ -320,3 +320,51 @@ async def test_an_inference_path_without_a_body_is_400():
     reply = parsed(await stream.handle(headers_msg(end_of_stream=True, **{":method": "POST"})))
     assert reply.immediate_response.status.code == 400
     assert await store.in_flight("acme") == 0
+
+
+# -- the tenant's API key stays at the gateway ---------------------------------------------
+
+
+def with_upstream_key(reference):
+    config = make_config()
+    data = config.model_dump(mode="json")
+    data["pools"][0]["upstream_api_key"] = reference
+    return parse_config(data)
+
+
+async def test_the_tenants_key_is_removed_before_anything_goes_upstream():
+    stream, _ = new_stream()
+    reply = parsed(await stream.handle(headers_msg()))
+    assert "authorization" in reply.request_headers.response.header_mutation.remove_headers
+    reply = parsed(await stream.handle(body_msg(chat())))
+    assert "authorization" not in header_dict(reply.request_body.response.header_mutation)
+    get = RequestStream(stream.director, stream.metrics, stream.settings)
+    reply = parsed(await get.handle(headers_msg(path="/v1/models", end_of_stream=True)))
+    mutation = reply.request_headers.response.header_mutation
+    assert "authorization" in mutation.remove_headers
+    assert "authorization" not in header_dict(mutation)
+
+
+async def test_a_pools_upstream_key_replaces_the_tenants(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVGATE_TEST_POOL_KEY", "pool-secret")
+    for reference in ({"env": "KVGATE_TEST_POOL_KEY"}, {"file": str(tmp_path / "key")}):
+        (tmp_path / "key").write_text("pool-secret\n")
+        stream, _ = new_stream(with_upstream_key(reference))
+        await stream.handle(headers_msg())
+        reply = parsed(await stream.handle(body_msg(chat())))
+        headers = header_dict(reply.request_body.response.header_mutation)
+        assert headers["authorization"] == "Bearer pool-secret"
+        get = RequestStream(stream.director, stream.metrics, stream.settings)
+        reply = parsed(await get.handle(headers_msg(path="/health", end_of_stream=True)))
+        mutation = reply.request_headers.response.header_mutation
+        assert header_dict(mutation)["authorization"] == "Bearer pool-secret"
+
+
+def test_a_missing_upstream_key_fails_at_startup(monkeypatch):
+    from extproc.config import ConfigError
+
+    monkeypatch.delenv("KVGATE_TEST_POOL_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"pools\[0\].upstream_api_key.*KVGATE_TEST_POOL_KEY"):
+        new_stream(with_upstream_key({"env": "KVGATE_TEST_POOL_KEY"}))
+    with pytest.raises(ConfigError, match="exactly one of env, file"):
+        with_upstream_key({"env": "A", "file": "/x"})
