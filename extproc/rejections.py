@@ -2,7 +2,8 @@
 
 The one place a refusal becomes HTTP: :func:`rejection` for every :class:`limiter.Reject`
 (the tenant's limits, the scheduler, flow control), :func:`client_error` for bad input,
-:func:`internal_error` for kvgate's own failures.
+:func:`unavailable` when the shared limits cannot be reached, :func:`internal_error` for
+kvgate's own bugs.
 
 Clients (openai-python and friends) read ``retry-after-ms`` first, then ``retry-after``;
 they honour it only up to 60–120 s, so ``retry-after`` is capped at 60 while
@@ -82,8 +83,17 @@ def client_error(error: BadRequest) -> tuple[int, bytes, dict[str, str]]:
     return error.status, error_body(error), headers
 
 
+def unavailable(message: str) -> tuple[int, bytes, dict[str, str]]:
+    """The shared limits cannot be reached (``failure_policy: fail_closed``): 503, retryable."""
+    return _server_error(message, "gateway_unavailable")
+
+
 def internal_error(message: str) -> tuple[int, bytes, dict[str, str]]:
-    """kvgate's own failure: 503 (retryable), never a bare 500."""
+    """kvgate's own failure (a bug): 503 (retryable), never a bare 500."""
+    return _server_error(message, "internal_error")
+
+
+def _server_error(message: str, code: str) -> tuple[int, bytes, dict[str, str]]:
     body = orjson.dumps({"error": {"message": message, "type": "server_error",
-                                   "param": None, "code": "gateway_unavailable"}})
-    return 503, body, {"x-kvgate-reject": "internal", **retry_headers(1000)}
+                                   "param": None, "code": code}})
+    return 503, body, {"x-kvgate-reject": code, **retry_headers(1000)}

@@ -31,7 +31,7 @@ from extproc.openai import (
     parse_body,
     route_path,
 )
-from extproc.rejections import client_error, internal_error, rejection
+from extproc.rejections import client_error, internal_error, rejection, unavailable
 from limiter import Reject
 from limiter.stores import StoreUnavailable
 
@@ -88,7 +88,7 @@ class RequestStream:
             return self._answer(*client_error(error), details=error.code or "bad_request")
         except StoreUnavailable:
             self.metrics.stream_errors.add(("store_unavailable",))
-            return self._answer(*internal_error("admission limits are unavailable; retry later"),
+            return self._answer(*unavailable("admission limits are unavailable; retry later"),
                                 details="kvgate_store_unavailable")
         except Exception:
             log.exception("ext_proc %s failed", kind)

@@ -109,6 +109,7 @@ async def test_redis_down_follows_the_policy_and_recovers(redis_server, redis_ur
         elif policy == "fail_closed":
             assert statuses == [503] * 6
             assert outcomes[0].headers["retry-after"] == "1"
+            assert outcomes[0].headers["x-kvgate-reject"] == "gateway_unavailable"
         else:  # this replica's half of a 4-request burst
             assert statuses == [200, 200, 429, 429, 429, 429]
         assert server.metrics.store_fallbacks.labels(policy)._value.get() >= 1

@@ -368,3 +368,39 @@ def test_a_missing_upstream_key_fails_at_startup(monkeypatch):
         new_stream(with_upstream_key({"env": "KVGATE_TEST_POOL_KEY"}))
     with pytest.raises(ConfigError, match="exactly one of env, file"):
         with_upstream_key({"env": "A", "file": "/x"})
+
+
+# -- kvgate's own failures: unavailable limits are not a bug --------------------------------
+
+
+async def test_fail_closed_without_redis_is_503_gateway_unavailable():
+    from extproc.wiring import build_store
+    from tests.conftest import free_port
+
+    data = make_config(requests_per_second=5).model_dump(mode="json")
+    data["redis"] = {"url": f"redis://127.0.0.1:{free_port()}/0", "timeout_ms": 50,
+                     "failure_policy": "fail_closed"}
+    config = parse_config(data)
+    stream = RequestStream(build_director(config, build_store(config, Metrics())), Metrics(),
+                           config.server)
+    await stream.handle(headers_msg())  # the headers precheck only reuses known refusals
+    answer = parsed(await stream.handle(body_msg(chat()))).immediate_response
+    assert answer.status.code == 503
+    headers = header_dict(answer.headers)
+    assert headers["x-kvgate-reject"] == "gateway_unavailable"
+    assert headers["retry-after"] == "1"
+    assert orjson.loads(answer.body)["error"]["code"] == "gateway_unavailable"
+
+
+async def test_a_kvgate_bug_is_503_internal_error():
+    class Broken(MemoryStore):
+        async def admit(self, *args, **kwargs):
+            raise RuntimeError("a bug")
+
+    config = make_config()
+    stream = RequestStream(build_director(config, Broken()), Metrics(), config.server)
+    await stream.handle(headers_msg())
+    answer = parsed(await stream.handle(body_msg(chat()))).immediate_response
+    assert answer.status.code == 503
+    assert header_dict(answer.headers)["x-kvgate-reject"] == "internal_error"
+    assert orjson.loads(answer.body)["error"]["code"] == "internal_error"
