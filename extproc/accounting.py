@@ -8,6 +8,7 @@ bounded tail, never the whole body, and parses JSON only for the one piece that 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 
@@ -22,7 +23,9 @@ class ResponseMeter:
     """Follows one response body; ``usage`` is set once the engine reports it.
 
     For streams whose usage chunk kvgate itself asked for, ``feed`` returns the chunk with
-    that event removed so the client sees exactly the stream it requested.
+    that event (usage only, ``choices: []``) removed so the client sees the stream it
+    requested; chunks with choices always pass (with ``continuous_usage_stats`` each carries
+    usage too: the client asked for that).
     """
 
     __slots__ = ("_tail", "bytes", "complete", "events", "stream", "strip_usage_event", "usage")
@@ -75,17 +78,22 @@ class ResponseMeter:
         if not sep:
             return None
         events = complete.split(b"\n\n")
-        usage_events = [e for e in events if _USAGE_PRESENT.search(e)]
+        usage_only: list[bytes] = []  # the final chunk of include_usage: choices []
+        for event in events:
+            if _USAGE_PRESENT.search(event):
+                document = _document(event.removeprefix(b"data:").strip())
+                self.usage = usage_from(document) or self.usage
+                if isinstance(document, dict) and document.get("choices") == []:
+                    usage_only.append(event)
+        # with continuous_usage_stats every chunk carries usage: those are tokens too
         self.events += sum(
             1 for e in events if e.startswith(b"data:") and b"[DONE]" not in e
-        ) - len(usage_events)
-        for event in usage_events:
-            self.usage = _parse_usage(event.removeprefix(b"data:").strip()) or self.usage
+        ) - len(usage_only)
         if events[-1].startswith(b"data: [DONE]"):
             self.complete = True  # the stream's last event
-        if not (usage_events and self.strip_usage_event):
+        if not (usage_only and self.strip_usage_event):
             return None
-        return _without(chunk, usage_events)
+        return _without(chunk, usage_only)
 
 
 def _last_usage_object(data: bytes) -> bytes | None:
@@ -105,9 +113,9 @@ def _last_usage_object(data: bytes) -> bytes | None:
     return None
 
 
-def _parse_usage(document: bytes) -> Usage | None:
+def _document(data: bytes) -> Any:
     try:
-        return usage_from(orjson.loads(document))
+        return orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
 

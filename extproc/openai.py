@@ -25,6 +25,7 @@ ROUTES: dict[str, frozenset[str]] = {
     **{path: frozenset({"GET", "HEAD"}) for path in HARMLESS_PATHS},
 }
 PER_MESSAGE_OVERHEAD_TOKENS = 3  # chat-template tokens around each message
+MAX_COUNT = 2**31 - 1  # no sane max_tokens, n or best_of is larger (vLLM's are int32-bound)
 
 
 class BadRequest(Exception):
@@ -60,6 +61,7 @@ class InferenceRequest:
     message_count: int
     max_output_tokens: int | None  # None: the request set no cap
     stream: bool
+    choices: int  # max(n, best_of): the engine generates this many answers
 
     @property
     def wants_usage_chunk(self) -> bool:
@@ -127,11 +129,14 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
         field = "prompt" if path == COMPLETIONS else "input"
         texts, messages = _plain_texts(body.get(field), field), 0
     output = _max_output_tokens(path, body)
-    stream = body.get("stream", False)
-    if stream is not True and stream is not False:
+    stream = body.get("stream")
+    if stream is None:  # absent, or null as the spec allows: not streamed
+        stream = False
+    elif stream is not True and stream is not False:
         raise BadRequest("'stream' must be a boolean", param="stream")
-    # positional: matching seven keyword arguments costs as much as the rest of the call
-    return InferenceRequest(path, body, model, texts, messages, output, stream)
+    choices = 1 if path == EMBEDDINGS else max(_count(body, "n"), _count(body, "best_of"))
+    # positional: matching eight keyword arguments costs as much as the rest of the call
+    return InferenceRequest(path, body, model, texts, messages, output, stream, choices)
 
 
 def _chat_texts(messages: Any) -> tuple[list[str], int]:
@@ -178,11 +183,22 @@ def _max_output_tokens(path: str, body: dict[str, Any]) -> int | None:
         value = body.get(name)
         if value is None:
             continue
-        # JSON integers parse to exact ints: this is "an int, and not a bool"
-        if type(value) is not int or value < 1:
-            raise BadRequest(f"'{name}' must be a positive integer", param=name)
-        return value
+        return _positive(value, name)
     return None
+
+
+def _count(body: dict[str, Any], name: str) -> int:
+    """``n`` / ``best_of``: absent or null is 1."""
+    value = body.get(name)
+    return 1 if value is None else _positive(value, name)
+
+
+def _positive(value: Any, name: str) -> int:
+    # JSON integers parse to exact ints: this is "an int, and not a bool"
+    if type(value) is not int or not 1 <= value <= MAX_COUNT:
+        raise BadRequest(f"'{name}' must be a positive integer (at most {MAX_COUNT})",
+                         param=name)
+    return value
 
 
 def mutate_body(

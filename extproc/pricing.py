@@ -2,8 +2,8 @@
 
 Prompt tokens come from the model's tokenizer when one is configured (else a chars-per-token
 estimate) plus the chat template's overhead per message; output tokens are the request's
-``max_tokens``, or the model's default. The reservation is reconciled with the engine's
-real usage when the request ends.
+``max_tokens`` (or the model's default) times the answers it asks for (``n``, ``best_of``).
+The reservation is reconciled with the engine's real usage when the request ends.
 """
 
 from __future__ import annotations
@@ -39,4 +39,6 @@ class Pricer:
         prompt = self._counters[model.name].count(request.prompt_texts)
         prompt += PER_MESSAGE_OVERHEAD_TOKENS * request.message_count
         output = request.max_output_tokens
-        return Cost(prompt, model.default_max_tokens if output is None else output)
+        output = model.default_max_tokens if output is None else output
+        # n / best_of: the engine generates (and holds KV for) that many answers
+        return Cost(prompt, output * request.choices)

@@ -100,3 +100,18 @@ def test_a_stream_is_complete_at_its_done_event():
     assert not meter.complete
     meter.feed(b"data: [DONE]\n\n")
     assert meter.complete
+
+
+def test_continuous_usage_chunks_keep_their_choices():
+    """``stream_options.continuous_usage_stats``: vLLM puts usage on every chunk once kvgate
+    asks for the usage chunk; only the final usage-only chunk (``choices: []``), the one
+    kvgate asked for, may go — every chunk with choices reaches the client."""
+    meter = ResponseMeter(stream=True, strip_usage_event=True)
+    chunks = [{"choices": [{"delta": {"content": f"t{i} "}}],
+               "usage": {"prompt_tokens": 13, "completion_tokens": i + 1}} for i in range(3)]
+    final = {"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 3}}
+    body = sse([*chunks, final])
+    passed = meter.feed(body)
+    kept = body if passed is None else passed
+    assert kept == sse(chunks)
+    assert meter.usage == Usage(13, 3) and meter.events == 3 and meter.complete

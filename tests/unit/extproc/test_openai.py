@@ -83,8 +83,16 @@ def test_output_cap_prefers_max_completion_tokens():
          "invalid_request_error", "max_completion_tokens"),
         ({"model": "m", "messages": [{"content": "a"}], "stream": 1},
          "invalid_request_error", "stream"),
-        ({"model": "m", "messages": [{"content": "a"}], "stream": None},
-         "invalid_request_error", "stream"),
+        ({"model": "m", "messages": [{"content": "a"}], "n": 0}, "invalid_request_error", "n"),
+        ({"model": "m", "messages": [{"content": "a"}], "n": -3}, "invalid_request_error", "n"),
+        ({"model": "m", "messages": [{"content": "a"}], "n": 1.5},
+         "invalid_request_error", "n"),
+        ({"model": "m", "messages": [{"content": "a"}], "n": True},
+         "invalid_request_error", "n"),
+        ({"model": "m", "messages": [{"content": "a"}], "best_of": "2"},
+         "invalid_request_error", "best_of"),
+        ({"model": "m", "messages": [{"content": "a"}], "max_tokens": 2**31},
+         "invalid_request_error", "max_tokens"),
         # several problems: the prompt is checked before the cap, the cap before stream
         ({"model": "m", "messages": [3], "max_tokens": 0, "stream": 1},
          "invalid_request_error", "messages[0]"),
@@ -109,6 +117,20 @@ def test_mutate_body_sets_priority_usage_and_overrides():
     assert sent["stream_options"] == {"other": 1, "include_usage": True}
     again = orjson.loads(mutate_body(request, priority=None, inject_usage=False))
     assert "priority" not in again
+
+
+def test_null_is_the_default_where_the_spec_allows_it():
+    request = parse({"model": "m", "messages": [{"content": "a"}], "stream": None, "n": None,
+                     "best_of": None, "max_tokens": None, "stream_options": None})
+    assert (request.stream, request.choices, request.max_output_tokens) == (False, 1, None)
+
+
+def test_n_and_best_of_multiply_the_output_reservation():
+    body = {"model": "m", "messages": [{"content": "a"}], "max_tokens": 10}
+    assert parse({**body, "n": 3}).choices == 3
+    assert parse({**body, "n": 2, "best_of": 4}).choices == 4
+    assert parse({"model": "m", "prompt": "a", "best_of": 5}, COMPLETIONS).choices == 5
+    assert parse({"model": "m", "input": "a", "n": 7}, EMBEDDINGS).choices == 1
 
 
 def test_route_path():

@@ -404,3 +404,15 @@ async def test_a_kvgate_bug_is_503_internal_error():
     assert answer.status.code == 503
     assert header_dict(answer.headers)["x-kvgate-reject"] == "internal_error"
     assert orjson.loads(answer.body)["error"]["code"] == "internal_error"
+
+
+
+async def test_n_and_best_of_multiply_the_reserved_output():
+    stream, _ = new_stream()
+    await stream.handle(headers_msg())
+    await stream.handle(body_msg(chat(max_tokens=10, n=2, best_of=3)))
+    assert stream.admission.cost.max_output_tokens == 30
+    plain = RequestStream(stream.director, stream.metrics, stream.settings)
+    await plain.handle(headers_msg())
+    await plain.handle(body_msg(chat(n=None, stream=None)))
+    assert plain.admission.cost.max_output_tokens == 10
