@@ -68,6 +68,9 @@ class RequestStream:
 
     async def handle(self, message: pb.ProcessingRequest) -> messages.Reply:
         kind = message.WhichOneof("request")
+        if kind is None:  # not one of the phases: nothing Envoy sends
+            return self._answer(*client_error(_out_of_order("a message of no phase")),
+                                details="kvgate_protocol_error")
         self.metrics.messages.add((kind,))
         try:
             if kind == "request_headers":
@@ -101,6 +104,8 @@ class RequestStream:
     # -- request path ----------------------------------------------------------------------
 
     async def _on_request_headers(self, headers: pb.HttpHeaders) -> messages.Reply:
+        if self.tenant is not None:
+            raise _out_of_order("request headers a second time")
         director = self.director
         class_header = director.config.classification.header
         values, spoofed = messages.header_map(headers, _wanted(class_header))
@@ -110,7 +115,8 @@ class RequestStream:
         self.requested_class = values.get(class_header)
         remove = (*STRIPPED_HEADERS, *spoofed) if spoofed else STRIPPED_HEADERS
         length = values.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.settings.max_body_bytes:
+        if (length is not None and length.isascii() and length.isdigit()
+                and int(length) > self.settings.max_body_bytes):
             raise _too_large(self.settings.max_body_bytes)
         reject = await director.precheck(tenant)
         if reject is not None:
@@ -133,7 +139,8 @@ class RequestStream:
         return reply + messages.headers_only(remove)  # serialized messages merge
 
     async def _on_request_body(self, body: pb.HttpBody) -> messages.Reply:
-        assert self.tenant is not None
+        if self.tenant is None or self.request is not None or self.admission is not None:
+            raise _out_of_order("a request body before its headers, or a second one")
         raw = body.body  # each read of a bytes field copies it out of the message
         if len(raw) > self.settings.max_body_bytes:
             raise _too_large(self.settings.max_body_bytes)
@@ -229,6 +236,12 @@ def _too_large(limit: int) -> BadRequest:
         f"request body is larger than this gateway's limit of {limit} bytes",
         status=413, code="request_too_large",
     )
+
+
+def _out_of_order(what: str) -> BadRequest:
+    """Envoy sends headers, then at most one buffered body: anything else is a broken (or
+    hand-written) filter config, answered 400 rather than guessed at."""
+    return BadRequest(f"ext_proc protocol: {what}", code="protocol_error")
 
 
 def _continue_other(kind: str) -> pb.ProcessingResponse:

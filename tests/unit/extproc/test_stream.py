@@ -416,3 +416,13 @@ async def test_n_and_best_of_multiply_the_reserved_output():
     await plain.handle(headers_msg())
     await plain.handle(body_msg(chat(n=None, stream=None)))
     assert plain.admission.cost.max_output_tokens == 10
+
+
+@pytest.mark.parametrize("length", ["²", "٩٩٩٩٩٩٩٩", "99999999999999999999999999", "-5", "1e9"])
+async def test_an_absurd_content_length_is_never_a_kvgate_failure(length):
+    stream, _ = new_stream()
+    reply = parsed(await stream.handle(headers_msg(**{"content-length": length})))
+    if reply.HasField("immediate_response"):
+        assert reply.immediate_response.status.code == 413
+    else:
+        assert reply.WhichOneof("response") == "request_headers"
