@@ -1,9 +1,11 @@
 """One ext_proc stream = one HTTP request: the protocol state machine.
 
 Envoy sends, in order: request headers, the request body (BUFFERED, one message), then the
-response body chunk by chunk (STREAMED); response headers and trailers are skipped to save
-messages, and the RPC ends as soon as kvgate has seen the whole response body (Envoy's
-separate end-of-body message is then never sent). Each message gets exactly one reply.
+response body chunk by chunk (STREAMED, which the headers reply turns on for the requests
+kvgate meters); response headers and trailers are skipped to save messages, and the RPC
+ends as soon as kvgate has seen the whole response body (Envoy's separate end-of-body
+message is then never sent). Each message gets exactly one reply; any other order (only a
+hand-edited filter config sends one) is a 400.
 Whatever ends the stream — completion, an error, the client going away — ``close`` releases
 what the request held, exactly once.
 """

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.openai import (
     CHAT,
@@ -117,6 +119,16 @@ def test_mutate_body_sets_priority_usage_and_overrides():
     assert sent["stream_options"] == {"other": 1, "include_usage": True}
     again = orjson.loads(mutate_body(request, priority=None, inject_usage=False))
     assert "priority" not in again
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="/.%2fFv1chat?a", max_size=30) | st.text(max_size=30))
+def test_a_routed_path_is_always_in_normal_form(raw):
+    path = route_path(raw)
+    segments = path.split("/")
+    assert segments[0] == "" and path.startswith("/")
+    assert all(s not in ("", ".", "..") for s in segments[1:]) or path == "/"
+    assert route_path(raw + "?q=1") == path
 
 
 def test_null_is_the_default_where_the_spec_allows_it():
