@@ -168,6 +168,7 @@ class Generation:
     priority: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
 
 def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> Generation:
@@ -194,14 +195,17 @@ def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> 
     priority = int_field(body, "priority") or 0
     if int_field(body, "n") not in (None, 1):
         raise ApiError(400, "the simulated engine supports n=1 only", param="n")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # vLLM takes null as the default
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.",
                        param="stream_options")
-    include_usage = isinstance(stream_options, dict) and stream_options.get("include_usage")
+    options = stream_options if isinstance(stream_options, dict) else {}
+    include_usage = options.get("include_usage") is True
+    continuous = include_usage and options.get("continuous_usage_stats") is True
 
     check_model(body, config)
     total = prompt_tokens + max_tokens
@@ -211,7 +215,8 @@ def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> 
                        f"messages, {max_tokens} in the completion). Please reduce the length "
                        "of the messages or completion.")
     check_priority(priority, config)
-    return Generation(kind, prompt_tokens, max_tokens, priority, stream, bool(include_usage))
+    return Generation(kind, prompt_tokens, max_tokens, priority, stream, include_usage,
+                      continuous)
 
 
 def check_model(body: dict[str, Any], config: EngineConfig) -> None:
@@ -516,13 +521,22 @@ class ChunkMaker:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _usage(self) -> dict[str, int]:
-        prompt, completion = self.gen.prompt_tokens, self.gen.max_tokens
+    def _usage(self, completion: int | None = None) -> dict[str, int]:
+        prompt = self.gen.prompt_tokens
+        completion = self.gen.max_tokens if completion is None else completion
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
     def token_chunks(self, index: int) -> list[dict[str, Any]]:
-        """The chunk(s) for token ``index``; chat opens with a role chunk, like vLLM."""
+        """The chunk(s) for token ``index``; chat opens with a role chunk, like vLLM. With
+        ``continuous_usage_stats`` each carries the usage so far, as vLLM's do."""
+        chunks = self._token_chunks(index)
+        if self.gen.continuous_usage:
+            for chunk in chunks:
+                chunk["usage"] = self._usage(index + 1 if chunk is chunks[-1] else index)
+        return chunks
+
+    def _token_chunks(self, index: int) -> list[dict[str, Any]]:
         finish = "length" if index == self.gen.max_tokens - 1 else None
         text = token_text(index)
         if self.kind == "completion":

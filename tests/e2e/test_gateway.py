@@ -141,6 +141,25 @@ def test_client_asking_for_usage_gets_it(stack):
     assert usage["completion_tokens"] == 4
 
 
+def test_continuous_usage_stats_keep_every_chunk(stack):
+    """The client asks for usage on every chunk but not for the final usage chunk: kvgate
+    asks for that one (include_usage) and strips only it; every chunk with text arrives."""
+    body = chat(max_tokens=6, stream=True, stream_options={"continuous_usage_stats": True})
+    events = [e for e in post(stack, "acme", body).text.split("\n\n") if e.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [orjson.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["choices"] for c in chunks)  # kvgate's usage-only chunk, and only it, went
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert len(text.split()) == 6 and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
+def test_stream_null_is_not_streamed(stack):
+    response = post(stack, "acme", chat(max_tokens=2, stream=None, n=None))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
 def test_unknown_key_is_401(stack):
     response = post(stack, "sk-unknown", chat())
     assert response.status_code == 401
