@@ -1,11 +1,11 @@
 """A vLLM-compatible simulated engine: the upstream for the demo and the end-to-end tests.
 
 It speaks enough of vLLM's OpenAI server for kvgate to treat it as a real pod (chat and text
-completions, streaming with ``stream_options.include_usage``, embeddings, ``/v1/models``,
-``/health``, ``/metrics`` with vLLM's metric names, ``priority`` with vLLM's semantics, see
-``--fcfs-priority``) while staying cheap, deterministic and inspectable. The scheduling and
-KV model lives in ``extproc.engine.model``; this module is only the HTTP layer and its
-lifecycle.
+completions, streaming with ``stream_options.include_usage`` and ``continuous_usage_stats``,
+embeddings, ``/v1/models``, ``/health``, ``/metrics`` with vLLM's metric names, ``priority``
+with vLLM's semantics, see ``--fcfs-priority``) while staying cheap, deterministic and
+inspectable. The scheduling and KV model lives in ``extproc.engine.model``; this module is
+only the HTTP layer and its lifecycle.
 
 Run it::
 
