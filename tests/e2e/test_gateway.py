@@ -324,10 +324,11 @@ def test_a_merged_slash_path_is_still_metered(stack):
 @pytest.mark.parametrize(("request_bytes", "status"), [
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
     (b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n", 400),
+    (b"GET /v1/models HTTP/1.0\r\n\r\n", 426),
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
      b"Authorization: Bearer " + KEYS["acme"].encode() + b"\r\n\r\n"
      + b"%x\r\n" % (MAX_BODY + 200_000) + b"x" * (MAX_BODY + 200_000) + b"\r\n0\r\n\r\n", 413),
-], ids=["header-too-large", "malformed-header", "body-over-buffer"])
+], ids=["header-too-large", "malformed-header", "http-1.0", "body-over-buffer"])
 def test_envoys_own_replies_arrive_whole(stack, request_bytes, status):
     got, headers, body = json_reply(raw_exchange(stack, request_bytes))
     assert (got, body["error"]["code"]) == (status, status)
