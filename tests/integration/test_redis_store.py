@@ -332,6 +332,7 @@ async def _busy_tenant(store: RedisStore, policy: TenantPolicy, clock: FakeClock
         await store.admit("acme", policy, Cost(50, 50), f"l{n}")
         clock.now += 7
     await store.release("acme", policy, "l0", 10)
+    await store.cancel("acme", policy, "never-answered")  # a tombstone: the cancelled key
 
 
 FULL = TenantPolicy(
