@@ -17,9 +17,12 @@ refunds the admission if it ran and tombstones its id if it has not (see
 Concurrency stays exact when Redis restarts empty: after any failure the repair loop
 re-asserts in Redis every lease this store holds — the ones Redis had, and those the
 fallback admitted meanwhile, which from then on count (and are released) in Redis. Each
-admission also tells Redis how many leases this store holds for the tenant; if Redis has
-fewer it answers :class:`LeasesLost`, the leases are re-asserted at once and the admission
-is tried again, so nothing is admitted on top of forgotten leases.
+admission also tells Redis how many leases this store holds for the tenant, wherever they
+were admitted; if Redis has fewer it answers :class:`LeasesLost`, the leases are re-asserted
+at once and the admission is tried again, so nothing is admitted on top of leases Redis
+does not know. (With several replicas Redis's count includes the others' leases, so this
+check can miss a loss; the repair loop's re-assert then closes the gap within
+``REPAIR_PAUSE_S`` of Redis answering.)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Any
@@ -36,7 +40,7 @@ from limiter.breaker import CircuitBreaker, Transition
 from limiter.clock import monotonic_ms
 from limiter.decision import TenantPolicy
 from limiter.fairqueue import QueuedRequest
-from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject
+from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reject
 from limiter.share import scale_policy
 from limiter.stores.base import Fairness, LeasesLost, LimiterStore, StoreUnavailable
 from limiter.stores.memory import MemoryFairness, MemoryStore
@@ -47,6 +51,8 @@ REPAIR_PAUSE_S = 0.05
 """How often the repair loop tries Redis again while it owes it something."""
 REPAIR_TIMEOUT_S = 0.5
 """Budget of one repair round (off the request path, so more than a call's)."""
+REPAIR_BATCH = 64
+"""Owed calls sent at once (each takes a pooled connection)."""
 _FAILURES = (StoreUnavailable, TimeoutError, OSError)
 
 
@@ -103,6 +109,7 @@ class FailoverStore:
         self._on_fallback = on_fallback or (lambda _p: None)
         self._local_policies: dict[TenantPolicy, TenantPolicy] = {}
         self._held: dict[str, _Held] = {}  # lease id → where it counts
+        self._counts: Counter[str] = Counter()  # tenant → leases held (Redis needs as many)
         self._owed: dict[str, _Owed] = {}  # lease id → what Redis still has to be told
         self._reassert = False  # a call failed: Redis may have lost (or never had) leases
         self._repairer: asyncio.Task[None] | None = None
@@ -130,7 +137,7 @@ class FailoverStore:
         self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
         def call() -> Awaitable[Admit | Reject]:
-            return self.primary.admit(tenant, policy, cost, lease_id, held=self._count(tenant))
+            return self.primary.admit(tenant, policy, cost, lease_id, held=self._counts[tenant])
 
         try:
             ok, result, error = await self._try(call)
@@ -144,7 +151,7 @@ class FailoverStore:
             raise
         if ok:
             if isinstance(result, Admit):
-                self._held[lease_id] = _Held(tenant, policy, "primary")
+                self._hold(lease_id, _Held(tenant, policy, "primary"))
             elif result.reason in (Reason.REQUESTS, Reason.WINDOW) and result.retry_after_ms:
                 self._blocked[tenant] = (self.clock_ms() + result.retry_after_ms, result)
             return result
@@ -154,7 +161,7 @@ class FailoverStore:
             decision = await self._fallback(tenant, policy, cost, lease_id)
         finally:
             if isinstance(decision, Admit):
-                self._held[lease_id] = _Held(tenant, policy, self._place(), unsure)
+                self._hold(lease_id, _Held(tenant, policy, self._place(), unsure))
             elif unsure:  # refused or 503: what Redis may have admitted is undone there
                 self._owe(lease_id, _Owed(tenant, policy, cancel=True))
         return decision
@@ -162,7 +169,7 @@ class FailoverStore:
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
-        held = self._held.pop(lease_id, None)
+        held = self._drop(lease_id)
         if held is None:
             return False
         if held.place == "local":
@@ -184,7 +191,7 @@ class FailoverStore:
             await self._try(lambda: self.primary.renew(tenant, mine))
 
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
-        if self._held.pop(lease_id, None) is not None:
+        if self._drop(lease_id) is not None:
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
 
     async def in_flight(self, tenant: str) -> int:
@@ -229,7 +236,12 @@ class FailoverStore:
             raise StoreUnavailable("shared limits unavailable and failure_policy is fail_closed")
         if self.policy is FailurePolicy.FAIL_OPEN:
             return Admit(lease_id=lease_id, cost=cost, remaining=NO_REMAINING)
-        return await self.local.admit(tenant, self._local(policy), cost, lease_id)
+        local = self._local(policy)
+        if local.max_concurrency is not None and self._counts[tenant] >= local.max_concurrency:
+            # this replica's share counts every lease it holds, Redis's ones included
+            waits = [(Reason.CONCURRENCY, local.concurrency_retry_ms)]
+            return wait_reject(waits, NO_REMAINING)
+        return await self.local.admit(tenant, local, cost, lease_id)
 
     def _place(self) -> str:
         return "open" if self.policy is FailurePolicy.FAIL_OPEN else "local"
@@ -238,9 +250,17 @@ class FailoverStore:
         held = self._held.get(lease_id)
         return None if held is None else held.place
 
-    def _count(self, tenant: str) -> int:
-        """Leases of ``tenant`` that Redis should hold for this store."""
-        return sum(1 for h in self._held.values() if h.tenant == tenant and h.place == "primary")
+    def _hold(self, lease_id: str, held: _Held) -> None:
+        self._held[lease_id] = held
+        self._counts[held.tenant] += 1
+
+    def _drop(self, lease_id: str) -> _Held | None:
+        held = self._held.pop(lease_id, None)
+        if held is not None:
+            self._counts[held.tenant] -= 1
+            if not self._counts[held.tenant]:
+                del self._counts[held.tenant]
+        return held
 
     # -- repairs: what failed calls left to tell Redis -------------------------------------
 
@@ -276,7 +296,11 @@ class FailoverStore:
             if self._owed.get(lease_id) is owed:
                 del self._owed[lease_id]
 
-        await asyncio.gather(*(send(k, v) for k, v in list(self._owed.items())))
+        batch = list(self._owed.items())[:REPAIR_BATCH]
+        results = await asyncio.gather(*(send(k, v) for k, v in batch), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _reassert_all(self) -> None:
         """Put every lease this store holds into Redis; from then on each counts there."""

@@ -154,3 +154,96 @@ async def test_restart_with_leases_held_keeps_concurrency_exact(server, raw, pol
     await settle(store)
     assert not await raw.zcard(store.primary.keys("acme")[4])
     await store.close()
+
+
+# --- faults under load ---------------------------------------------------------------------
+
+LOAD = TenantPolicy(max_concurrency=2, token_rate=Rate(10**6, 1000), token_burst=10**6)
+
+
+class Load:
+    """Workers that admit, hold the lease a moment, and release, as requests would; they
+    record what each admission got and how many requests ran at once (in either store)."""
+
+    def __init__(self, store: FailoverStore, workers: int = 6, hold_s: float = 0.01) -> None:
+        self.store, self.workers, self.hold_s = store, workers, hold_s
+        self.running = 0
+        self.events: list[tuple[float, str, int]] = []  # (time, outcome, running after)
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._worker() for _ in range(self.workers)))
+
+    async def _worker(self) -> None:
+        while not self.stop.is_set():
+            lease_id = lease()
+            try:
+                decision = await self.store.admit("acme", LOAD, COST, lease_id)
+            except StoreUnavailable:
+                self.events.append((time.monotonic(), "503", self.running))
+                await asyncio.sleep(0.01)
+                continue
+            if isinstance(decision, Reject):
+                self.events.append((time.monotonic(), "429", self.running))
+                await asyncio.sleep(0.005)
+                continue
+            self.running += 1
+            self.events.append((time.monotonic(), "200", self.running))
+            await asyncio.sleep(self.hold_s)
+            self.running -= 1
+            await self.store.release("acme", LOAD, lease_id, 5)
+
+    def between(self, start: float, end: float) -> list[tuple[float, str, int]]:
+        return [e for e in self.events if start <= e[0] < end]
+
+
+async def pause(server: RedisServer) -> None:
+    server.pause()
+    try:
+        await asyncio.sleep(0.5)
+    finally:
+        server.resume()
+
+
+async def crash(server: RedisServer) -> None:
+    server.kill()
+    server.start()  # at once, on the same port, empty
+
+
+async def outage(server: RedisServer) -> None:
+    server.kill()
+    await asyncio.sleep(0.5)
+    server.start()
+
+
+FAULTS = {"paused": pause, "crashed": crash, "down": outage}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("fault", list(FAULTS))
+async def test_fault_under_load(server, raw, fault, policy):
+    store = failover(server, policy, timeout_ms=100)  # a loaded CI box stalls for tens of ms
+    load = Load(store)
+    task = asyncio.create_task(load.run())
+    await asyncio.sleep(0.3)
+    fault_at = time.monotonic()
+    await FAULTS[fault](server)
+    back = time.monotonic()
+    await asyncio.sleep(1.5)
+    load.stop.set()
+    await task
+    end = time.monotonic()
+
+    before, during = load.between(0, fault_at), load.between(fault_at, back)
+    after = load.between(back + 1.0, end)  # limits exact within 1 s of Redis answering
+    assert max(r for _, _, r in before) == 2
+    assert max(r for _, _, r in after) == 2, [(round(t - back, 3), o, r) for t, o, r in after]
+    assert {o for _, o, _ in after} <= {"200", "429"}, "503s more than 1 s after Redis is back"
+    if fault != "crashed":  # (a restart at once may fall between two requests)
+        assert any(o == ("503" if policy == "fail_closed" else "200") for _, o, _ in during)
+    if policy == "local":  # this replica's share counts the leases it holds in Redis too
+        assert max((r for _, _, r in during), default=0) <= 2
+
+    await settle(store)  # every request has ended: nothing held or owed ...
+    assert not await raw.zcard(store.primary.keys("acme")[4])  # ... and no lease in Redis
+    await store.close()
