@@ -3,7 +3,8 @@
 Admission must never hang on Redis: each call gets ``timeout_ms``; failures open the
 breaker, and while it is open the configured policy decides — ``fail_open`` admits
 unlimited, ``fail_closed`` answers 503, ``local`` enforces this replica's share of every
-limit in memory. Leases remember which store admitted them, so each is released where it
+limit in memory (its concurrency share counts every lease the replica holds, those in
+Redis included). Leases remember which store admitted them, so each is released where it
 was taken.
 
 Nothing a failed call took stays in Redis. A call that timed out may still run there later
@@ -186,12 +187,24 @@ class FailoverStore:
         return True
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
-        mine = [lease for lease in lease_ids if self._where(lease) == "primary"]
+        """Renew this store's leases in Redis, putting back any Redis lost (also where no
+        call failed here: another replica saw the restart); one released meanwhile is
+        released again, since the renewal may have landed after its release."""
+        mine = {lease: self._held[lease] for lease in lease_ids
+                if self._where(lease) == "primary"}
         if mine:
-            await self._try(lambda: self.primary.renew(tenant, mine))
+            ok, _result, _error = await self._try(
+                lambda: self.primary.renew(tenant, list(mine), reassert=True)
+            )
+            if ok:
+                for lease_id, held in mine.items():
+                    await self._adopt(lease_id, held)
 
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
-        if self._drop(lease_id) is not None:
+        held = self._drop(lease_id)
+        if held is not None and held.place == "local":
+            await self.local.cancel(tenant, self._local(policy), lease_id)
+        if held is not None and (held.place == "primary" or held.unsure):
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
 
     async def in_flight(self, tenant: str) -> int:

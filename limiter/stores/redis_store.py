@@ -209,8 +209,9 @@ class RedisStore:
         self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
         problem = never_fits(policy, cost)
-        extra = [_small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None),
-                 held]
+        extra: list[int | str] = [
+            _small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None), held,
+        ]
         code, snap, rest = await self._run_policy("admit", tenant, policy, extra)
         if code == "dup":
             raise ValueError(f"lease {lease_id!r} is already held")

@@ -156,6 +156,21 @@ async def test_restart_with_leases_held_keeps_concurrency_exact(server, raw, pol
     await store.close()
 
 
+async def test_renewal_puts_back_leases_redis_lost(server, raw):
+    store = failover(server, "fail_closed")
+    held = [lease(), lease()]
+    for lease_id in held:
+        assert isinstance(await store.admit("acme", SLOW, COST, lease_id), Admit)
+    await raw.flushall()  # lost with no failed call here, as a replica may see a restart
+    await store.renew("acme", held)
+    assert await raw.zcard(store.primary.keys("acme")[4]) == 2
+    for lease_id in held:
+        assert await store.release("acme", SLOW, lease_id, 1)
+    await settle(store)
+    assert not await raw.zcard(store.primary.keys("acme")[4])
+    await store.close()
+
+
 # --- faults under load ---------------------------------------------------------------------
 
 LOAD = TenantPolicy(max_concurrency=2, token_rate=Rate(10**6, 1000), token_burst=10**6)
