@@ -137,6 +137,8 @@ class FailoverStore:
     async def admit(
         self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
+        """``held`` is ignored: this store counts its own leases for Redis."""
+
         def call() -> Awaitable[Admit | Reject]:
             return self.primary.admit(tenant, policy, cost, lease_id, held=self._counts[tenant])
 
