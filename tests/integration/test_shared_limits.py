@@ -167,6 +167,31 @@ async def test_a_paused_redis_leaves_no_lease_behind(redis_server, redis_url, po
         await server.stop(0)
 
 
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
+async def test_a_restarted_redis_keeps_concurrency_exact(redis_server, redis_url, policy):
+    cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy)
+    server = KvgateServer(cfg)
+    await server.start()
+    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        streams = [await client.open(KEY, BODY) for _ in range(2)]
+        assert all(outcome.admitted for outcome, _call in streams)
+        redis_server.kill()
+        redis_server.start()  # at once, empty: it forgot both leases
+        for _ in range(4):  # dead pooled connections first: retried, not a fallback
+            outcome = await client.chat(KEY, BODY, response=USAGE)
+            assert outcome.status == 429 and b"concurrency" in outcome.body, outcome
+        streams[0][1].cancel()
+        deadline = time.monotonic() + 2
+        while not (await client.chat(KEY, BODY, response=USAGE)).admitted:
+            assert time.monotonic() < deadline, "the released slot never came back"
+            await asyncio.sleep(0.02)
+        streams[1][1].cancel()
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
 async def test_leases_of_a_killed_replica_expire(redis_url, tmp_path):
     cfg = config(redis_url, {"max_concurrency": 1}, lease_ttl_s=1)
     other = cfg.model_copy(update={"server": cfg.server.model_copy(
