@@ -53,7 +53,7 @@ REPAIR_PAUSE_S = 0.05
 REPAIR_TIMEOUT_S = 0.5
 """Budget of one repair round (off the request path, so more than a call's)."""
 REPAIR_BATCH = 64
-"""Owed calls sent at once (each takes a pooled connection)."""
+"""Repair calls sent at once (each takes a pooled connection)."""
 _FAILURES = (StoreUnavailable, TimeoutError, OSError)
 
 
@@ -324,9 +324,11 @@ class FailoverStore:
         by_tenant: dict[str, list[str]] = {}
         for lease_id, lease in held.items():
             by_tenant.setdefault(lease.tenant, []).append(lease_id)
+        tenants = list(by_tenant.items())
         try:
-            await asyncio.gather(*(self.primary.renew(tenant, ids, reassert=True)
-                                   for tenant, ids in by_tenant.items()))
+            for start in range(0, len(tenants), REPAIR_BATCH):  # one call per tenant
+                await asyncio.gather(*(self.primary.renew(tenant, ids, reassert=True)
+                                       for tenant, ids in tenants[start:start + REPAIR_BATCH]))
         except BaseException:
             self._reassert = True
             raise
