@@ -23,7 +23,8 @@ were admitted; if Redis has fewer it answers :class:`LeasesLost`, the leases are
 at once and the admission is tried again, so nothing is admitted on top of leases Redis
 does not know. (With several replicas Redis's count includes the others' leases, so this
 check can miss a loss; the repair loop's re-assert then closes the gap within
-``REPAIR_PAUSE_S`` of Redis answering.)
+``REPAIR_PAUSE_S`` of Redis answering, or — on a replica that saw no call fail — the next
+renewal, which re-asserts too.)
 """
 
 from __future__ import annotations
