@@ -332,6 +332,7 @@ class FailoverStore:
                                        for tenant, ids in tenants[start:start + REPAIR_BATCH]))
         except BaseException:
             self._reassert = True
+            self._need_repair()  # (also when the admission path's own re-assert timed out)
             raise
         for lease_id, lease in held.items():
             await self._adopt(lease_id, lease)
