@@ -1,4 +1,5 @@
-"""A real ``redis-server`` on a free port for tests: start, stop, SIGKILL, restart.
+"""A real ``redis-server`` on a free port for tests: start, stop, SIGKILL, restart, and
+SIGSTOP/SIGCONT (a Redis that hangs mid-call).
 
 Tests call :func:`require_redis_server` first: with no binary they are skipped locally, but
 fail when ``CI`` is set (``.ci/run`` installs redis-server, so a missing one is a CI bug).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -101,11 +103,25 @@ class RedisServer:
         """SIGKILL: what a crashed Redis looks like to its clients."""
         self._end(kill=True)
 
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open and commands queue unanswered (a hung Redis)."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT: the paused server runs the commands queued meanwhile."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError("redis-server is not running")
+        self._proc.send_signal(sig)
+
     def _end(self, kill: bool) -> None:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
         proc.kill() if kill else proc.terminate()
+        proc.send_signal(signal.SIGCONT)  # a paused server must see the signal to exit
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

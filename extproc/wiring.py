@@ -34,7 +34,8 @@ from limiter.stores import (
 
 
 def redis_client(settings: RedisSettings) -> Any:
-    """One attempt per call within the timeout budget; the breaker does the rest."""
+    """No retries of the client's own: the store retries once on a dead connection, the
+    breaker does the rest."""
     import redis.asyncio as aioredis
     from redis.backoff import NoBackoff
     from redis.retry import Retry

@@ -15,7 +15,7 @@ every store answers with the core's types. The Redis classes import ``redis`` la
 
 from typing import Any
 
-from limiter.stores.base import Fairness, LimiterStore, StoreUnavailable
+from limiter.stores.base import Fairness, LeasesLost, LimiterStore, StoreUnavailable
 from limiter.stores.failover import FailoverFairness, FailoverStore, FailurePolicy
 from limiter.stores.memory import MemoryFairness, MemoryStore
 
@@ -24,6 +24,7 @@ __all__ = [
     "FailoverStore",
     "FailurePolicy",
     "Fairness",
+    "LeasesLost",
     "LimiterStore",
     "MemoryFairness",
     "MemoryStore",

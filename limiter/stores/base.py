@@ -18,6 +18,11 @@ class StoreUnavailable(Exception):
     """
 
 
+class LeasesLost(StoreUnavailable):
+    """The shared store holds fewer of a tenant's leases than this replica does (Redis
+    restarted empty): they must be re-asserted before anything is admitted on top."""
+
+
 @runtime_checkable
 class LimiterStore(Protocol):
     """Per-tenant admission state. Async because the shared (Redis) store does I/O.
@@ -32,9 +37,11 @@ class LimiterStore(Protocol):
         ...
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
-        """All-or-nothing admission across every dimension."""
+        """All-or-nothing admission across every dimension. ``held``: leases of ``tenant``
+        the caller holds in this store; a shared store that has fewer raises
+        :class:`LeasesLost` and charges nothing."""
         ...
 
     async def release(
@@ -43,8 +50,14 @@ class LimiterStore(Protocol):
         """Release a lease exactly once; False if unknown, expired or already released."""
         ...
 
-    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
-        """Extend the TTL of held leases (long streams), so they are not reclaimed as leaked."""
+    async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
+        """Undo an admission whose answer never came back: free its lease and refund all it
+        charged if it ran, and make sure it charges nothing if it runs later."""
+        ...
+
+    async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
+        """Extend the TTL of held leases (long streams), so they are not reclaimed as leaked;
+        with ``reassert``, put back those the store lost (a restarted Redis)."""
         ...
 
     async def in_flight(self, tenant: str) -> int:

@@ -3,8 +3,28 @@
 Admission must never hang on Redis: each call gets ``timeout_ms``; failures open the
 breaker, and while it is open the configured policy decides — ``fail_open`` admits
 unlimited, ``fail_closed`` answers 503, ``local`` enforces this replica's share of every
-limit in memory. Leases remember which store admitted them, so each is released where it
-was taken; leases left in Redis by a failed release expire by their TTL.
+limit in memory (its concurrency share counts every lease the replica holds, those in
+Redis included). Leases remember which store admitted them, so each is released where it
+was taken.
+
+Nothing a failed call took stays in Redis. A call that timed out may still run there later
+(a paused Redis runs what was queued); so the store owes Redis a *cancel* for every
+admission whose answer it never got — unless the fallback then serves it, in which case the
+cancel is owed at its release — and a *release* for every release that failed. A background
+repair loop sends what is owed until Redis answers (every ``REPAIR_PAUSE_S``); the cancel
+refunds the admission if it ran and tombstones its id if it has not (see
+:mod:`limiter.stores.redis_scripts`), so the order in which they reach Redis does not matter.
+
+Concurrency stays exact when Redis restarts empty: after any failure the repair loop
+re-asserts in Redis every lease this store holds — the ones Redis had, and those the
+fallback admitted meanwhile, which from then on count (and are released) in Redis. Each
+admission also tells Redis how many leases this store holds for the tenant, wherever they
+were admitted; if Redis has fewer it answers :class:`LeasesLost`, the leases are re-asserted
+at once and the admission is tried again, so nothing is admitted on top of leases Redis
+does not know. (With several replicas Redis's count includes the others' leases, so this
+check can miss a loss; the repair loop's re-assert then closes the gap within
+``REPAIR_PAUSE_S`` of Redis answering, or — on a replica that saw no call fail — the next
+renewal, which re-asserts too.)
 """
 
 from __future__ import annotations
@@ -13,7 +33,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Any
 
@@ -21,17 +42,47 @@ from limiter.breaker import CircuitBreaker, Transition
 from limiter.clock import monotonic_ms
 from limiter.decision import TenantPolicy
 from limiter.fairqueue import QueuedRequest
-from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject
+from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reject
 from limiter.share import scale_policy
-from limiter.stores.base import Fairness, LimiterStore, StoreUnavailable
+from limiter.stores.base import Fairness, LeasesLost, LimiterStore, StoreUnavailable
 from limiter.stores.memory import MemoryFairness, MemoryStore
 
 log = logging.getLogger(__name__)
+
+REPAIR_PAUSE_S = 0.05
+"""How often the repair loop tries Redis again while it owes it something."""
+REPAIR_TIMEOUT_S = 0.5
+"""Budget of one repair round (off the request path, so more than a call's)."""
+REPAIR_BATCH = 64
+"""Repair calls sent at once (each takes a pooled connection)."""
+_FAILURES = (StoreUnavailable, TimeoutError, OSError)
+
 
 class FailurePolicy(StrEnum):
     FAIL_OPEN = "fail_open"
     FAIL_CLOSED = "fail_closed"
     LOCAL = "local"
+
+
+@dataclasses.dataclass
+class _Held:
+    """A lease this store handed out: where it counts, and whether Redis may have it too
+    (its admission timed out there: it must then be cancelled, not released)."""
+
+    tenant: str
+    policy: TenantPolicy
+    place: str  # "primary" | "local" | "open"
+    unsure: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owed:
+    """A release (with the tokens used) or a cancel that Redis has not confirmed yet."""
+
+    tenant: str
+    policy: TenantPolicy
+    cancel: bool
+    used_tokens: int | None = None
 
 
 class FailoverStore:
@@ -59,7 +110,11 @@ class FailoverStore:
         self._on_transition = on_transition or (lambda _t: None)
         self._on_fallback = on_fallback or (lambda _p: None)
         self._local_policies: dict[TenantPolicy, TenantPolicy] = {}
-        self._where: dict[str, str] = {}  # lease id → "primary" | "local" | "open"
+        self._held: dict[str, _Held] = {}  # lease id → where it counts
+        self._counts: Counter[str] = Counter()  # tenant → leases held (Redis needs as many)
+        self._owed: dict[str, _Owed] = {}  # lease id → what Redis still has to be told
+        self._reassert = False  # a call failed: Redis may have lost (or never had) leases
+        self._repairer: asyncio.Task[None] | None = None
         self._blocked: dict[str, tuple[int, Reject]] = {}  # tenant → (until ms, rejection)
 
     # -- the LimiterStore protocol ---------------------------------------------------------
@@ -81,76 +136,241 @@ class FailoverStore:
         return dataclasses.replace(reject, retry_after_ms=wait)
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
-        ok, result = await self._try(self.primary.admit(tenant, policy, cost, lease_id))
+        """``held`` is ignored: this store counts its own leases for Redis."""
+
+        def call() -> Awaitable[Admit | Reject]:
+            return self.primary.admit(tenant, policy, cost, lease_id, held=self._counts[tenant])
+
+        try:
+            ok, result, error = await self._try(call)
+            if isinstance(error, LeasesLost):  # Redis restarted: put ours back, then retry
+                with contextlib.suppress(*_FAILURES):
+                    async with asyncio.timeout(self.timeout_s):
+                        await self._reassert_all()
+                ok, result, error = await self._try(call)
+        except asyncio.CancelledError:
+            self._owe(lease_id, _Owed(tenant, policy, cancel=True))
+            raise
         if ok:
             if isinstance(result, Admit):
-                self._where[lease_id] = "primary"
+                self._hold(lease_id, _Held(tenant, policy, "primary"))
             elif result.reason in (Reason.REQUESTS, Reason.WINDOW) and result.retry_after_ms:
                 self._blocked[tenant] = (self.clock_ms() + result.retry_after_ms, result)
             return result
-        self._on_fallback(self.policy.value)
-        if self.policy is FailurePolicy.FAIL_CLOSED:
-            raise StoreUnavailable("shared limits unavailable and failure_policy is fail_closed")
-        if self.policy is FailurePolicy.FAIL_OPEN:
-            self._where[lease_id] = "open"
-            return Admit(lease_id=lease_id, cost=cost, remaining=NO_REMAINING)
-        decision = await self.local.admit(tenant, self._local(policy), cost, lease_id)
-        if isinstance(decision, Admit):
-            self._where[lease_id] = "local"
+        unsure = error is not None and not isinstance(error, LeasesLost)
+        decision = None
+        try:
+            decision = await self._fallback(tenant, policy, cost, lease_id)
+        finally:
+            if isinstance(decision, Admit):
+                self._hold(lease_id, _Held(tenant, policy, self._place(), unsure))
+            elif unsure:  # refused or 503: what Redis may have admitted is undone there
+                self._owe(lease_id, _Owed(tenant, policy, cancel=True))
         return decision
 
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
-        where = self._where.pop(lease_id, None)
-        if where == "local":
-            return await self.local.release(tenant, self._local(policy), lease_id, used_tokens)
-        if where == "primary":
-            ok, result = await self._try(
-                self.primary.release(tenant, policy, lease_id, used_tokens)
+        held = self._drop(lease_id)
+        if held is None:
+            return False
+        if held.place == "local":
+            await self.local.release(tenant, self._local(policy), lease_id, used_tokens)
+        if held.unsure:  # whatever reached Redis for it is undone there
+            self._owe(lease_id, _Owed(tenant, policy, cancel=True))
+        elif held.place == "primary":
+            ok, result, _error = await self._try(
+                lambda: self.primary.release(tenant, policy, lease_id, used_tokens)
             )
-            return bool(result) if ok else False  # its TTL frees the lease in Redis
-        return where == "open"
+            if not ok:
+                self._owe(lease_id, _Owed(tenant, policy, cancel=False, used_tokens=used_tokens))
+            return bool(result) if ok else True
+        return True
 
-    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
-        mine = [lease for lease in lease_ids if self._where.get(lease) == "primary"]
+    async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
+        """Renew this store's leases in Redis, putting back any Redis lost (also where no
+        call failed here: another replica saw the restart); one released meanwhile is
+        released again, since the renewal may have landed after its release."""
+        mine = {lease: self._held[lease] for lease in lease_ids
+                if self._where(lease) == "primary"}
         if mine:
-            await self._try(self.primary.renew(tenant, mine))
+            ok, _result, _error = await self._try(
+                lambda: self.primary.renew(tenant, list(mine), reassert=True)
+            )
+            if ok:
+                for lease_id, held in mine.items():
+                    await self._adopt(lease_id, held)
+
+    async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
+        held = self._drop(lease_id)
+        if held is not None and held.place == "local":
+            await self.local.cancel(tenant, self._local(policy), lease_id)
+        if held is not None and (held.place == "primary" or held.unsure):
+            self._owe(lease_id, _Owed(tenant, policy, cancel=True))
 
     async def in_flight(self, tenant: str) -> int:
-        ok, result = await self._try(self.primary.in_flight(tenant))
+        ok, result, _error = await self._try(lambda: self.primary.in_flight(tenant))
         local = await self.local.in_flight(tenant)
         return (result if ok else 0) + local
 
     async def usage(self, tenant: str, policy: TenantPolicy) -> dict[str, Any]:
-        ok, result = await self._try(self.primary.usage(tenant, policy))
+        ok, result, _error = await self._try(lambda: self.primary.usage(tenant, policy))
         if ok:
             return {**result, "store": "redis"}
         local = await self.local.usage(tenant, self._local(policy))
         return {**local, "store": f"unavailable ({self.policy.value})"}
 
     async def close(self) -> None:
+        """Send what is still owed (briefly), then close the primary."""
+        if self._repairer is not None:
+            self._repairer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._repairer
+        with contextlib.suppress(*_FAILURES):
+            async with asyncio.timeout(REPAIR_TIMEOUT_S):
+                await self._settle()
         await self.primary.close()
+
+    def idle(self) -> bool:
+        """Nothing held and nothing owed to Redis (tests, and a drained replica)."""
+        return not self._held and not self._owed and not self._reassert
+
+    def debug(self) -> dict[str, Any]:
+        return {"held": {k: v.place for k, v in self._held.items()},
+                "owed": {k: "cancel" if v.cancel else "release" for k, v in self._owed.items()},
+                "reassert": self._reassert}
+
+    # -- fallback --------------------------------------------------------------------------
+
+    async def _fallback(
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+    ) -> Admit | Reject:
+        self._on_fallback(self.policy.value)
+        if self.policy is FailurePolicy.FAIL_CLOSED:
+            raise StoreUnavailable("shared limits unavailable and failure_policy is fail_closed")
+        if self.policy is FailurePolicy.FAIL_OPEN:
+            return Admit(lease_id=lease_id, cost=cost, remaining=NO_REMAINING)
+        local = self._local(policy)
+        if local.max_concurrency is not None and self._counts[tenant] >= local.max_concurrency:
+            # this replica's share counts every lease it holds, Redis's ones included
+            waits = [(Reason.CONCURRENCY, local.concurrency_retry_ms)]
+            return wait_reject(waits, NO_REMAINING)
+        return await self.local.admit(tenant, local, cost, lease_id)
+
+    def _place(self) -> str:
+        return "open" if self.policy is FailurePolicy.FAIL_OPEN else "local"
+
+    def _where(self, lease_id: str) -> str | None:
+        held = self._held.get(lease_id)
+        return None if held is None else held.place
+
+    def _hold(self, lease_id: str, held: _Held) -> None:
+        self._held[lease_id] = held
+        self._counts[held.tenant] += 1
+
+    def _drop(self, lease_id: str) -> _Held | None:
+        held = self._held.pop(lease_id, None)
+        if held is not None:
+            self._counts[held.tenant] -= 1
+            if not self._counts[held.tenant]:
+                del self._counts[held.tenant]
+        return held
+
+    # -- repairs: what failed calls left to tell Redis -------------------------------------
+
+    def _owe(self, lease_id: str, owed: _Owed) -> None:
+        if not (lease_id in self._owed and self._owed[lease_id].cancel):  # a cancel covers all
+            self._owed[lease_id] = owed
+        self._need_repair()
+
+    def _need_repair(self) -> None:
+        if self._repairer is None or self._repairer.done():
+            self._repairer = asyncio.get_running_loop().create_task(self._repair())
+
+    async def _repair(self) -> None:
+        """Until Redis has been told everything: send what is owed, re-assert leases."""
+        while self._owed or self._reassert:
+            try:
+                async with asyncio.timeout(REPAIR_TIMEOUT_S):
+                    await self._settle()
+                    if self._reassert:
+                        await self._reassert_all()
+            except _FAILURES as error:
+                log.debug("shared store repair failed, will retry: %r", error)
+            if self._owed or self._reassert:
+                await asyncio.sleep(REPAIR_PAUSE_S)
+
+    async def _settle(self) -> None:
+        """Send every owed release and cancel (concurrently); each confirmed one is done."""
+        async def send(lease_id: str, owed: _Owed) -> None:
+            if owed.cancel:
+                await self.primary.cancel(owed.tenant, owed.policy, lease_id)
+            else:
+                await self.primary.release(owed.tenant, owed.policy, lease_id, owed.used_tokens)
+            if self._owed.get(lease_id) is owed:
+                del self._owed[lease_id]
+
+        batch = list(self._owed.items())[:REPAIR_BATCH]
+        results = await asyncio.gather(*(send(k, v) for k, v in batch), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _reassert_all(self) -> None:
+        """Put every lease this store holds into Redis; from then on each counts there."""
+        self._reassert = False
+        held = dict(self._held)
+        by_tenant: dict[str, list[str]] = {}
+        for lease_id, lease in held.items():
+            by_tenant.setdefault(lease.tenant, []).append(lease_id)
+        tenants = list(by_tenant.items())
+        try:
+            for start in range(0, len(tenants), REPAIR_BATCH):  # one call per tenant
+                await asyncio.gather(*(self.primary.renew(tenant, ids, reassert=True)
+                                       for tenant, ids in tenants[start:start + REPAIR_BATCH]))
+        except BaseException:
+            self._reassert = True
+            self._need_repair()  # (also when the admission path's own re-assert timed out)
+            raise
+        for lease_id, lease in held.items():
+            await self._adopt(lease_id, lease)
+
+    async def _adopt(self, lease_id: str, held: _Held) -> None:
+        """A re-asserted lease counts in Redis now; one released meanwhile is released there
+        again, since the re-assert may have landed after its release."""
+        if self._held.get(lease_id) is not held:
+            self._owe(lease_id, _Owed(held.tenant, held.policy, cancel=held.unsure))
+            return
+        if held.place == "local":
+            await self.local.release(held.tenant, self._local(held.policy), lease_id, 0)
+        held.place = "primary"
 
     # -- plumbing --------------------------------------------------------------------------
 
-    async def _try(self, call: Any) -> tuple[bool, Any]:
-        """(True, result) from the primary, or (False, None) when it is skipped or failed."""
+    async def _try(
+        self, call: Callable[[], Awaitable[Any]]
+    ) -> tuple[bool, Any, BaseException | None]:
+        """(True, result, None) from the primary, or (False, None, why): ``why`` is None
+        when the breaker skipped the call (it never reached Redis)."""
         allowed, transition = self.breaker.allow(self.clock_ms())
         self._report(transition)
         if not allowed:
-            call.close()  # never awaited: silence "coroutine was never awaited"
-            return False, None
+            return False, None, None
         try:
             async with asyncio.timeout(self.timeout_s):
-                result = await call
-        except (StoreUnavailable, TimeoutError, OSError) as error:
+                result = await call()
+        except LeasesLost as lost:  # an answer, not a failure
+            self._report(self.breaker.success())
+            return False, None, lost
+        except _FAILURES as error:
             self._report(self.breaker.failure(self.clock_ms()), error)
-            return False, None
+            self._reassert = True
+            self._need_repair()
+            return False, None, error
         self._report(self.breaker.success())
-        return True, result
+        return True, result, None
 
     def _report(self, transition: Transition | None, error: BaseException | None = None) -> None:
         if transition is None:

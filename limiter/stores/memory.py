@@ -46,8 +46,9 @@ class MemoryStore:
         return self.limiter(tenant, policy, now_ms).check_requests(now_ms)
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
+        """``held`` is for shared stores: this one cannot lose leases."""
         now_ms = self._clock()
         return self.limiter(tenant, policy, now_ms).admit(cost, lease_id, now_ms)
 
@@ -57,7 +58,11 @@ class MemoryStore:
         now_ms = self._clock()
         return self.limiter(tenant, policy, now_ms).release(lease_id, used_tokens, now_ms)
 
-    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
+    async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
+        """A call in this process always answers, so only the lease can be left to free."""
+        await self.release(tenant, policy, lease_id, 0)
+
+    async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
         limiter = self._tenants.get(tenant)
         if limiter is not None:
             limiter.renew(lease_ids, self._clock())

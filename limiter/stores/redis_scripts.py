@@ -25,7 +25,20 @@ rescale on a policy change; a full bucket is deleted: missing = full); ``win`` a
 ``"ts:cost"`` scored by ts (same-ms entries merged) and ``win:meta`` ``{n, w}`` (its total
 and window length); ``leases`` a ZSET lease_id → expiry ms and ``leases:meta`` lease_id →
 ``"tokens:tb:day:month"`` (the reservation and which dimensions it was charged to);
-``q:day`` and ``q:month`` hashes ``{s, u}`` (the period start the count belongs to, used).
+``q:day`` and ``q:month`` hashes ``{s, u}`` (the period start the count belongs to, used);
+``cancelled`` a ZSET lease_id → expiry ms of admissions kvgate gave up on (below).
+
+**Calls whose answer is lost.** kvgate stops waiting for Redis after its budget (20 ms), but
+a command already sent still runs when Redis gets to it (a paused or overloaded server).
+Lease ids make that safe: ``release`` with mode ``c`` (*cancel*) frees the lease if the
+admission ran and refunds everything it charged (request bucket, window, tokens, quotas),
+and if it has not run yet leaves a tombstone in ``cancelled`` for ``lease TTL`` ms, so a
+late ``admit`` of that id charges nothing. An ``admit`` sent again after a broken connection
+(ARGV resend flag) finds its own lease if the first attempt ran, and charges nothing twice.
+``renew`` with the re-assert flag puts back leases Redis lost (a restart without
+persistence), except cancelled ones. ``admit`` also carries how many leases this replica
+holds for the tenant: fewer in Redis means Redis forgot some, and it answers ``lost``
+(charging nothing) so they are re-asserted before anything is admitted on top of them.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from __future__ import annotations
 # ARGV: [1] now ms ('' = Redis TIME), [2] lease TTL ms, [3] TTL slack ms.
 _CORE = r"""
 local KREQ, KTOK, KWIN, KWMETA = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local KLEASES, KLMETA = KEYS[5], KEYS[6]
+local KLEASES, KLMETA, KCANCEL = KEYS[5], KEYS[6], KEYS[9]
 local LEASE_TTL, SLACK = tonumber(ARGV[2]), tonumber(ARGV[3])
 local LMAX = 2251799813685248  -- 2^51: saturation bound for a bucket's debt
 
@@ -68,6 +81,17 @@ local function leases_purge(t)
     end
   end
   return redis.call('ZCARD', KLEASES)
+end
+
+-- tombstones of cancelled admissions (see the module docstring)
+local function cancelled(lease, t)
+  redis.call('ZREMRANGEBYSCORE', KCANCEL, '-inf', str(t))
+  return redis.call('ZSCORE', KCANCEL, lease)
+end
+
+local function cancel_mark(lease, t)
+  redis.call('ZADD', KCANCEL, str(t + LEASE_TTL), lease)
+  redis.call('PEXPIRE', KCANCEL, str(LEASE_TTL + SLACK))
 end
 
 local function leases_save(t)
@@ -232,6 +256,18 @@ local function win_consume(w, cost)
   w.dirty = true
 end
 
+local function win_refund(w, ts, n)  -- take n back out of the entry written at ts
+  local found = redis.call('ZRANGEBYSCORE', KWIN, str(ts), str(ts))
+  if #found == 0 then return end  -- already out of the window
+  local left = win_cost(found[1]) - n
+  redis.call('ZREM', KWIN, found[1])
+  w.n = w.n - math.min(n, win_cost(found[1]))
+  if left > 0 then redis.call('ZADD', KWIN, str(ts), str(ts) .. ':' .. str(left)) end
+  local newest = redis.call('ZRANGE', KWIN, -1, -1, 'WITHSCORES')
+  w.last = newest[2] and {tonumber(newest[2]), newest[1]} or nil
+  w.dirty = true
+end
+
 local function win_reset(w)
   if w.last then return w.last[1] + w.ms - w.now end
   return 0
@@ -360,11 +396,17 @@ local function concurrency_wait(st, waits)
 end
 """
 
-# ARGV[5..8]: tokens, requests, lease id, '1' if the request can never fit (Python knows).
+# ARGV[5..10]: tokens, requests, lease id, '1' if the request can never fit (Python knows),
+# leases this replica holds for the tenant, '1' if this is a resend after a broken connection.
 _ADMIT = r"""
 local tokens, requests, lease = arg(OP), arg(OP + 1), ARGV[OP + 2]
 local st = open_all(NOW)
-if redis.call('ZSCORE', KLEASES, lease) then return finish(st, NOW, 'dup', {}) end
+if cancelled(lease, NOW) then return finish(st, NOW, 'cancelled', {}) end
+if redis.call('ZSCORE', KLEASES, lease) then
+  if ARGV[OP + 5] == '1' then return finish(st, NOW, 'ok', {}) end  -- the first try ran
+  return finish(st, NOW, 'dup', {})
+end
+if st.in_flight < arg(OP + 4) then return finish(st, NOW, 'lost', {}) end
 if ARGV[OP + 3] == '1' then return finish(st, NOW, 'static', {}) end
 local failing = {}
 for _, kind in ipairs({'d', 'm'}) do
@@ -382,8 +424,12 @@ concurrency_wait(st, waits)
 if #waits > 0 then return finish(st, NOW, 'wait', waits) end
 
 local flags = {'0', '0', '0'}
-if st.req then tb_take(st.req, requests, NOW); tb_save(st.req, NOW) end
-if st.win then win_consume(st.win, requests) end
+local charged = {str(requests), '0', '0', '0'}  -- requests, req bucket, window, window ts
+if st.req then tb_take(st.req, requests, NOW); tb_save(st.req, NOW); charged[2] = '1' end
+if st.win and requests > 0 then
+  win_consume(st.win, requests)
+  charged[3], charged[4] = '1', str(st.win.now)
+end
 if st.tok then tb_take(st.tok, tokens, NOW); tb_save(st.tok, NOW); flags[1] = '1' end
 for i, kind in ipairs({'d', 'm'}) do
   local q = st.quotas[kind]
@@ -394,26 +440,37 @@ for i, kind in ipairs({'d', 'm'}) do
   end
 end
 redis.call('ZADD', KLEASES, str(NOW + LEASE_TTL), lease)
-redis.call('HSET', KLMETA, lease, str(tokens) .. ':' .. table.concat(flags, ':'))
+redis.call('HSET', KLMETA, lease,
+           str(tokens) .. ':' .. table.concat(flags, ':') .. ':' .. table.concat(charged, ':'))
 leases_save(NOW)
 st.in_flight = st.in_flight + 1
 return finish(st, NOW, 'ok', {})
 """
 
-# ARGV[5..6]: lease id, used tokens ('' = unknown: the reservation counts as used).
+# ARGV[5..7]: lease id, used tokens ('' = unknown: the reservation counts as used), mode
+# ('c' = cancel: refund everything the admission charged, and refuse it if it comes later).
 _RELEASE = r"""
-local lease = ARGV[OP]
+local lease, cancel = ARGV[OP], ARGV[OP + 2] == 'c'
 local st = open_all(NOW)
+if cancel then cancel_mark(lease, NOW) end
 if redis.call('ZREM', KLEASES, lease) == 0 then
   finish(st, NOW, 'gone', {})
   return 0
 end
 local meta = redis.call('HGET', KLMETA, lease)
 redis.call('HDEL', KLMETA, lease)
-local reserved, tb, day, month = string.match(meta or '0:0:0:0', '^(%d+):(%d):(%d):(%d)$')
-reserved = tonumber(reserved)
+-- tokens:tb:day:month[:requests:req:win:ts]; a lease re-asserted after a restart has none
+local f = {}
+for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
+local reserved, tb, day, month = tonumber(f[1]), f[2], f[3], f[4]
 local used = reserved
-if ARGV[OP + 1] ~= '' then used = math.max(0, tonumber(ARGV[OP + 1])) end
+if cancel then used = 0
+elseif ARGV[OP + 1] ~= '' then used = math.max(0, tonumber(ARGV[OP + 1])) end
+if cancel and f[5] then
+  local requests = tonumber(f[5])
+  if f[6] == '1' and st.req then tb_refund(st.req, requests, NOW); tb_save(st.req, NOW) end
+  if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
+end
 if tb == '1' and st.tok then
   if used < reserved then tb_refund(st.tok, reserved - used, NOW)
   elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end
@@ -444,13 +501,16 @@ _USAGE = r"""
 return finish(open_all(NOW), NOW, 'ok', {})
 """
 
-# ARGV[4..]: lease ids. Needs no policy: only the lease ZSET is touched.
+# ARGV[4]: '1' = re-assert (put back leases Redis lost, unless cancelled); ARGV[5..]: lease
+# ids. Needs no policy: only the lease ZSETs are touched.
 _RENEW = r"""
 leases_purge(NOW)
+local reassert = ARGV[4] == '1'
 local renewed = 0
-for i = 4, #ARGV do
-  if redis.call('ZSCORE', KLEASES, ARGV[i]) then
-    redis.call('ZADD', KLEASES, 'XX', str(NOW + LEASE_TTL), ARGV[i])
+for i = 5, #ARGV do
+  local held = redis.call('ZSCORE', KLEASES, ARGV[i])
+  if held or (reassert and not cancelled(ARGV[i], NOW)) then
+    redis.call('ZADD', KLEASES, str(NOW + LEASE_TTL), ARGV[i])
     renewed = renewed + 1
   end
 end

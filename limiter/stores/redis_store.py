@@ -11,8 +11,11 @@ skew); with a clock (tests) its epoch ms are passed in, so both stores can be dr
 same fake clock. Key TTLs are always real Redis time; ``TTL_SLACK_MS`` covers the gap.
 
 Errors: every Redis or socket failure surfaces as :class:`~limiter.stores.StoreUnavailable`.
-Build the client with short ``socket_timeout``/``socket_connect_timeout`` and few retries
-(redis-py's default retries ten times with backoff), or a dead Redis stalls admissions.
+Build the client with short ``socket_timeout``/``socket_connect_timeout`` and no retries of
+its own (redis-py's default retries ten times with backoff), or a dead Redis stalls
+admissions. This store retries a call once itself, on a fresh connection, when its
+connection turns out dead (a restarted Redis leaves every pooled connection dead): safe,
+because every script is idempotent per lease id (an ``admit`` resent finds its own lease).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from limiter.calendar import Period
@@ -39,7 +43,7 @@ from limiter.outcome import (
 )
 from limiter.quota import QuotaView
 from limiter.rates import Rate, require_int
-from limiter.stores.base import StoreUnavailable
+from limiter.stores.base import LeasesLost, StoreUnavailable
 from limiter.stores.redis_scripts import SCRIPTS
 
 TTL_SLACK_MS = 60_000
@@ -49,6 +53,7 @@ Redis's own clock."""
 
 _KEY_SUFFIXES = (
     "tb:req", "tb:tok", "win", "win:meta", "leases", "leases:meta", "q:day", "q:month",
+    "cancelled",
 )
 _MAX_FULL = 2**51
 _MAX_PERIOD_MS = 2**26
@@ -173,9 +178,19 @@ class RedisStore:
         now: int | str = "" if self._clock is None else self._clock()
         return [now, self._lease_ttl_ms, self._slack_ms]
 
-    async def _run(self, name: str, tenant: str, args: Sequence[int | str]) -> Any:
+    async def _run(
+        self, name: str, tenant: str, args: Sequence[int | str],
+        resend: Sequence[int | str] | None = None,
+    ) -> Any:
+        """Run a script; on a dead connection, once more (with ``resend`` args if given) on
+        a fresh one, after dropping the idle pooled connections: they died with it."""
+        script, keys = self._scripts[name], self.keys(tenant)
         try:
-            return await self._scripts[name](keys=self.keys(tenant), args=args)
+            try:
+                return await script(keys=keys, args=args)
+            except RedisConnectionError:
+                await self._client.connection_pool.disconnect(inuse_connections=False)
+                return await script(keys=keys, args=args if resend is None else resend)
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis {name} failed: {exc}") from exc
 
@@ -183,7 +198,7 @@ class RedisStore:
         self, name: str, tenant: str, policy: TenantPolicy, extra: Sequence[int | str] = ()
     ) -> tuple[str, Snapshot, list[Any]]:
         args = [*self._head(), _policy_arg(policy), *extra]
-        reply = await self._run(name, tenant, args)
+        reply = await self._run(name, tenant, args, resend=[*args, 1])
         return _text(reply[0]), _snapshot(reply[1], policy), reply[2:]
 
     async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
@@ -191,13 +206,19 @@ class RedisStore:
         return wait_reject(_waits(extra), snap.remaining()) if code == "wait" else None
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
         problem = never_fits(policy, cost)
-        extra = [_small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None)]
+        extra: list[int | str] = [
+            _small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None), held,
+        ]
         code, snap, rest = await self._run_policy("admit", tenant, policy, extra)
         if code == "dup":
             raise ValueError(f"lease {lease_id!r} is already held")
+        if code == "lost":
+            raise LeasesLost(f"redis holds fewer than the {held} leases of {tenant!r} held here")
+        if code == "cancelled":
+            raise StoreUnavailable(f"lease {lease_id!r} was cancelled")
         if code == "static" and problem is not None:
             return Reject(problem[0], None, snap.remaining(), problem[1])
         if code == "quota":
@@ -212,12 +233,16 @@ class RedisStore:
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
         used = "" if used_tokens is None else min(max(0, used_tokens), _MAX_COUNT)
-        args = [*self._head(), _policy_arg(policy), lease_id, used]
+        args = [*self._head(), _policy_arg(policy), lease_id, used, ""]
         return bool(await self._run("release", tenant, args))
 
-    async def renew(self, tenant: str, lease_ids: list[str]) -> None:
+    async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
+        args = [*self._head(), _policy_arg(policy), lease_id, 0, "c"]
+        await self._run("release", tenant, args)
+
+    async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
         if lease_ids:
-            await self._run("renew", tenant, [*self._head(), *lease_ids])
+            await self._run("renew", tenant, [*self._head(), int(reassert), *lease_ids])
 
     async def in_flight(self, tenant: str) -> int:
         return int(await self._run("in_flight", tenant, self._head()))

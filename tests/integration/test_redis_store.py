@@ -287,6 +287,39 @@ async def test_release_is_exactly_once(client: aioredis.Redis) -> None:
     assert await store.usage("acme", policy) == after
 
 
+CANCELLABLE = TenantPolicy(
+    request_rate=Rate(1, 1000), request_burst=10, token_rate=Rate(1, 1000), token_burst=1000,
+    window_limit=10, window_ms=60_000, daily_token_quota=5000, max_concurrency=3,
+)
+
+
+async def test_cancel_refunds_an_admission_that_ran(client: aioredis.Redis) -> None:
+    def amounts(usage: dict) -> tuple[int, ...]:
+        return (usage["requests"]["available"], usage["tokens"]["available"],
+                usage["window"]["used"], usage["quotas"]["daily"]["used"], usage["in_flight"])
+
+    clock = FakeClock()
+    store = RedisStore(client, clock=clock)
+    await store.admit("acme", CANCELLABLE, Cost(10, 10), "kept")
+    before = amounts(await store.usage("acme", CANCELLABLE))
+    for lease_id in ("same-ms", "other"):  # one window entry merged with "kept", one apart
+        assert isinstance(await store.admit("acme", CANCELLABLE, Cost(100, 200), lease_id), Admit)
+        await store.cancel("acme", CANCELLABLE, lease_id)
+        assert amounts(await store.usage("acme", CANCELLABLE)) == before
+        assert await store.release("acme", CANCELLABLE, lease_id, 5) is False
+        clock.now += 3
+
+
+async def test_cancel_before_the_admission_lands_makes_it_charge_nothing(
+    client: aioredis.Redis,
+) -> None:
+    store = RedisStore(client, clock=FakeClock())
+    await store.cancel("acme", CANCELLABLE, "late")
+    with pytest.raises(StoreUnavailable, match="cancelled"):
+        await store.admit("acme", CANCELLABLE, Cost(100, 200), "late")
+    assert [k async for k in client.scan_iter("*")] == [store.keys("acme")[-1].encode()]
+
+
 async def test_duplicate_lease_is_a_bug(client: aioredis.Redis) -> None:
     store = RedisStore(client, clock=FakeClock())
     assert isinstance(await store.admit("acme", TenantPolicy(), Cost(1, 1), "a"), Admit)
@@ -332,6 +365,7 @@ async def _busy_tenant(store: RedisStore, policy: TenantPolicy, clock: FakeClock
         await store.admit("acme", policy, Cost(50, 50), f"l{n}")
         clock.now += 7
     await store.release("acme", policy, "l0", 10)
+    await store.cancel("acme", policy, "never-answered")  # a tombstone: the cancelled key
 
 
 FULL = TenantPolicy(

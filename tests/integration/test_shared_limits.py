@@ -8,6 +8,7 @@ import time
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 import yaml
 
 from bench.extproc_client import ExtProcClient
@@ -122,7 +123,71 @@ async def test_redis_down_follows_the_policy_and_recovers(redis_server, redis_ur
             assert time.monotonic() - recovered < 1.0, "limits did not resume within 1 s"
             await asyncio.sleep(0.02)
         store = server.director.store
-        assert isinstance(store, FailoverStore) and not store._where  # nothing held
+        assert isinstance(store, FailoverStore)
+        while not store.idle():  # nothing held, nothing owed to Redis
+            assert time.monotonic() - recovered < 2.0, store.debug()
+            await asyncio.sleep(0.02)
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
+async def test_a_paused_redis_leaves_no_lease_behind(redis_server, redis_url, policy):
+    cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy)
+    server = KvgateServer(cfg)
+    await server.start()
+    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
+    raw = aioredis.from_url(redis_url)
+    store = server.director.store
+    assert isinstance(store, FailoverStore)
+    try:
+        assert (await client.chat(KEY, BODY, response=USAGE)).admitted  # a pooled connection
+        redis_server.pause()
+        try:  # each admission times out; the commands wait in Redis and run on SIGCONT
+            outcomes = [await asyncio.wait_for(client.chat(KEY, BODY, response=USAGE), 2)
+                        for _ in range(4)]
+        finally:
+            redis_server.resume()
+        assert {o.status for o in outcomes} == {503 if policy == "fail_closed" else 200}
+        resumed = time.monotonic()
+        while store.breaker.state != "closed":  # the next probe finds Redis back
+            await client.chat(KEY, BODY, response=USAGE)
+            await asyncio.sleep(0.02)
+        while await raw.keys("*:leases") or not store.idle():
+            assert time.monotonic() - resumed < 1.0, (await raw.keys("*"), store.debug())
+            await asyncio.sleep(0.02)
+        streams = [await client.open(KEY, BODY) for _ in range(2)]  # both slots are usable
+        assert all(outcome.admitted for outcome, _call in streams)
+        assert (await client.chat(KEY, BODY, response=USAGE)).status == 429
+        for _outcome, call in streams:
+            call.cancel()
+    finally:
+        await raw.aclose()
+        await client.close()
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
+async def test_a_restarted_redis_keeps_concurrency_exact(redis_server, redis_url, policy):
+    cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy)
+    server = KvgateServer(cfg)
+    await server.start()
+    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        streams = [await client.open(KEY, BODY) for _ in range(2)]
+        assert all(outcome.admitted for outcome, _call in streams)
+        redis_server.kill()
+        redis_server.start()  # at once, empty: it forgot both leases
+        for _ in range(4):  # dead pooled connections first: retried, not a fallback
+            outcome = await client.chat(KEY, BODY, response=USAGE)
+            assert outcome.status == 429 and b"concurrency" in outcome.body, outcome
+        streams[0][1].cancel()
+        deadline = time.monotonic() + 2
+        while not (await client.chat(KEY, BODY, response=USAGE)).admitted:
+            assert time.monotonic() < deadline, "the released slot never came back"
+            await asyncio.sleep(0.02)
+        streams[1][1].cancel()
     finally:
         await client.close()
         await server.stop(0)

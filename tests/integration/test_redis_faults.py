@@ -1,0 +1,265 @@
+"""The failover store through real Redis faults: a paused server (SIGSTOP), a killed one
+(SIGKILL) and its restart on the same port, with and without load.
+
+What must hold under every failure policy: nothing a timed-out call took stays in Redis, the
+failover store's bookkeeping empties once every request has ended, and concurrency is exact
+again within 1 s of Redis answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from bench.redis_server import RedisServer
+from extproc.config import RedisSettings
+from extproc.wiring import redis_client
+from limiter import Admit, Cost, Rate, Reason, Reject, TenantPolicy
+from limiter.breaker import CircuitBreaker
+from limiter.stores import FailoverStore, FailurePolicy, StoreUnavailable
+from limiter.stores.redis_store import RedisStore
+
+pytestmark = pytest.mark.redis
+
+POLICIES = ["fail_open", "fail_closed", "local"]
+HOUR_MS = 3_600_000
+# slow refills: a charge left behind is still visible a second later
+SLOW = TenantPolicy(
+    request_rate=Rate(1, HOUR_MS), request_burst=100,
+    token_rate=Rate(1, HOUR_MS), token_burst=100_000,
+    window_limit=1000, window_ms=HOUR_MS, daily_token_quota=10**9, max_concurrency=2,
+)
+COST = Cost(10, 20)
+_ids = itertools.count()
+
+
+def lease() -> str:
+    return f"t-{next(_ids)}"
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+async def raw(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(server.url, socket_timeout=5)
+    yield client
+    await client.aclose()
+
+
+def failover(server: RedisServer, policy: str, timeout_ms: int = 50) -> FailoverStore:
+    """The store kvgate builds: its Redis client, a short budget and a quick breaker."""
+    settings = RedisSettings(url=server.url, timeout_ms=timeout_ms, failure_policy=policy)
+    return FailoverStore(
+        RedisStore(redis_client(settings), lease_ttl_ms=60_000),
+        policy=FailurePolicy(policy), timeout_s=timeout_ms / 1000,
+        breaker=CircuitBreaker(3, 200),
+    )
+
+
+async def leftovers(raw: aioredis.Redis) -> dict[str, object]:
+    """Every key in Redis but the tombstones of cancelled admissions, with its contents."""
+    found: dict[str, object] = {}
+    for key in await raw.keys("*"):
+        kind = (await raw.type(key)).decode()
+        if key.endswith(b":cancelled"):
+            continue
+        found[key.decode()] = (
+            await raw.zrange(key, 0, -1) if kind == "zset" else await raw.hgetall(key)
+        )
+    return found
+
+
+async def until_clean(raw: aioredis.Redis, store: FailoverStore, within_s: float = 1.0) -> None:
+    """Redis holds no lease and no charge, and the store remembers nothing, within a bound."""
+    deadline = time.monotonic() + within_s
+    while (left := await leftovers(raw)) or not store.idle():
+        assert time.monotonic() < deadline, (left, store.debug())
+        await asyncio.sleep(0.02)
+
+
+async def settle(store: FailoverStore, within_s: float = 2.0) -> None:
+    """Wait for the store's repairs (it talks to Redis in the background) to finish."""
+    deadline = time.monotonic() + within_s
+    while not store.idle():
+        assert time.monotonic() < deadline, store.debug()
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_admission_timed_out_on_a_paused_redis_leaves_nothing(server, raw, policy):
+    store = failover(server, policy)
+    warm = lease()  # a pooled connection, so the paused call is sent, not stuck connecting
+    assert isinstance(await store.admit("acme", SLOW, COST, warm), Admit)
+    assert await store.release("acme", SLOW, warm, COST.tokens)
+    await raw.flushall()
+    server.pause()
+    try:
+        doomed = lease()
+        try:
+            decision = await store.admit("acme", SLOW, COST, doomed)
+        except StoreUnavailable:
+            assert policy == "fail_closed"
+        else:
+            assert isinstance(decision, Admit) and policy != "fail_closed"
+            await store.release("acme", SLOW, doomed, 5)  # served while Redis hung
+    finally:
+        server.resume()
+    await until_clean(raw, store)  # the admission that ran late was undone
+    await store.close()
+
+
+async def test_release_timed_out_on_a_paused_redis_is_sent_again(server, raw):
+    store = failover(server, "local")
+    held = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
+    server.pause()
+    try:
+        await store.release("acme", SLOW, held, COST.tokens)
+    finally:
+        server.resume()
+    deadline = time.monotonic() + 1
+    while await raw.zcard(store.primary.keys("acme")[4]):
+        assert time.monotonic() < deadline, "the lease stayed in Redis"
+        await asyncio.sleep(0.02)
+    await settle(store)
+    await store.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_restart_with_leases_held_keeps_concurrency_exact(server, raw, policy):
+    # the first call after a restart also reloads the scripts (NOSCRIPT): room on a busy box
+    store = failover(server, policy, timeout_ms=100)
+    held = [lease(), lease()]
+    for lease_id in held:
+        assert isinstance(await store.admit("acme", SLOW, COST, lease_id), Admit)
+    server.kill()
+    server.start()  # empty: the two leases are gone from Redis
+    for _ in range(4):  # each would find a dead pooled connection first
+        decision = await store.admit("acme", SLOW, COST, lease())
+        assert isinstance(decision, Reject) and decision.reason is Reason.CONCURRENCY
+    assert await raw.zcard(store.primary.keys("acme")[4]) == 2  # re-asserted
+    assert await store.release("acme", SLOW, held[0], 1)
+    again = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, again), Admit)
+    for lease_id in (held[1], again):
+        assert await store.release("acme", SLOW, lease_id, 1)
+    await settle(store)
+    assert not await raw.zcard(store.primary.keys("acme")[4])
+    await store.close()
+
+
+async def test_renewal_puts_back_leases_redis_lost(server, raw):
+    store = failover(server, "fail_closed")
+    held = [lease(), lease()]
+    for lease_id in held:
+        assert isinstance(await store.admit("acme", SLOW, COST, lease_id), Admit)
+    await raw.flushall()  # lost with no failed call here, as a replica may see a restart
+    await store.renew("acme", held)
+    assert await raw.zcard(store.primary.keys("acme")[4]) == 2
+    for lease_id in held:
+        assert await store.release("acme", SLOW, lease_id, 1)
+    await settle(store)
+    assert not await raw.zcard(store.primary.keys("acme")[4])
+    await store.close()
+
+
+# --- faults under load ---------------------------------------------------------------------
+
+LOAD = TenantPolicy(max_concurrency=2, token_rate=Rate(10**6, 1000), token_burst=10**6)
+
+
+class Load:
+    """Workers that admit, hold the lease a moment, and release, as requests would; they
+    record what each admission got and how many requests ran at once (in either store)."""
+
+    def __init__(self, store: FailoverStore, workers: int = 6, hold_s: float = 0.01) -> None:
+        self.store, self.workers, self.hold_s = store, workers, hold_s
+        self.running = 0
+        self.events: list[tuple[float, str, int]] = []  # (time, outcome, running after)
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._worker() for _ in range(self.workers)))
+
+    async def _worker(self) -> None:
+        while not self.stop.is_set():
+            lease_id = lease()
+            try:
+                decision = await self.store.admit("acme", LOAD, COST, lease_id)
+            except StoreUnavailable:
+                self.events.append((time.monotonic(), "503", self.running))
+                await asyncio.sleep(0.01)
+                continue
+            if isinstance(decision, Reject):
+                self.events.append((time.monotonic(), "429", self.running))
+                await asyncio.sleep(0.005)
+                continue
+            self.running += 1
+            self.events.append((time.monotonic(), "200", self.running))
+            await asyncio.sleep(self.hold_s)
+            self.running -= 1
+            await self.store.release("acme", LOAD, lease_id, 5)
+
+    def between(self, start: float, end: float) -> list[tuple[float, str, int]]:
+        return [e for e in self.events if start <= e[0] < end]
+
+
+async def pause(server: RedisServer) -> None:
+    server.pause()
+    try:
+        await asyncio.sleep(0.5)
+    finally:
+        server.resume()
+
+
+async def crash(server: RedisServer) -> None:
+    server.kill()
+    server.start()  # at once, on the same port, empty
+
+
+async def outage(server: RedisServer) -> None:
+    server.kill()
+    await asyncio.sleep(0.5)
+    server.start()
+
+
+FAULTS = {"paused": pause, "crashed": crash, "down": outage}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("fault", list(FAULTS))
+async def test_fault_under_load(server, raw, fault, policy):
+    store = failover(server, policy, timeout_ms=100)  # a loaded CI box stalls for tens of ms
+    load = Load(store)
+    task = asyncio.create_task(load.run())
+    await asyncio.sleep(0.3)
+    fault_at = time.monotonic()
+    await FAULTS[fault](server)
+    back = time.monotonic()
+    await asyncio.sleep(1.5)
+    load.stop.set()
+    await task
+    end = time.monotonic()
+
+    before, during = load.between(0, fault_at), load.between(fault_at, back)
+    after = load.between(back + 1.0, end)  # limits exact within 1 s of Redis answering
+    assert max(r for _, _, r in before) == 2
+    assert max(r for _, _, r in after) == 2, [(round(t - back, 3), o, r) for t, o, r in after]
+    assert {o for _, o, _ in after} <= {"200", "429"}, "503s more than 1 s after Redis is back"
+    if fault != "crashed":  # (a restart at once may fall between two requests)
+        assert any(o == ("503" if policy == "fail_closed" else "200") for _, o, _ in during)
+    if policy == "local":  # this replica's share counts the leases it holds in Redis too
+        assert max((r for _, _, r in during), default=0) <= 2
+
+    await settle(store)  # every request has ended: nothing held or owed ...
+    assert not await raw.zcard(store.primary.keys("acme")[4])  # ... and no lease in Redis
+    await store.close()
