@@ -51,26 +51,24 @@ def fill_mutation(
     mutation.remove_headers.extend(remove)
 
 
-WITH_BODY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this
-    request_header_mode=ProcessingMode.SEND,
-    response_header_mode=ProcessingMode.SKIP,
-    request_body_mode=ProcessingMode.BUFFERED,
-    response_body_mode=ProcessingMode.STREAMED,
-    request_trailer_mode=ProcessingMode.SKIP,
-    response_trailer_mode=ProcessingMode.SKIP,
-)
+def _mode(request_body: int, response_body: int) -> ProcessingMode:
+    """A ``mode_override`` with every field set: Envoy replaces the whole mode with it."""
+    return ProcessingMode(
+        request_header_mode=ProcessingMode.SEND,
+        response_header_mode=ProcessingMode.SKIP,
+        request_body_mode=request_body,
+        response_body_mode=response_body,
+        request_trailer_mode=ProcessingMode.SKIP,
+        response_trailer_mode=ProcessingMode.SKIP,
+    )
+
+
+WITH_BODY = _mode(ProcessingMode.BUFFERED, ProcessingMode.STREAMED)
 """An inference request: its body next, then its response for metering. The bootstrap's own
 mode sends no response body: Envoy's local replies to requests kvgate never answered (a
 header too large, a path rejected, a body over the buffer) then reach the client whole."""
 
-HEADERS_ONLY = ProcessingMode(  # every field set: Envoy replaces the whole mode with this
-    request_header_mode=ProcessingMode.SEND,
-    response_header_mode=ProcessingMode.SKIP,
-    request_body_mode=ProcessingMode.NONE,
-    response_body_mode=ProcessingMode.NONE,
-    request_trailer_mode=ProcessingMode.SKIP,
-    response_trailer_mode=ProcessingMode.SKIP,
-)
+HEADERS_ONLY = _mode(ProcessingMode.NONE, ProcessingMode.NONE)
 
 
 @functools.lru_cache(maxsize=256)

@@ -4,7 +4,9 @@ the leases of a crashed replica."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import orjson
 import pytest
@@ -14,7 +16,7 @@ import yaml
 from bench.extproc_client import ExtProcClient
 from bench.redis_server import RedisServer
 from extproc.cli import main
-from extproc.config import hash_api_key, parse_config
+from extproc.config import Config, hash_api_key, parse_config
 from extproc.processes import KvgateProcess
 from extproc.server import KvgateServer
 from limiter.stores import FailoverStore
@@ -49,6 +51,19 @@ def config(redis_url, limits, **redis):
         "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
         "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:9"], "kv_aware": False}],
     })
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg: Config) -> AsyncIterator[tuple[KvgateServer, ExtProcClient]]:
+    """kvgate in this process on ``cfg``, and an ext_proc client to it."""
+    server = KvgateServer(cfg)
+    await server.start()
+    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop(0)
 
 
 async def hammer(target: str, seconds: float, tasks: int = 4) -> list[tuple[float, bool]]:
@@ -93,10 +108,7 @@ async def test_redis_down_follows_the_policy_and_recovers(redis_server, redis_ur
     # a slow refill (1 request/s for this replica alone): none comes back during the six
     cfg = config(redis_url, {"requests_per_second": 2, "request_burst": 4},
                  failure_policy=policy, replicas=2)
-    server = KvgateServer(cfg)
-    await server.start()
-    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
-    try:
+    async with serving(cfg) as (server, client):
         assert (await client.chat(KEY, BODY, response=USAGE)).admitted
         redis_server.kill()
         outcomes = []
@@ -127,54 +139,44 @@ async def test_redis_down_follows_the_policy_and_recovers(redis_server, redis_ur
         while not store.idle():  # nothing held, nothing owed to Redis
             assert time.monotonic() - recovered < 2.0, store.debug()
             await asyncio.sleep(0.02)
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
 async def test_a_paused_redis_leaves_no_lease_behind(redis_server, redis_url, policy):
     cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy)
-    server = KvgateServer(cfg)
-    await server.start()
-    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
-    raw = aioredis.from_url(redis_url)
-    store = server.director.store
-    assert isinstance(store, FailoverStore)
-    try:
-        assert (await client.chat(KEY, BODY, response=USAGE)).admitted  # a pooled connection
-        redis_server.pause()
-        try:  # each admission times out; the commands wait in Redis and run on SIGCONT
-            outcomes = [await asyncio.wait_for(client.chat(KEY, BODY, response=USAGE), 2)
-                        for _ in range(4)]
+    async with serving(cfg) as (server, client):
+        raw = aioredis.from_url(redis_url)
+        store = server.director.store
+        assert isinstance(store, FailoverStore)
+        try:
+            assert (await client.chat(KEY, BODY, response=USAGE)).admitted  # a pooled connection
+            redis_server.pause()
+            try:  # each admission times out; the commands wait in Redis and run on SIGCONT
+                outcomes = [await asyncio.wait_for(client.chat(KEY, BODY, response=USAGE), 2)
+                            for _ in range(4)]
+            finally:
+                redis_server.resume()
+            assert {o.status for o in outcomes} == {503 if policy == "fail_closed" else 200}
+            resumed = time.monotonic()
+            while store.breaker.state != "closed":  # the next probe finds Redis back
+                await client.chat(KEY, BODY, response=USAGE)
+                await asyncio.sleep(0.02)
+            while await raw.keys("*:leases") or not store.idle():
+                assert time.monotonic() - resumed < 1.0, (await raw.keys("*"), store.debug())
+                await asyncio.sleep(0.02)
+            streams = [await client.open(KEY, BODY) for _ in range(2)]  # both slots are usable
+            assert all(outcome.admitted for outcome, _call in streams)
+            assert (await client.chat(KEY, BODY, response=USAGE)).status == 429
+            for _outcome, call in streams:
+                call.cancel()
         finally:
-            redis_server.resume()
-        assert {o.status for o in outcomes} == {503 if policy == "fail_closed" else 200}
-        resumed = time.monotonic()
-        while store.breaker.state != "closed":  # the next probe finds Redis back
-            await client.chat(KEY, BODY, response=USAGE)
-            await asyncio.sleep(0.02)
-        while await raw.keys("*:leases") or not store.idle():
-            assert time.monotonic() - resumed < 1.0, (await raw.keys("*"), store.debug())
-            await asyncio.sleep(0.02)
-        streams = [await client.open(KEY, BODY) for _ in range(2)]  # both slots are usable
-        assert all(outcome.admitted for outcome, _call in streams)
-        assert (await client.chat(KEY, BODY, response=USAGE)).status == 429
-        for _outcome, call in streams:
-            call.cancel()
-    finally:
-        await raw.aclose()
-        await client.close()
-        await server.stop(0)
+            await raw.aclose()
 
 
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
 async def test_a_restarted_redis_keeps_concurrency_exact(redis_server, redis_url, policy):
     cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy)
-    server = KvgateServer(cfg)
-    await server.start()
-    client = ExtProcClient(f"127.0.0.1:{server.grpc_port}")
-    try:
+    async with serving(cfg) as (_server, client):
         streams = [await client.open(KEY, BODY) for _ in range(2)]
         assert all(outcome.admitted for outcome, _call in streams)
         redis_server.kill()
@@ -188,9 +190,6 @@ async def test_a_restarted_redis_keeps_concurrency_exact(redis_server, redis_url
             assert time.monotonic() < deadline, "the released slot never came back"
             await asyncio.sleep(0.02)
         streams[1][1].cancel()
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_leases_of_a_killed_replica_expire(redis_url, tmp_path):
