@@ -133,8 +133,9 @@ class FlowController:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), self._sleep_s())
+            with contextlib.suppress(TimeoutError):  # (not wait_for: see datalayer/nvml.py)
+                async with asyncio.timeout(self._sleep_s()):
+                    await self._kick.wait()
             self._kick.clear()
             try:
                 self._expire()

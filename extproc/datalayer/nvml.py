@@ -88,7 +88,10 @@ class AsyncGpuReader:
         if self._pending is None or self._pending.done():
             self._pending = asyncio.ensure_future(asyncio.to_thread(self.reader.read))
             self._pending.add_done_callback(_retrieve)
-        return await asyncio.wait_for(asyncio.shield(self._pending), timeout_s)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+        # that lands as the read completes, and the task that awaited it then never stops
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(self._pending)
 
 
 def _retrieve(future: asyncio.Future[list[GpuReading]]) -> None:

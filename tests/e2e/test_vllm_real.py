@@ -21,7 +21,7 @@ import pytest
 
 from bench.vllm_cpu.launch import MODEL_DIR, SERVED_MODEL_NAME, VllmServer, missing
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # a real vLLM starts in minutes
 
 NUM_GPU_BLOCKS = 32  # x block_size 128 = 4096 tokens: two max-length (2048) requests
 MAX_NUM_SEQS = 4

@@ -328,3 +328,27 @@ def test_kvgate_agent_command_serves_metrics_without_a_gpu():
         output = agent.communicate(timeout=10)[0].decode()
     assert agent.returncode == 0
     assert output.count("NVML") >= 1  # one clear line saying the GPU signal is absent
+
+
+async def test_a_read_cancelled_as_it_completes_stays_cancelled() -> None:
+    """Cancelling a task inside ``AsyncGpuReader.read`` just as the read completes must
+    cancel it: the agent's refresher is stopped that way, and a swallowed cancellation
+    (Python 3.11's ``wait_for`` returns the result instead) leaves its stop hanging."""
+
+    class Instant:
+        def read(self) -> list:
+            return []
+
+    swallowed = 0
+    for _ in range(200):
+        reader = AsyncGpuReader(Instant())
+        task = asyncio.create_task(reader.read(5.0))
+        while reader._pending is None or not reader._pending.done():
+            await asyncio.sleep(0)  # the thread's result arrives
+        task.cancel()  # in the same loop turn as the result reaches the waiter
+        try:
+            await task
+            swallowed += 1
+        except asyncio.CancelledError:
+            pass
+    assert swallowed == 0
