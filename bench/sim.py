@@ -33,10 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from extproc.config import Model, Pool, Scoring, Watermarks
+from extproc.config import Config, Model, Pool, Scoring, Watermarks, parse_config
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.engine.model import EngineConfig, SimRequest, VirtualEngine
+from extproc.flow import fair_queue
 from extproc.scheduler import Placement, PoolScheduler
 from limiter.fairness import VirtualCounters
 from limiter.fairqueue import FairQueue, QueuedRequest
@@ -61,6 +62,25 @@ CLASSES = {
     "batch": ClassSpec(band=1, priority=1, sla_s=60.0, prompt=(2000, 8000), output=(200, 1000)),
 }
 TENANTS = {"platinum": 5.0, "gold": 3.0, "free-a": 1.0, "free-b": 1.0}
+
+
+def kvgate_config(tenants: dict[str, float] = TENANTS, engines: int = 4,
+                  **pool: object) -> Config:
+    """kvgate's configuration for this workload, as a platform team would write it: tenants
+    and their weights, the classes, the endpoints (priority-scheduled engines). Every
+    scheduling and admission knob is the config model's default unless ``pool`` names it
+    (the benchmark's alternative settings)."""
+    return parse_config({
+        "tiers": {name: {"weight": weight} for name, weight in tenants.items()},
+        "tenants": [{"name": name, "tier": name, "api_keys": ["sha256:" + "0" * 63 + str(i)]}
+                    for i, name in enumerate(tenants)],
+        "classes": {name: {"priority": spec.priority} for name, spec in CLASSES.items()},
+        "pools": [{"name": "sim", "models": ["m"], "priority_scheduling": True,
+                   "endpoints": [f"10.0.0.{i + 1}:8000" for i in range(engines)], **pool}],
+    })
+
+
+QUEUE_PRICES = kvgate_config().queue
 
 
 def a100_llama3_8b(policy: str = "fcfs") -> EngineConfig:
@@ -89,8 +109,14 @@ class Job:
 
     @property
     def cost(self) -> int:
-        """KV tokens kvgate reserves (and WFQ charges): prompt + max output."""
+        """KV tokens kvgate reserves: prompt + max output."""
         return self.prompt + self.max_tokens
+
+    @property
+    def price(self) -> int:
+        """What the fair order charges (kvgate's default prices; every request here uses
+        its whole ``max_tokens``, so the estimate is exact): the unit of the shares."""
+        return QUEUE_PRICES.price(self.prompt, self.max_tokens)
 
     @property
     def ttft(self) -> float | None:
@@ -178,6 +204,14 @@ class GateSettings:
     reserved_in_flight: int = 0  # of max_in_flight, slots only band 0 may use
     prefill_clear_share: float = 0.0  # share of endpoints kept free of lower-band prefill
     streamed: tuple[str, ...] = ("interactive", "batch")  # classes whose first token is seen
+    config: Config | None = None  # kvgate's own configuration: every knob above but name,
+    # bands, wfq, engine_priority, scrape_s and streamed then comes from it
+
+
+def defaults(name: str = "kvgate", streamed: tuple[str, ...] = ("interactive", "batch"),
+             **pool: object) -> GateSettings:
+    """kvgate as shipped: its config model's defaults for this workload (``kvgate_config``)."""
+    return GateSettings(name, kv_aware=True, streamed=streamed, config=kvgate_config(**pool))
 
 
 class Gated(Policy):
@@ -188,9 +222,14 @@ class Gated(Policy):
         self.name = s.name
         self.engine_policy = "priority" if s.engine_priority else "fcfs"
         self.scrape_s = s.scrape_s if s.kv_aware else None
-        aging = None if s.aging_s is None else int(s.aging_s * 1000)
-        self.queue = FairQueue(max_size=10**7, aging_ms=aging, order="wfq")
-        self.fairness = VirtualCounters()
+        if s.config is not None:
+            self.queue = fair_queue(s.config)
+            self.queue.max_size = 10**7  # no queue deadlines or evictions are modelled
+            self.fairness = VirtualCounters(lag_tokens=s.config.queue.share_lag_tokens)
+        else:
+            aging = None if s.aging_s is None else int(s.aging_s * 1000)
+            self.queue = FairQueue(max_size=10**7, aging_ms=aging)
+            self.fairness = VirtualCounters()
         self.rng = random.Random(seed)
         self.jobs: dict[str, Job] = {}
         self.snapshot = StoreSnapshot()
@@ -199,15 +238,22 @@ class Gated(Policy):
         super().bind(sim)
         s = self.settings
         self.addresses = [f"10.0.0.{i + 1}:8000" for i in range(len(sim.engines))]
-        pool = Pool(name="sim", models=[Model(name="m")], endpoints=self.addresses,
+        self.scheduler = PoolScheduler(self._pool(), dict(sim.tenants))
+        self.on_tick(0.0)
+
+    def _pool(self) -> Pool:
+        s = self.settings
+        if s.config is not None:
+            pool = s.config.pools[0]
+            assert pool.endpoints == self.addresses, "kvgate_config(engines=) must match"
+            return pool
+        return Pool(name="sim", models=[Model(name="m")], endpoints=self.addresses,
                     kv_aware=s.kv_aware, priority_scheduling=s.engine_priority,
                     max_in_flight=s.max_in_flight, reserved_in_flight=s.reserved_in_flight,
                     prefill_clear_share=s.prefill_clear_share,
                     watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark,
                                           max_waiting=s.max_waiting),
                     scoring=s.scoring or Scoring())
-        self.scheduler = PoolScheduler(pool, dict(sim.tenants))
-        self.on_tick(0.0)
 
     def backlog(self) -> int:
         return len(self.queue)
@@ -218,7 +264,7 @@ class Gated(Policy):
             self.fairness.activate(job.tenant)
         band = spec.band if self.settings.bands else 0
         item = QueuedRequest(job.id, job.tenant, band, job.cost, self.sim.tenants[job.tenant],
-                             _ms(now), NEVER_MS)
+                             _ms(now), NEVER_MS, price=job.price)
         self.jobs[job.id] = job
         self.queue.push(item, _ms(now))
         self.dispatch(now)
@@ -254,20 +300,23 @@ class Gated(Policy):
         """``FlowController._dispatch``: best band's fitting heads, selector, reserve, send."""
         now_ms = _ms(now)
         while len(self.queue):
-            candidates = self.queue.candidates(now_ms, lambda item: self._place(item, now)
-                                               is not None)
-            if not candidates:
+            offers = self.queue.candidates(now_ms, lambda item: self._place(item, now)
+                                           is not None)
+            if self.settings.wfq:
+                chosen = self.fairness.choose(offers)
+            else:  # strict priority: the best band's earliest request that fits
+                fitting = [offer for offer in offers if offer.fits]
+                chosen = min(fitting, key=lambda o: o.band).item if fitting else None
+            if chosen is None:
                 return
-            chosen = (self.fairness.choose(candidates, now_ms) if self.settings.wfq
-                      else candidates[0])
-            assert chosen is not None
             self.queue.take(chosen.id)
             address = self._place(chosen, now)
             assert address is not None
             job = self.jobs.pop(chosen.id)
             self.scheduler.reserve(chosen.id, chosen.tenant, address, chosen.cost, now,
                                    band=self.queue.effective_band(chosen, now_ms),
-                                   prompt_tokens=job.prompt)
+                                   prompt_tokens=job.prompt,
+                                   streamed=job.klass in self.settings.streamed)
             priority = CLASSES[job.klass].priority if self.settings.engine_priority else 0
             self.sim.submit(job, self.addresses.index(address), priority, now)
 
@@ -323,7 +372,7 @@ class Simulation:
         job = self.by_req[id(req)]
         lo, hi = self.window
         if lo <= self.now < hi and all(self.pending[t] > 0 for t in self.tenants):
-            self.contended[job.tenant] += job.cost
+            self.contended[job.tenant] += job.price
         self.pending[job.tenant] -= 1
 
     def _first_token(self, req: SimRequest, waited: float) -> None:

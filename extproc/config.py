@@ -89,7 +89,6 @@ class RequestClass(_Strict):
     deadline_s: PositiveFloat = Field(
         30, description="longest wait in the queue; then 503 (pool) or 429 (tenant's share)"
     )
-    sla_ms: PositiveInt = Field(2000, description="TTFT target: the 'dynamic' order's SLA term")
     aging_s: PositiveFloat | None = Field(
         None, description="this class's aging period (default: from queue.aging_s); set it "
         "explicitly to null to never promote this class"
@@ -115,9 +114,10 @@ class QueueSettings(_Strict):
     enabled: bool = Field(True, description="false: answer 503/429 at once instead of queueing")
     max_size: PositiveInt = Field(1024, description="per pool; then the least important go")
     aging_s: PositiveFloat | Literal["auto"] | None = Field(
-        "auto", description="waiting this long promotes a request one band; 'auto': half "
-        "its class's deadline_s (a short fixed period, under sustained load, promotes batch "
-        "work into the interactive band); null = no aging"
+        None, description="waiting this long promotes a request one band inside its "
+        "tenant's work; 'auto': half its class's deadline_s; null (default) = never: shares "
+        "between tenants need no aging, and a promoted batch request would hold back its "
+        "tenant's own interactive work"
     )
 
     @field_validator("aging_s", mode="before")
@@ -130,12 +130,22 @@ class QueueSettings(_Strict):
             raise ValueError(f"must be a number of seconds > 0, 'auto' or null, got {value!r}")
         return value
 
-    order: Literal["wfq", "dynamic"] = Field(
-        "wfq", description="within a band: weighted fair by tokens, or the dynamic cost"
+    prompt_price: float = Field(
+        1.0, ge=0, description="what one prompt token costs a tenant's share (fair order)"
     )
-    alpha: float = Field(1.0, ge=0, description="dynamic order: weight of wait / SLA")
-    beta: float = Field(0.0, ge=0, description="dynamic order: weight of progress")
-    gamma: float = Field(0.0, ge=0, description="dynamic order: weight of the tenant's tier")
+    output_price: float = Field(
+        2.0, ge=0, description="what one output token costs it: charged for max_tokens when "
+        "the request is dispatched, corrected to the real output when it ends"
+    )
+    share_lag_tokens: int = Field(
+        2048, ge=0, description="tokens per unit of weight a tenant may be ahead of the "
+        "least-served waiting tenant and still go first with more important work; bounds "
+        "how far shares drift to let interactive work through (0: strict shares)"
+    )
+
+    def price(self, prompt_tokens: int, output_tokens: int) -> int:
+        """A request's price in token units, as the fair order charges it."""
+        return round(prompt_tokens * self.prompt_price + output_tokens * self.output_price)
 
 
 def hash_api_key(key: str) -> str:
@@ -213,7 +223,7 @@ class Scoring(_Strict):
     waiting: float = Field(0.5, ge=0, description="the engine's waiting queue")
     running: float = Field(0.2, ge=0, description="requests the engine is running")
     prefill: float = Field(
-        0.0, ge=0, description="prompt tokens kvgate sent the engine whose first token has "
+        2.0, ge=0, description="prompt tokens kvgate sent the engine whose first token has "
         "not come back: vLLM finishes running prefills before new ones, so this is what a "
         "new request waits behind"
     )
@@ -293,12 +303,18 @@ class Pool(_Strict):
         None, description="per endpoint and kvgate process: requests in flight at most "
         "(beyond that they queue); null = bounded by KV only"
     )
+    max_unstarted: PositiveInt | None = Field(
+        2, description="per endpoint: requests sent that have not started (no first token "
+        "yet, and the engine still reports them waiting) at most, interactive one more; the "
+        "rest wait in kvgate's queue, where share and class order them, instead of the "
+        "engine's; null = no such gate"
+    )
     reserved_in_flight: int = Field(
         0, ge=0, description="of max_in_flight, slots only the best band (interactive, or "
         "work aged into it) may use, so it never waits for a slot behind batch work"
     )
     prefill_clear_share: float = Field(
-        0.0, ge=0, lt=1, description="share of the usable endpoints (rounded down) kept free "
+        0.25, ge=0, lt=1, description="share of the usable endpoints (rounded down) kept free "
         "of lower-band prefill: band > 0 requests stack on endpoints already prefilling such "
         "work once only that many are left without (at least one always takes it); band 0 is "
         "never limited by it"

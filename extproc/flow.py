@@ -2,9 +2,10 @@
 
 While a pool is saturated, requests wait here (their ext_proc streams stay open) instead of
 being rejected. Capacity events — a request completing, a fresh scrape — wake the
-dispatcher, which hands freed KV to the next request in strict band order, weighted-fair by
-tokens across tenants (``limiter.fairness``: local, or shared through Redis), FCFS within a
-tenant. A request still queued at its class deadline gets 503 (pool saturated) or 429
+dispatcher, which hands freed room to the next request: tenants by weighted share of their
+priced tokens, each tenant's own work in class order, and interactive work first between
+tenants within a bounded lag (``limiter.fairqueue``, ``limiter.fairness``: local, or shared
+through Redis). A request still queued at its class deadline gets 503 (pool saturated) or 429
 (tenant over its share) with Retry-After; a client that goes away leaves nothing behind.
 """
 
@@ -26,12 +27,19 @@ from extproc.scheduler import Placement, PoolScheduler
 from extproc.tasks import cancel
 from limiter.fairqueue import FairQueue, QueuedRequest
 from limiter.outcome import Reason, Reject, refuse
-from limiter.stores import Fairness, MemoryFairness
+from limiter.stores import Fairness
 
 log = logging.getLogger(__name__)
 
 def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1000)
+
+
+def fair_queue(config: Config) -> FairQueue:
+    """A pool's queue as configured: its size, and each class's aging period by band."""
+    return FairQueue(max_size=config.queue.max_size, aging_ms=None,
+                     band_aging_ms={band: _ms(config.aging_s(name))
+                                    for band, name in enumerate(config.class_order)})
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Waiter:
     request_class: str
     queued_for: Reason  # what queued it: decides 503 or 429 on expiry
     prompt_tokens: int | None = None  # to prefill; None: its whole cost is counted
+    streamed: bool = True  # its first token will be seen before its end
 
 
 class FlowController:
@@ -56,7 +65,6 @@ class FlowController:
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
     ):
-        settings = config.queue
         self.scheduler = scheduler
         self.fairness = fairness
         self.endpoints = endpoints
@@ -64,20 +72,7 @@ class FlowController:
         self.rng = rng
         self.clock = clock  # monotonic seconds, the scheduler's clock; the queue counts ms
         self.pool = scheduler.config.name
-        self.queue = FairQueue(
-            max_size=settings.max_size,
-            aging_ms=None,  # every band's period is below, from its class
-            order=settings.order,
-            alpha=settings.alpha,
-            beta=settings.beta,
-            gamma=settings.gamma,
-            sla_ms={band: config.classes[name].sla_ms
-                    for band, name in enumerate(config.class_order)},
-            band_aging_ms={band: _ms(config.aging_s(name))
-                           for band, name in enumerate(config.class_order)},
-        )
-        if settings.order == "dynamic" and isinstance(fairness, MemoryFairness):
-            self.fairness = MemoryFairness.for_queue(self.queue)  # ranks by the dynamic cost
+        self.queue = fair_queue(config)
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -86,13 +81,10 @@ class FlowController:
 
     # -- the request side ------------------------------------------------------------------
 
-    def must_queue(self, band: int) -> bool:
-        """Requests already waiting in this band or a better one go first: no overtaking."""
-        if not len(self.queue):
-            return False
-        now = self.clock_ms()
-        heads = self.queue.candidates(now)
-        return bool(heads) and self.queue.effective_band(heads[0], now) <= band
+    def must_queue(self) -> bool:
+        """While anything waits, a new request joins the queue too: the dispatcher, not the
+        order of arrival, decides who goes next (at once, when it is the one to go)."""
+        return bool(len(self.queue))
 
     async def wait(self, item: QueuedRequest, waiter: Waiter) -> Placement | Reject:
         """Queue the request until the dispatcher places it (its KV is then reserved under
@@ -159,7 +151,8 @@ class FlowController:
             candidates = self.queue.candidates(now, fits=self._fits)
             if not candidates:
                 return
-            chosen = await self.fairness.choose(candidates, now)
+            bands = [self.queue.effective_band(item, now) for item in candidates]
+            chosen = await self.fairness.choose(candidates, bands)
             if chosen is None:
                 return
             band = self.queue.effective_band(chosen, now)
@@ -172,7 +165,7 @@ class FlowController:
             prompt = chosen.cost if waiter.prompt_tokens is None else waiter.prompt_tokens
             self.scheduler.reserve(waiter.lease_id, chosen.tenant, placed.endpoints[0],
                                    chosen.cost, self.clock(), band=band,
-                                   prompt_tokens=prompt)
+                                   prompt_tokens=prompt, streamed=waiter.streamed)
             self._answer(chosen, placed, "dispatched")
 
     def _fits(self, item: QueuedRequest) -> bool:

@@ -60,6 +60,8 @@ class Reservation:
     band: int = 0
     prefill: int = 0  # prompt tokens until its first token is seen; then 0
     prefilling: bool = False
+    started: bool = False  # the engine admitted it (first token seen, or its waiting count)
+    streamed: bool = True  # a first token will be seen before the end
 
 
 @dataclass(slots=True)
@@ -121,6 +123,7 @@ class PoolScheduler:
     reservations: dict[str, Reservation] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # endpoint → in prefill
+    unstarted: dict[str, int] = field(default_factory=dict)  # endpoint → requests in prefill
     low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
     # endpoint → its reservations, oldest first (times come from a monotonic clock), so the
     # ones newer than a scrape are found from the end without walking every reservation
@@ -146,9 +149,10 @@ class PoolScheduler:
         if not usable:
             return refuse(Reason.NO_ENDPOINT,
                           f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
-        limit = self._slot_limit(band)
+        limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
         candidates = [self._candidate(e.state, tokens) for e in usable
-                      if e.takes_work and self._has_slot(e.state.address, limit)]
+                      if e.takes_work and self._has_slot(e.state.address, limit)
+                      and self.unstarted.get(e.state.address, 0) < ahead]
         if band and self.config.prefill_clear_share:
             candidates = self._keep_clear(candidates, len(usable))
         eligible = [c for c in candidates if c.fits]
@@ -156,7 +160,7 @@ class PoolScheduler:
             busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]
             if not busy:
                 return self._saturated(tokens, now)
-            if self._over_share(tenant, tokens):
+            if band and self._over_share(tenant, tokens):
                 return refuse(Reason.KV_SHARE,
                               f"pool '{self.config.name}' is busy and tenant '{tenant}' holds "
                               "more than its weighted share of its KV cache",
@@ -177,15 +181,17 @@ class PoolScheduler:
         return Placement(addresses[: 1 + FALLBACKS])
 
     def reserve(self, lease_id: str, tenant: str, endpoint: str, tokens: int, now: float,
-                *, band: int = 0, prompt_tokens: int = 0) -> None:
+                *, band: int = 0, prompt_tokens: int = 0, streamed: bool = True) -> None:
         """Hold ``tokens`` of KV on ``endpoint``; the request is in prefill (``band`` as it
-        was placed, ``prompt_tokens`` to prefill) until :meth:`first_token` or release."""
+        was placed, ``prompt_tokens`` to prefill) until :meth:`first_token` or release —
+        or, when not ``streamed``, until the engine reports it admitted."""
         reservation = Reservation(lease_id, tenant, endpoint, tokens, now, band, prompt_tokens,
-                                  True)
+                                  True, False, streamed)
         self.reservations[lease_id] = reservation
         self.by_endpoint.setdefault(endpoint, {})[lease_id] = reservation
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
         self.prefill_tokens[endpoint] = self.prefill_tokens.get(endpoint, 0) + prompt_tokens
+        self.unstarted[endpoint] = self.unstarted.get(endpoint, 0) + 1
         if band:
             self.low_prefills[endpoint] = self.low_prefills.get(endpoint, 0) + 1
 
@@ -194,6 +200,7 @@ class PoolScheduler:
         (for a non-streamed response that is its end). Idempotent; unknown ids are ignored."""
         reservation = self.reservations.get(lease_id)
         if reservation is not None:
+            self._started(reservation)
             self._prefilled(reservation)
 
     def release(self, lease_id: str, now: float, *, completed: bool = True) -> None:
@@ -202,11 +209,17 @@ class PoolScheduler:
         reservation = self.reservations.pop(lease_id, None)
         if reservation is None:
             return
+        self._started(reservation)
         self._prefilled(reservation)
         del self.by_endpoint[reservation.endpoint][lease_id]
         self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
         if completed:
             self.drain.add(reservation.tokens, now)
+
+    def _started(self, reservation: Reservation) -> None:
+        if not reservation.started:
+            reservation.started = True
+            self.unstarted[reservation.endpoint] -= 1
 
     def _prefilled(self, reservation: Reservation) -> None:
         if not reservation.prefilling:
@@ -227,6 +240,12 @@ class PoolScheduler:
             return limit
         return limit - self.config.reserved_in_flight
 
+    def _unstarted_limit(self, band: int) -> float:
+        """Requests an endpoint may have that have not started (sent, and neither a first
+        token seen nor the engine reporting them admitted): band 0 may go one beyond."""
+        limit = self.config.max_unstarted
+        return math.inf if limit is None else limit + (0 if band else 1)
+
     def _has_slot(self, address: str, limit: int | None) -> bool:
         return limit is None or self.in_flight.get(address, 0) < limit
 
@@ -237,11 +256,28 @@ class PoolScheduler:
         if view is not None and view.snapshot is snapshot:
             return view
         states = snapshot.endpoints(self.config.name)
+        for state in states:
+            self._started_by_engine(state)
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
         endpoints = [_Scraped(s, s.usable_until(self.staleness_s), self._takes_work(s))
                      for s in states]
         self._cached_view = view = _PoolView(snapshot, endpoints, max(capacities, default=None))
         return view
+
+    def _started_by_engine(self, state: EndpointState) -> None:
+        """The engine's waiting count says how many of the requests sent before its scrape
+        it has not admitted yet, so the others (oldest first) have started — the only sign
+        a non-streamed request gives before it ends (it is then no longer counted as in
+        prefill either; a streamed one is, until its first token)."""
+        if state.metrics is None or state.scraped_at is None:
+            return
+        sent = [r for r in self.by_endpoint.get(state.address, {}).values()
+                if not r.started and r.at <= state.scraped_at]
+        waiting = int(_metric(state, "num_requests_waiting"))
+        for reservation in sent[: max(0, len(sent) - waiting)]:
+            self._started(reservation)
+            if not reservation.streamed:
+                self._prefilled(reservation)
 
     def _takes_work(self, state: EndpointState) -> bool:
         marks = self.config.watermarks

@@ -23,24 +23,35 @@ decisions (Lua numbers are doubles, exact below 2^53). A charge is at most ``MAX
 half of it (floored at 0), which changes no comparison between active tenants, so counters
 stay exact however long a pool stays busy.
 
+**Charged by usage (VTC).** A request's price is its prompt and output tokens at separate
+prices, estimated with its ``max_tokens`` when it is dispatched and corrected by
+:meth:`VirtualCounters.correct` once it finishes and its real output is known; the counter
+may then go down (an answer shorter than reserved is refunded).
+
+**Bands between tenants, within a bounded lag** (:func:`pick`). Pure WFQ over all of a
+tenant's work would make a tenant's interactive request wait behind other tenants' batch
+work whenever its counter is ahead — even by one small request. So among the candidates,
+every tenant whose start counter is within ``lag`` (tokens per unit of weight) of the
+smallest is *eligible*, and the eligible one with the best band goes first (ties: smallest
+counter). No tenant ever gets further ahead of the least-served backlogged tenant than
+``lag`` plus one request, which bounds the share error over any busy period; inside that
+bound interactive work goes first, whoever sends it.
+
 This module is the pure core (:class:`VirtualCounters`, synchronous). The stores behind the
 async :class:`limiter.stores.Fairness` protocol serve it: ``MemoryFairness`` (in-process, the
 embedded default and the fallback when Redis fails) and ``RedisFairness`` (counters and ``V``
 in Redis, so every replica serves a pool's tenants in **one global weighted order**).
-:class:`VirtualCounters` also implements the **dynamic** order (``α·wait/SLA + β·progress +
-γ·tier``, :meth:`limiter.fairqueue.FairQueue.dynamic_score`): pass ``score=`` or build it
-with :meth:`VirtualCounters.for_queue`; the shared order always uses WFQ counters (a dynamic
-score depends on each replica's local wait times, which a shared order cannot rank).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from limiter.fairqueue import FairQueue, QueuedRequest
+from limiter.fairqueue import Offer, QueuedRequest
 from limiter.rates import require_int
 
-__all__ = ["MAX_CHARGE", "REBASE_AT", "SCALE", "VirtualCounters", "charge_of", "pick_wfq"]
+__all__ = ["DEFAULT_LAG", "MAX_CHARGE", "REBASE_AT", "SCALE", "VirtualCounters", "charge_of",
+           "pick", "units"]
 
 SCALE = 1000
 """Counter units per token per unit of weight."""
@@ -48,28 +59,55 @@ MAX_CHARGE = 2**40
 """The largest charge one request may add (cost · SCALE / weight), to keep Lua exact."""
 REBASE_AT = 2**50
 """When ``V`` reaches this, counters and ``V`` shift down by ``REBASE_AT // 2``."""
+DEFAULT_LAG = 2048
+"""Tokens per unit of weight a tenant may run ahead and still go first with a better band."""
 
-Score = Callable[[QueuedRequest, int], float]
+
+def units(tokens: int, weight: float) -> int:
+    """``tokens`` (may be negative) in counter units for a tenant of ``weight``."""
+    return round(tokens * SCALE / weight)
 
 
 def charge_of(item: QueuedRequest) -> int:
-    """The counter units dispatching ``item`` costs its tenant: ``cost · SCALE / weight``.
+    """The counter units dispatching ``item`` costs its tenant: ``price · SCALE / weight``.
 
     At least 1, so even free requests take turns instead of letting one tenant run forever.
     """
-    charge = max(1, round(item.cost * SCALE / item.weight))
+    tokens = item.cost if item.price is None else item.price
+    charge = max(1, units(tokens, item.weight))
     if charge > MAX_CHARGE:
         raise ValueError(
-            f"request {item.id!r}: cost/weight {item.cost}/{item.weight} is too large for "
+            f"request {item.id!r}: price/weight {tokens}/{item.weight} is too large for "
             f"exact virtual counters (at most {MAX_CHARGE // SCALE} tokens per unit weight)"
         )
     return charge
 
 
-def pick_wfq(starts: Sequence[int], candidates: Sequence[QueuedRequest]) -> int:
-    """WFQ's choice: the smallest start counter, then the earliest enqueued, then first."""
-    return min(range(len(candidates)),
-               key=lambda i: (starts[i], candidates[i].enqueued_ms, i))
+def pick(starts: Sequence[int], firsts: Sequence[int | None], offers: Sequence[Offer],
+         lag: int) -> int | None:
+    """The index to dispatch, or None to wait.
+
+    ``starts``: each offer's tenant counter (all its work); ``firsts``: its best-band counter
+    (band-0 work only; None: none yet). With ``m`` the smallest start, an offer is eligible
+    when its tenant is within ``lag`` of ``m`` — by its best-band counter for a band-0 offer
+    (its interactive work alone is within its share), by its whole counter otherwise.
+    Eligibility ignores whether an offer fits: a tenant that is behind holds the others back
+    rather than let small requests run ahead of their share. Among eligible offers that fit:
+    the best band, then the smallest start, the earliest enqueued, the first.
+    """
+    floor = min(starts) + lag
+    eligible = [i for i, offer in enumerate(offers)
+                if offer.fits and _level(starts[i], firsts[i], offer.band) <= floor]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda i: (offers[i].band, starts[i], offers[i].item.enqueued_ms,
+                                        i))
+
+
+def _level(start: int, first: int | None, band: int) -> int:
+    if band:
+        return start
+    return -(2**62) if first is None else first
 
 
 def check_rebase(rebase_at: int) -> int:
@@ -80,20 +118,16 @@ class VirtualCounters:
     """In-process virtual counters (see the module docstring for the rules): synchronous,
     no I/O. :class:`limiter.stores.MemoryFairness` serves them behind the async protocol.
 
-    With ``score`` (the dynamic order), the highest score goes first (ties: WFQ order); the
-    chosen tenant is still charged, so counters stay meaningful if the order is switched.
+    ``lag_tokens``: how far ahead (tokens per unit of weight) a tenant may be and still go
+    first with a better band (0: pure WFQ over all of a tenant's work).
     """
 
-    def __init__(self, *, score: Score | None = None, rebase_at: int = REBASE_AT) -> None:
-        self._score = score
+    def __init__(self, *, lag_tokens: int = DEFAULT_LAG, rebase_at: int = REBASE_AT) -> None:
+        self._lag = require_int("lag_tokens", lag_tokens, 0) * SCALE
         self._rebase_at = check_rebase(rebase_at)
-        self._counters: dict[str, int] = {}
+        self._counters: dict[str, int] = {}  # all of a tenant's work
+        self._firsts: dict[str, int] = {}  # its band-0 work only
         self._vtime = 0
-
-    @classmethod
-    def for_queue(cls, queue: FairQueue) -> VirtualCounters:
-        """The selector ``queue.order`` asks for: WFQ, or ``queue.dynamic_score``."""
-        return cls(score=queue.dynamic_score if queue.order == "dynamic" else None)
 
     @property
     def virtual_time(self) -> float:
@@ -104,30 +138,37 @@ class VirtualCounters:
         """``tenant``'s queue went from empty to non-empty: idle time is not banked."""
         self._counters[tenant] = max(self._counters.get(tenant, 0), self._vtime)
 
-    def choose(self, candidates: list[QueuedRequest], now_ms: int) -> QueuedRequest | None:
-        """Pick one of ``candidates`` (None if empty) and charge its tenant."""
-        if not candidates:
+    def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
+        """Pick one of ``offers`` and charge its tenant; None when none may go now."""
+        if not offers:
             return None
-        charges = [charge_of(item) for item in candidates]
-        starts = [self._counters.get(item.tenant, self._vtime) for item in candidates]
-        index = self._pick(starts, candidates, now_ms)
-        self._charge(candidates[index].tenant, starts[index], charges[index])
-        return candidates[index]
+        starts = [self._counters.get(offer.item.tenant, self._vtime) for offer in offers]
+        firsts = [self._firsts.get(offer.item.tenant) for offer in offers]
+        index = pick(starts, firsts, offers, self._lag)
+        if index is None:
+            return None
+        offer = offers[index]
+        self._charge(offer, starts[index], min(starts), charge_of(offer.item))
+        return offer.item
 
-    def _pick(self, starts: list[int], candidates: list[QueuedRequest], now_ms: int) -> int:
-        if self._score is None:
-            return pick_wfq(starts, candidates)
-        scores = [self._score(item, now_ms) for item in candidates]
-        return min(range(len(candidates)),
-                   key=lambda i: (-scores[i], starts[i], candidates[i].enqueued_ms, i))
+    def correct(self, tenant: str, tokens: int, weight: float) -> None:
+        """A dispatched request finished: add the difference between its real price and the
+        estimate it was charged (negative: a refund), in tokens."""
+        if tenant in self._counters and tokens:
+            self._counters[tenant] = max(0, self._counters[tenant] + units(tokens, weight))
 
-    def _charge(self, tenant: str, start: int, charge: int) -> None:
+    def _charge(self, offer: Offer, start: int, floor: int, charge: int) -> None:
+        tenant = offer.item.tenant
         self._counters[tenant] = start + charge
-        self._vtime = start
+        if not offer.band:  # a burst of band-0 work is bounded by 2 × lag past the floor
+            first = self._firsts.get(tenant, floor - self._lag)
+            self._firsts[tenant] = max(first, floor - self._lag) + charge
+        self._vtime = floor
         if self._vtime >= self._rebase_at:
             shift = self._rebase_at // 2
             self._vtime -= shift
             self._counters = {t: max(0, c - shift) for t, c in self._counters.items()}
+            self._firsts = {t: c - shift for t, c in self._firsts.items()}
 
     def counters(self) -> dict[str, float]:
         """Tenant → virtual counter in tokens per unit of weight."""

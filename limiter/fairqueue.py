@@ -1,16 +1,20 @@
 """The fair queue: requests held while GPU capacity is short, released in a defined order.
 
-Order, from strongest to weakest rule:
+The order is **hierarchical**: tenants share the pool by weight over *all* their work, and
+each tenant's own work goes in class order inside its share.
 
-1. **Strict priority bands** (0 = interactive, larger = lower): a request of a better
-   *effective* band always goes before one of a worse band that fits.
-2. **Aging**: a request waiting ``k × aging_ms`` is promoted ``k`` bands (never above 0), so
-   a steady stream of interactive work cannot starve batch work forever.
-3. **Fairness across tenants** inside the chosen band: not decided here. :meth:`FairQueue.
-   candidates` offers each tenant's head; a selector (:mod:`limiter.fairness`, weighted fair
-   queueing by tokens, or the dynamic cost) picks one and the caller :meth:`~FairQueue.take`\\ s
-   it. Keeping the choice outside lets several replicas share one global order (Redis).
-4. **FCFS inside a tenant**: ``(enqueued_ms, insertion order)``.
+1. **Inside a tenant**: its best *effective* band first (0 = interactive, larger = lower),
+   then FCFS ``(enqueued_ms, insertion order)``. :meth:`FairQueue.candidates` offers one
+   request per tenant: that head, or — when it does not fit anywhere — the tenant's best
+   head in a worse band that does (work conserving). A tenant's later request never
+   overtakes an earlier one of the same band.
+2. **Between tenants**: not decided here. A selector (:mod:`limiter.fairness`: virtual token
+   counters, charged by usage) picks among the offered heads and the caller
+   :meth:`~FairQueue.take`\\ s it. Keeping the choice outside lets several replicas share one
+   global order (Redis). Bands still matter between tenants, within a bounded lag: see
+   :func:`limiter.fairness.pick`.
+3. **Aging**: a request waiting ``k × aging_ms`` of its band is promoted ``k`` bands (never
+   above 0), so a tenant's own interactive stream cannot starve its batch work forever.
 
 Sans-IO like the rest of :mod:`limiter`: no asyncio, every time is an injected ``now_ms``; the
 async waiting and dispatch live in the caller, which also answers what this module returns
@@ -37,12 +41,8 @@ from dataclasses import dataclass
 
 from limiter.rates import require_int
 
-__all__ = ["DEFAULT_SLA_MS", "FairQueue", "QueuedRequest"]
+__all__ = ["FairQueue", "Offer", "QueuedRequest"]
 
-DEFAULT_SLA_MS = 10_000
-"""The SLA a band without an entry in ``sla_ms`` is scored against (dynamic order)."""
-
-ORDERS = ("wfq", "dynamic")
 _COMPACT_MIN_DEAD = 32
 
 
@@ -50,9 +50,11 @@ _COMPACT_MIN_DEAD = 32
 class QueuedRequest:
     """One held request. Compared by identity: two requests with equal fields are still two.
 
-    ``cost`` is in tokens (what WFQ charges the tenant); ``weight`` is the tenant's weight,
-    carried per request so the queue needs no tenant table; ``payload`` is the caller's
-    (e.g. the future its stream awaits) and is never looked at.
+    ``cost`` is the KV it needs, in tokens; ``price`` what dispatching it charges its
+    tenant's fairness counter, in token units (prompt and output priced apart; None: the
+    cost); ``weight`` is the tenant's weight, carried per request so the queue needs no
+    tenant table; ``payload`` is the caller's (e.g. the future its stream awaits) and is
+    never looked at.
     """
 
     id: str
@@ -63,6 +65,17 @@ class QueuedRequest:
     enqueued_ms: int
     deadline_ms: int
     payload: object = None
+    price: int | None = None
+
+
+@dataclass(slots=True)
+class Offer:
+    """A tenant's request offered to the selector: its effective band, and whether it fits
+    (may run now)."""
+
+    item: QueuedRequest
+    band: int
+    fits: bool
 
 
 class _Slot:
@@ -127,6 +140,8 @@ def _check_item(item: QueuedRequest) -> None:
     """Reject what would silently break ordering or charging later."""
     require_int("band", item.band, 0)
     require_int("cost", item.cost, 0)
+    if item.price is not None:
+        require_int("price", item.price, 0)
     require_int("enqueued_ms", item.enqueued_ms, -(2**62))
     require_int("deadline_ms", item.deadline_ms, -(2**62))
     if not isinstance(item.weight, int | float) or not math.isfinite(item.weight):
@@ -138,10 +153,7 @@ def _check_item(item: QueuedRequest) -> None:
 class FairQueue:
     """Bounded multi-band queue; see the module docstring for the order it implements.
 
-    ``aging_ms=None`` disables aging. ``order`` records how the caller ranks candidates:
-    ``"wfq"`` (virtual counters, :class:`limiter.fairness.MemoryFairness` or
-    ``RedisFairness``) or ``"dynamic"`` (:meth:`dynamic_score`, honoured by
-    ``MemoryFairness.for_queue``); the queue itself behaves the same either way.
+    ``aging_ms=None`` disables aging; ``band_aging_ms`` overrides it per band.
     """
 
     def __init__(
@@ -149,11 +161,6 @@ class FairQueue:
         *,
         max_size: int = 1024,
         aging_ms: int | None = 5000,
-        order: str = "wfq",
-        alpha: float = 1.0,
-        beta: float = 0.0,
-        gamma: float = 0.0,
-        sla_ms: dict[int, int] | None = None,
         band_aging_ms: dict[int, int | None] | None = None,
     ) -> None:
         self.max_size = require_int("max_size", max_size, 1)
@@ -164,13 +171,6 @@ class FairQueue:
             band: None if ms is None else require_int(f"band_aging_ms[{band}]", ms, 1)
             for band, ms in (band_aging_ms or {}).items()
         }
-        if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-        self.order = order
-        self.alpha, self.beta, self.gamma = float(alpha), float(beta), float(gamma)
-        self.sla_ms = dict(sla_ms or {})
-        for band, sla in self.sla_ms.items():
-            require_int(f"sla_ms[{band}]", sla, 1)
         self._slots: dict[str, _Slot] = {}
         self._lanes: dict[tuple[int, str], _Lane] = {}
         self._depth: Counter[tuple[int, str]] = Counter()
@@ -218,17 +218,6 @@ class FairQueue:
         if aging is None or item.band == 0 or waited <= 0:
             return item.band
         return max(0, item.band - waited // aging)
-
-    def dynamic_score(self, item: QueuedRequest, now_ms: int, progress: float = 0.0) -> float:
-        """``α·wait/SLA + β·progress + γ·tier``: higher goes first (``order="dynamic"``).
-
-        SLA is the request's band's entry in ``sla_ms`` (default 10 s), so a batch request
-        with a long SLA gains urgency more slowly than an interactive one. ``progress`` is 0
-        for a queued request (nothing generated yet); tier is the tenant's weight.
-        """
-        sla = self.sla_ms.get(item.band, DEFAULT_SLA_MS)
-        wait = max(0, now_ms - item.enqueued_ms)
-        return self.alpha * wait / sla + self.beta * progress + self.gamma * item.weight
 
     # --- push and eviction ---------------------------------------------------------------
 
@@ -317,33 +306,40 @@ class FairQueue:
 
     def candidates(
         self, now_ms: int, fits: Callable[[QueuedRequest], bool] = lambda r: True
-    ) -> list[QueuedRequest]:
-        """Each tenant's head in the best effective band where at least one head fits.
+    ) -> list[Offer]:
+        """One offer per tenant, in FCFS order: its best head that ``fits`` (e.g. "some
+        endpoint has room for it"), else its best head marked as not fitting.
 
-        A tenant's head in a band is its first request there (FCFS by ``enqueued_ms``, then
-        insertion order), considering for each of its lanes only the lane's head. ``fits``
-        (e.g. "the KV it needs is free") lets another tenant's small head go while a large
-        one waits, but a tenant's own later small request does **not** overtake its earlier
-        large one: if a tenant's head does not fit, that tenant offers nothing in the band.
-        When no head of the best band fits, the next band is tried (work conserving).
-        Returned in FCFS order; empty when nothing fits.
+        A tenant's heads are its lanes' heads ranked by ``(effective band, FCFS)``. So a
+        tenant's batch request is offered when its interactive head fits nowhere, but its
+        own later request never overtakes an earlier one of the same band. Heads that do not
+        fit are offered too: the selector may have to wait for them rather than let tenants
+        with smaller requests run ahead of their share.
         """
-        for _band, heads in sorted(self._heads_by_band(now_ms).items()):
-            offered = [slot for slot in heads.values() if fits(slot.item)]
-            if offered:
-                return [slot.item for slot in sorted(offered, key=_slot_key)]
-        return []
+        offered = []
+        for heads in self._heads_by_tenant(now_ms).values():
+            offer = next((Offer(slot.item, band, True) for band, slot in heads
+                          if fits(slot.item)), None)
+            if offer is None:
+                band, slot = heads[0]
+                offer = Offer(slot.item, band, False)
+            offered.append((self._slots[offer.item.id].key, offer))
+        return [offer for _, offer in sorted(offered, key=lambda entry: entry[0])]
 
-    def _heads_by_band(self, now_ms: int) -> dict[int, dict[str, _Slot]]:
-        """``effective band → tenant → that tenant's first lane head in the band``."""
-        bands: dict[int, dict[str, _Slot]] = {}
+    def best_band(self, now_ms: int) -> int | None:
+        """The best effective band of any queued request (None: the queue is empty)."""
+        return min((self.effective_band(lane.head().item, now_ms)
+                    for lane in self._lanes.values()), default=None)
+
+    def _heads_by_tenant(self, now_ms: int) -> dict[str, list[tuple[int, _Slot]]]:
+        """``tenant → its lane heads as (effective band, slot)``, best first."""
+        tenants: dict[str, list[tuple[int, _Slot]]] = {}
         for (_band, tenant), lane in self._lanes.items():
             head = lane.head()
-            heads = bands.setdefault(self.effective_band(head.item, now_ms), {})
-            best = heads.get(tenant)
-            if best is None or head.key < best.key:
-                heads[tenant] = head
-        return bands
+            tenants.setdefault(tenant, []).append((self.effective_band(head.item, now_ms), head))
+        for heads in tenants.values():
+            heads.sort(key=lambda entry: (entry[0], entry[1].key))
+        return tenants
 
     # --- timers --------------------------------------------------------------------------
 

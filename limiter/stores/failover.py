@@ -34,14 +34,15 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
 from limiter.breaker import CircuitBreaker, Transition
+from limiter.fairness import DEFAULT_LAG
 from limiter.clock import monotonic_ms
 from limiter.decision import TenantPolicy
-from limiter.fairqueue import QueuedRequest
+from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reject
 from limiter.share import scale_policy
 from limiter.stores.base import Fairness, LeasesLost, LimiterStore, StoreUnavailable
@@ -392,9 +393,9 @@ class FailoverFairness:
     """Fair-queue counters in Redis (one global weighted order across replicas), falling back
     to this process's own counters while Redis is unreachable, so dispatch never stalls."""
 
-    def __init__(self, shared: Fairness, timeout_s: float):
+    def __init__(self, shared: Fairness, timeout_s: float, lag_tokens: int = DEFAULT_LAG):
         self.shared = shared
-        self.local = MemoryFairness()
+        self.local = MemoryFairness(lag_tokens=lag_tokens)
         self.timeout_s = timeout_s
 
     async def activate(self, tenant: str) -> None:
@@ -403,12 +404,19 @@ class FailoverFairness:
             async with asyncio.timeout(self.timeout_s):
                 await self.shared.activate(tenant)
 
-    async def choose(self, candidates: list[QueuedRequest], now_ms: int) -> QueuedRequest | None:
+    async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self.shared.choose(candidates, now_ms)
+                return await self.shared.choose(offers)
         except (StoreUnavailable, TimeoutError):
-            return await self.local.choose(candidates, now_ms)
+            return await self.local.choose(offers)
+
+    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+        """Best effort: a correction lost to an outage only delays the share's convergence."""
+        await self.local.correct(tenant, tokens, weight)
+        with contextlib.suppress(StoreUnavailable, TimeoutError):
+            async with asyncio.timeout(self.timeout_s):
+                await self.shared.correct(tenant, tokens, weight)
 
     async def counters(self) -> dict[str, float]:
         try:

@@ -6,13 +6,13 @@ Limits are per replica with these stores; configure Redis for global limits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from limiter.clock import wall_ms
 from limiter.decision import TenantLimiter, TenantPolicy
-from limiter.fairness import REBASE_AT, Score, VirtualCounters
-from limiter.fairqueue import FairQueue, QueuedRequest
+from limiter.fairness import DEFAULT_LAG, REBASE_AT, VirtualCounters
+from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import Admit, Cost, Reject
 
 
@@ -83,13 +83,8 @@ class MemoryFairness:
     """:class:`VirtualCounters` behind the :class:`Fairness` protocol. Its coroutines never
     await, so each call is atomic on the event loop."""
 
-    def __init__(self, *, score: Score | None = None, rebase_at: int = REBASE_AT) -> None:
-        self.core = VirtualCounters(score=score, rebase_at=rebase_at)
-
-    @classmethod
-    def for_queue(cls, queue: FairQueue) -> MemoryFairness:
-        """The selector ``queue.order`` asks for: WFQ, or ``queue.dynamic_score``."""
-        return cls(score=queue.dynamic_score if queue.order == "dynamic" else None)
+    def __init__(self, *, lag_tokens: int = DEFAULT_LAG, rebase_at: int = REBASE_AT) -> None:
+        self.core = VirtualCounters(lag_tokens=lag_tokens, rebase_at=rebase_at)
 
     @property
     def virtual_time(self) -> float:
@@ -98,10 +93,11 @@ class MemoryFairness:
     async def activate(self, tenant: str) -> None:
         self.core.activate(tenant)
 
-    async def choose(
-        self, candidates: list[QueuedRequest], now_ms: int
-    ) -> QueuedRequest | None:
-        return self.core.choose(candidates, now_ms)
+    async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
+        return self.core.choose(offers)
+
+    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+        self.core.correct(tenant, tokens, weight)
 
     async def counters(self) -> dict[str, float]:
         return self.core.counters()
