@@ -10,7 +10,9 @@ are measured side by side rather than argued:
                 (``kv_aware: false``, ``max_in_flight`` per endpoint), priority engines;
 - ``wfq``       kvgate, one class for everything (one band), the tenants' weights, same
                 capacity bound as ``priority``, FCFS engines;
-- ``kvgate``    everything: KV-aware admission and routing, bands + WFQ + aging, priority.
+- ``kvgate``    kvgate **as shipped**: only the workload is configured (tenants and weights,
+                classes, the endpoints); every scheduling and admission knob is the
+                config model's default.
 
 Run it (~6 minutes on a 2-core machine)::
 
@@ -47,41 +49,31 @@ CONFIGS = ("fifo", "priority", "wfq", "kvgate")
 ENGINE = {"ms_per_token": 40, "kv_blocks": 64, "block_size": 16, "max_num_seqs": 32}
 ENGINES = 2
 MAX_IN_FLIGHT = 6  # per endpoint, for the set-ups without KV admission
-CLASSES = {"interactive": {"priority": 0, "deadline_s": 30, "sla_ms": 2000},
-           "batch": {"priority": 1, "deadline_s": 60, "sla_ms": 30000}}
+CLASSES = {"interactive": {"priority": 0, "deadline_s": 30},
+           "batch": {"priority": 1, "deadline_s": 60}}
 
 
-def kvgate_config(kind: str, endpoints: list[str], defaults: bool = False) -> Config:
-    """The kvgate configuration of one set-up; everything not under test stays equal.
-    ``defaults``: (d) with kvgate's shipped queue and watermark defaults instead."""
+def kvgate_config(kind: str, endpoints: list[str]) -> Config:
+    """The kvgate configuration of one set-up; (d) ``kvgate`` sets only the workload."""
     scenario = load_scenario("reference")
     pool: dict[str, Any] = {"name": "tiny", "models": [{"name": "tiny-llama",
                                                         "default_max_tokens": 256}],
                             "endpoints": endpoints, "priority_scheduling": kind != "wfq"}
     classes: dict[str, Any] = CLASSES
-    queue: dict[str, Any] = {"aging_s": None, "max_size": 4096}
-    if kind == "kvgate" and defaults:
-        queue.pop("aging_s")
+    queue: dict[str, Any] = {} if kind == "kvgate" else {"aging_s": None, "max_size": 4096}
     section = kvgate_tenants(scenario, same_weight=kind == "priority")
     if kind in ("priority", "wfq"):
         pool |= {"kv_aware": False, "max_in_flight": MAX_IN_FLIGHT}
     if kind == "wfq":  # one band: the class header is ignored, everyone gets "standard"
-        classes = {"standard": {"priority": 0, "deadline_s": 60, "sla_ms": 2000}}
+        classes = {"standard": {"priority": 0, "deadline_s": 60}}
         for tenant in section["tenants"]:
             tenant |= {"default_class": "standard", "max_class": "standard",
                        "class_header": False}
-    if kind == "kvgate" and not defaults:
-        # Aging at kvgate's former default 5 s promoted batch into the interactive band under
-        # sustained load, and a 0.80 watermark leaves a fifth of these tiny KV caches idle:
-        # measured with aging 5 s / watermark 0.8: interactive P99 12.0 s (2.27× FIFO);
-        # aging off / 0.9: 0.64 s (0.12×); aging 20 s / 0.9: 1.11 s (0.21×). The shipped
-        # default is now 'auto' (half a class's deadline: 30 s for batch here).
-        queue["aging_s"] = 30  # the batch SLA: promote only what is about to miss it
-        pool["watermarks"] = {"high": 0.9, "critical": 0.97}
     return parse_config({
         "server": {"grpc_port": free_port(), "admin_port": 0},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
-        "scrape": {"interval_s": 0.05}, "queue": queue, "classes": classes,
+        "scrape": {} if kind == "kvgate" else {"interval_s": 0.05}, "queue": queue,
+        "classes": classes,
         "classification": {"long_prompt_tokens": None, "path_classes": {}},
         **section, "pools": [pool],
     })
@@ -127,12 +119,12 @@ def fifo_stack(endpoints: list[str], config: Config) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def stack_for(kind: str, defaults: bool = False) -> Iterator[str]:
+def stack_for(kind: str) -> Iterator[str]:
     """Engines (+ kvgate) + Envoy for one set-up; yields the gateway URL."""
     from extproc.demo import local_stack
 
     endpoints = [f"127.0.0.1:{free_port()}" for _ in range(ENGINES)]
-    config = kvgate_config("kvgate" if kind == "fifo" else kind, endpoints, defaults)
+    config = kvgate_config("kvgate" if kind == "fifo" else kind, endpoints)
     if kind == "fifo":
         with fifo_stack(endpoints, config) as url:
             yield url
@@ -141,9 +133,8 @@ def stack_for(kind: str, defaults: bool = False) -> Iterator[str]:
             yield stack.url
 
 
-def run_one(kind: str, rate: float, duration_s: float, seed: int,
-            defaults: bool = False) -> LoadResult:
-    with stack_for(kind, defaults) as url:
+def run_one(kind: str, rate: float, duration_s: float, seed: int) -> LoadResult:
+    with stack_for(kind) as url:
         time.sleep(0.5)  # a few scrape rounds, so kvgate sees the engines as fresh
         return asyncio.run(run_load(url, "reference", duration_s, rate, seed,
                                     progress=sys.stderr.isatty(), label=kind))
@@ -217,8 +208,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--defaults", action="store_true",
-                   help="(d) with kvgate's shipped queue/watermark defaults, not the tuned ones")
     p.add_argument("--out", default="bench/results/policy-real.json")
     p.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
     return p.parse_args(argv)
@@ -230,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, rows = [], {}
     for kind in args.configs.split(","):
         started = time.monotonic()
-        result = run_one(kind, args.rate, args.duration, args.seed, args.defaults)
+        result = run_one(kind, args.rate, args.duration, args.seed)
         data = result.to_json()
         runs.append(data)
         rows[kind] = row(kind, data["summary"])
@@ -242,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json({"command": "python -m bench.policy_real " + " ".join(argv),
                 "engine": ENGINE, "engines": ENGINES, "max_in_flight": MAX_IN_FLIGHT,
                 "rate": args.rate, "duration_s": args.duration, "seed": args.seed,
-                "kvgate_defaults": args.defaults,
+                "kvgate": "shipped defaults",
                 "table": rows, "targets": checks, "runs": runs}, out)
     print(ttft_cdf_plot(runs, args.plot or out.with_suffix(".png")))
     return 0

@@ -204,14 +204,15 @@ class GateSettings:
     reserved_in_flight: int = 0  # of max_in_flight, slots only band 0 may use
     prefill_clear_share: float = 0.0  # share of endpoints kept free of lower-band prefill
     streamed: tuple[str, ...] = ("interactive", "batch")  # classes whose first token is seen
-    config: Config | None = None  # kvgate's own configuration: every knob above but name,
-    # bands, wfq, engine_priority, scrape_s and streamed then comes from it
+    shipped: dict[str, object] | None = None  # kvgate's own configuration for this workload
+    # (``kvgate_config``, with these pool settings on top): every knob above but name, bands,
+    # wfq, engine_priority, scrape_s and streamed then comes from it
 
 
 def defaults(name: str = "kvgate", streamed: tuple[str, ...] = ("interactive", "batch"),
              **pool: object) -> GateSettings:
     """kvgate as shipped: its config model's defaults for this workload (``kvgate_config``)."""
-    return GateSettings(name, kv_aware=True, streamed=streamed, config=kvgate_config(**pool))
+    return GateSettings(name, kv_aware=True, streamed=streamed, shipped=pool)
 
 
 class Gated(Policy):
@@ -222,31 +223,30 @@ class Gated(Policy):
         self.name = s.name
         self.engine_policy = "priority" if s.engine_priority else "fcfs"
         self.scrape_s = s.scrape_s if s.kv_aware else None
-        if s.config is not None:
-            self.queue = fair_queue(s.config)
-            self.queue.max_size = 10**7  # no queue deadlines or evictions are modelled
-            self.fairness = VirtualCounters(lag_tokens=s.config.queue.share_lag_tokens)
-        else:
-            aging = None if s.aging_s is None else int(s.aging_s * 1000)
-            self.queue = FairQueue(max_size=10**7, aging_ms=aging)
-            self.fairness = VirtualCounters()
+        aging = None if s.aging_s is None else int(s.aging_s * 1000)
+        self.queue = FairQueue(max_size=10**7, aging_ms=aging)
+        self.fairness = VirtualCounters()
         self.rng = random.Random(seed)
         self.jobs: dict[str, Job] = {}
         self.snapshot = StoreSnapshot()
 
     def bind(self, sim: Simulation) -> None:
         super().bind(sim)
-        s = self.settings
         self.addresses = [f"10.0.0.{i + 1}:8000" for i in range(len(sim.engines))]
-        self.scheduler = PoolScheduler(self._pool(), dict(sim.tenants))
+        shipped = self.settings.shipped
+        if shipped is None:
+            pool = self._pool()
+        else:
+            config = kvgate_config(dict(sim.tenants), len(sim.engines), **shipped)
+            pool = config.pools[0]
+            self.queue = fair_queue(config)
+            self.queue.max_size = 10**7  # no queue deadlines or evictions are modelled
+            self.fairness = VirtualCounters(lag_tokens=config.queue.share_lag_tokens)
+        self.scheduler = PoolScheduler(pool, dict(sim.tenants))
         self.on_tick(0.0)
 
     def _pool(self) -> Pool:
         s = self.settings
-        if s.config is not None:
-            pool = s.config.pools[0]
-            assert pool.endpoints == self.addresses, "kvgate_config(engines=) must match"
-            return pool
         return Pool(name="sim", models=[Model(name="m")], endpoints=self.addresses,
                     kv_aware=s.kv_aware, priority_scheduling=s.engine_priority,
                     max_in_flight=s.max_in_flight, reserved_in_flight=s.reserved_in_flight,

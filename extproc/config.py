@@ -199,7 +199,9 @@ class Dns(_Strict):
 class Watermarks(_Strict):
     """KV-cache fill levels (0–1) that gate new work per endpoint."""
 
-    high: float = Field(0.80, gt=0, le=1, description="new work must keep usage under this")
+    high: float = Field(0.80, gt=0, le=1, description="new work must keep usage under this "
+                        "(interactive work, and lower-band work under its tenant's KV share, "
+                        "may go up to critical)")
     critical: float = Field(0.95, gt=0, le=1, description="above this an endpoint takes nothing")
     gpu_memory_critical: float = Field(
         0.98, gt=0, le=1, description="NVML memory used ratio above which an endpoint is skipped"

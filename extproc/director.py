@@ -53,6 +53,7 @@ class Admission:
     request_class: str
     admit: Admit
     body_overrides: dict[str, Any] = field(default_factory=dict)  # degradation rewrites
+    charged: int | None = None  # the price its tenant's fair-order counter was charged
     pool: str = field(init=False)  # the scheduler's pool (read on every release)
 
     def __post_init__(self) -> None:
@@ -72,6 +73,7 @@ class Route:
     placed: Placement | None
     queued_for: Reason = Reason.SATURATED  # why it waits: decides 503 or 429 on expiry
     overrides: dict[str, Any] = field(default_factory=dict)  # a degraded request's rewrites
+    streamed: bool = True  # its first token is seen before it ends
 
 
 class Director:
@@ -133,6 +135,7 @@ class Director:
         route = self._route(tenant, self.schedulers[pool.name], cost, klass)
         if isinstance(route, Reject):
             return route
+        route.streamed = request.stream
         return await self._take(tenant, klass, route, watch)
 
     async def admit_request_only(
@@ -151,8 +154,8 @@ class Director:
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass
     ) -> Route | Reject:
         """An endpoint with room now; else a degraded form that fits; else the pool's queue
-        when waiting can help; else the scheduler's refusal. Requests already queued in this
-        band or a better one go first: no overtaking."""
+        when waiting can help; else the scheduler's refusal. While anything is queued, the
+        request queues too: the fair order, not arrival, decides who goes next."""
         placed = self._place(tenant, scheduler, cost, klass.band)
         flow = self.flows.get(scheduler.config.name) if self._queueing else None
         if isinstance(placed, Reject):
@@ -162,7 +165,7 @@ class Director:
             if flow is not None and placed.reason in QUEUEABLE:
                 return Route(scheduler, cost, None, queued_for=placed.reason)
             return placed
-        if flow is not None and flow.must_queue(klass.band):
+        if flow is not None and flow.must_queue():
             return Route(scheduler, cost, None)
         return Route(scheduler, cost, placed)
 
@@ -175,7 +178,8 @@ class Director:
         scheduler, cost, placed = route.scheduler, route.cost, route.placed
         if placed is not None:
             scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens,
-                              self.clock(), band=klass.band, prompt_tokens=cost.prompt_tokens)
+                              self.clock(), band=klass.band, prompt_tokens=cost.prompt_tokens,
+                              streamed=route.streamed)
         try:
             decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), cost,
                                               lease_id)
@@ -187,17 +191,19 @@ class Director:
             if placed is not None:
                 scheduler.release(lease_id, self.clock(), completed=False)
             return decision
+        charged = None
         if placed is None:
             waited = await self._wait(tenant, klass, route, lease_id, watch)
             if isinstance(waited, Reject):
                 return waited
-            placed = waited
+            placed, charged = waited, self._price(cost)
         self.leases.opened(lease_id, tenant.name)
         return Admission(
             tenant=tenant, lease_id=lease_id, cost=cost, scheduler=scheduler,
             endpoints=placed.endpoints,
             priority=klass.priority if scheduler.config.priority_scheduling else None,
             request_class=klass.name, admit=decision, body_overrides=route.overrides,
+            charged=charged,
         )
 
     async def _wait(
@@ -209,9 +215,11 @@ class Director:
         now = flow.clock_ms()
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
         item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens,
-                             self.tenants.weight(tenant), now, deadline)
+                             self.tenants.weight(tenant), now, deadline,
+                             price=self._price(route.cost))
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
-                        route.queued_for, prompt_tokens=route.cost.prompt_tokens)
+                        route.queued_for, prompt_tokens=route.cost.prompt_tokens,
+                        streamed=route.streamed)
         policy = self.tenants.policy(tenant)
         try:
             with watch():
@@ -222,6 +230,10 @@ class Director:
         if isinstance(placed, Reject):
             await self.store.release(tenant.name, policy, lease_id, 0)
         return placed
+
+    def _price(self, cost: Cost) -> int:
+        """What the fair order charges: prompt and (reserved) output at their prices."""
+        return self.config.queue.price(cost.prompt_tokens, cost.max_output_tokens)
 
     def _place(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, band: int
@@ -255,12 +267,22 @@ class Director:
 
     # -- the request's life after admission ------------------------------------------------
 
-    async def release(self, admission: Admission, used_tokens: int | None) -> None:
+    async def release(self, admission: Admission, used_tokens: int | None,
+                      output_tokens: int | None = None) -> None:
+        """The request ended: free its KV and lease, settle its tokens with the limits, and
+        correct its fair-order charge to what it really used (``output_tokens`` of
+        ``used_tokens``; unknown: the estimate stands)."""
         self.leases.closed(admission.lease_id)
         admission.scheduler.release(admission.lease_id, self.clock())
         self.kick(admission.pool)
-        await self.store.release(admission.tenant.name, self.tenants.policy(admission.tenant),
+        tenant = admission.tenant
+        await self.store.release(tenant.name, self.tenants.policy(tenant),
                                  admission.lease_id, used_tokens)
+        if admission.charged is not None and used_tokens is not None and (
+                output_tokens is not None):
+            real = self.config.queue.price(max(0, used_tokens - output_tokens), output_tokens)
+            await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
+                                                     self.tenants.weight(tenant))
 
     def first_token(self, admission: Admission) -> None:
         """The response has started: the engine is done prefilling this request, which

@@ -105,6 +105,15 @@ class FlowController:
             self.scheduler.release(waiter.lease_id, self.clock(), completed=False)
             raise
 
+    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+        """A request dispatched from this queue finished: charge its tenant the difference
+        between its real price and the estimate (negative: a refund)."""
+        if tokens:
+            try:
+                await self.fairness.correct(tenant, tokens, weight)
+            except Exception:  # a lost correction only slows a share's convergence
+                log.warning("pool %s: fairness correction failed", self.pool, exc_info=True)
+
     def kick(self) -> None:
         """A capacity event: completion, fresh scrape, released reservation. With nothing
         queued there is nothing to dispatch: the dispatcher stays asleep (hot path)."""
@@ -148,11 +157,8 @@ class FlowController:
     async def _dispatch(self) -> None:
         while len(self.queue):
             now = self.clock_ms()
-            candidates = self.queue.candidates(now, fits=self._fits)
-            if not candidates:
-                return
-            bands = [self.queue.effective_band(item, now) for item in candidates]
-            chosen = await self.fairness.choose(candidates, bands)
+            offers = self.queue.candidates(now, fits=self._fits)
+            chosen = await self.fairness.choose(offers)
             if chosen is None:
                 return
             band = self.queue.effective_band(chosen, now)

@@ -5,8 +5,16 @@ KV-memory-weighted admission: a request needs (prompt + reserved output) tokens 
 endpoint is *eligible* when its usage after this reservation stays under the high
 watermark; endpoints that are stale, unhealthy, above the critical watermark, or whose GPU
 memory is critical take nothing. Between the high and critical watermarks the pool is
-*busy*: a tenant still under its weighted share of the pool's reserved KV may use that
-headroom, a tenant over it waits ("busy: share by weight; idle: borrow").
+*busy*: interactive (band 0) work may use that headroom, and lower-band work of a tenant
+still under its weighted share of the pool's reserved KV; lower-band work over it waits
+("busy: share by weight; idle: borrow").
+
+The engine's queue stays short: an endpoint takes a request only while fewer than
+``max_unstarted`` of the requests kvgate sent it have not started (band 0: one more).
+Started means its first token was seen, or a scrape taken after it was sent reports fewer
+requests waiting in the engine than kvgate has unstarted there (the oldest have started).
+The rest waits in kvgate's fair queue, where tenant shares and classes order it; in vLLM's
+waiting queue only priority and arrival would.
 
 Predictive load: reservations admitted since an endpoint's last scrape are added to its
 scraped usage, so a burst spreads across endpoints before the next scrape shows it.

@@ -222,15 +222,15 @@ class RequestStream:
         # prompt plus the tokens streamed so far (the engine stops on disconnect)
         meter = self.meter
         if meter is None:
-            used = 0
+            used, output = 0, 0
         elif meter.usage is not None:
-            used = meter.usage.total
+            used, output = meter.usage.total, meter.usage.completion_tokens
         else:
-            used = admission.cost.prompt_tokens + meter.events
+            used, output = admission.cost.prompt_tokens + meter.events, meter.events
         tenant = admission.tenant.name
         metrics.in_flight.add((tenant,), -1)
         metrics.tokens.add((tenant, "used"), used)
-        await self.director.release(admission, used)
+        await self.director.release(admission, used, output)
 
 
 def _too_large(limit: int) -> BadRequest:

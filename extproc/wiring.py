@@ -79,12 +79,14 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
 
 def build_fairness(config: Config, pool: str) -> Fairness:
     """Who goes next in a pool's queue: counters shared through Redis when configured."""
+    lag = config.queue.share_lag_tokens
     if config.redis is None:
-        return MemoryFairness()
+        return MemoryFairness(lag_tokens=lag)
     from limiter.stores.fairness import RedisFairness
 
-    shared = RedisFairness(redis_client(config.redis), pool=pool, prefix=config.redis.prefix)
-    return FailoverFairness(shared, config.redis.timeout_ms / 1000)
+    shared = RedisFairness(redis_client(config.redis), pool=pool, prefix=config.redis.prefix,
+                           lag_tokens=lag)
+    return FailoverFairness(shared, config.redis.timeout_ms / 1000, lag_tokens=lag)
 
 
 def build_director(

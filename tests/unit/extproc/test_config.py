@@ -96,13 +96,15 @@ def test_hash_key_command():
     assert out in EXAMPLE_CONFIG.read_text()
 
 
-def test_aging_defaults_to_half_each_class_deadline():
+def test_aging_is_off_by_default_and_auto_is_half_each_class_deadline():
     data = yaml.safe_load(yaml.safe_dump(GOOD))
     data["classes"] = {"interactive": {"priority": 0, "deadline_s": 30},
                        "batch": {"priority": 1, "deadline_s": 120},
                        "offline": {"priority": 2, "deadline_s": 600, "aging_s": None}}
     config = parse_config(data)
-    assert config.queue.aging_s == "auto"
+    assert config.queue.aging_s is None and config.aging_s("batch") is None
+    data["queue"] = {"aging_s": "auto"}
+    config = parse_config(data)
     assert [config.aging_s(c) for c in ("batch", "offline")] == [60.0, None]
     data["queue"] = {"aging_s": 5}
     assert parse_config(data).aging_s("batch") == 5.0

@@ -130,7 +130,7 @@ async def test_tenant_over_its_share_gets_429_at_its_deadline():
     scheduler.reserve("a-held", "a", ENDPOINT, 100, before_the_scrape)
     scheduler.reserve("b-held", "b", ENDPOINT, 200, before_the_scrape)
     await h.start(usage=0.80)  # busy: one more request lands between the watermarks
-    outcome = await asyncio.wait_for(h.admit("b"), 2)  # b (weight 1) holds 2/3
+    outcome = await asyncio.wait_for(h.admit("b", "batch"), 2)  # b (weight 1) holds 2/3
     assert isinstance(outcome, Reject) and (outcome.status, outcome.reason) == (429,
                                                                               "kv_share_exceeded")
     assert await h.director.store.in_flight("b") == 0
@@ -166,9 +166,9 @@ async def test_full_queue_evicts_the_least_important_newest():
     await h.flow.stop()
 
 
-def test_aging_by_default_is_half_each_class_deadline():
+def test_auto_aging_is_half_each_class_deadline():
     data = config(deadline_s=20.0).model_dump(exclude_unset=True)
-    del data["queue"]["aging_s"]
+    data["queue"]["aging_s"] = "auto"
     h = Harness(parse_config(data))
     assert [h.flow.queue.aging_for(b) for b in (1, 2)] == [10_000, 10_000]
 

@@ -117,14 +117,19 @@ def test_a_newer_scrape_absorbs_older_reservations():
     assert place(sched, snap).endpoints[0] == "e1"
 
 
-def test_busy_pool_makes_the_tenant_over_its_share_wait():
+def test_busy_pool_makes_lower_band_work_over_its_share_wait():
     sched = scheduler(weights={"a": 3.0, "b": 1.0})
     sched.reserve("a1", "a", "e1", 300, NOW - 1)
     sched.reserve("b1", "b", "e1", 300, NOW - 1)  # b holds half; its share is a quarter
+    sched.first_token("a1", NOW - 1)
+    sched.first_token("b1", NOW - 1)  # both running: the engine is not short of work
     busy = snapshot(state("e1", 0.85))
-    shed = place(sched, busy, tenant="b")
+    shed = sched.place("b", 100, busy, NOW, random.Random(0), band=1)
     assert (shed.status, shed.reason) == (429, "kv_share_exceeded")
-    assert isinstance(place(sched, busy, tenant="a"), Placement)  # under its share
+    assert isinstance(sched.place("a", 100, busy, NOW, random.Random(0), band=1),
+                      Placement)  # under its share
+    # interactive work may use the headroom between the watermarks whatever its share
+    assert isinstance(place(sched, busy, tenant="b"), Placement)
     idle = snapshot(state("e1", 0.3))
     assert isinstance(place(sched, idle, tenant="b"), Placement)  # idle: borrow
 
@@ -205,7 +210,7 @@ def test_reserved_slots_are_for_band_zero_only():
 
 def test_lower_bands_stack_so_some_endpoints_stay_clear_of_their_prefill():
     snap = snapshot(state("e1", 0.3), state("e2", 0.1), state("e3", 0.2))
-    sched = scheduler(prefill_clear_share=0.34)
+    sched = scheduler(prefill_clear_share=0.34, scoring={"prefill": 0})  # KV usage decides
     sched.reserve("b1", "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
     # two endpoints are clear, one may still be kept clear: any endpoint takes batch
     assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints[0] == "e2"
@@ -222,3 +227,37 @@ def test_a_lone_endpoint_still_takes_lower_band_work():
     sched = scheduler(prefill_clear_share=0.99)
     assert isinstance(sched.place("a", 10, snapshot(state("e1", 0.1)), NOW, random.Random(0),
                                   band=2), Placement)
+
+
+def test_an_endpoint_takes_two_unstarted_requests_and_interactive_one_more():
+    snap = snapshot(state("e1", 0.1))
+    sched = scheduler()
+    for lease in ("x1", "x2"):
+        sched.reserve(lease, "a", "e1", 10, NOW, band=1, prompt_tokens=5)
+    assert place_band(sched, snap, 1).reason == "pool_saturated"  # batch waits in kvgate
+    assert isinstance(place_band(sched, snap, 0), Placement)  # interactive: one more
+    sched.reserve("i1", "a", "e1", 10, NOW, prompt_tokens=5)
+    assert place_band(sched, snap, 0).reason == "pool_saturated"
+    sched.first_token("x1", NOW)  # started: the engine has it
+    assert place_band(sched, snap, 1).reason == "pool_saturated"  # x2 and i1 have not
+    sched.first_token("i1", NOW)
+    assert isinstance(place_band(sched, snap, 1), Placement)
+
+
+def test_the_engines_waiting_count_marks_non_streamed_requests_started():
+    sched = scheduler()
+    sched.reserve("s", "a", "e1", 10, NOW - 2, band=1, prompt_tokens=5)
+    sched.reserve("n", "a", "e1", 10, NOW - 1, band=1, prompt_tokens=7, streamed=False)
+    sched.reserve("late", "a", "e1", 10, NOW + 1, band=1, prompt_tokens=9)  # after the scrape
+    waiting_one = snapshot(state("e1", 0.1, waiting=1))  # scraped at NOW
+    place_band(sched, waiting_one, 1)
+    assert sched.unstarted["e1"] == 2  # the oldest was admitted; two are not known to be
+    both_admitted = snapshot(state("e1", 0.1, waiting=0))
+    place_band(sched, both_admitted, 1)
+    assert sched.unstarted["e1"] == 1  # "late" was sent after this scrape
+    # the streamed one still counts its prompt as in prefill until its first token
+    assert sched.prefill_tokens["e1"] == 5 + 9
+
+
+def place_band(sched, snap, band):
+    return sched.place("a", 10, snap, NOW, random.Random(0), band=band)
