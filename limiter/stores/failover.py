@@ -39,9 +39,9 @@ from enum import StrEnum
 from typing import Any
 
 from limiter.breaker import CircuitBreaker, Transition
-from limiter.fairness import DEFAULT_LAG
 from limiter.clock import monotonic_ms
 from limiter.decision import TenantPolicy
+from limiter.fairness import DEFAULT_LAG
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reject
 from limiter.share import scale_policy
