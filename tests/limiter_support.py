@@ -1,10 +1,13 @@
-"""What the limiter tests share: assertions, and the one Hypothesis strategy for policies."""
+"""What the limiter tests share: assertions, the one Hypothesis strategy for policies, and the
+one for fair-queue selector calls (memory and Redis run the same steps)."""
 
 from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from limiter import Admit, Cost, Rate, Reject, TenantLimiter, TenantPolicy
+from limiter import Admit, Cost, QueuedRequest, Rate, Reject, TenantLimiter, TenantPolicy
+from limiter.fairqueue import Offer
+from limiter.stores import Fairness
 
 slow_rates = st.builds(Rate, st.integers(1, 5), st.integers(50, 5000))
 token_rates = st.one_of(
@@ -55,3 +58,46 @@ def admit_rejected(limiter: TenantLimiter, cost: Cost, lease: str, now: int) -> 
     result = limiter.admit(cost, lease, now)
     assert isinstance(result, Reject), result
     return result
+
+
+# --- fair-queue selectors -------------------------------------------------------------------
+
+FAIR_TENANTS = "ABCDE"
+fair_weights = st.sampled_from([0.5, 1, 3, 5, 7.5])
+fair_tokens = st.one_of(st.integers(0, 5000), st.integers(10**8, 5 * 10**8))
+"""Prices: ordinary ones, and ones near ``MAX_CHARGE`` that force rebases at the smallest
+allowed ``rebase_at`` (``2 * MAX_CHARGE``)."""
+
+
+def fairness_steps(*, unfit: bool = True, corrections: bool = True) -> st.SearchStrategy:
+    """Sequences of ``("activate", tenant)``, ``("choose", [(tenant, price, weight,
+    enqueued_ms, band, fits), ...])`` (duplicate tenants, equal counters and enqueue times
+    included) and ``("correct", tenant, tokens, weight)``. ``unfit=False``: every offer
+    fits; ``corrections=False``: no corrections."""
+    tenants = st.sampled_from(FAIR_TENANTS)
+    offer = st.tuples(tenants, fair_tokens, fair_weights, st.integers(0, 3), st.integers(0, 2),
+                      st.booleans() if unfit else st.just(True))
+    steps = [st.tuples(st.just("activate"), tenants),
+             st.tuples(st.just("choose"), st.lists(offer, min_size=1, max_size=5))]
+    if corrections:
+        refund = st.one_of(st.integers(-6000, 6000), st.integers(-5 * 10**8, 5 * 10**8))
+        steps.append(st.tuples(st.just("correct"), tenants, refund, fair_weights))
+    return st.lists(st.one_of(*steps), max_size=40)
+
+
+def fair_offers(n: int, specs: list[tuple]) -> list[Offer]:
+    """A ``choose`` step's offers; ids ``{n}.{i}``."""
+    return [Offer(QueuedRequest(f"{n}.{i}", tenant, band, price, weight, at, 10**15), band, fits)
+            for i, (tenant, price, weight, at, band, fits) in enumerate(specs)]
+
+
+async def fairness_step(fair: Fairness, n: int, step: tuple) -> str | None:
+    """Run one step; for ``choose`` the chosen id (None: wait), else None."""
+    if step[0] == "activate":
+        await fair.activate(step[1])
+    elif step[0] == "correct":
+        await fair.correct(step[1], step[2], step[3])
+    else:
+        chosen = await fair.choose(fair_offers(n, step[1]))
+        return None if chosen is None else chosen.id
+    return None

@@ -3,10 +3,11 @@ sits behind them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from limiter.decision import TenantPolicy
-from limiter.fairqueue import QueuedRequest
+from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import Admit, Cost, Reject
 
 
@@ -75,7 +76,9 @@ class LimiterStore(Protocol):
 
 @runtime_checkable
 class Fairness(Protocol):
-    """Picks the next request of a band and charges its tenant, atomically.
+    """Picks the next request among the tenants' offers and charges its tenant, atomically;
+    the rules are :class:`limiter.fairness.VirtualCounters`' (shares by weight over all of a
+    tenant's work, better bands first within a bounded lag).
 
     Async because the shared implementation does I/O; every method of a shared one may raise
     :class:`~limiter.stores.base.StoreUnavailable` (the caller then falls back to a
@@ -86,10 +89,16 @@ class Fairness(Protocol):
         """``tenant``'s queue went from empty to non-empty (on this replica)."""
         ...
 
-    async def choose(
-        self, candidates: list[QueuedRequest], now_ms: int
-    ) -> QueuedRequest | None:
-        """Pick one of ``candidates`` (None if empty) and charge it, in one step."""
+    async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
+        """Pick one of ``offers`` (one per tenant, ``FairQueue.candidates``) and charge its
+        tenant, in one step. None: none may go now (no offers, or none that is eligible and
+        fits: wait for the next capacity event); nothing is charged then."""
+        ...
+
+    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+        """A dispatched request of ``tenant`` finished: add the difference between its real
+        price and the estimate it was charged (negative: a refund), in tokens. The counter
+        never goes below 0; a tenant without a counter is left alone."""
         ...
 
     async def counters(self) -> dict[str, float]:

@@ -1,8 +1,14 @@
 """Fair-queue counters shared by every replica, in Redis: ``RedisFairness``.
 
-The counting rules are the pure core's (:mod:`limiter.fairness`); Lua re-does its integer
-math, so every replica serves a pool's tenants in one global weighted order. ``choose`` and
-``activate`` are one atomic Lua round trip each.
+The rules are the pure core's (:mod:`limiter.fairness`, :class:`~limiter.fairness.
+VirtualCounters`): per tenant a counter over all its work and a band-0 counter over its
+interactive work alone; :func:`~limiter.fairness.pick`'s bounded-lag eligibility among the
+offers (``V`` = the smallest offered start); charges computed once in Python
+(:func:`~limiter.fairness.charge_of`) and added in Lua, which re-does the integer math, so
+Redis and memory make the same decisions from the same integers (Lua's doubles are exact
+below 2^53; rebasing keeps every value far below that) and every replica serves a pool's
+tenants in one global weighted order. ``activate``, ``choose`` and ``correct`` are one atomic
+Lua round trip each; a ``choose`` that says "wait" writes nothing.
 """
 
 from __future__ import annotations
@@ -10,8 +16,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from limiter.fairness import REBASE_AT, SCALE, charge_of, check_rebase
-from limiter.fairqueue import QueuedRequest
+from limiter.fairness import (
+    DEFAULT_LAG,
+    MAX_CHARGE,
+    REBASE_AT,
+    SCALE,
+    charge_of,
+    check_rebase,
+    units,
+)
+from limiter.fairqueue import Offer, QueuedRequest
 from limiter.rates import require_int
 from limiter.stores.base import StoreUnavailable
 
@@ -20,24 +34,27 @@ if TYPE_CHECKING:
 
 
 _LUA_HEAD = r"""
-local KC, KV, KSEEN = KEYS[1], KEYS[2], KEYS[3]
+local KC, KV, KSEEN, KF = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local TTL = tonumber(ARGV[1])
 local function str(x) return string.format('%.0f', x) end
 local t = redis.call('TIME')
 local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local V = tonumber(redis.call('GET', KV) or '0')
 
--- refresh TTLs; forget tenants unseen for TTL ms (an absent counter reads as V)
+-- refresh TTLs; forget tenants unseen for TTL ms (an absent counter reads as V, an absent
+-- band-0 counter as "none yet")
 local function touch(tenant)
   redis.call('ZADD', KSEEN, str(NOW), tenant)
   local stale = redis.call('ZRANGEBYSCORE', KSEEN, '-inf', str(NOW - TTL), 'LIMIT', 0, 100)
   if #stale > 0 then
     redis.call('ZREM', KSEEN, unpack(stale))
     redis.call('HDEL', KC, unpack(stale))
+    redis.call('HDEL', KF, unpack(stale))
   end
   redis.call('SET', KV, str(V), 'PX', str(TTL))
   redis.call('PEXPIRE', KSEEN, str(TTL))
   if redis.call('EXISTS', KC) == 1 then redis.call('PEXPIRE', KC, str(TTL)) end
+  if redis.call('EXISTS', KF) == 1 then redis.call('PEXPIRE', KF, str(TTL)) end
 end
 """
 
@@ -50,22 +67,50 @@ touch(ARGV[2])
 return str(c)
 """
 
-# ARGV: [1] ttl ms, [2] rebase_at, then (tenant, charge, enqueued_ms) per candidate.
-# Returns {0-based index of the chosen candidate, its start counter}.
+# ARGV: [1] ttl ms, [2] rebase_at, [3] lag (counter units), then per offer (tenant, charge,
+# enqueued rank, band, fits 0/1). Returns the 0-based index of the chosen offer, or -1 (wait:
+# nothing is written). The rule is limiter.fairness.pick, the charge VirtualCounters._charge.
 _CHOOSE = _LUA_HEAD + r"""
-local REBASE = tonumber(ARGV[2])
-local n = (#ARGV - 2) / 3
+local REBASE, LAG = tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = (#ARGV - 3) / 5
 local tenants = {}
-for i = 1, n do tenants[i] = ARGV[3 * i] end
-local stored = redis.call('HMGET', KC, unpack(tenants))
-local best, bs, be
+for i = 1, n do tenants[i] = ARGV[5 * i - 1] end
+local counters = redis.call('HMGET', KC, unpack(tenants))
+local firsts = redis.call('HMGET', KF, unpack(tenants))
+local starts, m = {}, nil
 for i = 1, n do
-  local s = tonumber(stored[i] or '') or V  -- no counter yet: starts at V
-  local e = tonumber(ARGV[3 * i + 2])
-  if best == nil or s < bs or (s == bs and e < be) then best, bs, be = i, s, e end
+  starts[i] = tonumber(counters[i] or '') or V  -- no counter yet: starts at V
+  if m == nil or starts[i] < m then m = starts[i] end
 end
-redis.call('HSET', KC, tenants[best], str(bs + tonumber(ARGV[3 * best + 1])))
-V = bs
+local limit = m + LAG
+local best, bb, bs, be
+for i = 1, n do
+  local o = 5 * i - 1
+  if ARGV[o + 4] == '1' then
+    local band, s, e = tonumber(ARGV[o + 3]), starts[i], tonumber(ARGV[o + 2])
+    local eligible
+    if band == 0 then  -- by its band-0 counter; none yet: always
+      local f = tonumber(firsts[i] or '')
+      eligible = f == nil or f <= limit
+    else
+      eligible = s <= limit
+    end
+    if eligible and (best == nil or band < bb or (band == bb and (s < bs
+        or (s == bs and e < be)))) then
+      best, bb, bs, be = i, band, s, e
+    end
+  end
+end
+if best == nil then return -1 end
+local tenant, charge = tenants[best], tonumber(ARGV[5 * best])
+redis.call('HSET', KC, tenant, str(bs + charge))
+if bb == 0 then
+  local low = m - LAG
+  local f = tonumber(firsts[best] or '') or low
+  if f < low then f = low end
+  redis.call('HSET', KF, tenant, str(f + charge))
+end
+V = m
 if V >= REBASE then
   local shift = math.floor(REBASE / 2)
   V = V - shift
@@ -73,9 +118,25 @@ if V >= REBASE then
   for i = 1, #all, 2 do
     redis.call('HSET', KC, all[i], str(math.max(0, tonumber(all[i + 1]) - shift)))
   end
+  all = redis.call('HGETALL', KF)
+  for i = 1, #all, 2 do
+    redis.call('HSET', KF, all[i], str(tonumber(all[i + 1]) - shift))
+  end
 end
-touch(tenants[best])
-return {best - 1, str(bs)}
+touch(tenant)
+return best - 1
+"""
+
+# ARGV: [1] ttl ms, [2] tenant, [3] counter units to add (may be negative). A tenant without a
+# counter is left alone; the counter never goes below 0. Returns 1 if it changed anything.
+_CORRECT = _LUA_HEAD + r"""
+local c = redis.call('HGET', KC, ARGV[2])
+if not c then return 0 end
+c = tonumber(c) + tonumber(ARGV[3])
+if c < 0 then c = 0 end
+redis.call('HSET', KC, ARGV[2], str(c))
+touch(ARGV[2])
+return 1
 """
 
 
@@ -86,13 +147,16 @@ def _hash_tag(prefix: str, pool: str) -> str:
 
 
 class RedisFairness:
-    """WFQ counters shared by every replica of a pool, in Redis.
+    """Virtual counters shared by every replica of a pool, in Redis.
 
-    Keys (one hash tag per pool, Redis Cluster safe): ``…:c`` hash tenant → counter,
-    ``…:v`` the virtual time, ``…:seen`` zset tenant → last use (ms). Each use refreshes
-    every key's TTL (``ttl_ms``); a tenant unused for ``ttl_ms`` is forgotten, which is the
-    same as activating it afresh (any debt it still had is forgiven). Times for the TTL come
-    from Redis ``TIME``; ``now_ms`` is not needed by WFQ.
+    Keys (one hash tag per pool, Redis Cluster safe): ``…:c`` hash tenant → counter (all its
+    work), ``…:v`` the virtual time, ``…:seen`` zset tenant → last use (ms), ``…:f`` hash
+    tenant → band-0 counter. Each use refreshes every key's TTL (``ttl_ms``); a tenant unused
+    for ``ttl_ms`` is forgotten (both counters), which is the same as activating it afresh
+    (any debt it still had is forgiven). Times for the TTL come from Redis ``TIME``.
+
+    ``lag_tokens`` as for :class:`~limiter.fairness.VirtualCounters` (every replica of a pool
+    must use the same), at most ``MAX_CHARGE // SCALE`` so the Lua math stays exact.
 
     The client should have short timeouts and few retries (see
     :mod:`limiter.stores.redis_store`); every Redis or socket error is raised as
@@ -108,6 +172,7 @@ class RedisFairness:
         prefix: str = "kvgate",
         ttl_ms: int = 600_000,
         owns_client: bool = True,
+        lag_tokens: int = DEFAULT_LAG,
         rebase_at: int = REBASE_AT,
     ) -> None:
         from redis.exceptions import RedisError  # lazily: the memory path needs no client
@@ -116,14 +181,18 @@ class RedisFairness:
         self._client = client
         self._ttl_ms = require_int("ttl_ms", ttl_ms, 1)
         self._rebase_at = check_rebase(rebase_at)
+        if require_int("lag_tokens", lag_tokens, 0) > MAX_CHARGE // SCALE:
+            raise ValueError(f"lag_tokens must be <= {MAX_CHARGE // SCALE}, got {lag_tokens}")
+        self._lag = lag_tokens * SCALE
         self._owns_client = owns_client
         base = f"{prefix}:{_hash_tag(prefix, pool)}"
-        self._keys = [f"{base}:c", f"{base}:v", f"{base}:seen"]
+        self._keys = [f"{base}:c", f"{base}:v", f"{base}:seen", f"{base}:f"]
         self._activate = client.register_script(_ACTIVATE)
         self._choose = client.register_script(_CHOOSE)
+        self._correct = client.register_script(_CORRECT)
 
     def keys(self) -> list[str]:
-        """The pool's keys: counters hash, virtual time, last-seen zset."""
+        """The pool's keys: counters hash, virtual time, last-seen zset, band-0 counters."""
         return list(self._keys)
 
     async def _call(self, what: str, script: Any, args: Sequence[int | str]) -> Any:
@@ -135,16 +204,26 @@ class RedisFairness:
     async def activate(self, tenant: str) -> None:
         await self._call("activate", self._activate, [self._ttl_ms, tenant])
 
-    async def choose(
-        self, candidates: list[QueuedRequest], now_ms: int
-    ) -> QueuedRequest | None:
-        if not candidates:
+    async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
+        """Pick one of ``offers`` and charge its tenant (:func:`limiter.fairness.pick`); None
+        when none may go now, and then nothing changes."""
+        if not offers:
             return None
-        args: list[int | str] = [self._ttl_ms, self._rebase_at]
-        for item in candidates:
-            args += [item.tenant, charge_of(item), item.enqueued_ms]
-        reply = await self._call("choose", self._choose, args)
-        return candidates[int(reply[0])]
+        # enqueue times only break ties: their ranks compare the same and stay exact in Lua
+        rank = {ms: n for n, ms in enumerate(sorted({o.item.enqueued_ms for o in offers}))}
+        args: list[int | str] = [self._ttl_ms, self._rebase_at, self._lag]
+        for offer in offers:
+            args += [offer.item.tenant, charge_of(offer.item), rank[offer.item.enqueued_ms],
+                     require_int("band", offer.band, 0), int(bool(offer.fits))]
+        index = int(await self._call("choose", self._choose, args))
+        return None if index < 0 else offers[index].item
+
+    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+        """Add ``tokens`` (negative: a refund) to ``tenant``'s counter, floored at 0; nothing
+        when it has no counter."""
+        if tokens:
+            await self._call("correct", self._correct, [self._ttl_ms, tenant,
+                                                        units(tokens, weight)])
 
     async def counters(self) -> dict[str, float]:
         try:

@@ -18,9 +18,18 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
 from bench.redis_server import RedisServer
-from limiter.fairness import MAX_CHARGE
+from limiter.fairness import DEFAULT_LAG, MAX_CHARGE, SCALE
 from limiter.stores import Fairness, MemoryFairness, RedisFairness, StoreUnavailable
-from tests.unit.limiter.test_fairness import all_backlogged, deviation, req, two_replicas, worst
+from tests.limiter_support import fairness_step, fairness_steps
+from tests.unit.limiter.test_fairness import (
+    INTERACTIVE,
+    all_backlogged,
+    deviation,
+    offers,
+    req,
+    two_replicas,
+    worst,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -44,6 +53,19 @@ def shared(client: aioredis.Redis, **kwargs: object) -> RedisFairness:
     return RedisFairness(client, owns_client=False, **kwargs)  # type: ignore[arg-type]
 
 
+async def firsts(client: aioredis.Redis, fair: RedisFairness) -> dict[str, int]:
+    """The band-0 counters in Redis, raw."""
+    raw = await client.hgetall(fair.keys()[3])
+    return {tenant.decode(): int(value) for tenant, value in raw.items()}
+
+
+async def assert_same_state(client: aioredis.Redis, redis_fair: RedisFairness,
+                            memory: MemoryFairness) -> None:
+    assert await redis_fair.counters() == await memory.counters()
+    assert await firsts(client, redis_fair) == memory.core._firsts
+    assert await redis_fair.virtual_time() == memory.virtual_time
+
+
 # --- the simulations --------------------------------------------------------------------
 
 
@@ -51,6 +73,13 @@ async def test_backlogged_tenants_get_tokens_in_proportion_to_weight(
     client: aioredis.Redis,
 ) -> None:
     tokens = await all_backlogged(shared(client), 3000, seed=5)
+    assert worst(tokens) <= 0.05, deviation(tokens)
+
+
+async def test_mixed_bands_get_weighted_shares_within_a_bound(client: aioredis.Redis) -> None:
+    spread: list[float] = []
+    tokens = await all_backlogged(shared(client), 2000, 5, INTERACTIVE, spread)
+    assert max(spread) <= 3 * DEFAULT_LAG + 2 * 2000
     assert worst(tokens) <= 0.05, deviation(tokens)
 
 
@@ -67,52 +96,40 @@ async def test_two_replicas_share_one_global_weighted_order(client: aioredis.Red
 
 # --- parity with the memory selector -----------------------------------------------------
 
-offer = st.lists(
-    st.tuples(st.sampled_from("ABCDE"), st.integers(0, 5000),
-              st.sampled_from([0.5, 1, 3, 5, 7.5]), st.integers(0, 3)),
-    min_size=1, max_size=5,
-)
-step = st.one_of(st.tuples(st.just("activate"), st.sampled_from("ABCDE")),
-                 st.tuples(st.just("choose"), offer))
-
-
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(step, max_size=40))
-async def test_same_decisions_as_memory(client: aioredis.Redis, steps: list[tuple]) -> None:
-    """Any sequence of activations and offers (duplicate tenants, equal counters and enqueue
-    times included) gets the same choices and the same counters from both selectors."""
+@given(fairness_steps(), st.sampled_from([0, 100, DEFAULT_LAG]))
+async def test_same_decisions_as_memory(client: aioredis.Redis, steps: list[tuple],
+                                        lag: int) -> None:
+    """Any sequence of activations, corrections and offers (mixed bands, unfit ones,
+    duplicate tenants, equal counters and enqueue times, prices that force rebases) gets the
+    same choices — waiting included — and the same counters from both selectors."""
     await client.flushdb()
-    memory, redis_fair = MemoryFairness(), shared(client)
+    kwargs = {"lag_tokens": lag, "rebase_at": 2 * MAX_CHARGE}
+    memory, redis_fair = MemoryFairness(**kwargs), shared(client, **kwargs)
     for tenant in "AB":  # V > 0 from the start, so "no counter yet = V" matters
-        await memory.choose([req(f"warm{tenant}", tenant, cost=999)], 0)
-        await redis_fair.choose([req(f"warm{tenant}", tenant, cost=999)], 0)
-    for n, (kind, arg) in enumerate(steps):
-        if kind == "activate":
-            await memory.activate(arg)
-            await redis_fair.activate(arg)
-            continue
-        items = [req(f"{n}.{i}", t, cost, at, weight) for i, (t, cost, weight, at)
-                 in enumerate(arg)]
-        assert (await redis_fair.choose(items, 0)).id == (await memory.choose(items, 0)).id
-    assert await redis_fair.counters() == await memory.counters()
-    assert await redis_fair.virtual_time() == memory.virtual_time
+        warm = offers(req(f"warm{tenant}", tenant, cost=999, band=1))
+        await memory.choose(warm)
+        await redis_fair.choose(warm)
+    for n, step in enumerate(steps):
+        assert await fairness_step(redis_fair, n, step) == await fairness_step(memory, n, step)
+    await assert_same_state(client, redis_fair, memory)
 
 
 async def test_rebasing_in_lua_matches_memory(client: aioredis.Redis) -> None:
     """Charges near MAX_CHARGE force several rebases; Lua shifts exactly like Python."""
-    memory = MemoryFairness(rebase_at=2 * MAX_CHARGE)
-    redis_fair = shared(client, rebase_at=2 * MAX_CHARGE)
+    memory = MemoryFairness(lag_tokens=10**8, rebase_at=2 * MAX_CHARGE)
+    redis_fair = shared(client, lag_tokens=10**8, rebase_at=2 * MAX_CHARGE)
     rebases, last_v = 0, 0.0
     for n in range(40):
-        items = [req(f"{n}{t}", t, (10**9 - 997 * n) * int(w), n)
-                 for t, w in (("A", 5), ("B", 3), ("C", 1))]
-        assert (await redis_fair.choose(items, n)).id == (await memory.choose(items, n)).id
+        items = offers(*(req(f"{n}{t}", t, (10**9 - 997 * n) * int(w), n, band=(n + i) % 2)
+                         for i, (t, w) in enumerate((("A", 5), ("B", 3), ("C", 1)))))
+        assert (await redis_fair.choose(items)).id == (await memory.choose(items)).id
         rebases += memory.virtual_time < last_v
         last_v = memory.virtual_time
         assert await redis_fair.virtual_time() == last_v
-    assert await redis_fair.counters() == await memory.counters()
-    assert rebases >= 3
+    await assert_same_state(client, redis_fair, memory)
+    assert rebases >= 3 and len(memory.core._firsts) == 3  # band-0 counters shifted too
 
 
 # --- keys, TTLs, failures -------------------------------------------------------------------
@@ -121,9 +138,9 @@ async def test_rebasing_in_lua_matches_memory(client: aioredis.Redis) -> None:
 async def test_keys_share_one_hash_tag_per_pool_and_expire(client: aioredis.Redis) -> None:
     fair = shared(client, prefix="kv", pool="gpu-{a}", ttl_ms=5000)
     await fair.activate("t")
-    await fair.choose([req("x", "t")], 0)
+    await fair.choose(offers(req("x", "t")))  # band 0: its band-0 counter is written too
     keys = fair.keys()
-    assert keys[0] == "kv:{kv:fair:gpu-%7Ba%7D}:c"
+    assert keys[0] == "kv:{kv:fair:gpu-%7Ba%7D}:c" and keys[3] == "kv:{kv:fair:gpu-%7Ba%7D}:f"
     assert len({key_slot(key.encode()) for key in keys}) == 1
     for key in keys:
         assert 0 < await client.pttl(key) <= 5000
@@ -133,15 +150,41 @@ async def test_keys_share_one_hash_tag_per_pool_and_expire(client: aioredis.Redi
 
 async def test_idle_tenants_are_forgotten_after_the_ttl(client: aioredis.Redis) -> None:
     fair = shared(client, ttl_ms=150)
-    await fair.choose([req("x", "old", cost=5)], 0)
+    await fair.choose(offers(req("x", "old", cost=5)))
     await asyncio.sleep(0.2)
     assert await client.exists(*fair.keys()) == 0  # the whole pool expired
-    await fair.choose([req("y", "old", cost=5)], 0)
+    await fair.choose(offers(req("y", "old", cost=5)))
     await asyncio.sleep(0.1)
-    await fair.choose([req("z", "new", cost=5)], 0)
+    await fair.choose(offers(req("z", "new", cost=5)))
     await asyncio.sleep(0.1)
-    await fair.activate("new")  # "old" last used 200 ms ago: pruned
+    await fair.activate("new")  # "old" last used 200 ms ago: pruned, both its counters
     assert set(await fair.counters()) == {"new"}
+    assert set(await firsts(client, fair)) == {"new"}
+
+
+async def test_waiting_and_correcting_an_unknown_tenant_write_nothing(
+    client: aioredis.Redis,
+) -> None:
+    fair = shared(client, lag_tokens=100)
+    await fair.choose(offers(req("y0", "Y", 500, weight=1, band=1)))  # Y at 500, V 0
+    await fair.activate("X")
+    keys = fair.keys()
+    dump = {key: await client.dump(key) for key in keys}
+    x, y = req("x", "X", 10, weight=1, band=1), req("y", "Y", 10, weight=1, band=1)
+    assert await fair.choose(offers(x, y, unfit=("x",))) is None
+    await fair.correct("nobody", -100, 1.0)
+    assert {key: await client.dump(key) for key in keys} == dump
+    await fair.correct("Y", -450, 1.0)  # one round trip: refunded, floored at 0 if need be
+    assert await fair.counters() == {"Y": 50.0, "X": 0.0}
+    await fair.correct("Y", -10**6, 1.0)
+    assert (await fair.counters())["Y"] == 0
+
+
+def test_lag_is_bounded_for_exact_lua() -> None:
+    with pytest.raises(ValueError, match="lag_tokens"):
+        RedisFairness(aioredis.Redis(), lag_tokens=MAX_CHARGE // SCALE + 1)
+    with pytest.raises(ValueError):
+        RedisFairness(aioredis.Redis(), lag_tokens=-1)
 
 
 async def test_redis_errors_become_store_unavailable() -> None:
@@ -149,7 +192,8 @@ async def test_redis_errors_become_store_unavailable() -> None:
         fair: Fairness = RedisFairness(_client(srv.url))
         await fair.activate("a")
         srv.kill()
-        for call in (fair.activate("a"), fair.choose([req("x", "a")], 0), fair.counters()):
+        for call in (fair.activate("a"), fair.choose(offers(req("x", "a"))),
+                     fair.correct("a", -5, 1.0), fair.counters()):
             with pytest.raises(StoreUnavailable):
                 await call
         await fair.close()

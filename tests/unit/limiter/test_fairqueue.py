@@ -1,4 +1,5 @@
-"""The fair queue's data structure: bands, aging, FCFS, ``fits``, eviction, expiry, bounds.
+"""The fair queue's data structure: per-tenant heads, bands, aging, FCFS, ``fits``, eviction,
+expiry, bounds.
 
 The property tests drive it with random operation sequences and compare every answer with a
 naive reference written straight from the specification (O(n) scans, no lazy deletion), and
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from limiter import FairQueue, QueuedRequest
+from limiter.fairqueue import Offer
 from limiter.stores import MemoryFairness
 
 NEVER = 10**15
@@ -36,8 +38,13 @@ def req(
     return QueuedRequest(rid, tenant, band, cost, weight, at, deadline)
 
 
-def ids(items: list[QueuedRequest]) -> list[str]:
-    return [item.id for item in items]
+def ids(items: list[QueuedRequest] | list[Offer]) -> list[str]:
+    return [item.item.id if isinstance(item, Offer) else item.id for item in items]
+
+
+def heads(offers: list[Offer]) -> list[tuple[str, int, bool]]:
+    """Offers as ``(id, effective band, fits)``."""
+    return [(offer.item.id, offer.band, offer.fits) for offer in offers]
 
 
 def fill(queue: FairQueue, *items: QueuedRequest, now: int = 0) -> None:
@@ -48,20 +55,21 @@ def fill(queue: FairQueue, *items: QueuedRequest, now: int = 0) -> None:
 # --- bands, aging, FCFS ---------------------------------------------------------------------
 
 
-def test_interactive_queued_later_goes_before_earlier_batch() -> None:
+async def test_every_tenant_offers_one_head_with_its_band_and_the_selector_picks() -> None:
     queue = FairQueue(aging_ms=None)
     fill(queue, req("batch", "a", 1, at=0), req("chat", "b", 0, at=10))
-    assert ids(queue.candidates(20)) == ["chat"]
-    queue.take("chat")
-    assert ids(queue.candidates(20)) == ["batch"]
+    assert heads(queue.candidates(20)) == [("batch", 1, True), ("chat", 0, True)]
+    assert await MemoryFairness().choose(queue.candidates(20)) is queue.take("chat")
+    assert heads(queue.candidates(20)) == [("batch", 1, True)]
 
 
-def test_candidates_are_each_tenants_head_in_the_best_band() -> None:
+def test_candidates_are_each_tenants_best_head_in_fcfs_order() -> None:
     queue = FairQueue(aging_ms=None)
     fill(queue, req("a1", "a", at=5), req("b1", "b", at=3), req("a2", "a", at=1),
-         req("c1", "c", 1, at=0))
-    # a2 was enqueued first (out-of-order push): FCFS is by enqueued_ms, not push order
-    assert ids(queue.candidates(10)) == ["a2", "b1"]
+         req("c1", "c", 1, at=0), req("a3", "a", 1, at=0))
+    # a2 was enqueued first (out-of-order push): FCFS is by enqueued_ms, not push order;
+    # a's batch a3 is older still, but a's best band goes first inside a
+    assert heads(queue.candidates(10)) == [("c1", 1, True), ("a2", 0, True), ("b1", 0, True)]
 
 
 def test_equal_enqueue_times_keep_insertion_order() -> None:
@@ -70,7 +78,7 @@ def test_equal_enqueue_times_keep_insertion_order() -> None:
     order = []
     while queue:
         (head,) = queue.candidates(7)
-        order.append(queue.take(head.id).id)
+        order.append(queue.take(head.item.id).id)
     assert order == [f"r{i}" for i in range(5)]
 
 
@@ -97,23 +105,37 @@ def test_a_tenants_aged_older_request_heads_its_fresh_interactive_one() -> None:
     fill(queue, req("chat", "a", 0, at=1000), req("batch", "a", 1, at=400),
          req("other", "b", 0, at=900))
     assert ids(queue.candidates(1000)) == ["batch", "other"]
-    assert ids(queue.candidates(1000, lambda r: r.id != "batch")) == ["other"]
+    # its batch head (aged into band 0) fits nowhere: its chat, band 0 too, is offered
+    assert heads(queue.candidates(1000, lambda r: r.id != "batch")) == [
+        ("other", 0, True), ("chat", 0, True)]
 
 
-def test_aging_prevents_starvation_under_a_steady_interactive_stream() -> None:
-    """A hog keeps band 0 non-empty forever; without aging the offline request never goes."""
-    for aging, served in ((None, False), (1000, True)):
-        queue, fair = FairQueue(aging_ms=aging), MemoryFairness()
-        fill(queue, req("offline", "b", 2, at=0))
-        dispatched = []
-        for now in range(0, 10_000, 10):
-            queue.push(req(f"hog{now}", "hog", 0, at=now), now)
-            chosen = fair.core.choose(queue.candidates(now), now)
-            assert chosen is not None
-            dispatched.append(queue.take(chosen.id).id)
-        assert ("offline" in dispatched) is served
-        if served:
-            assert dispatched.index("offline") * 10 <= 2000 + 20
+def _stream(aging: int | None, hog: str) -> list[str]:
+    """A steady interactive stream of tenant ``hog`` (one request per dispatch, 10 ms apart)
+    beside one offline request of tenant ``a``; returns the dispatch order."""
+    queue, fair = FairQueue(aging_ms=aging), MemoryFairness()
+    fill(queue, req("offline", "a", 2, at=0))
+    dispatched = []
+    for now in range(0, 10_000, 10):
+        queue.push(req(f"hog{now}", hog, 0, at=now), now)
+        chosen = fair.core.choose(queue.candidates(now))
+        assert chosen is not None
+        dispatched.append(queue.take(chosen.id).id)
+    return dispatched
+
+
+def test_aging_prevents_starvation_by_the_tenants_own_interactive_stream() -> None:
+    """Its own stream keeps the tenant's band 0 non-empty forever: without aging its offline
+    request never goes; with it, it reaches band 0 after 2 periods and is then the oldest."""
+    assert "offline" not in _stream(None, hog="a")
+    assert _stream(1000, hog="a").index("offline") * 10 <= 2000 + 20
+
+
+def test_another_tenants_interactive_stream_cannot_starve_batch_work_without_aging() -> None:
+    """Between tenants shares decide: the hog's interactive work goes first only while its
+    band-0 counter, started a lag (2048 tokens) below the offline tenant's counter, is at
+    most a lag above it: 41 requests of 100 tokens; then the offline tenant's turn comes."""
+    assert _stream(None, hog="hog").index("offline") == 41
 
 
 def test_next_aging_ms_is_the_next_promotion_of_a_lane_head() -> None:
@@ -129,19 +151,29 @@ def test_next_aging_ms_is_the_next_promotion_of_a_lane_head() -> None:
 # --- fits -----------------------------------------------------------------------------------
 
 
-def test_fits_lets_another_tenants_fitting_head_go() -> None:
+def test_a_head_that_does_not_fit_is_offered_marked_so() -> None:
     queue = FairQueue(aging_ms=None)
     fill(queue, req("big", "a", cost=30_000, at=0), req("small", "b", cost=100, at=5))
-    assert ids(queue.candidates(10, lambda r: r.cost <= 1000)) == ["small"]
+    assert heads(queue.candidates(10, lambda r: r.cost <= 1000)) == [
+        ("big", 0, False), ("small", 0, True)]
 
 
 def test_fits_does_not_let_a_tenants_later_request_overtake_its_head() -> None:
     queue = FairQueue(aging_ms=None)
     fill(queue, req("big", "a", cost=30_000, at=0), req("small", "a", cost=100, at=5),
          req("batch", "b", 1, cost=100, at=6))
-    # tenant a offers nothing (its head does not fit); band 0 has no fitting head: band 1
-    assert ids(queue.candidates(10, lambda r: r.cost <= 1000)) == ["batch"]
-    assert queue.candidates(10, lambda r: False) == []
+    # a's small request is behind its big one in the same band: a offers big, unfit
+    assert heads(queue.candidates(10, lambda r: r.cost <= 1000)) == [
+        ("big", 0, False), ("batch", 1, True)]
+    assert heads(queue.candidates(10, lambda r: False)) == [
+        ("big", 0, False), ("batch", 1, False)]
+
+
+def test_a_tenants_worse_band_head_is_offered_when_its_best_fits_nowhere() -> None:
+    queue = FairQueue(aging_ms=None)
+    fill(queue, req("big", "a", cost=30_000, at=0), req("batch", "a", 1, cost=100, at=5))
+    assert heads(queue.candidates(10, lambda r: r.cost <= 1000)) == [("batch", 1, True)]
+    assert heads(queue.candidates(10)) == [("big", 0, True)]
 
 
 # --- eviction -------------------------------------------------------------------------------
@@ -202,8 +234,12 @@ def test_push_validates() -> None:
             queue.push(bad, 0)
     with pytest.raises(TypeError):
         queue.push(req("f", cost=1.5), 0)  # type: ignore[arg-type]
+    priced = QueuedRequest("p", "a", 0, 100, 1.0, 0, NEVER, price=-1)
     with pytest.raises(ValueError):
-        FairQueue(order="lifo")
+        queue.push(priced, 0)
+    priced.price = 2.5  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        queue.push(priced, 0)
 
 
 def test_thousands_of_requests_stay_cheap() -> None:
@@ -218,34 +254,10 @@ def test_thousands_of_requests_stay_cheap() -> None:
     now = 5000
     while queue:
         now += 1
-        chosen = fair.core.choose(queue.candidates(now), now)
+        chosen = fair.core.choose(queue.candidates(now))
         assert chosen is not None
         queue.take(chosen.id)
     assert time.perf_counter() - started < 10  # ~0.5 s here; O(n²) would take minutes
-
-
-# --- dynamic order --------------------------------------------------------------------------
-
-
-def test_dynamic_score_weighs_wait_against_the_bands_sla_and_tier() -> None:
-    queue = FairQueue(order="dynamic", alpha=1.0, gamma=0.1, sla_ms={0: 1000, 1: 60_000})
-    chat, batch = req("chat", "a", 0, at=0, weight=1), req("batch", "b", 1, at=0, weight=5)
-    assert queue.dynamic_score(chat, 500) == pytest.approx(0.5 + 0.1)
-    assert queue.dynamic_score(batch, 500) == pytest.approx(500 / 60_000 + 0.5)
-    assert queue.dynamic_score(req("d", band=7, at=0), 5000) == pytest.approx(0.6)  # 10 s SLA
-    assert queue.dynamic_score(chat, 500, progress=3) == pytest.approx(0.6)  # beta = 0
-
-
-async def test_dynamic_order_is_honoured_by_the_memory_selector() -> None:
-    queue = FairQueue(order="dynamic", alpha=1.0, gamma=0.0, sla_ms={0: 1000})
-    waited, fresh = req("waited", "a", at=0, cost=10), req("fresh", "b", at=900, cost=1)
-    fill(queue, fresh, waited)
-    wfq, dynamic = MemoryFairness(), MemoryFairness.for_queue(queue)
-    for _ in range(3):  # tenant a has used a lot: WFQ now prefers b
-        await wfq.choose([req("x", "a", cost=10**6)], 0)
-    await wfq.activate("b")
-    assert (await wfq.choose(queue.candidates(1000), 1000)) is fresh
-    assert (await dynamic.choose(queue.candidates(1000), 1000)) is waited
 
 
 # --- properties -----------------------------------------------------------------------------
@@ -264,21 +276,28 @@ class Reference:
             return item.band
         return max(0, item.band - waited // self.aging_ms)
 
-    def candidates(self, now: int, fits: Callable[[QueuedRequest], bool]) -> list[str]:
+    def candidates(
+        self, now: int, fits: Callable[[QueuedRequest], bool]
+    ) -> list[tuple[str, int, bool]]:
+        """Per tenant: of its requests that are first of their (tenant, band) by FCFS, the
+        best by (effective band, FCFS) that fits, else the best; in FCFS order."""
+
         def key(entry: tuple[QueuedRequest, int]) -> tuple[int, int]:
             return (entry[0].enqueued_ms, entry[1])
 
         lane_heads = {}
         for entry in sorted(self.items, key=key, reverse=True):
             lane_heads[(entry[0].band, entry[0].tenant)] = entry
-        tenant_heads: dict[tuple[int, str], tuple[QueuedRequest, int]] = {}
-        for entry in sorted(lane_heads.values(), key=key, reverse=True):
-            tenant_heads[(self.band(entry[0], now), entry[0].tenant)] = entry
-        for band in sorted({b for b, _ in tenant_heads}):
-            offered = [e for (b, _), e in tenant_heads.items() if b == band and fits(e[0])]
-            if offered:
-                return [e[0].id for e in sorted(offered, key=key)]
-        return []
+        by_tenant: dict[str, list[tuple[QueuedRequest, int]]] = {}
+        for entry in lane_heads.values():
+            by_tenant.setdefault(entry[0].tenant, []).append(entry)
+        offers = []
+        for entries in by_tenant.values():
+            entries.sort(key=lambda e: (self.band(e[0], now), key(e)))
+            fitting = [e for e in entries if fits(e[0])]
+            offers.append((fitting[0], True) if fitting else (entries[0], False))
+        return [(e[0].id, self.band(e[0], now), ok)
+                for e, ok in sorted(offers, key=lambda offer: key(offer[0]))]
 
     def worst(self, now: int, incoming: tuple[QueuedRequest, int]) -> str:
         entries = [*self.items, incoming]
@@ -316,10 +335,11 @@ def test_matches_the_reference(ops: list[tuple], aging: int | None, max_size: in
             seq += 1
         elif op[0] == "take":
             small = op[2]
-            got = ids(queue.candidates(now, lambda r, s=small: r.cost <= s))
+            got = heads(queue.candidates(now, lambda r, s=small: r.cost <= s))
             assert got == ref.candidates(now, lambda r, s=small: r.cost <= s)
-            if got:
-                chosen = got[op[1] % len(got)]
+            fitting = [rid for rid, _, fits in got if fits]
+            if fitting:
+                chosen = fitting[op[1] % len(fitting)]
                 assert queue.take(chosen).id == chosen
                 ref.items = [e for e in ref.items if e[0].id != chosen]
         elif op[0] == "remove" and ref.items:
@@ -342,7 +362,7 @@ def _check_consistent(queue: FairQueue, ref: Reference, now: int) -> None:
     for item, _ in ref.items:
         depth[(item.band, item.tenant)] = depth.get((item.band, item.tenant), 0) + 1
     assert queue.depth() == depth
-    assert ids(queue.candidates(now)) == ref.candidates(now, lambda r: True)
+    assert heads(queue.candidates(now)) == ref.candidates(now, lambda r: True)
     deadlines = [item.deadline_ms for item, _ in ref.items]
     assert queue.next_deadline_ms() == min(deadlines, default=None)
 
@@ -366,7 +386,8 @@ async def test_no_request_is_lost_or_served_late(
     ticks: list[tuple], aging: int | None, max_size: int
 ) -> None:
     """Every request leaves exactly once: dispatched before its deadline, expired at the
-    first event at or after it, or evicted at push. The caller expires first every event."""
+    first event at or after it, or evicted at push. The caller expires first every event; a
+    selector that says "wait" dispatches nothing that event."""
     queue, fair = FairQueue(max_size=max_size, aging_ms=aging), MemoryFairness()
     pushed: dict[str, QueuedRequest] = {}
     left: dict[str, str] = {}
@@ -383,7 +404,7 @@ async def test_no_request_is_lost_or_served_late(
             assert last < gone.deadline_ms <= now  # expired by its deadline, not before
             _leave(left, gone.id, "expired")
         if free is not None:
-            chosen = await fair.choose(queue.candidates(now, lambda r, f=free: r.cost <= f), now)
+            chosen = await fair.choose(queue.candidates(now, lambda r, f=free: r.cost <= f))
             if chosen is not None:
                 assert queue.take(chosen.id).deadline_ms > now
                 _leave(left, chosen.id, "dispatched")
