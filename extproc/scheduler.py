@@ -162,7 +162,7 @@ class PoolScheduler:
                       if e.takes_work and self._has_slot(e.state.address, limit)
                       and self.unstarted.get(e.state.address, 0) < ahead]
         if band and self.config.prefill_clear_share:
-            candidates = self._keep_clear(candidates, len(usable))
+            candidates = self._keep_clear(candidates, usable)
         eligible = [c for c in candidates if c.fits]
         if not eligible:
             busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]
@@ -298,14 +298,16 @@ class PoolScheduler:
         return marks.max_waiting is None or _metric(state, "num_requests_waiting") <= (
             marks.max_waiting)
 
-    def _keep_clear(self, candidates: list[Candidate], usable: int) -> list[Candidate]:
+    def _keep_clear(self, candidates: list[Candidate], usable: list[_Scraped]
+                    ) -> list[Candidate]:
         """Lower-band work: once only ``prefill_clear_share`` of the usable endpoints are left
-        with no lower-band prefill, only endpoints already prefilling such work take more."""
-        keep = int(self.config.prefill_clear_share * usable)
-        busy = [c for c in candidates if self.low_prefills.get(c.state.address, 0)]
-        if busy and len(candidates) - len(busy) <= keep:
-            return busy
-        return candidates
+        with no lower-band prefill, only endpoints already prefilling such work take more —
+        or none, and it waits (an endpoint kept clear stays clear)."""
+        keep = int(self.config.prefill_clear_share * len(usable))
+        clear = sum(1 for e in usable if not self.low_prefills.get(e.state.address, 0))
+        if clear > keep:
+            return candidates
+        return [c for c in candidates if self.low_prefills.get(c.state.address, 0)]
 
     def _candidate(self, state: EndpointState, tokens: int) -> Candidate:
         capacity = state.kv_capacity_tokens

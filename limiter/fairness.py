@@ -1,19 +1,18 @@
-"""Who goes next among a band's candidates: start-time fair queueing by tokens.
+"""Who goes next among the queue's offers: virtual token counters, charged by usage.
 
-Each tenant has a **virtual counter** (its next start tag). Dispatching a request of ``cost``
-tokens advances its tenant's counter by ``cost / weight``; among the candidates the smallest
-counter goes next (ties: earliest ``enqueued_ms``, then candidate order). Over any busy
-period each backlogged tenant therefore gets tokens in proportion to its weight, within one
-request's cost ("busy: share by weight"). The system virtual time ``V`` is the start counter
-of the most recently dispatched request. A tenant whose queue goes from empty to non-empty
-is **activated**: ``counter = max(counter, V)``, so time spent idle is not banked as credit
-("idle: borrow" carries no debt either way). A tenant with no counter at all starts at ``V``.
+Each tenant has a **virtual counter** (its next start tag). Dispatching a request advances its
+tenant's counter by its price over the tenant's weight; the least-served tenant (smallest
+counter) is the reference every other is measured against (ties: earliest ``enqueued_ms``,
+then offer order). Over any busy period each backlogged tenant therefore gets priced tokens
+in proportion to its weight, within a bounded lag ("busy: share by weight"). The system
+virtual time ``V`` is the smallest start among the offers of the latest dispatch. A tenant
+whose queue goes from empty to non-empty is **activated**: ``counter = max(counter, V)``, so
+time spent idle is not banked as credit ("idle: borrow" carries no debt either way). A tenant
+with no counter at all starts at ``V``.
 
-``V`` is deliberately *not* forced monotone (``max(V, start)``): with several replicas, one
-replica dispatching a tenant that is ahead would drag ``V`` up, and every local activation
-of a tenant that is globally backlogged but behind would then throw its credit away. In the
-two-replica skewed-mix simulation (``tests/integration/test_redis_fairness.py``) the monotone
-variant missed the 5:3:1 target by up to 4%, this one by 0.2%.
+``V`` is deliberately *not* forced monotone: with several replicas, one replica's offers may
+all be ahead of another's, and a monotone ``V`` would make every local activation of a tenant
+that is globally behind throw its credit away.
 
 **Exact integers.** Counters are integers in ``SCALE`` (1000) units per token per unit of
 weight: a request's *charge* is ``max(1, round(cost · 1000 / weight))``, computed once in
@@ -33,9 +32,14 @@ tenant's work would make a tenant's interactive request wait behind other tenant
 work whenever its counter is ahead — even by one small request. So among the candidates,
 every tenant whose start counter is within ``lag`` (tokens per unit of weight) of the
 smallest is *eligible*, and the eligible one with the best band goes first (ties: smallest
-counter). No tenant ever gets further ahead of the least-served backlogged tenant than
-``lag`` plus one request, which bounds the share error over any busy period; inside that
-bound interactive work goes first, whoever sends it.
+counter). A tenant's band-0 counter counts only its band-0 work: a tenant whose interactive
+traffic fits in its share keeps it flowing whatever its batch work, and one whose interactive
+traffic alone exceeds its share is held to it. A band-0 counter starts (and is lifted to) a
+lag below the least-served start, so no tenant gets further ahead of the least-served
+backlogged tenant than about three lags plus two requests: the share error over any busy
+period is bounded, and inside that bound interactive work goes first, whoever sends it. The
+band-0 counter never exceeds the tenant's whole counter, so the least-served tenant is always
+eligible: when everything fits, someone goes.
 
 This module is the pure core (:class:`VirtualCounters`, synchronous). The stores behind the
 async :class:`limiter.stores.Fairness` protocol serve it: ``MemoryFairness`` (in-process, the
@@ -155,7 +159,10 @@ class VirtualCounters:
         """A dispatched request finished: add the difference between its real price and the
         estimate it was charged (negative: a refund), in tokens."""
         if tenant in self._counters and tokens:
-            self._counters[tenant] = max(0, self._counters[tenant] + units(tokens, weight))
+            counter = self._counters[tenant] = max(0, self._counters[tenant]
+                                                   + units(tokens, weight))
+            if self._firsts.get(tenant, counter) > counter:  # band-0 work is part of all work
+                self._firsts[tenant] = counter
 
     def _charge(self, offer: Offer, start: int, floor: int, charge: int) -> None:
         tenant = offer.item.tenant

@@ -135,6 +135,10 @@ if not c then return 0 end
 c = tonumber(c) + tonumber(ARGV[3])
 if c < 0 then c = 0 end
 redis.call('HSET', KC, ARGV[2], str(c))
+-- band-0 work is part of all work: its counter never exceeds the total (so the least-served
+-- tenant always stays eligible)
+local f = redis.call('HGET', KF, ARGV[2])
+if f and tonumber(f) > c then redis.call('HSET', KF, ARGV[2], str(c)) end
 touch(ARGV[2])
 return 1
 """

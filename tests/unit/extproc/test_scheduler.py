@@ -261,3 +261,12 @@ def test_the_engines_waiting_count_marks_non_streamed_requests_started():
 
 def place_band(sched, snap, band):
     return sched.place("a", 10, snap, NOW, random.Random(0), band=band)
+
+
+def test_an_endpoint_kept_clear_stays_clear_when_the_busy_ones_are_full():
+    snap = snapshot(state("e1", 0.1), state("e2", 0.1))
+    sched = scheduler(prefill_clear_share=0.5)
+    for lease in ("b1", "b2"):  # e1 prefills batch work and has no unstarted slot left
+        sched.reserve(lease, "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
+    assert place_band(sched, snap, 1).reason == "pool_saturated"  # batch waits: e2 stays clear
+    assert place_band(sched, snap, 0).endpoints[0] == "e2"  # for interactive work
