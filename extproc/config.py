@@ -12,7 +12,7 @@ import ipaddress
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -29,9 +29,19 @@ PositiveInt = Annotated[int, Field(gt=0)]
 
 
 class _Strict(BaseModel):
-    """Unknown keys are errors: a typo in a limit must not silently mean 'unlimited'."""
+    """Unknown keys are errors: a typo in a limit must not silently mean 'unlimited'. A key
+    an earlier release had says what became of it (``REMOVED``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    REMOVED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        gone = [key for key in cls.REMOVED if isinstance(data, dict) and key in data]
+        if gone:
+            raise ValueError("; ".join(f"{key}: removed, {cls.REMOVED[key]}" for key in gone))
+        return data
 
 
 class SlidingWindow(_Strict):
@@ -85,6 +95,9 @@ class Tier(_Strict):
 class RequestClass(_Strict):
     """A request class: its vLLM priority, and how long it may wait in kvgate's queue."""
 
+    REMOVED: ClassVar[dict[str, str]] = {
+        "sla_ms": "it only fed the dynamic order, which the hierarchical fair order replaced"}
+
     priority: int = Field(0, description="vLLM priority: lower is served earlier")
     deadline_s: PositiveFloat = Field(
         30, description="longest wait in the queue; then 503 (pool) or 429 (tenant's share)"
@@ -110,6 +123,10 @@ class Classification(_Strict):
 
 class QueueSettings(_Strict):
     """The fair queue that holds requests while the pool is saturated."""
+
+    REMOVED: ClassVar[dict[str, str]] = {key: "the hierarchical fair order replaced the "
+                                         "dynamic one (see the README's fair queueing)"
+                                         for key in ("order", "alpha", "beta", "gamma")}
 
     enabled: bool = Field(True, description="false: answer 503/429 at once instead of queueing")
     max_size: PositiveInt = Field(1024, description="per pool; then the least important go")

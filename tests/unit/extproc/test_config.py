@@ -124,3 +124,13 @@ def test_bad_aging_and_reserved_slots_name_their_paths():
     assert problems(bad) == ["pools[0].reserved_in_flight: 4 must be below max_in_flight (4)"]
     bad["pools"][0]["max_in_flight"] = 5
     assert parse_config(bad).pools[0].reserved_in_flight == 4
+
+
+def test_keys_of_the_removed_dynamic_order_say_what_became_of_them():
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["queue"] = {"order": "dynamic", "beta": 1.0}
+    data["classes"] = {"interactive": {"priority": 0, "sla_ms": 2000}}
+    found = problems(data)
+    assert any(p.startswith("queue: order: removed, the hierarchical fair order") for p in found)
+    assert any("beta: removed" in p for p in found)
+    assert any(p.startswith("classes.interactive: sla_ms: removed") for p in found)

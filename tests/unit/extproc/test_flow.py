@@ -182,3 +182,25 @@ def test_classes_may_set_their_own_aging():
     h = Harness(parse_config(data))
     assert (h.flow.queue.aging_for(0), h.flow.queue.aging_for(1),
             h.flow.queue.aging_for(2)) == (5000, 30_000, None)
+
+
+async def test_a_queued_request_is_charged_its_price_and_refunded_what_it_did_not_use(harness):
+    await harness.start(usage=0.99)
+    task = harness.admit("b")  # weight 1: counter units are tokens
+    await settle()
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    prompt = admission.cost.prompt_tokens
+    assert admission.charged == prompt + 2 * 100  # prompt 1, output 2 per token (max_tokens)
+    counters = await harness.flow.fairness.counters()
+    assert counters["b"] == admission.charged
+    await harness.director.release(admission, prompt + 10, 10)  # 10 of 100 output tokens
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 10
+
+
+async def test_a_request_placed_at_once_is_not_charged(harness):
+    await harness.start(usage=0.1)
+    admission = await asyncio.wait_for(harness.admit("b"), 2)
+    assert admission.charged is None  # nothing waited: there is no order to keep
+    await harness.director.release(admission, 10, 5)
+    assert await harness.flow.fairness.counters() == {}
