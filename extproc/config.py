@@ -200,9 +200,21 @@ class Tenant(_Strict):
 class Model(_Strict):
     name: str = Field(min_length=1)
     tokenizer: Path | None = Field(None, description="local HF tokenizer.json for exact counts")
+    chat_template: Path | None = Field(
+        None, description="a .jinja chat template file (needs `tokenizer`) overriding the one "
+        "beside the tokenizer (`chat_template.jinja`, or `chat_template` in "
+        "`tokenizer_config.json`): chat prompts are rendered with it, as vLLM does, before "
+        "they are counted; give the engine's --chat-template here if it was started with one",
+    )
     default_max_tokens: PositiveInt = Field(
         1024, description="output tokens reserved when the request sets no max_tokens"
     )
+
+    @model_validator(mode="after")
+    def _template_needs_tokenizer(self) -> Model:
+        if self.chat_template is not None and self.tokenizer is None:
+            raise ValueError("chat_template needs a tokenizer: it is used for exact counts")
+        return self
 
 
 class Dns(_Strict):

@@ -1,7 +1,8 @@
 """What a request costs: the model (and so the pool) that serves it, and its tokens.
 
-Prompt tokens come from the model's tokenizer when one is configured (else a chars-per-token
-estimate) plus the chat template's overhead per message; output tokens are the request's
+Prompt tokens come from the model's tokenizer when one is configured (chat prompts rendered
+with its chat template, as vLLM does), else a chars-per-token estimate plus a guess at the
+chat template's overhead per message; output tokens are the request's
 ``max_tokens`` (or the model's default) times the answers it asks for (``n``, ``best_of``).
 The reservation is reconciled with the engine's real usage when the request ends.
 """
@@ -9,7 +10,7 @@ The reservation is reconciled with the engine's real usage when the request ends
 from __future__ import annotations
 
 from extproc.config import Config, Model, Pool
-from extproc.openai import PER_MESSAGE_OVERHEAD_TOKENS, BadRequest, InferenceRequest
+from extproc.openai import BadRequest, InferenceRequest
 from extproc.tokens import TokenCounter, make_counter
 from limiter.outcome import Cost
 
@@ -20,7 +21,8 @@ class Pricer:
             m.name: (p, m) for p in config.pools for m in p.models
         }
         self._counters: dict[str, TokenCounter] = {
-            name: make_counter(model.tokenizer, config.server.chars_per_token)
+            name: make_counter(model.tokenizer, config.server.chars_per_token,
+                               model.chat_template)
             for name, (_, model) in self._models.items()
         }
 
@@ -36,8 +38,7 @@ class Pricer:
         return found
 
     def price(self, model: Model, request: InferenceRequest) -> Cost:
-        prompt = self._counters[model.name].count(request.prompt_texts)
-        prompt += PER_MESSAGE_OVERHEAD_TOKENS * request.message_count
+        prompt = self._counters[model.name].prompt_tokens(request)
         output = request.max_output_tokens
         output = model.default_max_tokens if output is None else output
         # n / best_of: the engine generates (and holds KV for) that many answers

@@ -1,7 +1,8 @@
 """Prompt token counts before the engine sees the request.
 
 The estimate decides admission, so it must be cheap (microseconds) and never fail: chars
-per token by default, exact with a local HF ``tokenizer.json`` when a model names one.
+per token by default, exact with a local HF ``tokenizer.json`` when a model names one (chat
+prompts rendered with the model's chat template first, see ``extproc.chat_template``).
 Reservations are reconciled with the engine's real ``usage`` afterwards, so an estimate
 that is a little off only shifts tokens between this request and the next.
 """
@@ -11,13 +12,24 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from extproc.chat_template import ChatTemplate
+from extproc.chat_template import load as load_chat_template
+from extproc.openai import CHAT, COMPLETIONS, PER_MESSAGE_OVERHEAD_TOKENS, InferenceRequest
 
 log = logging.getLogger(__name__)
 
 
 class TokenCounter(Protocol):
     def count(self, texts: list[str]) -> int: ...
+
+    def prompt_tokens(self, request: InferenceRequest) -> int: ...
+
+
+def _estimated_chat_overhead(request: InferenceRequest) -> int:
+    """Without a chat template: the template's tokens around each message, guessed."""
+    return PER_MESSAGE_OVERHEAD_TOKENS * request.message_count
 
 
 class CharEstimate:
@@ -27,14 +39,31 @@ class CharEstimate:
     def count(self, texts: list[str]) -> int:
         return math.ceil(sum(map(len, texts)) / self.chars_per_token)
 
+    def prompt_tokens(self, request: InferenceRequest) -> int:
+        return self.count(request.prompt_texts) + _estimated_chat_overhead(request)
+
 
 class HFTokenizer:
-    """Exact counts from a local ``tokenizer.json`` (no hub download, ever)."""
+    """Exact counts from a local ``tokenizer.json`` (no hub download, ever).
 
-    def __init__(self, path: Path):
+    Chat prompts are counted as vLLM builds them when the model has a chat template (its
+    own ``chat_template`` file, or the one beside the tokenizer): rendered, then encoded
+    without special tokens; plain prompts (completions, embeddings) are encoded with them
+    (the BOS a Llama-style post-processor adds), as vLLM does by default.
+    """
+
+    def __init__(self, path: Path, chat_template: Path | None = None):
         from tokenizers import Tokenizer  # imported only when a model names a tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(path))
+        self.template: ChatTemplate | None = None
+        self._render_failure_logged = False
+        try:
+            self.template = load_chat_template(path, chat_template)
+        except Exception as exc:  # a broken template costs exactness, never the gateway
+            log.error("chat template for %s unusable (%s); chat prompts are counted by "
+                      "their contents plus %d tokens a message", chat_template or path, exc,
+                      PER_MESSAGE_OVERHEAD_TOKENS)
 
     def count(self, texts: list[str]) -> int:
         if not texts:
@@ -42,12 +71,53 @@ class HFTokenizer:
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         return sum(len(e.ids) for e in encodings)
 
+    def prompt_tokens(self, request: InferenceRequest) -> int:
+        body = request.body
+        if request.path == CHAT:
+            if self.template is not None:
+                try:
+                    text = self.template.render(body)
+                except Exception as exc:  # the template's raise_exception, odd messages
+                    self._log_render_failure(exc)
+                else:
+                    special = body.get("add_special_tokens") is True  # vLLM's default: no
+                    return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
+            return self.count(request.prompt_texts) + _estimated_chat_overhead(request)
+        ids = _token_ids(body.get("prompt" if request.path == COMPLETIONS else "input"))
+        if ids is not None:  # token ids are counted as given, no BOS added
+            return ids
+        special = body.get("add_special_tokens") is not False  # vLLM's default: yes
+        encodings = self.tokenizer.encode_batch(request.prompt_texts,
+                                                add_special_tokens=special)
+        return sum(len(e.ids) for e in encodings)
 
-def make_counter(tokenizer: Path | None, chars_per_token: float) -> TokenCounter:
+    def _log_render_failure(self, exc: Exception) -> None:
+        if self._render_failure_logged:
+            return
+        self._render_failure_logged = True
+        origin = self.template.origin if self.template is not None else "?"
+        log.warning("chat template %s failed to render a request (%s: %s); such requests "
+                    "are counted by their contents plus %d tokens a message (logged once)",
+                    origin, type(exc).__name__, exc, PER_MESSAGE_OVERHEAD_TOKENS)
+
+
+def _token_ids(value: Any) -> int | None:
+    """How many tokens a prompt given as token ids (or lists of them) holds; None for text."""
+    if not isinstance(value, list) or not value:
+        return None
+    if all(isinstance(v, int) for v in value):
+        return len(value)
+    if all(isinstance(v, list) for v in value):
+        return sum(len(v) for v in value)
+    return None
+
+
+def make_counter(tokenizer: Path | None, chars_per_token: float,
+                 chat_template: Path | None = None) -> TokenCounter:
     if tokenizer is None:
         return CharEstimate(chars_per_token)
     try:
-        return HFTokenizer(tokenizer)
+        return HFTokenizer(tokenizer, chat_template)
     except Exception as exc:  # a broken tokenizer file must not take the gateway down
         log.error("tokenizer %s unusable (%s); estimating %.1f chars/token", tokenizer, exc,
                   chars_per_token)

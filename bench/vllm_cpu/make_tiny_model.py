@@ -6,7 +6,8 @@ Nothing is downloaded: the weights are random (seeded), the tokenizer is built h
 a small English word list with `tokenizers`, wrapped in `PreTrainedTokenizerFast` with a
 jinja chat template so `/v1/chat/completions` works. The output directory holds
 `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json` (usable by
-kvgate for exact token counts), `tokenizer_config.json` and `special_tokens_map.json`.
+kvgate for exact token counts), `tokenizer_config.json` (with the chat template, which
+kvgate renders to count chat prompts) and `special_tokens_map.json`.
 
 Shape: hidden 128, 2 layers, 2 attention heads, 1 KV head -> head_dim 64 (the CPU
 attention kernel rejects head_dim 16). KV bytes/token in float32 =
@@ -101,6 +102,17 @@ def build_tokenizer(max_len: int):
     return fast
 
 
+def pin_chat_template(out: Path) -> None:
+    """Keep the chat template in ``tokenizer_config.json`` too: newer transformers save it to
+    ``chat_template.jinja`` only. kvgate reads either (its exact chat counts render it), and
+    vLLM (transformers) prefers the ``.jinja`` file, which holds the same template."""
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("chat_template") != CHAT_TEMPLATE:
+        config["chat_template"] = CHAT_TEMPLATE
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".vllm-model")
@@ -144,6 +156,7 @@ def main() -> None:
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    pin_chat_template(out)
 
     n_params = sum(p.numel() for p in model.parameters())
     info = {

@@ -150,6 +150,37 @@ def test_tokenizer_json_counts_match_vllm_usage(client):
     assert r.json()["usage"]["prompt_tokens"] == expected
 
 
+def test_kvgate_reserves_the_prompt_tokens_vllm_reports(client):
+    """kvgate's counter (the chat template from tokenizer_config.json, rendered and encoded
+    as vLLM does) reserves exactly vLLM's usage.prompt_tokens, chat and completions."""
+    import orjson
+
+    from extproc.openai import CHAT, COMPLETIONS, parse_body
+    from extproc.tokens import HFTokenizer, make_counter
+
+    counter = make_counter(MODEL_DIR / "tokenizer.json", 4.0)
+    assert isinstance(counter, HFTokenizer) and counter.template is not None
+    chats = [
+        chat_body("please tell me about the sea"),
+        {**chat_body("x"), "messages": [
+            {"role": "system", "content": "you are brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"},
+                                         {"type": "text", "text": "the world"}]},
+            {"role": "assistant", "content": "a big place"},
+            {"role": "user", "content": "tell me more"},
+        ]},
+    ]
+    for body in chats:
+        usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+        reserved = counter.prompt_tokens(parse_body(CHAT, orjson.dumps(body)))
+        assert reserved == usage["prompt_tokens"], body
+    for prompt in ("Hello, the world is a big place!", ["one prompt", "and another one"]):
+        body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 1}
+        usage = client.post("/v1/completions", json=body).json()["usage"]
+        reserved = counter.prompt_tokens(parse_body(COMPLETIONS, orjson.dumps(body)))
+        assert reserved == usage["prompt_tokens"], body
+
+
 def test_metrics_names_and_kv_capacity(client):
     client.post("/v1/chat/completions", json=chat_body("hello", max_tokens=4))
     text = client.get("/metrics").text
