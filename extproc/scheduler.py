@@ -47,6 +47,7 @@ from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from limiter.outcome import Reason, Reject, refuse
 
 FALLBACKS = 2  # endpoints after the chosen one, for Envoy's retries
+SEQ_PLATEAU_SCRAPES = 5  # scrapes in a row at one running count with work waiting: a seq cap
 DRAIN_WINDOW_S = 10.0
 MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
 
@@ -132,6 +133,9 @@ class PoolScheduler:
     in_flight: dict[str, int] = field(default_factory=dict)
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # endpoint → in prefill
     unstarted: dict[str, int] = field(default_factory=dict)  # endpoint → requests in prefill
+    # endpoint → the engine's sequence limit (vLLM --max-num-seqs) as learned from its scrapes
+    seq_caps: dict[str, int] = field(default_factory=dict)
+    _plateaus: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
     # endpoint → its reservations, oldest first (times come from a monotonic clock), so the
     # ones newer than a scrape are found from the end without walking every reservation
@@ -160,7 +164,8 @@ class PoolScheduler:
         limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
         candidates = [self._candidate(e.state, tokens) for e in usable
                       if e.takes_work and self._has_slot(e.state.address, limit)
-                      and self.unstarted.get(e.state.address, 0) < ahead]
+                      and self.unstarted.get(e.state.address, 0) < ahead
+                      and self._has_seq(e.state.address, band)]
         if band and self.config.prefill_clear_share:
             candidates = self._keep_clear(candidates, usable)
         eligible = [c for c in candidates if c.fits]
@@ -254,6 +259,12 @@ class PoolScheduler:
         limit = self.config.max_unstarted
         return math.inf if limit is None else limit + (0 if band else 1)
 
+    def _has_seq(self, address: str, band: int) -> bool:
+        """Lower-band work leaves one of the engine's sequences (when its limit is known)
+        free for band 0, which would otherwise wait for a long request to finish."""
+        cap = self.seq_caps.get(address)
+        return cap is None or not band or self.in_flight.get(address, 0) < cap - 1
+
     def _has_slot(self, address: str, limit: int | None) -> bool:
         return limit is None or self.in_flight.get(address, 0) < limit
 
@@ -266,6 +277,7 @@ class PoolScheduler:
         states = snapshot.endpoints(self.config.name)
         for state in states:
             self._started_by_engine(state)
+            self._learn_seq_cap(state)
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
         endpoints = [_Scraped(s, s.usable_until(self.staleness_s), self._takes_work(s))
                      for s in states]
@@ -286,6 +298,29 @@ class PoolScheduler:
             self._started(reservation)
             if not reservation.streamed:
                 self._prefilled(reservation)
+
+    def _learn_seq_cap(self, state: EndpointState) -> None:
+        """vLLM runs at most ``--max-num-seqs`` requests at once and does not export it. When
+        the engine keeps requests waiting at one running count for several scrapes in a row
+        while its KV cache has room, that count is its limit. Running more later unlearns it.
+        """
+        if state.metrics is None or not self.config.max_unstarted:
+            return
+        address = state.address
+        running = int(_metric(state, "num_requests_running"))
+        cap = self.seq_caps.get(address)
+        if cap is not None and running > cap:
+            del self.seq_caps[address]
+        usage = state.kv_cache_usage or 0.0
+        if not running or not _metric(state, "num_requests_waiting") or (
+                usage >= self.config.watermarks.high):
+            self._plateaus.pop(address, None)
+            return
+        seen, count = self._plateaus.get(address, (running, 0))
+        count = count + 1 if seen == running else 1
+        self._plateaus[address] = (running, count)
+        if count >= SEQ_PLATEAU_SCRAPES:
+            self.seq_caps[address] = running
 
     def _takes_work(self, state: EndpointState) -> bool:
         marks = self.config.watermarks

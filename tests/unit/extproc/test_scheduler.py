@@ -270,3 +270,27 @@ def test_an_endpoint_kept_clear_stays_clear_when_the_busy_ones_are_full():
         sched.reserve(lease, "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
     assert place_band(sched, snap, 1).reason == "pool_saturated"  # batch waits: e2 stays clear
     assert place_band(sched, snap, 0).endpoints[0] == "e2"  # for interactive work
+
+
+def test_an_engine_stuck_at_one_running_count_has_its_seq_limit_learned():
+    """vLLM --max-num-seqs 4: four running and work waiting, scrape after scrape, KV free."""
+    sched = scheduler()
+    for lease in ("b1", "b2", "b3"):
+        sched.reserve(lease, "a", "e1", 10, NOW - 5, band=1)
+        sched.first_token(lease, NOW - 5)
+    for n in range(5):
+        full = snapshot(state("e1", 0.3, running=4, waiting=2, scraped_at=NOW - 1 + n / 10))
+        placed = place_band(sched, full, 1)
+    assert sched.seq_caps == {"e1": 4}
+    assert placed.reason == "pool_saturated"  # 3 in flight: batch leaves the 4th seq free
+    assert isinstance(place_band(sched, full, 0), Placement)  # for interactive work
+    more = snapshot(state("e1", 0.3, running=5, waiting=0))  # it runs more: unlearned
+    assert isinstance(place_band(sched, more, 1), Placement) and not sched.seq_caps
+
+
+def test_a_busy_engine_whose_running_count_moves_learns_no_seq_limit():
+    sched = scheduler()
+    for n, running in enumerate((120, 121, 119, 121, 122, 120)):
+        place_band(sched, snapshot(state("e1", 0.5, running=running, waiting=3,
+                                         scraped_at=NOW - 1 + n / 10)), 1)
+    assert not sched.seq_caps
