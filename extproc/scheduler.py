@@ -135,7 +135,8 @@ class PoolScheduler:
     unstarted: dict[str, int] = field(default_factory=dict)  # endpoint → requests in prefill
     # endpoint → the engine's sequence limit (vLLM --max-num-seqs) as learned from its scrapes
     seq_caps: dict[str, int] = field(default_factory=dict)
-    _plateaus: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _plateaus: dict[str, tuple[int, float | None, int]] = field(default_factory=dict,
+                                                                 repr=False)
     low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
     # endpoint → its reservations, oldest first (times come from a monotonic clock), so the
     # ones newer than a scrape are found from the end without walking every reservation
@@ -301,9 +302,9 @@ class PoolScheduler:
 
     def _learn_seq_cap(self, state: EndpointState) -> None:
         """vLLM runs at most ``--max-num-seqs`` requests at once and does not export it. When
-        the engine keeps requests waiting at one running count for several scrapes in a row
-        while its KV cache has room, that count is its limit. Running more later unlearns it.
-        """
+        the engine keeps requests waiting at one running count, scrape after scrape, while it
+        has KV room and is prefilling none of kvgate's requests (a long prefill also keeps
+        work waiting), that count is its limit. Running more later unlearns it."""
         if state.metrics is None or not self.config.max_unstarted:
             return
         address = state.address
@@ -313,14 +314,22 @@ class PoolScheduler:
             del self.seq_caps[address]
         usage = state.kv_cache_usage or 0.0
         if not running or not _metric(state, "num_requests_waiting") or (
-                usage >= self.config.watermarks.high):
+                usage >= self.config.watermarks.high) or self._prefilling(address):
             self._plateaus.pop(address, None)
             return
-        seen, count = self._plateaus.get(address, (running, 0))
+        seen, scraped_at, count = self._plateaus.get(address, (running, None, 0))
+        if scraped_at == state.scraped_at:
+            return  # the same scrape, seen again
         count = count + 1 if seen == running else 1
-        self._plateaus[address] = (running, count)
+        self._plateaus[address] = (running, state.scraped_at, count)
         if count >= SEQ_PLATEAU_SCRAPES:
             self.seq_caps[address] = running
+
+    def _prefilling(self, address: str) -> bool:
+        """Whether the engine is prefilling one of kvgate's requests: admitted, and its
+        first token not seen yet."""
+        return any(r.started and r.prefilling
+                   for r in self.by_endpoint.get(address, {}).values())
 
     def _takes_work(self, state: EndpointState) -> bool:
         marks = self.config.watermarks
