@@ -17,7 +17,7 @@ from extproc.openai import BadRequest
 @dataclass(frozen=True)
 class RequestClass:
     name: str
-    band: int  # 0 = most important; the fair queue's strict priority band
+    band: int  # 0 = most important; the class order inside a tenant's work in the fair queue
     priority: int  # what vLLM's priority scheduler gets (lower runs first)
 
 
