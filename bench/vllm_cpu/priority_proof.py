@@ -351,6 +351,9 @@ def run_setting(name: str, blocks: int, configs: tuple[str, ...], reps: int,
                           f"at-send {r['vllm_at_interactive_send']}{extra}", flush=True)
                     if cfg == "kvgate":
                         caps.append(seq_caps(kvgate))
+                    # every run as it ends, so a run cut short by a timeout keeps its data
+                    partial = Path(args.out).with_suffix(f".partial-{name}.json")
+                    partial.write_text(json.dumps({"num_gpu_blocks": blocks, "runs": runs}))
             with httpx.Client(timeout=10) as c:
                 queues = c.get(admin_url + "/debug/queues").json()
     return {"num_gpu_blocks": blocks, "kv_tokens": blocks * 128, "reps": reps,
@@ -416,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                                               for n, c in commands.items())
                   + f"\nSchedule: {json.dumps(schedule)}; --max-num-seqs {MAX_NUM_SEQS}.\n\n"
                   + text + "\n")
+    for name in args.settings.split(","):
+        out.with_suffix(f".partial-{name}.json").unlink(missing_ok=True)
     print(f"wrote {out} and {md}")
     return 0
 
