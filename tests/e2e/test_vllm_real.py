@@ -308,7 +308,7 @@ def test_request_through_kvgate_reaches_real_vllm_with_priority_and_usage(gatewa
     while director.active and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not director.active  # released, with vLLM's own usage reconciled
-    usage = kvgate.call(director.store.usage("acme", director.policy(
+    usage = kvgate.call(director.store.usage("acme", director.tenants.policy(
         director.authenticate(f"Bearer {KVGATE_KEY}"))))
     assert usage["in_flight"] == 0
 
@@ -336,7 +336,9 @@ def test_kvgate_defaults_interactive_ttft_not_worse_than_vllm_priority(vllm):
         runs = {cfg: asyncio.run(one_run(cfg, vllm.url, gateway_url, admin_url, args, seq))
                 for seq, cfg in enumerate(("vllm-priority", "kvgate"), start=1)}
     for run in runs.values():
-        assert run["ok"], run
+        assert run["ok"], (run["config"], run["kvgate"],
+                           [(x["status"], x.get("error")) for x in run["batch"] + run["interactive"]
+                            if x["status"] != 200])
         assert len(run["interactive_ttfts_s"]) == 4
         assert all(b["completion_tokens"] == 800 for b in run["batch"])
     own, kvgate = (runs[c]["interactive_ttft_median_s"] for c in ("vllm-priority", "kvgate"))
