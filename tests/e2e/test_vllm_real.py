@@ -308,6 +308,38 @@ def test_request_through_kvgate_reaches_real_vllm_with_priority_and_usage(gatewa
     while director.active and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not director.active  # released, with vLLM's own usage reconciled
-    usage = kvgate.call(director.store.usage("acme", director.policy(
+    usage = kvgate.call(director.store.usage("acme", director.tenants.policy(
         director.authenticate(f"Bearer {KVGATE_KEY}"))))
     assert usage["in_flight"] == 0
+
+
+# -- kvgate on its shipped defaults vs vLLM's own priority scheduling -------------------------
+
+
+def test_kvgate_defaults_interactive_ttft_not_worse_than_vllm_priority(vllm):
+    """One short repetition of bench/vllm_cpu/priority_proof.py's schedule on this module's
+    server: 8 long batch requests at t=0 fill the 4 sequences, 4 streamed interactive ones
+    follow at 0.5 s; straight to vLLM with `priority` in the body, then through Envoy +
+    kvgate configured with the workload only. kvgate's median interactive TTFT must not be
+    worse than vLLM's own priority scheduling (0.25 s of slack for the 2-core stall described
+    in bench/vllm_cpu/README.md). 8 x (~60 + 800) tokens in 7-block sequences: 4 x 7 = 28 of
+    the 31 usable blocks, so the KV cache holds all 4 running sequences."""
+    import argparse
+    import asyncio
+
+    from bench.vllm_cpu.priority_proof import gateway, one_run
+
+    args = argparse.Namespace(batch=8, batch_max_tokens=800, interactive=4,
+                              interactive_max_tokens=16, interactive_at=0.5, settle=0.5)
+    with gateway(vllm.port) as (_kvgate, gateway_url, admin_url):
+        time.sleep(1.0)  # a few scrape rounds
+        runs = {cfg: asyncio.run(one_run(cfg, vllm.url, gateway_url, admin_url, args, seq))
+                for seq, cfg in enumerate(("vllm-priority", "kvgate"), start=1)}
+    for run in runs.values():
+        assert run["ok"], (run["config"], run["kvgate"],
+                           [(x["status"], x.get("error")) for x in run["batch"] + run["interactive"]
+                            if x["status"] != 200])
+        assert len(run["interactive_ttfts_s"]) == 4
+        assert all(b["completion_tokens"] == 800 for b in run["batch"])
+    own, kvgate = (runs[c]["interactive_ttft_median_s"] for c in ("vllm-priority", "kvgate"))
+    assert kvgate <= own + 0.25, (kvgate, own, runs["kvgate"]["kvgate"])
