@@ -158,6 +158,8 @@ class FlowController:
         while len(self.queue):
             now = self.clock_ms()
             offers = self.queue.candidates(now, fits=self._fits)
+            if not any(offer.fits for offer in offers):
+                return  # nothing can run: no need to ask the (maybe shared) order
             chosen = await self.fairness.choose(offers)
             if chosen is None:
                 return

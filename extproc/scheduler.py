@@ -264,7 +264,7 @@ class PoolScheduler:
         """Lower-band work leaves one of the engine's sequences (when its limit is known)
         free for band 0, which would otherwise wait for a long request to finish."""
         cap = self.seq_caps.get(address)
-        return cap is None or not band or self.in_flight.get(address, 0) < cap - 1
+        return cap is None or not band or self.in_flight.get(address, 0) < max(1, cap - 1)
 
     def _has_slot(self, address: str, limit: int | None) -> bool:
         return limit is None or self.in_flight.get(address, 0) < limit
@@ -303,8 +303,9 @@ class PoolScheduler:
     def _learn_seq_cap(self, state: EndpointState) -> None:
         """vLLM runs at most ``--max-num-seqs`` requests at once and does not export it. When
         the engine keeps requests waiting at one running count, scrape after scrape, while it
-        has KV room and is prefilling none of kvgate's requests (a long prefill also keeps
-        work waiting), that count is its limit. Running more later unlearns it."""
+        is prefilling none of kvgate's requests (a long prefill also keeps work waiting) and
+        its free KV would hold every prompt kvgate has waiting there (else it is short of KV,
+        not of sequences), that count is its limit. Running more later unlearns it."""
         if state.metrics is None or not self.config.max_unstarted:
             return
         address = state.address
@@ -312,9 +313,8 @@ class PoolScheduler:
         cap = self.seq_caps.get(address)
         if cap is not None and running > cap:
             del self.seq_caps[address]
-        usage = state.kv_cache_usage or 0.0
         if not running or not _metric(state, "num_requests_waiting") or (
-                usage >= self.config.watermarks.high) or self._prefilling(address):
+                self._prefilling(address) or not self._kv_holds_waiting(state)):
             self._plateaus.pop(address, None)
             return
         seen, scraped_at, count = self._plateaus.get(address, (running, None, 0))
@@ -324,6 +324,17 @@ class PoolScheduler:
         self._plateaus[address] = (running, state.scraped_at, count)
         if count >= SEQ_PLATEAU_SCRAPES:
             self.seq_caps[address] = running
+
+    def _kv_holds_waiting(self, state: EndpointState) -> bool:
+        """Whether the endpoint's free KV would hold every prompt kvgate sent it that has
+        not started (unknown capacity: only below the high watermark)."""
+        usage = state.kv_cache_usage or 0.0
+        capacity = state.kv_capacity_tokens
+        if not capacity:
+            return usage < self.config.watermarks.high
+        waiting = sum(r.prefill for r in self.by_endpoint.get(state.address, {}).values()
+                      if not r.started)
+        return (1 - usage) * capacity >= 2 * waiting  # vLLM admits by blocks: leave slack
 
     def _prefilling(self, address: str) -> bool:
         """Whether the engine is prefilling one of kvgate's requests: admitted, and its

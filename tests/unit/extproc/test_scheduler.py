@@ -294,3 +294,22 @@ def test_a_busy_engine_whose_running_count_moves_learns_no_seq_limit():
         place_band(sched, snapshot(state("e1", 0.5, running=running, waiting=3,
                                          scraped_at=NOW - 1 + n / 10)), 1)
     assert not sched.seq_caps
+
+
+def test_an_engine_short_of_kv_is_not_taken_for_one_short_of_sequences():
+    """One running, work waiting, usage under the watermark — but the waiting prompts need
+    more KV than is free: vLLM is waiting for blocks, and batch work must keep flowing."""
+    sched = scheduler()
+    sched.reserve("r", "a", "e1", 10, NOW - 5, band=1)
+    sched.first_token("r", NOW - 5)
+    sched.reserve("w", "a", "e1", 10, NOW - 5, band=1, prompt_tokens=300)  # 1000-token KV
+    for n in range(6):
+        place_band(sched, snapshot(state("e1", 0.65, running=1, waiting=1,
+                                         scraped_at=NOW - 1 + n / 10)), 1)
+    assert not sched.seq_caps
+
+
+def test_a_learned_limit_of_one_still_lets_one_lower_band_request_run():
+    sched = scheduler()
+    sched.seq_caps["e1"] = 1
+    assert isinstance(place_band(sched, snapshot(state("e1", 0.1)), 1), Placement)
