@@ -9,6 +9,7 @@ its deadline or expired by it.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from limiter import FairQueue, QueuedRequest
+from limiter.fairness import DEFAULT_LAG
 from limiter.fairqueue import Offer
 from limiter.stores import MemoryFairness
 
@@ -133,9 +135,9 @@ def test_aging_prevents_starvation_by_the_tenants_own_interactive_stream() -> No
 
 def test_another_tenants_interactive_stream_cannot_starve_batch_work_without_aging() -> None:
     """Between tenants shares decide: the hog's interactive work goes first only while its
-    band-0 counter, started a lag (2048 tokens) below the offline tenant's counter, is at
-    most a lag above it: 41 requests of 100 tokens; then the offline tenant's turn comes."""
-    assert _stream(None, hog="hog").index("offline") == 41
+    band-0 counter, started a lag below the offline tenant's counter, is at most a lag above
+    it: two lags' worth of 100-token requests; then the offline tenant's turn comes."""
+    assert _stream(None, hog="hog").index("offline") == math.ceil(2 * DEFAULT_LAG / 100)
 
 
 def test_next_aging_ms_is_the_next_promotion_of_a_lane_head() -> None:
