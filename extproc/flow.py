@@ -226,4 +226,6 @@ class FlowController:
                        "waited_ms": now - i.enqueued_ms, "deadline_in_ms": i.deadline_ms - now}
                       for i in self.queue.items()],
             "fairness_counters": await self.fairness.counters(),
+            "unstarted": dict(self.scheduler.unstarted),  # endpoint → sent, not started
+            "seq_limits": dict(self.scheduler.seq_caps),  # endpoint → learned --max-num-seqs
         }

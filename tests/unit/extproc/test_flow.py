@@ -204,3 +204,15 @@ async def test_a_request_placed_at_once_is_not_charged(harness):
     assert admission.charged is None  # nothing waited: there is no order to keep
     await harness.director.release(admission, 10, 5)
     assert await harness.flow.fairness.counters() == {}
+
+
+async def test_debug_shows_the_queue_and_what_the_gate_knows(harness):
+    await harness.start(usage=0.99)
+    task = harness.admit("b", "batch")
+    await settle()
+    view = await harness.flow.debug()
+    assert view["queued"] == 1 and view["items"][0]["tenant"] == "b"
+    assert view["unstarted"] == {} and view["seq_limits"] == {}
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
