@@ -132,7 +132,7 @@ class PoolScheduler:
     reservations: dict[str, Reservation] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # endpoint → in prefill
-    unstarted: dict[str, int] = field(default_factory=dict)  # endpoint → requests in prefill
+    unstarted: dict[str, int] = field(default_factory=dict)  # endpoint → sent, not started
     # endpoint → the engine's sequence limit (vLLM --max-num-seqs) as learned from its scrapes
     seq_caps: dict[str, int] = field(default_factory=dict)
     _plateaus: dict[str, tuple[int, float | None, int]] = field(default_factory=dict,
@@ -314,7 +314,7 @@ class PoolScheduler:
         if cap is not None and running > cap:
             del self.seq_caps[address]
         if not running or not _metric(state, "num_requests_waiting") or (
-                self._prefilling(address) or not self._kv_holds_waiting(state)):
+                not self._short_of_seqs_only(state)):
             self._plateaus.pop(address, None)
             return
         seen, scraped_at, count = self._plateaus.get(address, (running, None, 0))
@@ -325,22 +325,21 @@ class PoolScheduler:
         if count >= SEQ_PLATEAU_SCRAPES:
             self.seq_caps[address] = running
 
-    def _kv_holds_waiting(self, state: EndpointState) -> bool:
-        """Whether the endpoint's free KV would hold every prompt kvgate sent it that has
-        not started (unknown capacity: only below the high watermark)."""
+    def _short_of_seqs_only(self, state: EndpointState) -> bool:
+        """Whether the engine is prefilling none of kvgate's requests (admitted, first token
+        not seen) and its free KV would hold every prompt kvgate sent it that has not
+        started (unknown capacity: only below the high watermark)."""
+        waiting = 0
+        for r in self.by_endpoint.get(state.address, {}).values():
+            if r.started and r.prefilling:
+                return False
+            if not r.started:
+                waiting += r.prefill
         usage = state.kv_cache_usage or 0.0
         capacity = state.kv_capacity_tokens
         if not capacity:
             return usage < self.config.watermarks.high
-        waiting = sum(r.prefill for r in self.by_endpoint.get(state.address, {}).values()
-                      if not r.started)
         return (1 - usage) * capacity >= 2 * waiting  # vLLM admits by blocks: leave slack
-
-    def _prefilling(self, address: str) -> bool:
-        """Whether the engine is prefilling one of kvgate's requests: admitted, and its
-        first token not seen yet."""
-        return any(r.started and r.prefilling
-                   for r in self.by_endpoint.get(address, {}).values())
 
     def _takes_work(self, state: EndpointState) -> bool:
         marks = self.config.watermarks
