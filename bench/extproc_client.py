@@ -2,7 +2,9 @@
 
 For tests and benchmarks that need many kvgate processes or many decisions per second
 (two replicas sharing one Redis, the store benchmark): one gRPC stream per request, the
-same message order Envoy uses (request headers, request body, response body chunks).
+same messages Envoy sends (request headers, request body), then what Envoy's Lua meter does
+at the response's end (the ``done`` report with its usage, to the process the admission's
+metadata names) and the end of the stream.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import grpc
+import httpx
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -51,9 +54,24 @@ class ExtProcClient:
     def __init__(self, target: str):
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+        self.reports = httpx.AsyncClient(timeout=5)
 
     async def close(self) -> None:
         await self.channel.close()
+        await self.reports.aclose()
+
+    async def _end(self, call: grpc.aio.StreamStreamCall, admitted: pb.ProcessingResponse,
+                   response: bytes) -> None:
+        """The response has passed: report it as the Lua meter does, then end the stream
+        as Envoy does (kvgate releases the request there)."""
+        meta = admitted.dynamic_metadata.fields["kvgate"].struct_value.fields
+        usage = orjson.loads(response).get("usage")
+        await self.reports.post(
+            f"http://{meta['report'].string_value}/done/{meta['lease'].string_value}",
+            content=orjson.dumps({"usage": usage, "events": 0}),
+            headers={"x-kvgate-report-key": meta["key"].string_value})
+        await call.done_writing()
+        await call.read()  # the end of the RPC: kvgate has released
 
     async def chat(
         self,
@@ -63,8 +81,8 @@ class ExtProcClient:
         response: bytes | None = None,
         path: str = "/v1/chat/completions",
     ) -> Outcome:
-        """One request's whole exchange. ``response`` (a JSON body with ``usage``) is sent
-        back through the response phase, which releases the request's lease."""
+        """One request's whole exchange. ``response`` (a JSON body with ``usage``) is what
+        the engine answered: reported, then the stream ends, which releases the lease."""
         call = self.stub.Process()
         try:
             await call.write(_headers_message(path, key, end_of_stream=False))
@@ -76,37 +94,36 @@ class ExtProcClient:
             reply = await call.read()
             outcome = _immediate(reply) or Outcome(200, _set_headers(reply))
             if outcome.admitted and response is not None:
-                await call.write(pb.ProcessingRequest(
-                    response_body=pb.HttpBody(body=response, end_of_stream=True)))
-                await call.read()
+                await self._end(call, reply, response)
             return outcome
         finally:
             await call.done_writing()
             call.cancel()
 
-    @staticmethod
-    async def finish(call: grpc.aio.StreamStreamCall, response: bytes) -> None:
-        """End a request opened with :meth:`open`: its response body (with ``usage``)."""
+    async def finish(self, call: grpc.aio.StreamStreamCall, admitted: pb.ProcessingResponse,
+                     response: bytes) -> None:
+        """End a request opened with :meth:`open`: its response (a JSON body with ``usage``)
+        reported, then its stream ended."""
         try:
-            await call.write(pb.ProcessingRequest(
-                response_body=pb.HttpBody(body=response, end_of_stream=True)))
-            await call.read()
+            await self._end(call, admitted, response)
         finally:
-            await call.done_writing()
             call.cancel()
 
-    async def open(self, key: str, body: dict) -> tuple[Outcome, grpc.aio.StreamStreamCall]:
-        """Admit a request and keep its stream open (a long generation); cancel to end it."""
+    async def open(self, key: str, body: dict
+                   ) -> tuple[Outcome, grpc.aio.StreamStreamCall, pb.ProcessingResponse]:
+        """Admit a request and keep its stream open (a long generation); cancel to end it,
+        or :meth:`finish` it with the admission reply."""
         call = self.stub.Process()
         await call.write(_headers_message("/v1/chat/completions", key, end_of_stream=False))
-        outcome = _immediate(await call.read())
+        first = await call.read()
+        outcome = _immediate(first)
         if outcome:
             call.cancel()
-            return outcome, call
+            return outcome, call, first
         await call.write(pb.ProcessingRequest(
             request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True)))
         reply = await call.read()
-        return _immediate(reply) or Outcome(200, _set_headers(reply)), call
+        return _immediate(reply) or Outcome(200, _set_headers(reply)), call, reply
 
 
 def _set_headers(reply: pb.ProcessingResponse) -> dict[str, str]:

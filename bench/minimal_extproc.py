@@ -27,19 +27,26 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.messages import WITH_BODY
 from extproc.processes import set_cpu_policy
 
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024  # as kvgate: its default body limit + 1 MiB
 
+# What an ext_proc that meters responses itself asks for: the request body whole, then the
+# response body chunk by chunk (kvgate's bootstrap sends neither by default; kvgate reads
+# its responses through Envoy's Lua meter instead).
+METERING = ProcessingMode(
+    request_header_mode=ProcessingMode.SEND, response_header_mode=ProcessingMode.SKIP,
+    request_body_mode=ProcessingMode.BUFFERED, response_body_mode=ProcessingMode.STREAMED,
+    request_trailer_mode=ProcessingMode.SKIP, response_trailer_mode=ProcessingMode.SKIP,
+)
+
 REPLIES: dict[str, pb.ProcessingResponse] = {
-    # the modes kvgate turns on for an inference request (the bootstrap's own send no
-    # response body), so the floor gets the same messages
     "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
-                                             mode_override=WITH_BODY),
+                                             mode_override=METERING),
     "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
     "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
     "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),

@@ -62,7 +62,13 @@ import kvgate_native
 from bench.redis_server import RedisServer
 from extproc.config import hash_api_key, parse_config
 from extproc.engine.server import EngineProcess
-from extproc.envoy_config import EXT_PROC_CLUSTER, UPSTREAM_CLUSTER, render_bootstrap
+from extproc.envoy_config import (
+    EXT_PROC_CLUSTER,
+    METER_FILTER,
+    REPORT_CLUSTER,
+    UPSTREAM_CLUSTER,
+    render_bootstrap,
+)
 from extproc.envoy_proc import EnvoyProcess, find_envoy
 from extproc.ports import free_port
 from extproc.processes import stop_process
@@ -98,6 +104,23 @@ BODY = json.dumps({
     "messages": [{"role": "user", "content": "Say hello to the overhead benchmark, please."}],
 }).encode()
 HEADERS = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+# Streamed rows (--streams): one request of N output tokens per turn, at c=STREAM_LEVEL, on
+# an engine that spends STREAM_MS_PER_TOKEN per decode step, so tokens come as separate
+# chunks as from a real engine; only the floor and kvgate (Envoy direct for reference).
+STREAMS = (64, 512)
+STREAM_LEVEL = 16
+STREAM_MS_PER_TOKEN = 2
+STREAM_MODES = ("direct", "minimal", "kvgate")
+
+
+def request_body(stream_tokens: int) -> bytes:
+    """The benchmark's request: non-streamed ``MAX_TOKENS`` (0), or a stream of N tokens."""
+    if not stream_tokens:
+        return BODY
+    return json.dumps({
+        "model": MODEL, "max_tokens": stream_tokens, "stream": True,
+        "messages": [{"role": "user", "content": "Stream to the overhead benchmark, please."}],
+    }).encode()
 # Real limits on every dimension the example config uses, set far above what the run sends:
 # every admission checks and charges them all, none rejects.
 LIMITS = {
@@ -110,8 +133,10 @@ LIMITS = {
 ENGINE_OPTIONS = {"model": MODEL, "scheduling_policy": "priority", "ms_per_token": 0,
                   "prefill_us_per_token": 0, "decode_us_per_seq": 0}
 
-# Targets from the issue.
-CPU_RATIO_TARGET = 1.5  # kvgate ext_proc CPU/request ÷ the floor's, at the reference level
+# Targets from the issues.
+CPU_RATIO_TARGET = 1.25  # kvgate ext_proc CPU/request ÷ the floor's, at the reference level
+STREAM_CPU_TARGET = 2.0  # kvgate CPU/request streamed (longest) ÷ its own non-streamed
+STREAM_LATENCY_TARGET = 1.05  # kvgate's TTFT and total time ÷ the floor's, same streams
 CPU_RATIO_LEVEL = 16  # the floor's level of reference: c=16
 P50_DELTA_TARGET_MS = 1.5  # kvgate p50 − Envoy-direct p50 at c=1
 
@@ -241,21 +266,31 @@ def static_upstream(bootstrap: dict[str, Any], host: str, port: int) -> dict[str
     return bootstrap
 
 
-def without_ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    """The bootstrap with no ext_proc filter (nor its cluster)."""
+def without(bootstrap: dict[str, Any], filter_name: str, cluster_name: str) -> dict[str, Any]:
+    """The bootstrap with one HTTP filter (and the cluster it calls) taken out."""
     bootstrap = copy.deepcopy(bootstrap)
     filters = _http_filters(bootstrap)
-    filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+    filters[:] = [f for f in filters if f["name"] != filter_name]
     clusters = bootstrap["static_resources"]["clusters"]
-    clusters[:] = [c for c in clusters if c["name"] != EXT_PROC_CLUSTER]
+    clusters[:] = [c for c in clusters if c["name"] != cluster_name]
     return bootstrap
 
 
+def without_meter(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    return without(bootstrap, METER_FILTER, REPORT_CLUSTER)
+
+
+def without_ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    return without(bootstrap, "envoy.filters.http.ext_proc", EXT_PROC_CLUSTER)
+
+
 def bootstrap_for(mode: str, config: dict[str, Any], engine: EngineProcess) -> dict[str, Any]:
+    """kvgate's rendered bootstrap; the floor's is the same with a STATIC upstream and no
+    Lua meter (it meters over ext_proc itself), Envoy direct's without ext_proc too."""
     rendered = render_bootstrap(parse_config(config))
     if mode.startswith("kvgate"):
         return rendered
-    static = static_upstream(rendered, engine.host, engine.port)
+    static = without_meter(static_upstream(rendered, engine.host, engine.port))
     return without_ext_proc(static) if mode == "direct" else static
 
 
@@ -266,12 +301,16 @@ _SERIES = re.compile(r"^(kvgate_\w+_total)(\{[^}]*\})? (\S+)$", re.MULTILINE)
 _KIND = re.compile(r'kind="([^"]+)"')
 
 
+_BY_KIND = {"kvgate_extproc_messages_total": "messages", "kvgate_meter_reports_total": "reports"}
+
+
 def parse_counters(text: str) -> dict[str, float]:
-    """kvgate's ``/metrics`` counters; messages as ``messages:<kind>``."""
+    """kvgate's ``/metrics`` counters; ext_proc messages as ``messages:<kind>``, the Lua
+    meter's reports as ``reports:<kind>``."""
     counters = {}
     for name, labels, value in _SERIES.findall(text):
-        kind = _KIND.search(labels) if name == "kvgate_extproc_messages_total" else None
-        counters[f"messages:{kind.group(1)}" if kind else name + labels] = float(value)
+        kind = _KIND.search(labels) if name in _BY_KIND else None
+        counters[f"{_BY_KIND[name]}:{kind.group(1)}" if kind else name + labels] = float(value)
     return counters
 
 
@@ -345,14 +384,15 @@ def _start_ext_proc(mode: str, config: dict[str, Any], workdir: Path
 
 
 @contextlib.contextmanager
-def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch"
-            ) -> Iterator[Gateway]:
+def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch",
+            ms_per_token: float = 0) -> Iterator[Gateway]:
     """Start what ``mode`` needs, its own engine included; stop it all on exit."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgate-bench-")))
-        engine = stack.enter_context(EngineProcess(**ENGINE_OPTIONS))
+        engine = stack.enter_context(
+            EngineProcess(**{**ENGINE_OPTIONS, "ms_per_token": ms_per_token}))
         assert engine.proc is not None
         gw = Gateway(mode, "", {"engine": engine.proc.pid})
         redis_url = None
@@ -392,19 +432,23 @@ def check(gw: Gateway) -> None:
 class Load:
     """Closed loop: each worker sends its next request as soon as the last one answers."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, body: bytes = BODY):
         self.url = url
+        self.body = body
         self.running = True
         self.recording = False
-        self.latencies: list[float] = []
+        self.latencies: list[float] = []  # send → whole response read
+        self.first_bytes: list[float] = []  # send → first body chunk (a stream's TTFT)
         self.statuses: Counter[int] = Counter()  # in the window; 0 = connection error
 
     async def worker(self, session: aiohttp.ClientSession) -> None:
         while self.running:
             started = time.perf_counter()
+            first = None
             try:
-                async with session.post(self.url, data=BODY, headers=HEADERS) as response:
-                    await response.read()
+                async with session.post(self.url, data=self.body, headers=HEADERS) as response:
+                    async for _chunk in response.content.iter_any():
+                        first = first or time.perf_counter()
                     status = response.status
             except (aiohttp.ClientError, TimeoutError):
                 status = 0
@@ -412,6 +456,7 @@ class Load:
                 self.statuses[status] += 1
                 if status == 200:
                     self.latencies.append(time.perf_counter() - started)
+                    self.first_bytes.append((first or time.perf_counter()) - started)
             if status == 0:
                 await asyncio.sleep(0.01)
 
@@ -436,10 +481,11 @@ class Window:
 
 
 async def measure(gw: Gateway, concurrency: int, warmup_s: float, duration_s: float,
-                  window: Callable[[float], Awaitable[object]] = asyncio.sleep) -> Window:
+                  window: Callable[[float], Awaitable[object]] = asyncio.sleep,
+                  stream_tokens: int = 0) -> Window:
     """Warm up, then measure for ``duration_s`` (``window`` runs meanwhile)."""
     pids = {**gw.pids, "loadgen": os.getpid()}
-    load = Load(gw.url)
+    load = Load(gw.url, request_body(stream_tokens))
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -472,7 +518,8 @@ def _delta(windows: Sequence[Window], part: Callable[[Snapshot], Mapping[Any, fl
     return dict(total)
 
 
-def summarize(mode: str, concurrency: int, windows: Sequence[Window]) -> dict[str, Any]:
+def summarize(mode: str, concurrency: int, windows: Sequence[Window],
+              stream_tokens: int = 0) -> dict[str, Any]:
     """One row: the windows of one mode at one level, taken together."""
     elapsed = sum(w.end.at - w.start.at for w in windows)
     statuses: Counter[int] = sum((w.load.statuses for w in windows), Counter())
@@ -483,11 +530,15 @@ def summarize(mode: str, concurrency: int, windows: Sequence[Window]) -> dict[st
     counted = _delta(windows, lambda s: s.counters)
     messages = {k.partition(":")[2]: v / per for k, v in counted.items()
                 if k.startswith("messages:") and v}
+    reports = {k.partition(":")[2]: v / per for k, v in counted.items()
+               if k.startswith("reports:") and v}
     ordered = sorted(t for w in windows for t in w.load.latencies)
+    firsts = sorted(t for w in windows for t in w.load.first_bytes)
     other = sum(cores.values()) - sum(cpu.values())
     return {
         "mode": mode,
         "concurrency": concurrency,
+        "stream_tokens": stream_tokens,
         "seconds": elapsed,
         "windows": len(windows),
         "requests": requests,
@@ -497,14 +548,18 @@ def summarize(mode: str, concurrency: int, windows: Sequence[Window]) -> dict[st
         "p50_ms": _quantile(ordered, 0.50) * 1000,
         "p99_ms": _quantile(ordered, 0.99) * 1000,
         "mean_ms": sum(ordered) / len(ordered) * 1000 if ordered else float("nan"),
+        "ttft_p50_ms": _quantile(firsts, 0.50) * 1000,
+        "ttft_p99_ms": _quantile(firsts, 0.99) * 1000,
         "cpu_us_per_request": {role: s / per * 1e6 for role, s in cpu.items()},
         "cpu_cores_used": {role: s / elapsed for role, s in cpu.items()},
         "core_busy": [cores[i] / elapsed for i in sorted(cores)],
         "other_cpu_us_per_request": other / per * 1e6,
         "messages_per_request": sum(messages.values()),
         "messages_by_kind": messages,
+        "reports_per_request": sum(reports.values()),
+        "reports_by_kind": reports,
         "ext_proc_counters": {k: v for k, v in counted.items()
-                              if v and not k.startswith("messages:")},
+                              if v and not k.startswith(("messages:", "reports:"))},
     }
 
 
@@ -532,7 +587,7 @@ def _own_affinity(cpus: set[int] | None) -> Iterator[None]:
 
 def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
         warmup_s: float = 2.0, duration_s: float = 10.0, rounds: int = 5,
-        layout: str = "split", cpu_policy: str = "batch",
+        layout: str = "split", cpu_policy: str = "batch", streams: Sequence[int] = (),
         log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every mode × level, one row each (see ``summarize``).
 
@@ -547,21 +602,39 @@ def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
         gateways = [stack.enter_context(gateway(mode, layout=layout, cpu_policy=cpu_policy))
                     for mode in modes]
         for level in levels:
-            windows: dict[str, list[Window]] = {gw.mode: [] for gw in gateways}
-            for turn in range(rounds):
-                warmup = warmup_s if turn == 0 else min(warmup_s, ROUND_WARMUP_S)
-                for gw in gateways:
-                    windows[gw.mode].append(
-                        runner.run(measure(gw, level, warmup, duration_s / rounds)))
-            for gw in gateways:
-                rows.append(summarize(gw.mode, level, windows[gw.mode])
-                            | {"commands": gw.commands})
-                log(format_row(rows[-1]))
+            rows += _level(runner, gateways, level, 0, warmup_s, duration_s, rounds, log)
+        paced = [stack.enter_context(gateway(mode, layout=layout, cpu_policy=cpu_policy,
+                                             ms_per_token=STREAM_MS_PER_TOKEN))
+                 for mode in modes if mode in STREAM_MODES] if streams else []
+        for tokens in streams:
+            rows += _level(runner, paced, STREAM_LEVEL, tokens, warmup_s, duration_s, rounds,
+                           log)
     return rows
 
 
-def _row(rows: Sequence[dict[str, Any]], mode: str, level: int) -> dict[str, Any] | None:
-    return next((r for r in rows if r["mode"] == mode and r["concurrency"] == level), None)
+def _level(runner: asyncio.Runner, gateways: Sequence[Gateway], level: int, stream_tokens: int,
+           warmup_s: float, duration_s: float, rounds: int, log: Callable[[str], None]
+           ) -> list[dict[str, Any]]:
+    """One row per gateway at one concurrency level (and output length), measured in
+    ``rounds`` windows that go round the gateways."""
+    windows: dict[str, list[Window]] = {gw.mode: [] for gw in gateways}
+    for turn in range(rounds):
+        warmup = warmup_s if turn == 0 else min(warmup_s, ROUND_WARMUP_S)
+        for gw in gateways:
+            windows[gw.mode].append(runner.run(measure(
+                gw, level, warmup, duration_s / rounds, stream_tokens=stream_tokens)))
+    rows = []
+    for gw in gateways:
+        rows.append(summarize(gw.mode, level, windows[gw.mode], stream_tokens)
+                    | {"commands": gw.commands})
+        log(format_row(rows[-1]))
+    return rows
+
+
+def _row(rows: Sequence[dict[str, Any]], mode: str, level: int, stream_tokens: int = 0
+         ) -> dict[str, Any] | None:
+    return next((r for r in rows if r["mode"] == mode and r["concurrency"] == level
+                 and r.get("stream_tokens", 0) == stream_tokens), None)
 
 
 def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -586,6 +659,37 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         delta = kvgate["p50_ms"] - direct["p50_ms"]
         out["p50_delta_ms"] = {"level": 1, "value": delta, "target": P50_DELTA_TARGET_MS,
                                "met": delta <= P50_DELTA_TARGET_MS}
+    streams = stream_ratios(rows)
+    if streams:
+        out["streams"] = streams
+    return out
+
+
+def stream_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Streamed rows against kvgate's own non-streamed CPU (c=STREAM_LEVEL) and the floor's
+    latency on the same streams."""
+    plain = _row(rows, "kvgate", STREAM_LEVEL)
+    out: dict[str, Any] = {}
+    for tokens in sorted({r.get("stream_tokens", 0) for r in rows} - {0}):
+        kvgate, floor = (_row(rows, m, STREAM_LEVEL, tokens) for m in ("kvgate", "minimal"))
+        if kvgate is None:
+            continue
+        entry: dict[str, Any] = {"messages_per_request": kvgate["messages_per_request"],
+                                 "reports_per_request": kvgate["reports_per_request"]}
+        if plain:
+            value = kvgate["cpu_us_per_request"]["ext_proc"] / plain["cpu_us_per_request"][
+                "ext_proc"]
+            entry["cpu_vs_non_streamed"] = {"value": value, "target": STREAM_CPU_TARGET,
+                                            "met": value <= STREAM_CPU_TARGET}
+        if floor:
+            entry["floor_messages_per_request"] = floor["messages_per_request"]
+            entry["cpu_vs_floor"] = (kvgate["cpu_us_per_request"]["ext_proc"]
+                                     / floor["cpu_us_per_request"]["ext_proc"])
+            for key, name in (("ttft_p50_ms", "ttft_vs_floor"), ("p50_ms", "total_vs_floor")):
+                value = kvgate[key] / floor[key]
+                entry[name] = {"value": value, "target": STREAM_LATENCY_TARGET,
+                               "met": value <= STREAM_LATENCY_TARGET}
+        out[str(tokens)] = entry
     return out
 
 
@@ -603,10 +707,16 @@ def format_row(r: dict[str, Any]) -> str:
         return f"{cpu[role]:.0f}" if role in cpu else "-"
 
     msgs = f"{r['messages_per_request']:.2f}" if r["mode"] != "direct" else "0"
-    return (f"{r['mode']:13} {r['concurrency']:>4} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "
+    return (f"{label(r):13} {r['concurrency']:>4} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "
             f"{r['p99_ms']:>7.2f} {us('envoy'):>6} {us('ext_proc'):>7} {us('engine'):>6} "
             f"{us('redis'):>6} {us('loadgen'):>7} {msgs:>7} {r['errors']:>6} "
             f"{_other_cores(r):>5.2f}")
+
+
+def label(r: dict[str, Any]) -> str:
+    """The mode, with ``sN`` for a stream of N tokens."""
+    tokens = r.get("stream_tokens", 0)
+    return f"{r['mode']} s{tokens}" if tokens else r["mode"]
 
 
 def _other_cores(r: dict[str, Any]) -> float:
@@ -628,6 +738,21 @@ def format_ratios(result: dict[str, Any]) -> list[str]:
         d = result["p50_delta_ms"]
         lines.append(f"kvgate p50 − Envoy-direct p50 at c=1: {d['value']:.2f} ms "
                      f"(target ≤ {d['target']} ms: {'met' if d['met'] else 'MISSED'})")
+    for tokens, e in result.get("streams", {}).items():
+        line = (f"streamed {tokens} tokens, c={STREAM_LEVEL}: kvgate "
+                f"{e['messages_per_request']:.2f} ext_proc messages + "
+                f"{e['reports_per_request']:.2f} meter reports per request")
+        if "floor_messages_per_request" in e:
+            line += (f" (floor: {e['floor_messages_per_request']:.1f} messages); ext_proc CPU "
+                     f"{e['cpu_vs_floor']:.2f}x the floor's")
+        lines.append(line)
+        for key, text in (("cpu_vs_non_streamed", "CPU/request ÷ its own non-streamed"),
+                          ("ttft_vs_floor", "TTFT p50 ÷ the floor's"),
+                          ("total_vs_floor", "total time p50 ÷ the floor's")):
+            if key in e:
+                v = e[key]
+                lines.append(f"  - {text}: {v['value']:.2f} (target ≤ {v['target']}: "
+                             f"{'met' if v['met'] else 'MISSED'})")
     return lines
 
 
@@ -715,25 +840,29 @@ def markdown(result: dict[str, Any]) -> str:
         "shared): where it is high, latency and req/s are disturbed; CPU per request much "
         "less so.",
         "",
-        "| mode | conc | req/s | p50 ms | p99 ms | Envoy µs | ext_proc µs | engine µs | "
-        "Redis µs | loadgen µs | msgs/req | errors | other |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | conc | req/s | p50 ms | p99 ms | TTFT p50 ms | Envoy µs | ext_proc µs | "
+        "engine µs | Redis µs | loadgen µs | msgs/req | reports/req | errors | other |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cpu = r["cpu_us_per_request"]
         cell = [f"{cpu[k]:.0f}" if k in cpu else "–" for k in PROCESS_ROLES]
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['rps']:.0f} | "
-                     f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {' | '.join(cell)} | "
-                     f"{r['messages_per_request']:.2f} | {r['errors']} | "
-                     f"{_other_cores(r):.2f} |")
+        ttft = f"{r['ttft_p50_ms']:.2f}" if r.get("stream_tokens") else "–"
+        lines.append(f"| {label(r)} | {r['concurrency']} | {r['rps']:.0f} | "
+                     f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {ttft} | {' | '.join(cell)} | "
+                     f"{r['messages_per_request']:.2f} | {r.get('reports_per_request', 0):.2f} | "
+                     f"{r['errors']} | {_other_cores(r):.2f} |")
     lines += ["", "## Acceptance ratios", ""]
     lines += [line if line.startswith(" ") else f"- {line}"
               for line in format_ratios(result["ratios"])]
     lines += ["", "## Messages per request", ""]
     for r in rows:
-        if r["concurrency"] == rows[0]["concurrency"] and r["messages_by_kind"]:
+        first = r["concurrency"] == rows[0]["concurrency"] or r.get("stream_tokens")
+        if first and r["messages_by_kind"]:
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["messages_by_kind"].items())
-            lines.append(f"- {r['mode']}: {r['messages_per_request']:.2f} ({kinds})")
+            reports = ", ".join(f"{k} {v:.2f}" for k, v in r.get("reports_by_kind", {}).items())
+            lines.append(f"- {label(r)}: {r['messages_per_request']:.2f} ({kinds})"
+                         + (f"; meter reports {reports}" if reports else ""))
     pin_text = LAYOUT_TEXT[result["machine"].get("layout", "shared")]
     lines += ["", "## Method", "", METHOD.format(
         max_tokens=MAX_TOKENS, body=len(BODY), warmup=result["warmup_s"],
@@ -759,7 +888,8 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(layout)
     print(COLUMNS)
     rows = run(args.modes, args.levels, warmup_s=args.warmup, duration_s=args.duration,
-               rounds=args.rounds, layout=layout, cpu_policy=args.cpu_policy)
+               rounds=args.rounds, layout=layout, cpu_policy=args.cpu_policy,
+               streams=args.streams)
     result = {
         "command": " ".join(["python", "-m", "bench.overhead",
                              *(sys.argv[1:] if argv is None else argv)]),
@@ -894,6 +1024,8 @@ def _parser() -> argparse.ArgumentParser:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--modes", type=_csv(str), default=list(MODES))
     parser.add_argument("--levels", type=_csv(int), default=list(LEVELS))
+    parser.add_argument("--streams", type=_csv(int), default=list(STREAMS),
+                        help=f"streamed output lengths, at c={STREAM_LEVEL} ('' for none)")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds per level")
     parser.add_argument("--duration", type=float, default=10.0,
                         help="measured seconds per mode and level")

@@ -416,6 +416,14 @@ class Server(_Strict):
     admin_port: int | None = Field(
         9002, ge=0, lt=65536, description="/metrics, /healthz; null = off, 0 = any free port"
     )
+    report_port: int = Field(
+        0, ge=0, lt=65536, description="where Envoy's Lua meter reports each response "
+        "(on server.host); 0 = any free port, each worker process its own"
+    )
+    report_host: str | None = Field(
+        None, description="the address Envoy reaches this process's report port at (an IP: "
+        "the pod IP with several replicas); null = server.host, 127.0.0.1 if that is 0.0.0.0"
+    )
     max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
     chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")
     shutdown_grace_s: float = Field(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from extproc.config import Config, parse_endpoint
-from extproc.server import KvgateServer
+from extproc.server import KvgateServer, new_event_loop
 
 if TYPE_CHECKING:
     from extproc.engine.server import EngineProcess
@@ -31,7 +31,7 @@ class ServerThread:
 
     def __init__(self, config: Config):
         self.server = KvgateServer(config)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()  # uvloop where installed, as `kvgate serve` runs
         self._thread = threading.Thread(target=self._run, name="kvgate", daemon=True)
         self._started = threading.Event()
         self._error: BaseException | None = None

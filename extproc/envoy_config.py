@@ -12,8 +12,14 @@ Traffic path::
 
     client ─▶ listener (HCM) ─▶ ext_proc filter ──gRPC/HTTP2──▶ kvgate (cluster kvgate_ext_proc)
                                      │
+                                     ├─▶ Lua meter (responses) ──HTTP/1.1──▶ kvgate's report port
+                                     │                  (cluster kvgate_report, ORIGINAL_DST)
                                      └─▶ router ─▶ kvgate_upstream (ORIGINAL_DST: the endpoint
                                                    named by x-gateway-destination-endpoint)
+
+Responses go through the Lua meter (``extproc/meter.lua``) on their way back, not through
+ext_proc: it reads each one inside Envoy and reports it to kvgate in at most two small calls,
+whatever its length (see ``extproc/reports.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ if TYPE_CHECKING:
 GATEWAY_LISTENER = "kvgate_gateway"
 EXT_PROC_CLUSTER = "kvgate_ext_proc"
 UPSTREAM_CLUSTER = "kvgate_upstream"
+REPORT_CLUSTER = "kvgate_report"  # the name meter.lua calls
+METER_FILTER = "envoy.filters.http.lua"
+REPORT_TIMEOUT = dt.timedelta(seconds=1)
 
 # Envoy buffers the whole request body for ext_proc (BUFFERED mode); its limit is the
 # connection's buffer limit. It sits above server.max_body_bytes so that kvgate, not Envoy,
@@ -158,6 +167,23 @@ def _forwarded_headers(config: Config) -> Any:
         *(StringMatcher(exact=name) for name in dict.fromkeys(exact)),
         StringMatcher(prefix=KVGATE_HEADER_PREFIX),
     ]))
+
+
+def _meter_filter() -> Any:
+    """Envoy's Lua filter running kvgate's response meter (after ext_proc in the chain, so
+    it sees each response before ext_proc and the client do)."""
+    from importlib.resources import files
+
+    from envoy_data_plane.envoy.config.core.v3 import DataSource
+    from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import Lua
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpFilter,
+    )
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    source = files("extproc").joinpath("meter.lua").read_text()
+    return HttpFilter(name=METER_FILTER, typed_config=AnyMsg.pack(
+        Lua(default_source_code=DataSource(inline_string=source))))
 
 
 def _router_filter() -> Any:
@@ -300,7 +326,7 @@ def _http_connection_manager(config: Config) -> Any:
             name="kvgate_routes",
             virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=[route])],
         ),
-        http_filters=[_ext_proc_filter(config), _router_filter()],
+        http_filters=[_ext_proc_filter(config), _meter_filter(), _router_filter()],
         local_reply_config=_local_reply_config(),
     )
 
@@ -366,6 +392,26 @@ def _upstream_cluster(config: Config) -> Any:
             )
         ),
         connect_timeout=_seconds(config.envoy.connect_timeout_s),
+        circuit_breakers=_circuit_breakers(),
+    )
+
+
+def _report_cluster() -> Any:
+    """Where the Lua meter reports: the kvgate process that admitted the request, named by
+    the report's ``x-envoy-original-dst-host`` (kvgate's own address, from its metadata)."""
+    from envoy_data_plane.envoy.config.cluster.v3 import (
+        Cluster,
+        ClusterDiscoveryType,
+        ClusterLbPolicy,
+        ClusterOriginalDstLbConfig,
+    )
+
+    return Cluster(
+        name=REPORT_CLUSTER,
+        type=ClusterDiscoveryType.ORIGINAL_DST,
+        lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
+        original_dst_lb_config=ClusterOriginalDstLbConfig(use_http_header=True),
+        connect_timeout=REPORT_TIMEOUT,
         circuit_breakers=_circuit_breakers(),
     )
 
@@ -490,7 +536,7 @@ def build_bootstrap(config: Config) -> Any:
         admin=Admin(address=_socket_address("127.0.0.1", config.envoy.admin_port)),
         static_resources=BootstrapStaticResources(
             listeners=[_listener(config)],
-            clusters=[_upstream_cluster(config), _ext_proc_cluster(config)],
+            clusters=[_upstream_cluster(config), _ext_proc_cluster(config), _report_cluster()],
         ),
         layered_runtime=LayeredRuntime(
             layers=[RuntimeLayer(name="static", static_layer=Struct.from_dict(RUNTIME_FLAGS))]

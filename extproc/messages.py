@@ -51,7 +51,8 @@ def fill_mutation(
     mutation.remove_headers.extend(remove)
 
 
-def _mode(request_body: int, response_body: int) -> ProcessingMode:
+def _mode(request_body: int, response_body: int, *, response_trailers: bool = False
+          ) -> ProcessingMode:
     """A ``mode_override`` with every field set: Envoy replaces the whole mode with it."""
     return ProcessingMode(
         request_header_mode=ProcessingMode.SEND,
@@ -59,14 +60,17 @@ def _mode(request_body: int, response_body: int) -> ProcessingMode:
         request_body_mode=request_body,
         response_body_mode=response_body,
         request_trailer_mode=ProcessingMode.SKIP,
-        response_trailer_mode=ProcessingMode.SKIP,
+        response_trailer_mode=ProcessingMode.SEND if response_trailers else ProcessingMode.SKIP,
     )
 
 
-WITH_BODY = _mode(ProcessingMode.BUFFERED, ProcessingMode.STREAMED)
-"""An inference request: its body next, then its response for metering. The bootstrap's own
-mode sends no response body: Envoy's local replies to requests kvgate never answered (a
-header too large, a path rejected, a body over the buffer) then reach the client whole."""
+WITH_BODY = _mode(ProcessingMode.BUFFERED, ProcessingMode.NONE, response_trailers=True)
+"""An inference request: its body next. No response phase sends kvgate a message (Envoy's
+Lua meter reads the response), but response trailers on keep the stream open until the
+response ends — engines send none, so they cost nothing — and that end releases the
+request. The bootstrap's own mode sends nothing either, so Envoy's local replies to requests
+kvgate never answered (a header too large, a path rejected, a body over the buffer) reach
+the client whole and end the stream at once."""
 
 HEADERS_ONLY = _mode(ProcessingMode.NONE, ProcessingMode.NONE)
 
@@ -89,22 +93,6 @@ def headers_only(remove: tuple[str, ...]) -> bytes:
     return reply.SerializeToString()
 
 
-RESPONSE_CHUNK_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
-"""Pass a response chunk on unchanged: the common case, built once (never mutate it)."""
-
-
-def continue_body(*, response_phase: bool, body: bytes | None = None) -> pb.ProcessingResponse:
-    if response_phase and body is None:
-        return RESPONSE_CHUNK_CONTINUE
-    common = pb.CommonResponse()
-    if body is not None:
-        common.body_mutation.body = body
-    reply = pb.BodyResponse(response=common)
-    if response_phase:
-        return pb.ProcessingResponse(response_body=reply)
-    return pb.ProcessingResponse(request_body=reply)
-
-
 Reply: TypeAlias = pb.ProcessingResponse | bytes
 """An answer to one ext_proc message: a message, or one already serialized. The server's
 serializer (``serialize_reply``) passes bytes through as they are."""
@@ -119,8 +107,8 @@ Parts = tuple[bytes, ...]  # serialized message parts; the values go in between
 # (tenant, class, priority, body phase, endpoint list size, content-length size or None,
 # the pool's upstream Authorization or None)
 _header_parts: dict[tuple[str, str, int | None, bool, int, int | None, str | None], Parts] = {}
-# (tenant, pool, chosen endpoint size, lease size)
-_routing_parts: dict[tuple[str, str, int, int], Parts] = {}
+# (tenant, pool, chosen endpoint size, lease size, meter, report address, report key)
+_routing_parts: dict[tuple[str, str, int, int, str, str, str], Parts] = {}
 # (body phase, body size)
 _body_parts: dict[tuple[bool, int], Parts] = {}
 
@@ -128,10 +116,13 @@ _body_parts: dict[tuple[bool, int], Parts] = {}
 def route_request(
     tenant: str, request_class: str, endpoints: list[str], priority: int | None, pool: str,
     lease: str, body: bytes | None, in_body_phase: bool, authorization: str | None = None,
+    meter: str = "", report: str = "", report_key: str = "",
 ) -> bytes:
     """Admit: set headers (and the mutated body + its content-length, and the pool's own
     ``authorization`` when it has one), pick ``endpoints[0]`` (the rest are fallbacks), and
-    carry the lease in the dynamic metadata. Serialized.
+    carry the lease in the dynamic metadata, with what Envoy's Lua meter needs to report the
+    response (how to read it, ``meter``; where to, ``report``; and the process's key; no
+    ``meter``: nothing to report). Serialized.
 
     Protobuf parsing merges concatenated messages, and a string value of a given size
     changes only its own bytes: so the reply is spliced from serialized parts cached per
@@ -146,7 +137,7 @@ def route_request(
     sizes = (tenant, request_class, priority, in_body_phase, len(joined),
              None if length is None else len(length), authorization)
     headers = _header_parts.get(sizes) or _cache(_header_parts, sizes, _headers_parts(*sizes))
-    where = (tenant, pool, len(chosen), len(leased))
+    where = (tenant, pool, len(chosen), len(leased), meter, report, report_key)
     routing = _routing_parts.get(where) or _cache(_routing_parts, where, _routing_parts_of(*where))
     parts = [headers[0], joined, headers[1], length or b"", headers[2],
              routing[0], chosen, routing[1], leased, routing[2]]
@@ -200,7 +191,8 @@ def _body_parts_of(in_body_phase: bool, size: int) -> Parts:
     return _split(serialize, (size,))
 
 
-def _routing_parts_of(tenant: str, pool: str, endpoint_size: int, lease_size: int) -> Parts:
+def _routing_parts_of(tenant: str, pool: str, endpoint_size: int, lease_size: int,
+                      meter: str, report: str, report_key: str) -> Parts:
     """The dynamic metadata, around the chosen endpoint (for Envoy's load balancer) and the
     lease (for kvgate's own logs). One message per map entry: maps serialize in hash order,
     so within one message the two values could come in either order."""
@@ -217,6 +209,10 @@ def _routing_parts_of(tenant: str, pool: str, endpoint_size: int, lease_size: in
         fields["tenant"].string_value = tenant
         fields["pool"].string_value = pool
         fields["lease"].string_value = lease.decode()
+        if meter:
+            fields["meter"].string_value = meter
+            fields["report"].string_value = report
+            fields["key"].string_value = report_key
         return reply.SerializeToString()
 
     before_endpoint, after_endpoint = _split(balancer, (endpoint_size,))

@@ -95,6 +95,12 @@ class Metrics:
             "ext_proc messages received, by kind.",
             ["kind"], self.registry,
         )
+        self.reports = Tally(
+            "kvgate_meter_reports",
+            "Calls from Envoy's Lua response meter, by kind: first (a stream's first chunk), "
+            "done (a response's end and usage), refused (a wrong key or a malformed call).",
+            ["kind"], self.registry,
+        )
         self.stream_errors = Tally(
             "kvgate_extproc_stream_errors",
             "ext_proc streams that ended abnormally (client disconnect, reset, internal error).",

@@ -24,12 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import kvgate_native
 from extproc import messages
 from extproc.config import Config, ConfigError, GrpcTls
+from extproc.config import Server as ServerSettings
 from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.metrics import Metrics
+from extproc.reports import ReportDesk
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
 from extproc.wiring import build_director, build_store
@@ -39,10 +41,11 @@ log = logging.getLogger(__name__)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, director: Director, metrics: Metrics, config: Config):
+    def __init__(self, director: Director, metrics: Metrics, config: Config, desk: ReportDesk):
         self.director = director
         self.metrics = metrics
         self.settings = config.server
+        self.desk = desk
 
     async def Process(
         self,
@@ -50,7 +53,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[messages.Reply]:
         incoming = Incoming(request_iterator)
-        stream = RequestStream(self.director, self.metrics, self.settings, incoming.watch)
+        stream = RequestStream(self.director, self.metrics, self.settings, self.desk,
+                               incoming.watch)
         handle = stream.handle
         ending: str | None = "envoy_closed"
         try:
@@ -59,8 +63,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if stream.done:
                     ending = None
                     return  # ending the RPC here lets Envoy close the stream gracefully
-            if stream.meter is None:
-                ending = None  # a headers-only request: Envoy closes once routed
+            # Envoy ended the stream: after the response (reported done), or a headers-only
+            # request once routed; otherwise the response was cut off
+            if stream.response is None or stream.response.done:
+                ending = None
         except asyncio.CancelledError:
             if not incoming.departed:
                 ending = "cancelled"
@@ -154,6 +160,12 @@ def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> Non
     server.add_registered_method_handlers(service, handlers)
 
 
+def _report_host(settings: ServerSettings) -> str:
+    if settings.report_host is not None:
+        return settings.report_host
+    return "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+
+
 def _server_credentials(tls: GrpcTls) -> grpc.ServerCredentials:
     """The listener's certificate; with a client CA, clients must present one it signed."""
     chain, key = _read("cert_file", tls.cert_file), _read("key_file", tls.key_file)
@@ -188,6 +200,7 @@ class KvgateServer:
         ]
         self.scraper = _scraper(config, self.endpoints, self.metrics, self.director)
         self.reuse_port = reuse_port  # several worker processes share the gRPC port
+        self.desk = ReportDesk(self.metrics)
         self._renewer: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.admin_port = 0
@@ -213,7 +226,9 @@ class KvgateServer:
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
         ])
-        _add_processor(ExternalProcessor(self.director, self.metrics, self.config), self._grpc)
+        await self.desk.start(settings.host, settings.report_port, _report_host(settings))
+        _add_processor(ExternalProcessor(self.director, self.metrics, self.config, self.desk),
+                       self._grpc)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
         address = f"{settings.host}:{settings.grpc_port}"
@@ -272,6 +287,7 @@ class KvgateServer:
     async def stop(self, grace: float = 1.0) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        await self.desk.stop()
         await cancel(self._renewer)
         await self.scraper.stop()
         for discovery in self.discoveries:
@@ -329,6 +345,15 @@ def _scraper(
         on_update=on_update,
         pools={p.name for p in config.pools if p.kv_aware},
     )
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The event loop `kvgate serve` runs on: uvloop's, where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def install_uvloop() -> None:

@@ -1,11 +1,12 @@
 """One ext_proc stream = one HTTP request: the protocol state machine.
 
-Envoy sends, in order: request headers, the request body (BUFFERED, one message), then the
-response body chunk by chunk (STREAMED, which the headers reply turns on for the requests
-kvgate meters); response headers and trailers are skipped to save messages, and the RPC
-ends as soon as kvgate has seen the whole response body (Envoy's separate end-of-body
-message is then never sent). Each message gets exactly one reply; any other order (only a
-hand-edited filter config sends one) is a 400.
+Envoy sends request headers, then the request body (BUFFERED, one message) for the requests
+kvgate meters; each message gets exactly one reply, and any other order (only a hand-edited
+filter config sends one) is a 400. kvgate reads no response over ext_proc — a streamed
+answer would cost one message per chunk — but keeps the stream open (the bootstrap asks for
+response trailers, which an engine never sends, so no message comes) until Envoy ends it
+with the response. Envoy's Lua meter reports the response meanwhile (``reports.py``): the
+first chunk of a stream, then the usage at its end.
 Whatever ends the stream — completion, an error, the client going away — ``close`` releases
 what the request held, exactly once.
 """
@@ -20,7 +21,7 @@ from time import perf_counter
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages
-from extproc.accounting import ResponseMeter
+from extproc.accounting import ResponseRecord
 from extproc.config import Server, Tenant
 from extproc.director import Admission, Director, Watch
 from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS
@@ -28,12 +29,14 @@ from extproc.metrics import Metrics
 from extproc.openai import (
     BadRequest,
     InferenceRequest,
+    Usage,
     check_route,
     mutate_body,
     parse_body,
     route_path,
 )
 from extproc.rejections import client_error, internal_error, rejection, unavailable
+from extproc.reports import ReportDesk
 from limiter import Reject
 from limiter.stores import StoreUnavailable
 
@@ -50,14 +53,15 @@ def _wanted(class_header: str) -> frozenset[str]:
 
 
 class RequestStream:
-    __slots__ = ("_released", "admission", "director", "done", "meter", "metrics", "path",
-                 "request", "requested_class", "settings", "tenant", "watch")
+    __slots__ = ("_released", "admission", "desk", "director", "done", "metrics", "path",
+                 "request", "requested_class", "response", "settings", "tenant", "watch")
 
-    def __init__(self, director: Director, metrics: Metrics, settings: Server,
+    def __init__(self, director: Director, metrics: Metrics, settings: Server, desk: ReportDesk,
                  watch: Watch = contextlib.nullcontext):
         self.director = director
         self.metrics = metrics
         self.settings = settings
+        self.desk = desk
         self.watch = watch  # while queued: notices the client leaving (server.Incoming)
         self.done = False  # the last reply this stream owes Envoy has been produced
         self.path = ""
@@ -65,7 +69,7 @@ class RequestStream:
         self.requested_class: str | None = None
         self.request: InferenceRequest | None = None
         self.admission: Admission | None = None
-        self.meter: ResponseMeter | None = None
+        self.response: ResponseRecord | None = None  # a metered response, once admitted
         self._released = False
 
     async def handle(self, message: pb.ProcessingRequest) -> messages.Reply:
@@ -79,15 +83,6 @@ class RequestStream:
                 return await self._on_request_headers(message.request_headers)
             if kind == "request_body":
                 return await self._on_request_body(message.request_body)
-            if kind == "response_body":
-                body = message.response_body
-                reply = self._on_response_body(body)  # no await: most chunks are just metered
-                # a body kvgate has seen whole (the usual one-chunk JSON answer, or a stream's
-                # [DONE]) ends the RPC now: Envoy then sends no separate end-of-body message
-                if body.end_of_stream or (self.meter is not None and self.meter.complete):
-                    await self.close(None)
-                    self.done = True
-                return reply
             return _continue_other(kind)
         except BadRequest as error:
             return self._answer(*client_error(error), details=error.code or "bad_request")
@@ -157,10 +152,13 @@ class RequestStream:
         inject_usage = request.stream and not request.wants_usage_chunk
         new_body = mutate_body(request, priority=decision.priority,
                                inject_usage=inject_usage, overrides=decision.body_overrides)
-        self.meter = ResponseMeter(stream=request.stream, strip_usage_event=inject_usage)
-        return self._route(decision, body=new_body, in_body_phase=True)
+        self.response = ResponseRecord(stream=request.stream)
+        self.desk.expect(decision.lease_id, self)
+        meter = ("sse-strip" if inject_usage else "sse") if request.stream else "json"
+        return self._route(decision, body=new_body, in_body_phase=True, meter=meter)
 
-    def _route(self, admission: Admission, *, body: bytes | None, in_body_phase: bool) -> bytes:
+    def _route(self, admission: Admission, *, body: bytes | None, in_body_phase: bool,
+               meter: str = "") -> bytes:
         self.admission = admission
         tenant = admission.tenant.name
         metrics = self.metrics
@@ -171,26 +169,23 @@ class RequestStream:
             tenant, admission.request_class, admission.endpoints, admission.priority,
             admission.pool, admission.lease_id, body, in_body_phase,
             self.director.upstream_authorization.get(admission.pool),
+            meter, self.desk.address, self.desk.key,
         )
 
-    # -- response path ---------------------------------------------------------------------
+    # -- the response, as Envoy's Lua meter reports it --------------------------------------
 
-    def _on_response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
-        """Meter one response chunk (``handle`` releases the request after the last one)."""
-        meter = self.meter
-        if meter is None:
-            return messages.RESPONSE_CHUNK_CONTINUE
-        if meter.stream and not meter.bytes and self.admission:
-            # the first chunk of a stream: prefill is done (a non-streamed response comes
-            # back whole, its end releases everything anyway)
-            self.director.first_token(self.admission)
-        chunk = body.body
-        replacement = meter.feed(chunk) if chunk else None  # the end usually comes empty
-        if body.end_of_stream:
-            meter.finish()
-        if replacement is None:
-            return messages.RESPONSE_CHUNK_CONTINUE
-        return messages.continue_body(response_phase=True, body=replacement)
+    def first_reported(self) -> None:
+        """A stream's first chunk has passed: prefill is done."""
+        record, admission = self.response, self.admission
+        if record is None or admission is None or record.started or self._released:
+            return
+        record.started = True
+        self.director.first_token(admission)
+
+    def done_reported(self, usage: Usage | None, events: int) -> None:
+        """The response has ended; Envoy ends the stream (and kvgate releases) next."""
+        if self.response is not None and not self._released:
+            self.response.finish(usage, events)
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -218,15 +213,9 @@ class RequestStream:
         metrics = self.metrics
         if abnormal:
             metrics.stream_errors.add((abnormal,))
-        # the engine's usage when it reported one; for a response cut off before that, the
-        # prompt plus the tokens streamed so far (the engine stops on disconnect)
-        meter = self.meter
-        if meter is None:
-            used, output = 0, 0
-        elif meter.usage is not None:
-            used, output = meter.usage.total, meter.usage.completion_tokens
-        else:
-            used, output = admission.cost.prompt_tokens + meter.events, meter.events
+        self.desk.forget(admission.lease_id)
+        record = self.response
+        used, output = (0, 0) if record is None else record.settle(admission.cost)
         tenant = admission.tenant.name
         metrics.in_flight.add((tenant,), -1)
         metrics.tokens.add((tenant, "used"), used)

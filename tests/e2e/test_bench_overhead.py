@@ -54,8 +54,11 @@ def test_floor_bootstrap_only_swaps_the_upstream_cluster():
     assert _clusters(floor)[EXT_PROC_CLUSTER] == _clusters(rendered)[EXT_PROC_CLUSTER]
 
 
-def test_direct_bootstrap_has_no_ext_proc():
-    direct = overhead.without_ext_proc(overhead.static_upstream(_rendered(), "127.0.0.1", 8101))
+def test_direct_bootstrap_has_no_ext_proc_and_the_floor_no_meter():
+    floor = overhead.without_meter(overhead.static_upstream(_rendered(), "127.0.0.1", 8101))
+    assert [f["name"] for f in overhead._http_filters(floor)] == [
+        "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    direct = overhead.without_ext_proc(floor)
     filters = [f["name"] for f in overhead._http_filters(direct)]
     assert filters == ["envoy.filters.http.router"]
     assert set(_clusters(direct)) == {UPSTREAM_CLUSTER}
@@ -81,12 +84,13 @@ def test_hot_spots_cut_the_entry_point_and_split_loop_time():
 @pytest.fixture(scope="module")
 def rows():
     return overhead.run(["direct", "minimal", "kvgate"], [2], warmup_s=0.3, duration_s=1.0,
-                        rounds=2, layout="none", log=lambda _line: None)
+                        rounds=2, layout="none", streams=[32], log=lambda _line: None)
 
 
 @pytest.mark.e2e
 def test_every_mode_serves_requests_without_errors(rows):
-    assert [r["mode"] for r in rows] == ["direct", "minimal", "kvgate"]
+    assert [overhead.label(r) for r in rows] == ["direct", "minimal", "kvgate", "direct s32",
+                                                 "minimal s32", "kvgate s32"]
     for row in rows:
         assert row["windows"] == 2
         assert row["requests"] > 0 and row["rps"] > 0, row
@@ -107,17 +111,20 @@ def test_every_process_is_charged_cpu(rows):
 
 @pytest.mark.e2e
 def test_message_counts_per_request(rows):
-    by_mode = {r["mode"]: r for r in rows}
+    """The floor meters over ext_proc: request headers, body, then every response chunk and
+    Envoy's empty end-of-stream chunk. kvgate gets two messages whatever the response, and
+    the Lua meter's reports: one at a response's end, and one for a stream's first chunk."""
+    by_mode = {overhead.label(r): r for r in rows}
     assert by_mode["direct"]["messages_per_request"] == 0
-    # request headers, the buffered request body, the response body chunk and Envoy's
-    # empty end-of-stream chunk for the floor; kvgate ends the stream once the first chunk
-    # is the whole response, so Envoy does not send it the fourth
-    for mode, chunks in (("minimal", 2), ("kvgate", 1)):
+    for mode in ("minimal", "kvgate", "minimal s32", "kvgate s32"):
         kinds = by_mode[mode]["messages_by_kind"]
-        assert set(kinds) == {"request_headers", "request_body", "response_body"}
         assert kinds["request_headers"] == pytest.approx(1, abs=0.1)
         assert kinds["request_body"] == pytest.approx(1, abs=0.1)
-        assert kinds["response_body"] == pytest.approx(chunks, abs=0.2)
+    assert by_mode["minimal"]["messages_by_kind"]["response_body"] == pytest.approx(2, abs=0.2)
+    assert by_mode["minimal s32"]["messages_by_kind"]["response_body"] > 10
+    for mode, reports in (("kvgate", {"done": 1}), ("kvgate s32", {"first": 1, "done": 1})):
+        assert set(by_mode[mode]["messages_by_kind"]) == {"request_headers", "request_body"}
+        assert by_mode[mode]["reports_by_kind"] == pytest.approx(reports, abs=0.1)
 
 
 @pytest.mark.e2e
@@ -128,4 +135,5 @@ def test_ratios_and_report(rows):
     text = overhead.markdown({"rows": rows, "ratios": result, "command": "test", "when": "now",
                               "machine": overhead.machine_info("none"), "warmup_s": 0.3,
                               "duration_s": 1.0})
-    assert "| kvgate | 2 |" in text
+    assert "| kvgate | 2 |" in text and "| kvgate s32 | 16 |" in text
+    assert "32" in result["streams"]

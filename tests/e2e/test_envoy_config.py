@@ -27,6 +27,7 @@ from extproc.config import EXAMPLE_CONFIG, Config, load_config
 from extproc.envoy_config import (
     EXT_PROC_CLUSTER,
     EXT_PROC_FAILURE_MESSAGE,
+    REPORT_CLUSTER,
     RUNTIME_FLAGS,
     UPSTREAM_CLUSTER,
     buffer_limit_bytes,
@@ -101,6 +102,7 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     hcm = hcm_of(bootstrap)
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.ext_proc",
+        "envoy.filters.http.lua",  # the response meter: after ext_proc, sees responses first
         "envoy.filters.http.router",
     ]
     ext_proc = ext_proc_filter_config(bootstrap)
@@ -135,6 +137,17 @@ def test_ext_proc_cluster_speaks_http2(example: Config) -> None:
         "address": "127.0.0.1",
         "port_value": example.server.grpc_port,
     }
+
+
+def test_the_meter_reports_to_the_process_its_metadata_names(example: Config) -> None:
+    bootstrap = render_bootstrap(example)
+    (meter,) = [f for f in hcm_of(bootstrap)["http_filters"]
+                if f["name"] == "envoy.filters.http.lua"]
+    source = meter["typed_config"]["default_source_code"]["inline_string"]
+    assert "function envoy_on_response" in source and f'"{REPORT_CLUSTER}"' in source
+    report = cluster(bootstrap, REPORT_CLUSTER)
+    assert report["type"] == "ORIGINAL_DST" and report["lb_policy"] == "CLUSTER_PROVIDED"
+    assert report["original_dst_lb_config"] == {"use_http_header": True}
 
 
 def test_upstream_cluster_routes_by_metadata(example: Config) -> None:

@@ -54,11 +54,11 @@ async def drive(target: str, mix: dict[str, float], seconds: float, seed: int) -
     async def one(tenant: str, tokens: int) -> None:
         body = {"model": "m", "max_tokens": tokens,
                 "messages": [{"role": "user", "content": "x"}]}
-        outcome, call = await client.open(tenant, body)
+        outcome, call, reply = await client.open(tenant, body)
         if outcome.admitted:
             await asyncio.sleep(SERVICE_S)
             usage = {"usage": {"prompt_tokens": 4, "completion_tokens": tokens}}
-            await client.finish(call, orjson.dumps(usage))
+            await client.finish(call, reply, orjson.dumps(usage))
 
     tasks = []
     deadline = time.monotonic() + seconds

@@ -165,9 +165,9 @@ async def test_a_paused_redis_leaves_no_lease_behind(redis_server, redis_url, po
                 assert time.monotonic() - resumed < 1.0, (await raw.keys("*"), store.debug())
                 await asyncio.sleep(0.02)
             streams = [await client.open(KEY, BODY) for _ in range(2)]  # both slots are usable
-            assert all(outcome.admitted for outcome, _call in streams)
+            assert all(outcome.admitted for outcome, _call, _reply in streams)
             assert (await client.chat(KEY, BODY, response=USAGE)).status == 429
-            for _outcome, call in streams:
+            for _outcome, call, _reply in streams:
                 call.cancel()
         finally:
             await raw.aclose()
@@ -178,7 +178,7 @@ async def test_a_restarted_redis_keeps_concurrency_exact(redis_server, redis_url
     cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy)
     async with serving(cfg) as (_server, client):
         streams = [await client.open(KEY, BODY) for _ in range(2)]
-        assert all(outcome.admitted for outcome, _call in streams)
+        assert all(outcome.admitted for outcome, _call, _reply in streams)
         redis_server.kill()
         redis_server.start()  # at once, empty: it forgot both leases
         for _ in range(4):  # dead pooled connections first: retried, not a fallback
@@ -198,7 +198,7 @@ async def test_leases_of_a_killed_replica_expire(redis_url, tmp_path):
         update={"grpc_port": free_port(), "admin_port": free_port()})})
     with KvgateProcess(cfg, tmp_path, "doomed") as doomed, KvgateProcess(other, tmp_path, "b") as b:
         client_a, client_b = ExtProcClient(doomed.target), ExtProcClient(b.target)
-        outcome, _call = await client_a.open(KEY, BODY)
+        outcome, _call, _reply = await client_a.open(KEY, BODY)
         assert outcome.admitted
         busy = await client_b.chat(KEY, BODY, response=USAGE)
         assert busy.status == 429 and b"concurrency" in busy.body
@@ -216,7 +216,7 @@ async def test_long_streams_keep_their_lease(redis_url, tmp_path):
     cfg = config(redis_url, {"max_concurrency": 1}, lease_ttl_s=0.6)
     with KvgateProcess(cfg, tmp_path, "a") as a:
         client = ExtProcClient(a.target)
-        outcome, call = await client.open(KEY, BODY)
+        outcome, call, _reply = await client.open(KEY, BODY)
         assert outcome.admitted
         await asyncio.sleep(1.5)  # > 2 TTLs: renewal keeps the slot
         assert (await client.chat(KEY, BODY, response=USAGE)).status == 429

@@ -106,11 +106,3 @@ def test_continue_request_headers_strips_and_is_shared():
     removed = reply.request_headers.response.header_mutation.remove_headers
     assert list(removed) == [DESTINATION_HEADER, "x-kvgate-foo"]
     assert messages.continue_request_headers((DESTINATION_HEADER, "x-kvgate-foo")) is reply
-
-
-def test_unchanged_response_chunk_reply():
-    assert messages.continue_body(response_phase=True) is messages.RESPONSE_CHUNK_CONTINUE
-    assert pb.ProcessingResponse(
-        response_body=pb.BodyResponse()) == messages.RESPONSE_CHUNK_CONTINUE
-    changed = messages.continue_body(response_phase=True, body=b"x")
-    assert changed.response_body.response.body_mutation.body == b"x"

@@ -10,6 +10,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import parse_config
 from extproc.metrics import Metrics
+from extproc.openai import Usage
+from extproc.reports import ReportDesk
 from extproc.stream import RequestStream
 from extproc.wiring import build_director
 from limiter.stores import MemoryStore
@@ -56,12 +58,9 @@ def headers_msg(path="/v1/chat/completions", key=KEY, end_of_stream=False, **ext
     )
 
 
-def body_msg(body, response=False, end_of_stream=True):
+def body_msg(body, end_of_stream=True):
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
-    http_body = pb.HttpBody(body=raw, end_of_stream=end_of_stream)
-    if response:
-        return pb.ProcessingRequest(response_body=http_body)
-    return pb.ProcessingRequest(request_body=http_body)
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=end_of_stream))
 
 
 def chat(max_tokens=10, **extra):
@@ -72,7 +71,8 @@ def chat(max_tokens=10, **extra):
 def new_stream(config=None):
     config = config or make_config(requests_per_second=1, request_burst=2, max_concurrency=5)
     store = MemoryStore()
-    return RequestStream(build_director(config, store), Metrics(), config.server), store
+    return RequestStream(build_director(config, store), Metrics(), config.server,
+                         ReportDesk()), store
 
 
 def parsed(reply):
@@ -142,7 +142,7 @@ async def test_oversized_body_is_413():
 async def test_request_rate_rejects_at_headers_with_retry_after():
     stream, _ = new_stream()
     for _ in range(2):
-        s = RequestStream(stream.director, stream.metrics, stream.settings)
+        s = RequestStream(stream.director, stream.metrics, stream.settings, stream.desk)
         await s.handle(headers_msg())
         await s.handle(body_msg(chat()))
     reply = parsed(await stream.handle(headers_msg()))
@@ -165,42 +165,68 @@ async def test_context_too_long_is_400_do_not_retry():
     assert body["error"]["code"] == "context_length_exceeded"
 
 
-async def test_stream_usage_is_reconciled_and_the_injected_chunk_stripped():
+async def test_a_streamed_request_is_metered_by_the_lua_meter_and_settled_on_its_report():
+    """kvgate asks the engine for usage, tells the meter (metadata) to strip that event, and
+    settles what the meter reported when Envoy ends the stream."""
     stream, store = new_stream(make_config(tokens_per_minute=1000, max_concurrency=1))
     await stream.handle(headers_msg())
     reply = parsed(await stream.handle(body_msg(chat(max_tokens=100, stream=True))))
     sent = orjson.loads(reply.request_body.response.body_mutation.body)
     assert sent["stream_options"] == {"include_usage": True}
-    assert await store.in_flight("acme") == 1
-    chunk = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-             b'data: {"choices":[],"usage":{"prompt_tokens":13,"completion_tokens":1}}\n\n'
-             b"data: [DONE]\n\n")
-    reply = parsed(await stream.handle(body_msg(chunk, response=True)))
-    passed = reply.response_body.response.body_mutation.body
-    assert b"usage" not in passed and b"[DONE]" in passed
-    assert stream.done
+    ours = reply.dynamic_metadata.fields["kvgate"].struct_value.fields
+    assert ours["meter"].string_value == "sse-strip"
+    assert ours["report"].string_value == stream.desk.address
+    assert ours["key"].string_value == stream.desk.key
+    lease = ours["lease"].string_value
+    assert await store.in_flight("acme") == 1 and not stream.done
+    assert stream.desk.receive(f"/done/{lease}".encode(), stream.desk.key.encode(),
+                               b'{"usage":{"prompt_tokens":13,"completion_tokens":1},'
+                               b'"events":1}').startswith(b"HTTP/1.1 204")
+    assert stream.response.done and stream.holds_admission  # released at the stream's end
+    await stream.close(None)
     assert await store.in_flight("acme") == 0
-    assert stream.meter.usage.total == 14
+    assert stream.response.settle(stream.admission.cost) == (14, 1)
 
 
-async def test_a_whole_response_in_one_chunk_releases_without_waiting_for_the_end():
-    """Envoy sends the end of the body as a message of its own; once the first chunk is the
-    whole JSON response, kvgate releases and ends the stream (one message fewer)."""
-    stream, store = new_stream(make_config(tokens_per_minute=1000, max_concurrency=1))
+@pytest.mark.parametrize(("meter", "extra"), [("json", {}), ("sse", {"stream": True,
+                         "stream_options": {"include_usage": True}})])
+async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
+    stream, _ = new_stream()
     await stream.handle(headers_msg())
-    await stream.handle(body_msg(chat(max_tokens=100)))
-    assert await store.in_flight("acme") == 1
-    whole = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 2}})
-    reply = parsed(await stream.handle(body_msg(whole, response=True, end_of_stream=False)))
-    assert reply.WhichOneof("response") == "response_body"
-    assert stream.done and not stream.holds_admission
-    assert await store.in_flight("acme") == 0
-    assert stream.meter.usage.total == 15
+    reply = parsed(await stream.handle(body_msg(chat(**extra))))
+    ours = reply.dynamic_metadata.fields["kvgate"].struct_value.fields
+    assert ours["meter"].string_value == meter
+
+
+@pytest.mark.parametrize(("first", "report", "used"), [
+    (False, None, lambda cost: cost.prompt_tokens),
+    (True, None, lambda cost: cost.prompt_tokens + 100),
+    (True, (None, 3), lambda cost: cost.prompt_tokens + 3),
+    (True, (Usage(13, 2), 2), lambda cost: 15)])
+async def test_what_a_response_is_charged(first, report, used):
+    """Usage when the engine reported it; the prompt plus one token per streamed event when
+    the response ended without it; the prompt when the client left before the response
+    began; the reservation when it was cut off mid-answer."""
+    stream, _ = new_stream()
+    await stream.handle(headers_msg())
+    await stream.handle(body_msg(chat(max_tokens=100, stream=True)))
+    if first:
+        stream.first_reported()
+    if report is not None:
+        stream.done_reported(*report)
+    charged = []
+
+    async def release(admission, used_tokens, output_tokens):
+        charged.append(used_tokens)
+
+    stream.director.release = release
+    await stream.close(None)
+    assert charged == [used(stream.admission.cost)]
 
 
 async def test_first_response_chunk_ends_the_prefill_the_scheduler_counts():
-    """The reservation carries the class band and prompt; the first chunk back (not the
-    end) tells the scheduler the engine is done prefilling it."""
+    """The reservation carries the class band and prompt; the meter's first-chunk report
+    (not the end) tells the scheduler the engine is done prefilling it."""
     stream, _ = new_stream()
     await stream.handle(headers_msg(**{"x-request-class": "batch"}))
     await stream.handle(body_msg(chat(stream=True)))
@@ -210,12 +236,22 @@ async def test_first_response_chunk_ends_the_prefill_the_scheduler_counts():
     assert held.band == 1 and held.prefill == stream.admission.cost.prompt_tokens > 0
     assert scheduler.prefill_tokens[endpoint] == held.prefill
     assert scheduler.low_prefills[endpoint] == 1
-    await stream.handle(body_msg(b'data: {"choices":[]}\n\n', response=True,
-                                 end_of_stream=False))
+    stream.first_reported()
+    stream.first_reported()  # a repeat changes nothing
     assert scheduler.prefill_tokens[endpoint] == 0 and scheduler.low_prefills[endpoint] == 0
-    assert not stream.done  # still streaming; the lease is held until the end
-    await stream.handle(body_msg(b"data: [DONE]\n\n", response=True))
-    assert stream.done and scheduler.prefill_tokens[endpoint] == 0
+    assert stream.holds_admission  # still streaming; the lease is held until the end
+
+
+async def test_a_report_after_the_release_changes_nothing():
+    stream, store = new_stream()
+    await stream.handle(headers_msg())
+    reply = parsed(await stream.handle(body_msg(chat(stream=True))))
+    lease = reply.dynamic_metadata.fields["kvgate"].struct_value.fields["lease"].string_value
+    await stream.close("cancelled")
+    for kind in ("first", "done"):
+        answer = stream.desk.receive(f"/{kind}/{lease}".encode(), stream.desk.key.encode(), b"{}")
+        assert answer.startswith(b"HTTP/1.1 204")
+    assert not stream.response.done and await store.in_flight("acme") == 0
 
 
 async def test_disconnect_releases_exactly_once():
@@ -242,7 +278,7 @@ async def test_spent_quota_is_429_do_not_retry_with_its_reset():
     stream, _ = new_stream(make_config(daily_token_quota=150))
     await stream.handle(headers_msg())
     assert parsed(await stream.handle(body_msg(chat(max_tokens=100)))).HasField("request_body")
-    second = RequestStream(stream.director, stream.metrics, stream.settings)
+    second = RequestStream(stream.director, stream.metrics, stream.settings, stream.desk)
     await second.handle(headers_msg())
     reply = (await second.handle(body_msg(chat(max_tokens=100)))).immediate_response
     assert reply.status.code == 429
@@ -338,7 +374,7 @@ async def test_the_tenants_key_is_removed_before_anything_goes_upstream():
     assert "authorization" in reply.request_headers.response.header_mutation.remove_headers
     reply = parsed(await stream.handle(body_msg(chat())))
     assert "authorization" not in header_dict(reply.request_body.response.header_mutation)
-    get = RequestStream(stream.director, stream.metrics, stream.settings)
+    get = RequestStream(stream.director, stream.metrics, stream.settings, stream.desk)
     reply = parsed(await get.handle(headers_msg(path="/v1/models", end_of_stream=True)))
     mutation = reply.request_headers.response.header_mutation
     assert "authorization" in mutation.remove_headers
@@ -354,7 +390,7 @@ async def test_a_pools_upstream_key_replaces_the_tenants(monkeypatch, tmp_path):
         reply = parsed(await stream.handle(body_msg(chat())))
         headers = header_dict(reply.request_body.response.header_mutation)
         assert headers["authorization"] == "Bearer pool-secret"
-        get = RequestStream(stream.director, stream.metrics, stream.settings)
+        get = RequestStream(stream.director, stream.metrics, stream.settings, stream.desk)
         reply = parsed(await get.handle(headers_msg(path="/health", end_of_stream=True)))
         mutation = reply.request_headers.response.header_mutation
         assert header_dict(mutation)["authorization"] == "Bearer pool-secret"
@@ -382,7 +418,7 @@ async def test_fail_closed_without_redis_is_503_gateway_unavailable():
                      "failure_policy": "fail_closed"}
     config = parse_config(data)
     stream = RequestStream(build_director(config, build_store(config, Metrics())), Metrics(),
-                           config.server)
+                           config.server, ReportDesk())
     await stream.handle(headers_msg())  # the headers precheck only reuses known refusals
     answer = parsed(await stream.handle(body_msg(chat()))).immediate_response
     assert answer.status.code == 503
@@ -398,7 +434,7 @@ async def test_a_kvgate_bug_is_503_internal_error():
             raise RuntimeError("a bug")
 
     config = make_config()
-    stream = RequestStream(build_director(config, Broken()), Metrics(), config.server)
+    stream = RequestStream(build_director(config, Broken()), Metrics(), config.server, ReportDesk())
     await stream.handle(headers_msg())
     answer = parsed(await stream.handle(body_msg(chat()))).immediate_response
     assert answer.status.code == 503
@@ -412,7 +448,7 @@ async def test_n_and_best_of_multiply_the_reserved_output():
     await stream.handle(headers_msg())
     await stream.handle(body_msg(chat(max_tokens=10, n=2, best_of=3)))
     assert stream.admission.cost.max_output_tokens == 30
-    plain = RequestStream(stream.director, stream.metrics, stream.settings)
+    plain = RequestStream(stream.director, stream.metrics, stream.settings, stream.desk)
     await plain.handle(headers_msg())
     await plain.handle(body_msg(chat(n=None, stream=None)))
     assert plain.admission.cost.max_output_tokens == 10

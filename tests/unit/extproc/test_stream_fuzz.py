@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.metrics import Metrics
+from extproc.reports import ReportDesk
 from extproc.stream import RequestStream
 from extproc.wiring import build_director
 from limiter.stores import MemoryStore
@@ -117,7 +118,7 @@ conversations = st.one_of(
 async def converse(conversation: list[pb.ProcessingRequest]) -> None:
     store = MemoryStore()
     director = build_director(CONFIG, store)
-    stream = RequestStream(director, Metrics(), CONFIG.server)
+    stream = RequestStream(director, Metrics(), CONFIG.server, ReportDesk())
     for message in conversation:
         reply = parsed(await stream.handle(message))
         kind = message.WhichOneof("request")

@@ -1,0 +1,143 @@
+-- kvgate's response meter: Envoy's Lua filter runs it on the response of every request
+-- kvgate admitted with a body (kvgate's metadata names how to read it).
+--
+-- kvgate's ext_proc sees a request's headers and body but not its response: a streamed
+-- answer would otherwise cost one gRPC message per chunk, and Python time that grows with
+-- the answer. This script reads the response as it passes, never holding a chunk back, and
+-- reports to the kvgate process that admitted the request (over the kvgate_report cluster):
+--   * streams only, when the first chunk passes: POST /first/<lease> (fire and forget):
+--     the engine has finished prefilling;
+--   * every response, when its last chunk passes: POST /done/<lease> with the engine's
+--     usage object. That last chunk goes on once kvgate has answered (a millisecond), so
+--     kvgate has settled the request before Envoy ends the request's ext_proc stream.
+-- With "sse-strip" it also removes the usage-only event kvgate asked the engine for when
+-- the client did not ask for it.
+-- Unfinished events are held back only while stripping, and only up to the end of the
+-- event, which is what an SSE client waits for anyway. A body cut off mid-event loses
+-- that half event, as an SSE client would discard it.
+
+local TAIL = 8192 -- bytes of an unfinished SSE event, or of a JSON body's end, kept
+local HOLD = 4096 -- an unfinished event longer than this is no usage event: never held
+local TIMEOUT_MS = 1000 -- a report kvgate has not answered by then is given up (the
+                        -- request is then charged its reservation)
+
+-- The JSON object that starts at `from` (a "{"), strings honoured; nil when unfinished.
+local function object_at(text, from)
+  local depth, in_string, escaped = 0, false, false
+  for i = from, #text do
+    local c = string.byte(text, i)
+    if in_string then
+      if escaped then escaped = false
+      elseif c == 92 then escaped = true
+      elseif c == 34 then in_string = false end
+    elseif c == 34 then in_string = true
+    elseif c == 123 then depth = depth + 1
+    elseif c == 125 then
+      depth = depth - 1
+      if depth == 0 then return string.sub(text, from, i) end
+    end
+  end
+  return nil
+end
+
+-- The last complete "usage": {...} object in `text`.
+local function last_usage(text)
+  local found, at = nil, 1
+  while true do
+    local s, e = string.find(text, '"usage"%s*:%s*{', at)
+    if s == nil then return found end
+    found = object_at(text, e) or found
+    at = e + 1
+  end
+end
+
+local function report(handle, meta, what, body, asynchronous)
+  local headers = {
+    [":method"] = "POST",
+    [":path"] = "/" .. what .. "/" .. meta.lease,
+    [":authority"] = "kvgate",
+    ["x-envoy-original-dst-host"] = meta.report,
+    ["x-kvgate-report-key"] = meta.key,
+    ["content-type"] = "application/json",
+  }
+  if asynchronous then
+    handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true)
+  else
+    handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS)
+  end
+end
+
+-- One streamed chunk: note usage, count data events, and with `strip` drop the usage-only
+-- event. Stripping holds back the unfinished event at a chunk's end until its end arrives
+-- (no SSE client can act on half an event, so nothing is delayed for it) unless it grows
+-- past HOLD bytes: then it cannot be the small usage event and goes on at once.
+local function read_events(state, chunk, bytes)
+  local text = state.carry .. bytes
+  local sent = state.sent -- leading bytes of `text` the client already has
+  local out, pos = {}, 1
+  while true do
+    local s = string.find(text, "\n\n", pos, true)
+    if s == nil then break end
+    local event = string.sub(text, pos, s - 1)
+    local usage_only = false
+    if string.find(event, '"usage"', 1, true) then
+      state.usage = last_usage(event) or state.usage
+      usage_only = string.find(event, '"choices"%s*:%s*%[%s*%]') ~= nil
+    end
+    -- an event longer than TAIL lost its head while carried: state.head kept it
+    local head = (pos == 1 and state.head) or event
+    if not usage_only and string.sub(head, 1, 5) == "data:"
+        and not string.find(event, "[DONE]", 1, true) then
+      state.events = state.events + 1
+    end
+    if state.strip and not (usage_only and sent < pos) then
+      out[#out + 1] = string.sub(text, math.max(pos, sent + 1), s + 1)
+    end
+    pos = s + 2
+  end
+  local partial = string.sub(text, pos)
+  if pos > 1 then state.head = nil end
+  if #partial > TAIL then state.head = state.head or string.sub(partial, 1, 5) end
+  if not state.strip then
+    state.carry = #partial > TAIL and string.sub(partial, -TAIL) or partial
+    return
+  end
+  local partial_sent = math.max(0, sent - (pos - 1))
+  if #partial > HOLD then
+    out[#out + 1] = string.sub(partial, partial_sent + 1)
+    partial_sent = #partial
+    if #partial > TAIL then partial, partial_sent = string.sub(partial, -TAIL), TAIL end
+  end
+  state.carry, state.sent = partial, partial_sent
+  chunk:setBytes(table.concat(out))
+end
+
+function envoy_on_response(handle)
+  local meta = handle:streamInfo():dynamicMetadata():get("kvgate")
+  if meta == nil or meta.meter == nil or meta.meter == "" then return end
+  -- a streamed request answered with JSON (an engine's error) is read as JSON
+  local sse = string.find(handle:headers():get("content-type") or "", "text/event-stream", 1,
+                          true) ~= nil
+  local stream = meta.meter ~= "json" and sse
+  local state = {carry = "", sent = 0, usage = nil, events = 0,
+                 strip = stream and meta.meter == "sse-strip"}
+  local first = true
+  for chunk in handle:bodyChunks() do
+    local size = chunk:length()
+    if size > 0 then
+      local bytes = chunk:getBytes(0, size)
+      if stream then
+        if first then
+          first = false
+          report(handle, meta, "first", "", true)
+        end
+        read_events(state, chunk, bytes)
+      else
+        state.carry = string.sub(state.carry .. bytes, -TAIL)
+      end
+    end
+  end
+  if not stream then state.usage = last_usage(state.carry) end
+  report(handle, meta, "done",
+         '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events .. '}', false)
+end

@@ -1,0 +1,179 @@
+"""Where Envoy's Lua meter (``meter.lua``) reports each response kvgate admitted.
+
+kvgate reads no response body over ext_proc: at one gRPC message per chunk, a streamed
+answer would cost Python time in proportion to its length. The Lua filter reads the response
+inside Envoy instead and sends this process at most two small HTTP/1.1 calls per request:
+``POST /first/<lease>`` when a stream's first chunk passes (the engine has prefilled) and
+``POST /done/<lease>`` with the engine's usage when the response ends, before its last chunk
+goes on — so the report always arrives before Envoy ends the request's ext_proc stream,
+which is where kvgate releases the request.
+
+Each kvgate process listens on its own port (``--workers`` share the gRPC port, not this
+one) and names its address in every admission's dynamic metadata, so the report reaches the
+process that holds the lease; Envoy's ``kvgate_report`` cluster is an original-destination
+cluster that goes where the report's ``x-envoy-original-dst-host`` says. A per-process key
+in the same metadata keeps anyone else from reporting.
+
+Only Envoy talks to this port: the parser takes what Envoy's HTTP/1.1 codec sends (a sized
+body, keep-alive) and closes the connection on anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Protocol, cast
+
+import orjson
+
+from extproc.metrics import Metrics
+from extproc.openai import Usage, usage_from
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 8192
+MAX_REPORT_BYTES = 65536
+KEY_HEADER = b"x-kvgate-report-key"
+_NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
+_BAD = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\n\r\n"
+
+
+class Reported(Protocol):
+    """What a request's stream does with its reports (``stream.RequestStream``)."""
+
+    def first_reported(self) -> None: ...
+
+    def done_reported(self, usage: Usage | None, events: int) -> None: ...
+
+
+class ReportDesk:
+    """The open requests whose responses are being metered, by lease id."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
+        self.key = secrets.token_hex(16)
+        self.address = ""  # host:port as Envoy reaches it, set once listening
+        self._open: dict[str, Reported] = {}
+        self._server: asyncio.Server | None = None
+
+    def expect(self, lease: str, stream: Reported) -> None:
+        self._open[lease] = stream
+
+    def forget(self, lease: str) -> None:
+        self._open.pop(lease, None)
+
+    async def start(self, host: str, port: int, advertise_host: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ReportProtocol(self.receive), host, port)
+        bound = self._server.sockets[0].getsockname()[1]
+        self.address = f"{advertise_host}:{bound}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def receive(self, path: bytes, key: bytes | None, body: bytes) -> bytes:
+        """One report; returns the HTTP answer."""
+        kind, _, lease = path.removeprefix(b"/").partition(b"/")
+        if key is None or not secrets.compare_digest(key, self.key.encode()):
+            self._count("refused")
+            return _FORBIDDEN
+        if kind not in (b"first", b"done"):
+            self._count("refused")
+            return _BAD
+        self._count(kind.decode())
+        stream = self._open.get(lease.decode("ascii", "replace"))
+        if stream is None:  # released already (a late report), or never ours
+            return _NO_CONTENT
+        if kind == b"first":
+            stream.first_reported()
+        else:
+            usage, events = parse_done(body)
+            stream.done_reported(usage, events)
+        return _NO_CONTENT
+
+    def _count(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.reports.add((kind,))
+
+
+def parse_done(body: bytes) -> tuple[Usage | None, int]:
+    """``{"usage": <the engine's usage object or null>, "events": <SSE data events>}``."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, 0
+    if not isinstance(document, dict):
+        return None, 0
+    events = document.get("events")
+    return usage_from(document), events if type(events) is int and events >= 0 else 0
+
+
+class _ReportProtocol(asyncio.Protocol):
+    """HTTP/1.1 requests with a content-length, one after another on a kept-alive
+    connection."""
+
+    def __init__(self, receive: Callable[[bytes, bytes | None, bytes], bytes]):
+        self._receive = receive
+        self._buffer = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while self._transport is not None and self._next_request():
+            pass
+
+    def _next_request(self) -> bool:
+        """Answer one whole request from the buffer; False when it holds none yet."""
+        buffer = self._buffer
+        head_end = buffer.find(b"\r\n\r\n")
+        if head_end == -1:
+            if len(buffer) > MAX_HEAD_BYTES:
+                self._fail()
+            return False
+        lines = buffer[:head_end].split(b"\r\n")
+        parts = lines[0].split(b" ")
+        headers = dict(_header(line) for line in lines[1:])
+        length = headers.get(b"content-length", b"0")
+        if (len(parts) != 3 or parts[0] != b"POST" or not length.isdigit()
+                or int(length) > MAX_REPORT_BYTES or b"transfer-encoding" in headers):
+            self._fail()
+            return False
+        end = head_end + 4 + int(length)
+        if len(buffer) < end:
+            return False
+        self._buffer = buffer[end:]
+        try:
+            answer = self._receive(parts[1], headers.get(KEY_HEADER), buffer[head_end + 4 : end])
+        except Exception:
+            log.exception("a response report failed")
+            answer = _BAD
+        if answer is _BAD:
+            self._fail()
+            return False
+        assert self._transport is not None
+        self._transport.write(answer)
+        return True
+
+    def _fail(self) -> None:
+        """Answer 400 and hang up: nothing after a malformed request can be trusted."""
+        if self._transport is not None:
+            self._transport.write(_BAD)
+            self._transport.close()
+            self._transport = None
+        self._buffer = b""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+
+
+def _header(line: bytes) -> tuple[bytes, bytes]:
+    name, _, value = line.partition(b":")
+    return name.strip().lower(), value.strip()

@@ -1,0 +1,259 @@
+"""Envoy's Lua response meter (extproc/meter.lua), in the real Envoy, reporting to a real
+ReportDesk: usage found in JSON bodies and SSE streams split anywhere, the injected usage
+event stripped and nothing else, one report per response whatever its length.
+
+The bootstrap is kvgate's own with ext_proc swapped for a small Lua filter that stamps the
+metadata kvgate would have set (from the test's request headers), in front of an upstream
+that writes the test's body in the pieces the test chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+import pytest
+
+from extproc.config import hash_api_key, parse_config
+from extproc.envoy_config import render_bootstrap
+from extproc.envoy_proc import EnvoyProcess
+from extproc.openai import Usage
+from extproc.reports import ReportDesk
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.e2e
+
+USAGE = {"prompt_tokens": 13, "completion_tokens": 4, "total_tokens": 17}
+
+STAMP = """
+function envoy_on_request(handle)
+  local h = handle:headers()
+  local meta = handle:streamInfo():dynamicMetadata()
+  meta:set("envoy.lb", "x-gateway-destination-endpoint", h:get("x-test-upstream"))
+  meta:set("kvgate", "lease", h:get("x-test-lease"))
+  meta:set("kvgate", "meter", h:get("x-test-meter"))
+  meta:set("kvgate", "report", h:get("x-test-report"))
+  meta:set("kvgate", "key", h:get("x-test-key"))
+end
+"""
+
+
+@dataclass
+class Recorder:
+    first: int = 0
+    done: list[tuple[Usage | None, int]] = field(default_factory=list)
+
+    def first_reported(self) -> None:
+        self.first += 1
+
+    def done_reported(self, usage: Usage | None, events: int) -> None:
+        self.done.append((usage, events))
+
+
+class Harness:
+    """A background event loop with the scripted upstream and the report desk."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.desk = ReportDesk()
+        self.bodies: dict[str, tuple[bytes, list[bytes]]] = {}  # lease → (type, pieces)
+        self.upstream_port = free_port()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> Harness:
+        self._thread.start()
+        self.call(self.desk.start("127.0.0.1", 0, "127.0.0.1"))
+        self.call(asyncio.start_server(self._serve, "127.0.0.1", self.upstream_port))
+        return self
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:-2])
+                length = int(headers.get(b"content-length", b"0"))
+                await reader.readexactly(length)
+                content_type, pieces = self.bodies[headers[b"x-test-lease"].decode()]
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n"
+                             b"content-type: %s\r\n\r\n" % content_type)
+                for piece in pieces:
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+                    await asyncio.sleep(0.003)  # mostly one piece per chunk at Envoy
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    def stop(self) -> None:
+        self.call(self.desk.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def meter_stack() -> Iterator[tuple[Harness, EnvoyProcess]]:
+    harness = Harness().start()
+    config = parse_config({
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "tiers": {"t": {}},
+        "tenants": [{"name": "a", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
+        "pools": [{"name": "p", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
+    })
+    bootstrap = copy.deepcopy(render_bootstrap(config))
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    stamp = copy.deepcopy(next(f for f in filters if f["name"] == "envoy.filters.http.lua"))
+    stamp["name"] = "stamp"
+    stamp["typed_config"]["default_source_code"] = {"inline_string": STAMP}
+    filters[0] = stamp  # in ext_proc's place
+    with EnvoyProcess(bootstrap=bootstrap) as envoy:
+        yield harness, envoy
+    harness.stop()
+
+
+_leases = iter(range(1_000_000))
+
+
+def exchange(meter_stack, pieces: list[bytes], meter: str,
+             content_type: bytes | None = None) -> tuple[bytes, Recorder]:
+    """The body the client gets for an upstream answer in ``pieces``, and the reports."""
+    harness, envoy = meter_stack
+    lease = f"case-{next(_leases)}"
+    if content_type is None:
+        content_type = b"text/event-stream" if meter.startswith("sse") else b"application/json"
+    harness.bodies[lease] = (content_type, pieces)
+    recorder = Recorder()
+    harness.desk.expect(lease, recorder)
+    response = httpx.post(
+        f"http://127.0.0.1:{envoy.listen_port}/v1/chat/completions", content=b"{}",
+        headers={"x-test-upstream": f"127.0.0.1:{harness.upstream_port}", "x-test-lease": lease,
+                 "x-test-meter": meter, "x-test-report": harness.desk.address,
+                 "x-test-key": harness.desk.key}, timeout=10)
+    assert response.status_code == 200
+    return response.content, recorder
+
+
+def sse(events: list[dict]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def cut(body: bytes, at: list[int]) -> list[bytes]:
+    points = [0, *sorted({min(max(a, 1), len(body) - 1) for a in at}), len(body)]
+    return [body[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+def text(i: int) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+
+
+def test_json_usage_flat_and_nested_and_string_braces(meter_stack):
+    for usage in (USAGE, {**USAGE, "prompt_tokens_details": {"cached_tokens": 0}}):
+        body = orjson.dumps({"choices": [{"text": '"usage": {'}], "usage": usage})
+        got, recorder = exchange(meter_stack, cut(body, [7, 30]), "json")
+        assert got == body
+        assert recorder.done == [(Usage(13, 4), 0)] and recorder.first == 0
+
+
+def test_large_json_is_read_from_a_bounded_tail(meter_stack):
+    body = orjson.dumps({"data": [[0.1] * 1000] * 100, "usage": USAGE})
+    got, recorder = exchange(meter_stack, cut(body, list(range(4096, len(body), 4096))), "json")
+    assert got == body and recorder.done == [(Usage(13, 4), 0)]
+
+
+def test_json_without_a_valid_usage_reports_none(meter_stack):
+    for body in (b'{"choices": []}', b'{"usage": {"prompt_tokens": 13, "completion',
+                 b'{"usage": {"prompt_tokens": "13"}}', b"<html>bad gateway</html>"):
+        got, recorder = exchange(meter_stack, [body], "json")
+        assert got == body and recorder.done == [(None, 0)], body
+
+
+def test_json_the_last_usage_wins_whatever_the_spacing(meter_stack):
+    body = (b'{"x": {"usage" :{"prompt_tokens": 1}}, "usage"\n:\t{"prompt_tokens": 13, '
+            b'"completion_tokens": 4, "d": {"a": "}"}}}')
+    _, recorder = exchange(meter_stack, [body], "json")
+    assert recorder.done == [(Usage(13, 4), 0)]
+
+
+@pytest.mark.parametrize("at", [[], [1], [5, 6, 7], [40, 41, 200], [100, 180, 260, 340]])
+def test_a_stream_split_anywhere_counts_events_and_finds_usage(meter_stack, at):
+    body = sse([*(text(i) for i in range(5)), {"choices": [], "usage": USAGE}])
+    got, recorder = exchange(meter_stack, cut(body, at), "sse")
+    assert got == body  # the client asked for the usage event: it stays
+    assert recorder.first == 1 and recorder.done == [(Usage(13, 4), 5)]
+
+
+def test_the_injected_usage_event_is_stripped_and_nothing_else(meter_stack):
+    events = [sse([text(i)]).removesuffix(b"data: [DONE]\n\n") for i in range(3)]
+    usage_event = b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\n"
+    got, recorder = exchange(meter_stack, [*events, usage_event + b"data: [DONE]\n\n"],
+                             "sse-strip")
+    assert got == b"".join(events) + b"data: [DONE]\n\n"
+    assert recorder.done == [(Usage(13, 4), 3)]
+
+
+def test_continuous_usage_chunks_keep_their_choices(meter_stack):
+    """With ``continuous_usage_stats`` every chunk carries usage: only the final usage-only
+    event (``choices: []``), the one kvgate asked for, goes."""
+    chunks = [{**text(i), "usage": {"prompt_tokens": 13, "completion_tokens": i + 1}}
+              for i in range(3)]
+    final = {"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 3}}
+    body = sse([*chunks, final])
+    pieces = [b"data: " + orjson.dumps(e) + b"\n\n" for e in [*chunks, final]]
+    got, recorder = exchange(meter_stack, [*pieces, b"data: [DONE]\n\n"], "sse-strip")
+    assert got == sse(chunks) and body != got
+    assert recorder.done == [(Usage(13, 3), 3)]
+
+
+def test_a_long_stream_costs_two_reports(meter_stack):
+    body = sse([*(text(i) for i in range(600)), {"choices": [], "usage": USAGE}])
+    pieces = cut(body, list(range(50, len(body), 50)))
+    got, recorder = exchange(meter_stack, pieces, "sse-strip")
+    assert got.count(b"data: ") == 601 and b'"usage"' not in got
+    assert recorder.first == 1 and recorder.done == [(Usage(13, 4), 600)]
+
+
+@pytest.mark.parametrize("at", [[3], [60, 61], [150], [200, 230, 260]])
+def test_a_split_usage_event_is_still_stripped_and_text_arrives_whole(meter_stack, at):
+    body = sse([*(text(i) for i in range(3)), {"choices": [], "usage": USAGE}])
+    got, recorder = exchange(meter_stack, cut(body, at), "sse-strip")
+    assert got == sse([text(i) for i in range(3)])
+    assert recorder.first == 1 and recorder.done == [(Usage(13, 4), 3)]
+
+
+def test_an_event_longer_than_the_hold_passes_whole(meter_stack):
+    big = {"choices": [{"index": 0, "delta": {"content": "x" * 20000}}]}
+    body = sse([big, text(1), {"choices": [], "usage": USAGE}])
+    got, recorder = exchange(meter_stack, cut(body, list(range(1000, len(body), 1000))),
+                             "sse-strip")
+    assert got == sse([big, text(1)])
+    assert recorder.done == [(Usage(13, 4), 2)]
+
+
+def test_a_stream_answered_with_a_json_error_passes_untouched(meter_stack):
+    error = b'{"error": {"message": "bad", "code": 400}}'
+    got, recorder = exchange(meter_stack, [error], "sse-strip", content_type=b"application/json")
+    assert got == error
+    assert recorder.first == 0 and recorder.done == [(None, 0)]
+
+
+def test_a_forged_or_unknown_report_changes_nothing(meter_stack):
+    harness, _ = meter_stack
+    recorder = Recorder()
+    harness.desk.expect("victim", recorder)
+    url = f"http://{harness.desk.address}"
+    forged = httpx.post(f"{url}/done/victim", content=b'{"usage": null, "events": 0}',
+                        headers={"x-kvgate-report-key": "guess"})
+    assert forged.status_code == 403
+    unknown = httpx.post(f"{url}/done/nobody", content=b"{}",
+                         headers={"x-kvgate-report-key": harness.desk.key})
+    assert unknown.status_code == 204
+    assert recorder.done == [] and recorder.first == 0
