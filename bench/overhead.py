@@ -333,6 +333,24 @@ def minimal_counters(stats_port: int) -> Counters:
     return read
 
 
+def redis_counters(url: str, also: Counters) -> Counters:
+    """``also``'s counters and Redis's ``INFO commandstats`` calls as ``redis:<command>``."""
+    import redis.asyncio as aioredis
+
+    async def read() -> dict[str, float]:
+        client = aioredis.Redis.from_url(url)
+        try:
+            stats = await client.info("commandstats")
+        finally:
+            await client.aclose()
+        counted = {f"redis:{name.removeprefix('cmdstat_')}": float(fields["calls"])
+                   for name, fields in stats.items()
+                   if name.removeprefix("cmdstat_") not in ("info", "hello", "client|setinfo")}
+        return await also() | counted
+
+    return read
+
+
 async def _no_counters() -> dict[str, float]:
     return {}
 
@@ -404,6 +422,8 @@ def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch",
         started = _start_ext_proc(mode, config, workdir)
         if started is not None:
             child, gw.counters = started
+            if redis_url is not None:
+                gw.counters = redis_counters(redis_url, gw.counters)
             stack.callback(child.stop)
             gw.pids["ext_proc"] = child.pid
             gw.commands["ext_proc"] = " ".join(child.command)
@@ -532,6 +552,8 @@ def summarize(mode: str, concurrency: int, windows: Sequence[Window],
                 if k.startswith("messages:") and v}
     reports = {k.partition(":")[2]: v / per for k, v in counted.items()
                if k.startswith("reports:") and v}
+    commands = {k.partition(":")[2]: v / per for k, v in counted.items()
+                if k.startswith("redis:") and v}
     ordered = sorted(t for w in windows for t in w.load.latencies)
     firsts = sorted(t for w in windows for t in w.load.first_bytes)
     other = sum(cores.values()) - sum(cpu.values())
@@ -558,8 +580,10 @@ def summarize(mode: str, concurrency: int, windows: Sequence[Window],
         "messages_by_kind": messages,
         "reports_per_request": sum(reports.values()),
         "reports_by_kind": reports,
+        "redis_commands_per_request": sum(commands.values()),
+        "redis_commands_by_kind": commands,
         "ext_proc_counters": {k: v for k, v in counted.items()
-                              if v and not k.startswith(("messages:", "reports:"))},
+                              if v and not k.startswith(("messages:", "reports:", "redis:"))},
     }
 
 
@@ -863,6 +887,13 @@ def markdown(result: dict[str, Any]) -> str:
             reports = ", ".join(f"{k} {v:.2f}" for k, v in r.get("reports_by_kind", {}).items())
             lines.append(f"- {label(r)}: {r['messages_per_request']:.2f} ({kinds})"
                          + (f"; meter reports {reports}" if reports else ""))
+    redis_rows = [r for r in rows if r.get("redis_commands_by_kind")]
+    if redis_rows:
+        lines += ["", "## Redis commands per request (`INFO commandstats`)", ""]
+        for r in redis_rows:
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["redis_commands_by_kind"].items())
+            lines.append(f"- {label(r)} c={r['concurrency']}: "
+                         f"{r['redis_commands_per_request']:.2f} ({kinds})")
     pin_text = LAYOUT_TEXT[result["machine"].get("layout", "shared")]
     lines += ["", "## Method", "", METHOD.format(
         max_tokens=MAX_TOKENS, body=len(BODY), warmup=result["warmup_s"],

@@ -1,5 +1,5 @@
 """A real ``redis-server`` on a free port for tests: start, stop, SIGKILL, restart, and
-SIGSTOP/SIGCONT (a Redis that hangs mid-call).
+SIGSTOP/SIGCONT (a Redis that hangs mid-call); and a real 3-shard Redis Cluster of them.
 
 Tests call :func:`require_redis_server` first: with no binary they are skipped locally, but
 fail when ``CI`` is set (``.ci/run`` installs redis-server, so a missing one is a CI bug).
@@ -52,7 +52,8 @@ class RedisServer:
     so clients configured with :attr:`url` reconnect to the restarted server.
     """
 
-    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+    def __init__(self, port: int | None = None, binary: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         binary = binary or REDIS_SERVER
         if binary is None:
             raise RedisNotInstalled("redis-server not found; apt-get install redis-server")
@@ -60,6 +61,7 @@ class RedisServer:
         self.port = port or free_port()
         self._dir = tempfile.mkdtemp(prefix="kvgate-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
+        self.extra_args = extra_args
 
     @property
     def url(self) -> str:
@@ -76,6 +78,7 @@ class RedisServer:
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
+            *self.extra_args,
         ]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
@@ -141,3 +144,59 @@ class RedisServer:
     ) -> None:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+SLOTS = 16384
+
+
+class RedisCluster:
+    """A Redis Cluster of ``shards`` primaries (no replicas) on free ports, slots split
+    evenly: started with plain ``CLUSTER ADDSLOTSRANGE`` / ``CLUSTER MEET`` (no redis-cli).
+    ``url`` names the first node; a cluster client discovers the rest."""
+
+    def __init__(self, shards: int = 3) -> None:
+        # the bus port is given (by default it is port + 10000: maybe taken, or past 65535)
+        self.bus_ports = [free_port() for _ in range(shards)]
+        self.nodes = [RedisServer(extra_args=("--cluster-enabled", "yes",
+                                              "--cluster-port", str(bus),
+                                              "--cluster-config-file", "nodes.conf",
+                                              "--cluster-node-timeout", "2000"))
+                      for bus in self.bus_ports]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout_s: float = 20.0) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        per = SLOTS // len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            last = SLOTS - 1 if i == len(self.nodes) - 1 else (i + 1) * per - 1
+            _expect_ok(_command(node.port, "CLUSTER", "ADDSLOTSRANGE", str(i * per), str(last)))
+        for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
+            _expect_ok(_command(self.nodes[0].port, "CLUSTER", "MEET", "127.0.0.1",
+                                str(node.port), str(bus)))
+        deadline = time.monotonic() + timeout_s
+        while not all(_command(n.port, "CLUSTER", "INFO", timeout_s=1.0).find(
+                b"cluster_state:ok") != -1 for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        for node in self.nodes:
+            node.__exit__(None, None, None)
+
+
+def _expect_ok(reply: bytes) -> None:
+    if not reply.startswith(b"+OK"):
+        raise RuntimeError(f"redis cluster setup failed: {reply!r}")

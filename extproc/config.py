@@ -499,7 +499,11 @@ class AgentSettings(_Strict):
 class RedisSettings(_Strict):
     """Shared limits across replicas and worker processes; absent = in-memory (one process)."""
 
-    url: str = Field(description="redis://host:port/db")
+    url: str = Field(description="redis://host:port/db; with cluster, any one node")
+    cluster: bool = Field(
+        False, description="the url names a node of a Redis Cluster: every key of a tenant "
+        "(and of a pool's fair queue) shares one hash tag, so each call runs on one shard"
+    )
     prefix: str = Field("kvgate", min_length=1, description="prefix of every key kvgate writes")
     timeout_ms: PositiveInt = Field(20, description="budget for one Redis call")
     failure_policy: Literal["fail_open", "fail_closed", "local"] = Field(

@@ -227,5 +227,6 @@ class FlowController:
                       for i in self.queue.items()],
             "fairness_counters": await self.fairness.counters(),
             "unstarted": dict(self.scheduler.unstarted),  # endpoint → sent, not started
+            "unstarted_limit_growth": dict(self.scheduler.gate_growth),
             "seq_limits": dict(self.scheduler.seq_caps),  # endpoint → learned --max-num-seqs
         }

@@ -11,10 +11,15 @@ still under its weighted share of the pool's reserved KV; lower-band work over i
 
 The engine's queue stays short: an endpoint takes a request only while fewer than
 ``max_unstarted`` of the requests kvgate sent it have not started (band 0: one more).
-Started means its first token was seen, or a scrape taken after it was sent reports fewer
-requests waiting in the engine than kvgate has unstarted there (the oldest have started).
-The rest waits in kvgate's fair queue, where tenant shares and classes order it; in vLLM's
-waiting queue only priority and arrival would.
+Started means its first token was seen (or its response ended), or a scrape taken after it
+was sent reports fewer requests waiting in the engine than kvgate has unstarted there (the
+oldest have started). The rest waits in kvgate's fair queue, where tenant shares and
+classes order it; in vLLM's waiting queue only priority and arrival would. The limit adapts
+per endpoint: each scrape that finds nothing waiting in the engine although the limit held
+work back since the one before doubles how far it is raised (1, 2, 4, … up to
+``MAX_GATE_GROWTH``: the engine starts requests faster than kvgate can see them start, as
+with short non-streamed answers); a scrape that finds more than ``max_unstarted`` waiting
+halves it. An engine that keeps work waiting never sees it grow.
 
 Predictive load: reservations admitted since an endpoint's last scrape are added to its
 scraped usage, so a burst spreads across endpoints before the next scrape shows it.
@@ -48,6 +53,7 @@ from limiter.outcome import Reason, Reject, refuse
 
 FALLBACKS = 2  # endpoints after the chosen one, for Envoy's retries
 SEQ_PLATEAU_SCRAPES = 5  # scrapes in a row at one running count with work waiting: a seq cap
+MAX_GATE_GROWTH = 32  # how far an endpoint's unstarted limit may grow above max_unstarted
 DRAIN_WINDOW_S = 10.0
 MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
 
@@ -137,6 +143,10 @@ class PoolScheduler:
     seq_caps: dict[str, int] = field(default_factory=dict)
     _plateaus: dict[str, tuple[int, float | None, int]] = field(default_factory=dict,
                                                                  repr=False)
+    # endpoint → how far its unstarted limit has grown, and the endpoints the limit held work
+    # back from since their last scrape
+    gate_growth: dict[str, int] = field(default_factory=dict)
+    _gated: set[str] = field(default_factory=set, repr=False)
     low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
     # endpoint → its reservations, oldest first (times come from a monotonic clock), so the
     # ones newer than a scrape are found from the end without walking every reservation
@@ -165,8 +175,8 @@ class PoolScheduler:
         limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
         candidates = [self._candidate(e.state, tokens) for e in usable
                       if e.takes_work and self._has_slot(e.state.address, limit)
-                      and self.unstarted.get(e.state.address, 0) < ahead
-                      and self._has_seq(e.state.address, band)]
+                      and self._has_seq(e.state.address, band)
+                      and self._below_unstarted(e.state.address, ahead)]
         if band and self.config.prefill_clear_share:
             candidates = self._keep_clear(candidates, usable)
         eligible = [c for c in candidates if c.fits]
@@ -260,6 +270,28 @@ class PoolScheduler:
         limit = self.config.max_unstarted
         return math.inf if limit is None else limit + (0 if band else 1)
 
+    def _below_unstarted(self, address: str, limit: float) -> bool:
+        if self.unstarted.get(address, 0) < limit + self.gate_growth.get(address, 0):
+            return True
+        self._gated.add(address)
+        return False
+
+    def _adapt_gate(self, state: EndpointState) -> None:
+        """Nothing waiting in the engine while the unstarted limit held work back: the limit
+        doubles its growth (the engine starts work faster than kvgate sees it start); more
+        waiting than ``max_unstarted`` (the queue the limit allows the engine): it halves.
+        A few waiting is what an engine shows between its steps."""
+        if state.metrics is None or not self.config.max_unstarted:
+            return
+        address = state.address
+        waiting = _metric(state, "num_requests_waiting")
+        if waiting > self.config.max_unstarted:
+            self.gate_growth[address] = self.gate_growth.get(address, 0) // 2
+        elif not waiting and address in self._gated:
+            self.gate_growth[address] = min(MAX_GATE_GROWTH,
+                                            2 * self.gate_growth.get(address, 0) or 1)
+        self._gated.discard(address)
+
     def _has_seq(self, address: str, band: int) -> bool:
         """Lower-band work leaves one of the engine's sequences (when its limit is known)
         free for band 0, which would otherwise wait for a long request to finish."""
@@ -279,6 +311,7 @@ class PoolScheduler:
         for state in states:
             self._started_by_engine(state)
             self._learn_seq_cap(state)
+            self._adapt_gate(state)
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
         endpoints = [_Scraped(s, s.usable_until(self.staleness_s), self._takes_work(s))
                      for s in states]

@@ -183,9 +183,15 @@ class RequestStream:
         self.director.first_token(admission)
 
     def done_reported(self, usage: Usage | None, events: int) -> None:
-        """The response has ended; Envoy ends the stream (and kvgate releases) next."""
-        if self.response is not None and not self._released:
-            self.response.finish(usage, events)
+        """The response has ended; Envoy ends the stream (and kvgate releases) next. The
+        engine is done with it already: for the scheduler it has started (a non-streamed
+        response gives no earlier sign), so the endpoint's next request need not wait for
+        Envoy to end this stream."""
+        record = self.response
+        if record is None or self._released:
+            return
+        record.finish(usage, events)
+        self.first_reported()
 
     # -- endings ---------------------------------------------------------------------------
 

@@ -41,12 +41,13 @@ def redis_client(settings: RedisSettings) -> Any:
     from redis.retry import Retry
 
     timeout_s = settings.timeout_ms / 1000
-    return aioredis.from_url(
-        settings.url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-    )
+    options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+               "retry": Retry(NoBackoff(), 0)}
+    if settings.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(settings.url, **options)
+    return aioredis.from_url(settings.url, **options)
 
 
 def build_store(config: Config, metrics: Metrics) -> LimiterStore:

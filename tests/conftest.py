@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 import kvgate_native
-from bench.redis_server import REDIS_SERVER, RedisServer
+from bench.redis_server import REDIS_SERVER, RedisCluster, RedisServer
 from extproc.ports import free_port
 
 __all__ = ["free_port"]
@@ -38,3 +38,10 @@ def redis_server() -> Iterator[RedisServer]:
     """One real redis-server for the test module that asks for it (tests flush as needed)."""
     with RedisServer() as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A real 3-shard Redis Cluster (three redis-servers) for the test module."""
+    with RedisCluster(3) as cluster:
+        yield cluster

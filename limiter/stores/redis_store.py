@@ -189,7 +189,9 @@ class RedisStore:
             try:
                 return await script(keys=keys, args=args)
             except RedisConnectionError:
-                await self._client.connection_pool.disconnect(inuse_connections=False)
+                pool = getattr(self._client, "connection_pool", None)  # a cluster has many
+                if pool is not None:
+                    await pool.disconnect(inuse_connections=False)
                 return await script(keys=keys, args=args if resend is None else resend)
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis {name} failed: {exc}") from exc

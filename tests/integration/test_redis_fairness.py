@@ -1,5 +1,6 @@
-"""Shared virtual counters on a real redis-server: the same decisions as the memory selector,
-one global weighted order across replicas, key hygiene and failure behaviour.
+"""Shared virtual counters on a real redis-server and on a real 3-shard Redis Cluster: the
+same decisions as the memory selector, one global weighted order across replicas, key hygiene
+and failure behaviour.
 
 One redis-server serves the module (FLUSHALL between tests); the failure test runs its own.
 """
@@ -13,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
@@ -41,10 +43,19 @@ def _client(url: str) -> aioredis.Redis:
     )
 
 
-@pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    redis_server.flushall()
-    redis_client = _client(redis_server.url)
+@pytest.fixture(params=["redis", "cluster"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]:
+    """One redis-server, or a real 3-shard Redis Cluster (a pool's keys share a hash tag)."""
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        server.flushall()
+        redis_client = _client(server.url)
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        redis_client = RedisCluster.from_url(cluster.url, socket_timeout=1.0,
+                                             socket_connect_timeout=1.0,
+                                             retry=Retry(NoBackoff(), 1))
+        await redis_client.flushdb(target_nodes=RedisCluster.PRIMARIES)
     yield redis_client
     await redis_client.aclose()
 

@@ -1,8 +1,10 @@
 """The Redis store against a real redis-server: identical decisions to the memory store,
 exact retries, lease TTLs, exactly-once release, key hygiene and failure behaviour.
 
-One redis-server serves the module (FLUSHDB between examples); the failure tests run their
-own, since they kill it.
+Every test taking ``client`` runs twice: on one redis-server, and on a real 3-shard Redis
+Cluster (a tenant's keys share a hash tag, so each script runs on one shard). One server and
+one cluster serve the module (FLUSHDB between examples); the failure tests run their own,
+since they kill it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
@@ -69,10 +72,26 @@ def _client(url: str, timeout_s: float = 2.0) -> aioredis.Redis:
     )
 
 
-@pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    redis_client = _client(redis_server.url)
-    await redis_client.flushdb()
+def _cluster_client(url: str, timeout_s: float = 2.0) -> RedisCluster:
+    return RedisCluster.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                 retry=Retry(NoBackoff(), 1))
+
+
+async def _dbsize(client: aioredis.Redis) -> int:
+    """Keys in the database (a cluster's: summed over its primaries)."""
+    if isinstance(client, RedisCluster):
+        return await client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+    return await client.dbsize()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]:
+    if request.param == "redis":
+        redis_client = _client(request.getfixturevalue("redis_server").url)
+        await redis_client.flushdb()
+    else:
+        redis_client = _cluster_client(request.getfixturevalue("redis_cluster").url)
+        await redis_client.flushdb(target_nodes=RedisCluster.PRIMARIES)
     yield redis_client
     await redis_client.aclose()
 
@@ -408,14 +427,14 @@ async def test_idle_tenant_leaves_nothing_behind(client: aioredis.Redis) -> None
         token_rate=Rate(1, 1), token_burst=10, max_concurrency=1,
     )
     assert isinstance(await store.admit("acme", policy, Cost(5, 5), "a"), Admit)
-    assert await client.dbsize() == 6  # both buckets, window + meta, leases + meta
+    assert await _dbsize(client) == 6  # both buckets, window + meta, leases + meta
     ttls = [await client.pttl(key) async for key in client.scan_iter("*")]
     assert all(0 < ttl <= 200 for ttl in ttls), ttls
     for _ in range(100):
-        if await client.dbsize() == 0:
+        if await _dbsize(client) == 0:
             break
         await asyncio.sleep(0.02)
-    assert await client.dbsize() == 0
+    assert await _dbsize(client) == 0
 
 
 # --- scripts and failures ----------------------------------------------------------------

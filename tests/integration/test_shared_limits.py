@@ -12,6 +12,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from redis.crc import key_slot
 
 from bench.extproc_client import ExtProcClient
 from bench.redis_server import RedisServer
@@ -234,3 +235,43 @@ def test_workers_need_redis(tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
     assert main(["serve", "-c", str(path), "--workers", "2"]) == 2
     assert "needs `redis:`" in capsys.readouterr().err
+
+
+async def test_two_replicas_on_a_redis_cluster_enforce_one_limit_per_tenant(redis_cluster,
+                                                                            tmp_path):
+    """`redis.cluster: true`: tenants' keys land on different shards of a real 3-shard
+    cluster, and two replicas still enforce each tenant's one global limit."""
+    rate, burst = 20, 10
+    keys = {name: f"sk-{name}" for name in ("acme", "globex", "initech")}
+    data = {
+        "server": {"grpc_port": free_port(), "admin_port": free_port()},
+        "redis": {"url": redis_cluster.url, "cluster": True, "timeout_ms": 200},
+        "tiers": {"t": {"limits": {"requests_per_second": rate, "request_burst": burst}}},
+        "tenants": [{"name": name, "tier": "t", "api_keys": [hash_api_key(key)]}
+                    for name, key in keys.items()],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:9"], "kv_aware": False}],
+    }
+    one = parse_config(data)
+    other = parse_config({**data, "server": {"grpc_port": free_port(), "admin_port": free_port()}})
+    store_keys = [f"kvgate:{{kvgate:{name}}}:tb:req" for name in keys]
+    assert len({key_slot(k.encode()) * 3 // 16384 for k in store_keys}) > 1  # several shards
+    with KvgateProcess(one, tmp_path, "a") as a, KvgateProcess(other, tmp_path, "b") as b:
+        clients = [ExtProcClient(a.target), ExtProcClient(b.target)]
+        start = time.monotonic()
+
+        async def offer(client: ExtProcClient, key: str) -> int:
+            admitted = 0
+            while time.monotonic() - start < 2.0:
+                outcome = await client.chat(key, BODY, response=USAGE)
+                assert outcome.status in (200, 429), outcome
+                admitted += outcome.admitted
+            return admitted
+
+        counts = await asyncio.gather(*(offer(c, key) for key in keys.values() for c in clients))
+        elapsed = time.monotonic() - start
+        for client in clients:
+            await client.close()
+    for i, name in enumerate(keys):
+        admitted = counts[2 * i] + counts[2 * i + 1]
+        ceiling = rate * elapsed + burst
+        assert 0.8 * ceiling <= admitted <= ceiling, (name, admitted, ceiling)
