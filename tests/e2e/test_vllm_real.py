@@ -295,6 +295,36 @@ def test_kvgate_scrapes_real_vllm_kv_capacity(gateway):
     assert state.kv_cache_usage is not None
 
 
+def _used_tokens(kvgate) -> float:
+    """kvgate's ``kvgate_tokens_total{kind="used",tenant="acme"}``."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(kvgate.server.metrics.registry).decode()
+    line = next((row for row in text.splitlines()
+                 if row.startswith('kvgate_tokens_total{kind="used",tenant="acme"}')), None)
+    return 0.0 if line is None else float(line.rpartition(" ")[2])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_kvgate_charges_what_real_vllm_reports_it_used(gateway, stream):
+    """Envoy's Lua meter reads vLLM's own usage (its SSE usage chunk, or the JSON body) and
+    kvgate settles exactly that, streamed and not."""
+    kvgate, envoy = gateway
+    before = _used_tokens(kvgate)
+    body = chat_body("count the tokens of this answer", max_tokens=5, stream=stream,
+                     stream_options={"include_usage": True} if stream else None)
+    body = {k: v for k, v in body.items() if v is not None}
+    response = httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert response.status_code == 200, response.text
+    usage = (json.loads([e for e in sse_data(response) if e != "[DONE]"][-1])["usage"]
+             if stream else response.json()["usage"])
+    deadline = time.monotonic() + 10
+    while _used_tokens(kvgate) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _used_tokens(kvgate) - before == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
 def test_request_through_kvgate_reaches_real_vllm_with_priority_and_usage(gateway):
     kvgate, envoy = gateway
     body = chat_body("the quick brown fox", max_tokens=6, stream=True)
