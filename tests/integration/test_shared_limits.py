@@ -93,7 +93,9 @@ async def test_two_replicas_enforce_one_global_limit(redis_url, tmp_path):
     with KvgateProcess(shared, tmp_path, "a") as a, \
             KvgateProcess(other, tmp_path, "b", workers=2) as b:
         start = time.monotonic()
-        runs = await asyncio.gather(hammer(a.target, 3.0), hammer(b.target, 3.0))
+        # each admitted request also reports its usage and ends its stream, as through
+        # Envoy: enough tasks that the offered load stays far above the limit
+        runs = await asyncio.gather(hammer(a.target, 3.0, tasks=8), hammer(b.target, 3.0, tasks=8))
     results = runs[0] + runs[1]
     admitted = sum(ok for _, ok in results)
     elapsed = max(t for t, _ in results) - start
