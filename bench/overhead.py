@@ -59,7 +59,7 @@ import httpx
 import yaml
 
 import kvgate_native
-from bench.redis_server import RedisServer
+from bench.redis_server import RedisServer, command_calls
 from extproc.config import hash_api_key, parse_config
 from extproc.engine.server import EngineProcess
 from extproc.envoy_config import (
@@ -72,6 +72,7 @@ from extproc.envoy_config import (
 from extproc.envoy_proc import EnvoyProcess, find_envoy
 from extproc.ports import free_port
 from extproc.processes import stop_process
+from extproc.server import new_event_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -344,9 +345,7 @@ def redis_counters(url: str, also: Counters) -> Counters:
             stats = await client.info("commandstats")
         finally:
             await client.aclose()
-        counted = {f"redis:{name.removeprefix('cmdstat_')}": float(fields["calls"])
-                   for name, fields in stats.items()
-                   if name.removeprefix("cmdstat_") not in ("info", "hello", "client|setinfo")}
+        counted = {f"redis:{name}": float(n) for name, n in command_calls(stats).items()}
         return await also() | counted
 
     return read
@@ -379,16 +378,6 @@ def _start_minimal(grpc_port: int, stats_port: int, cpu_policy: str) -> Child:
     return Child("minimal ext_proc", args).start(lambda: _port_accepts(stats_port))
 
 
-def _redis_pid(url: str) -> int:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        return int(client.info("server")["process_id"])
-    finally:
-        client.close()
-
-
 def _start_ext_proc(mode: str, config: dict[str, Any], workdir: Path
                     ) -> tuple[Child, Counters] | None:
     """kvgate or the floor, listening where the config's bootstrap sends ext_proc."""
@@ -416,8 +405,9 @@ def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch",
         gw = Gateway(mode, "", {"engine": engine.proc.pid})
         redis_url = None
         if mode == "kvgate_redis":
-            redis_url = stack.enter_context(RedisServer()).url
-            gw.pids["redis"] = _redis_pid(redis_url)
+            redis_server = stack.enter_context(RedisServer())
+            redis_url = redis_server.url
+            gw.pids["redis"] = redis_server.pid
         config = kvgate_config(f"{engine.host}:{engine.port}", free_port(), free_port(),
                                redis_url, cpu_policy)
         started = _start_ext_proc(mode, config, workdir)
@@ -598,11 +588,7 @@ def summarize(mode: str, concurrency: int, windows: Sequence[Window],
 
 
 def _runner() -> asyncio.Runner:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.Runner()
-    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    return asyncio.Runner(loop_factory=new_event_loop)  # kvgate serve's loop: uvloop
 
 
 @contextlib.contextmanager

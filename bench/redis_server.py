@@ -68,6 +68,12 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("redis-server is not running")
+        return self._proc.pid
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -144,6 +150,17 @@ class RedisServer:
     ) -> None:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_CLIENT_BOOKKEEPING = ("info", "hello", "client|setinfo")  # the benchmarks' own and redis-py's
+
+
+def command_calls(commandstats: dict[str, dict[str, int]]) -> dict[str, int]:
+    """``INFO commandstats`` as command → calls (those inside scripts included), less the
+    calls a client makes to read it or to connect."""
+    calls = {name.removeprefix("cmdstat_"): fields["calls"]
+             for name, fields in commandstats.items()}
+    return {name: n for name, n in calls.items() if name not in _CLIENT_BOOKKEEPING}
 
 
 SLOTS = 16384

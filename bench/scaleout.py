@@ -46,7 +46,7 @@ import redis
 
 from bench.extproc_client import ExtProcClient
 from bench.overhead import _runner, cpu_seconds
-from bench.redis_server import RedisServer
+from bench.redis_server import RedisServer, command_calls
 from extproc.config import hash_api_key, parse_config
 from extproc.ports import free_port
 from extproc.processes import KvgateProcess
@@ -100,10 +100,8 @@ CLIENT_COMMANDS = frozenset(("evalsha", "eval", "evalsha_ro", "script|load", "ge
 
 def _commands(client: redis.Redis) -> tuple[float, float]:
     """(commands kvgate sent, commands Redis ran including those inside scripts)."""
-    stats = {name.removeprefix("cmdstat_"): fields["calls"]
-             for name, fields in client.info("commandstats").items()}
-    ours = {k: v for k, v in stats.items() if k not in ("info", "hello", "client|setinfo")}
-    return sum(v for k, v in ours.items() if k in CLIENT_COMMANDS), sum(ours.values())
+    calls = command_calls(client.info("commandstats"))
+    return sum(v for k, v in calls.items() if k in CLIENT_COMMANDS), sum(calls.values())
 
 
 async def hammer(targets: list[str], concurrency: int, seconds: float) -> int:
@@ -139,7 +137,7 @@ def setup(redis_url: str, replicas: int, workers: int, workdir: Path
         yield [process.target for process in processes], pids
 
 
-def measure(name: str, replicas: int, workers: int, server: RedisServer, redis_pid: int,
+def measure(name: str, replicas: int, workers: int, server: RedisServer,
             concurrency: int, duration_s: float, rounds: int, workdir: Path) -> dict[str, Any]:
     client = redis.Redis.from_url(server.url)
     with setup(server.url, replicas, workers, workdir) as (targets, pids), _runner() as runner:
@@ -147,11 +145,12 @@ def measure(name: str, replicas: int, workers: int, server: RedisServer, redis_p
         admitted = 0
         kvgate_cpu = redis_cpu = sent = ran = elapsed = 0.0
         for _ in range(rounds):
-            k0, r0, c0, t0 = _cpu(pids), cpu_seconds(redis_pid), _commands(client), time.monotonic()
+            k0, r0, c0 = _cpu(pids), cpu_seconds(server.pid), _commands(client)
+            t0 = time.monotonic()
             admitted += runner.run(hammer(targets, concurrency, duration_s / rounds))
             elapsed += time.monotonic() - t0
             kvgate_cpu += _cpu(pids) - k0
-            redis_cpu += cpu_seconds(redis_pid) - r0
+            redis_cpu += cpu_seconds(server.pid) - r0
             c1 = _commands(client)
             sent, ran = sent + c1[0] - c0[0], ran + c1[1] - c0[1]
     client.close()
@@ -167,14 +166,6 @@ def measure(name: str, replicas: int, workers: int, server: RedisServer, redis_p
     row["fleet_per_shard"] = (row["redis_shard_admissions_per_s"]
                               / row["kvgate_process_admissions_per_s"])
     return row
-
-
-def _redis_pid(url: str) -> int:
-    client = redis.Redis.from_url(url)
-    try:
-        return int(client.info("server")["process_id"])
-    finally:
-        client.close()
 
 
 HEADER = (f"{'setup':11} {'procs':>5} {'adm/s':>7} {'kvgate µs/adm':>14} {'redis µs/adm':>13} "
@@ -218,10 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     print(HEADER)
     rows = []
     with RedisServer() as server, tempfile.TemporaryDirectory() as workdir:
-        redis_pid = _redis_pid(server.url)
         for name, (replicas, workers) in SETUPS.items():
             server.flushall()
-            rows.append(measure(name, replicas, workers, server, redis_pid, args.concurrency,
+            rows.append(measure(name, replicas, workers, server, args.concurrency,
                                 args.duration, args.rounds, Path(workdir)))
             print(format_row(rows[-1]), flush=True)
     result = {"command": " ".join(["python", "-m", "bench.scaleout",
