@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import getpass
-import logging
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from extproc.config import EXAMPLE_CONFIG, ConfigError, hash_api_key, load_confi
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format or "plain")
     try:
         return args.func(args)
     except ConfigError as error:
@@ -27,18 +26,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+def _setup_logging(level: str, fmt: str) -> None:
+    from extproc.logs import setup_logging
+
+    setup_logging(level, fmt)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    parser.add_argument(
+        "--log-format", choices=["plain", "json"],
+        help="text lines or one JSON object per line (default: server.log_format, plain)",
     )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -124,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
     if args.workers == 1:
-        _serve_worker(args.config, 0, args.log_level, reuse_port=False)
+        _serve_worker(args.config, 0, args.log_level, args.log_format, reuse_port=False)
         return 0
     if config.redis is None:
         print(
@@ -134,18 +135,19 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return _run_workers(args.config, args.workers, args.log_level)
+    return _run_workers(args.config, args.workers, args.log_level, args.log_format)
 
 
 def _serve_worker(
-    config_path: Path, index: int, log_level: str, *, reuse_port: bool = True
+    config_path: Path, index: int, log_level: str, log_format: str | None = None, *,
+    reuse_port: bool = True,
 ) -> None:
     """One serving process; worker i serves its metrics on admin_port + i."""
     from extproc.processes import set_cpu_policy
     from extproc.server import KvgateServer, install_uvloop
 
-    _setup_logging(log_level)
     config = load_config(config_path)
+    _setup_logging(log_level, log_format or config.server.log_format)
     set_cpu_policy(config.server.cpu_policy)  # before gRPC starts its threads
     admin = config.server.admin_port
     if index and admin:
@@ -153,17 +155,20 @@ def _serve_worker(
             update={"server": config.server.model_copy(update={"admin_port": admin + index})}
         )
     install_uvloop()
-    asyncio.run(KvgateServer(config, reuse_port=reuse_port).serve_forever())
+    server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path)
+    asyncio.run(server.serve_forever())
 
 
-def _run_workers(config_path: Path, workers: int, log_level: str) -> int:
+def _run_workers(config_path: Path, workers: int, log_level: str, log_format: str | None
+                 ) -> int:
     import multiprocessing
     import signal
 
     context = multiprocessing.get_context("spawn")
     processes = [
         context.Process(
-            target=_serve_worker, args=(config_path, i, log_level), name=f"kvgate-worker-{i}"
+            target=_serve_worker, args=(config_path, i, log_level, log_format),
+            name=f"kvgate-worker-{i}",
         )
         for i in range(workers)
     ]
@@ -175,8 +180,8 @@ def _run_workers(config_path: Path, workers: int, log_level: str) -> int:
             if process.pid and process.is_alive():
                 os.kill(process.pid, signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: every worker reloads
+        signal.signal(signum, forward)
     for process in processes:
         process.join()
     return max((p.exitcode or 0) for p in processes)

@@ -429,6 +429,19 @@ class Server(_Strict):
     shutdown_grace_s: float = Field(
         30, ge=0, description="on SIGTERM, how long open streams may finish"
     )
+    drain_delay_s: float = Field(
+        0, ge=0, description="on SIGTERM, how long kvgate still takes new streams after it "
+        "reports not ready (/readyz 503, gRPC health NOT_SERVING), so load balancers and "
+        "Envoy's health checks see it first; the grace counts from its end"
+    )
+    reload_poll_s: float = Field(
+        2.0, ge=0, description="how often `kvgate serve` checks its config file for changes "
+        "and reloads it (SIGHUP reloads at once); 0 = on SIGHUP only"
+    )
+    log_format: Literal["plain", "json"] = Field(
+        "plain", description="log lines as text, or one JSON object per line "
+        "(`kvgate --log-format` overrides)"
+    )
     max_stream_seconds: PositiveFloat = Field(
         3600, description="Envoy's max_message_timeout: the longest one ext_proc message may wait"
     )

@@ -107,6 +107,18 @@ class Director:
         self.clock = clock
         self.leases = LeaseBook()
 
+    def reconfigure(self, config: Config) -> None:
+        """Apply a reloaded configuration's live sections (``extproc.reload.LIVE``: tenants,
+        tiers, classification) in one step: no await, so each request sees the old or the
+        new. Admitted and queued requests release under their tenant's current policy (a
+        removed tenant's last one)."""
+        tenants = Tenants(config, previous=self.tenants)
+        classifier = Classifier(config)
+        weights = tenants.weights
+        self.config, self.tenants, self.classifier = config, tenants, classifier
+        for scheduler in self.schedulers.values():
+            scheduler.weights = weights
+
     @property
     def active(self) -> dict[str, str]:
         """Open leases (id → tenant): what is admitted and not yet released."""
@@ -132,6 +144,7 @@ class Director:
         klass = self.classifier.classify(
             tenant, requested=requested_class, path=request.path, prompt_tokens=cost.prompt_tokens
         )
+        request.request_class = klass.name
         route = self._route(tenant, self.schedulers[pool.name], cost, klass)
         if isinstance(route, Reject):
             return route

@@ -93,6 +93,13 @@ def headers_only(remove: tuple[str, ...]) -> bytes:
     return reply.SerializeToString()
 
 
+def set_request_header(name: str, value: str) -> bytes:
+    """Appended to a serialized headers-phase reply: set one more request header."""
+    reply = pb.ProcessingResponse()
+    fill_mutation(reply.request_headers.response.header_mutation, {name: value})
+    return reply.SerializeToString()
+
+
 Reply: TypeAlias = pb.ProcessingResponse | bytes
 """An answer to one ext_proc message: a message, or one already serialized. The server's
 serializer (``serialize_reply``) passes bytes through as they are."""

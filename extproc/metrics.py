@@ -1,15 +1,23 @@
-"""Prometheus metrics kvgate exports on its admin port (``/metrics``).
+"""Prometheus metrics kvgate exports on its admin port (``/metrics``): the one list of them.
+
+Every series kvgate exports is declared in :class:`Metrics` (the README's Metrics table and
+the dashboards are written from it; ``tests/unit/extproc/test_metrics.py`` checks the README
+names every one). Label sets are bounded: a tenant, model or class label only ever holds a
+configured name, :data:`OTHER` or :data:`NONE` — never a request id, a path or a key.
 
 The series the request path bumps several times per request are :class:`Tally` s: a plain
 dict add per bump, read when Prometheus scrapes. prometheus_client's own metrics take a lock
 and walk label objects on every call — measurable at thousands of messages per second.
-The rest (scrapes, queue events, breaker transitions) use prometheus_client directly.
+The rest (scrapes, queue events, breaker transitions) use prometheus_client directly, and
+the endpoints' series are read from the endpoint store when Prometheus asks
+(:class:`EndpointCollector`), so an endpoint that leaves the pool leaves no series behind.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
@@ -19,6 +27,13 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from extproc.datalayer.endpoints import EndpointState
+
+OTHER = "_other"
+"""The label value of a tenant, model or class that is not in the configuration."""
+NONE = "_none"
+"""The label value where there is none yet (refused before the body named a model)."""
 
 
 class Tally(Collector):
@@ -70,20 +85,91 @@ class Timings(Collector):
         yield family
 
 
+class EndpointCollector(Collector):
+    """Each endpoint's last scrape, read from the endpoint store when Prometheus asks:
+    ``states`` returns the current endpoint states, ``errors`` counts failed scrapes by
+    address (the scraper's own tally)."""
+
+    def __init__(self, states: Callable[[], Iterable[EndpointState]],
+                 errors: Mapping[str, int], clock: Callable[[], float] = time.monotonic):
+        self.states = states
+        self.errors = errors
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "endpoint"]
+        usage = GaugeMetricFamily("kvgate_endpoint_kv_cache_usage", ENDPOINT_HELP["usage"],
+                                  labels=labels)
+        waiting = GaugeMetricFamily("kvgate_endpoint_requests_waiting",
+                                    ENDPOINT_HELP["waiting"], labels=labels)
+        running = GaugeMetricFamily("kvgate_endpoint_requests_running",
+                                    ENDPOINT_HELP["running"], labels=labels)
+        healthy = GaugeMetricFamily("kvgate_endpoint_healthy", ENDPOINT_HELP["healthy"],
+                                    labels=labels)
+        age = GaugeMetricFamily("kvgate_endpoint_scrape_age_seconds", ENDPOINT_HELP["age"],
+                                labels=labels)
+        errors = CounterMetricFamily("kvgate_endpoint_scrape_errors", ENDPOINT_HELP["errors"],
+                                     labels=labels)
+        now = self.clock()
+        for state in self.states():
+            key = [state.pool, state.address]
+            metrics, scraped_at = state.metrics, state.scraped_at
+            healthy.add_metric(key, 1.0 if state.healthy else 0.0)
+            errors.add_metric(key, float(self.errors.get(state.address, 0)))
+            if scraped_at is not None:
+                age.add_metric(key, max(0.0, now - scraped_at))
+            if metrics is None:
+                continue
+            for family, value in ((usage, metrics.kv_cache_usage),
+                                  (waiting, metrics.num_requests_waiting),
+                                  (running, metrics.num_requests_running)):
+                if value is not None:
+                    family.add_metric(key, float(value))
+        yield from (usage, waiting, running, healthy, age, errors)
+
+
+ENDPOINT_HELP = {
+    "usage": "KV cache usage (0-1) each endpoint reported at its last successful scrape.",
+    "waiting": "Requests waiting in each endpoint's engine (vllm:num_requests_waiting).",
+    "running": "Requests running in each endpoint's engine (vllm:num_requests_running).",
+    "healthy": "1 while the endpoint is reachable (fewer than scrape.unhealthy_after "
+               "failed scrapes in a row), else 0.",
+    "age": "Seconds since the endpoint's last successful scrape (absent: never scraped).",
+    "errors": "Scrapes of the endpoint's /metrics that failed (unreachable, timed out, or "
+              "no vLLM metrics in the answer).",
+}
+
+
 class Metrics:
     """One registry per server, so tests can run several servers in one process."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.decisions = Tally(
-            "kvgate_decisions",
-            "Admission outcomes by tenant and outcome (admitted, or the rejection reason).",
-            ["tenant", "outcome"], self.registry,
+        self.tenants: frozenset[str] = frozenset()  # label values allowed (see configure)
+        self.models: frozenset[str] = frozenset()
+        self.classes: frozenset[str] = frozenset()
+        self.requests = Tally(
+            "kvgate_requests",
+            "Requests by tenant, model, class and decision (admitted, rejected: 429/400 the "
+            "tenant's limits; shed: 503; invalid: bad input or API key; error), with the "
+            "reason (a rejection reason or error code; none when admitted).",
+            ["tenant", "model", "class", "decision", "reason"], self.registry,
         )
-        self.tokens = Tally(
-            "kvgate_tokens",
-            "Tokens by tenant: reserved at admission, used per the engine's usage.",
-            ["tenant", "kind"], self.registry,
+        self.tokens_reserved = Tally(
+            "kvgate_tokens_reserved",
+            "Tokens reserved at admission (prompt estimate + max output), by tenant and model.",
+            ["tenant", "model"], self.registry,
+        )
+        self.tokens_used = Tally(
+            "kvgate_tokens_used",
+            "Tokens charged to the tenant when its request ended (the engine's usage when it "
+            "reported one), by tenant, model and kind (prompt or completion): for billing.",
+            ["tenant", "model", "kind"], self.registry,
+        )
+        self.tokens_refunded = Tally(
+            "kvgate_tokens_refunded",
+            "Reserved tokens given back to the tenant's limits because the request used fewer.",
+            ["tenant", "model"], self.registry,
         )
         self.in_flight = Tally(
             "kvgate_in_flight_requests",
@@ -108,7 +194,8 @@ class Metrics:
         )
         self.store_state = Gauge(
             "kvgate_store_breaker_open",
-            "1 while the shared store's circuit breaker is open or half-open, else 0.",
+            "1 while the shared store's circuit breaker is open or half-open (admission "
+            "follows redis.failure_policy), else 0.",
             registry=self.registry,
         )
         self.store_transitions = Counter(
@@ -123,10 +210,10 @@ class Metrics:
             ["policy"],
             registry=self.registry,
         )
-        self.endpoint_kv_usage = Gauge(
-            "kvgate_endpoint_kv_cache_usage",
-            "KV cache usage (0-1) each endpoint reported at its last scrape.",
-            ["pool", "endpoint"],
+        self.store_errors = Counter(
+            "kvgate_store_errors_total",
+            "Shared-store (Redis) calls that failed, by error: timeout, connection, other.",
+            ["error"],
             registry=self.registry,
         )
         self.queue_depth = Gauge(
@@ -138,7 +225,7 @@ class Metrics:
         self.queue_wait = Histogram(
             "kvgate_queue_wait_seconds",
             "Time requests spent in the fair queue, by request class.",
-            ["pool", "request_class"],
+            ["pool", "class"],
             buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=self.registry,
         )
@@ -151,6 +238,97 @@ class Metrics:
         self.decision_seconds = Timings(
             "kvgate_admission_seconds",
             "Time to decide admission (store round trip and any queueing included).",
-            (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1,
+             5, 30),
             self.registry,
         )
+        self.ready = Gauge(
+            "kvgate_ready",
+            "1 while /readyz answers 200 (config loaded, every pool scraped, not draining).",
+            registry=self.registry,
+        )
+        self.draining = Gauge(
+            "kvgate_draining",
+            "1 from SIGTERM until the process exits (no new streams, open ones finishing).",
+            registry=self.registry,
+        )
+        self.reloads = Counter(
+            "kvgate_config_reloads_total",
+            "Configuration reloads (SIGHUP or a changed file), by result: applied, rejected.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.last_reload = Gauge(
+            "kvgate_config_last_reload_success_timestamp_seconds",
+            "Unix time the running configuration was loaded (start or last applied reload).",
+            registry=self.registry,
+        )
+
+    def configure(self, tenants: Iterable[str], models: Iterable[str],
+                  classes: Iterable[str]) -> None:
+        """The names labels may hold. Tenants only ever join: a tenant a reload removed may
+        still have requests to finish, counted under its own name."""
+        self.tenants = self.tenants | frozenset(tenants)
+        self.models = frozenset(models)
+        self.classes = frozenset(classes)
+
+    def watch_endpoints(self, states: Callable[[], Iterable[EndpointState]],
+                        errors: Mapping[str, int]) -> None:
+        self.registry.register(EndpointCollector(states, errors))
+
+    # -- the request path ------------------------------------------------------------------
+
+    def tenant(self, name: str | None) -> str:
+        if name is None:
+            return NONE
+        return name if name in self.tenants else OTHER
+
+    def model(self, name: str | None) -> str:
+        if name is None:
+            return NONE
+        return name if name in self.models else OTHER
+
+    def request_class(self, name: str | None) -> str:
+        if name is None:
+            return NONE
+        return name if name in self.classes else OTHER
+
+    def decided(self, tenant: str | None, model: str | None, request_class: str | None,
+                decision: str, reason: str) -> None:
+        """One request's outcome (every request gets exactly one)."""
+        self.requests.add((self.tenant(tenant), self.model(model),
+                           self.request_class(request_class), decision, reason))
+
+    def admitted(self, tenant: str, model: str | None, request_class: str,
+                 reserved: int) -> None:
+        labels = (self.tenant(tenant), self.model(model))
+        self.requests.add((*labels, self.request_class(request_class), "admitted", "none"))
+        self.tokens_reserved.add(labels, reserved)
+        self.in_flight.add((labels[0],))
+
+    def finished(self, tenant: str, model: str | None, reserved: int, used: int,
+                 completion: int) -> None:
+        """An admitted request ended: charged ``used`` tokens, ``completion`` of them output."""
+        labels = (self.tenant(tenant), self.model(model))
+        self.in_flight.add((labels[0],), -1)
+        self.tokens_used.add((*labels, "prompt"), max(0, used - completion))
+        self.tokens_used.add((*labels, "completion"), completion)
+        if reserved > used:
+            self.tokens_refunded.add(labels, reserved - used)
+
+    def store_error(self, error: BaseException) -> None:
+        """A failed shared-store call, by a kind with a fixed set of values (the store wraps
+        Redis's own errors: the cause tells)."""
+        error = error.__cause__ or error
+        if isinstance(error, TimeoutError) or "Timeout" in type(error).__name__:
+            kind = "timeout"
+        elif isinstance(error, OSError | ConnectionError) or "Connection" in type(error).__name__:
+            kind = "connection"
+        else:
+            kind = "other"
+        self.store_errors.labels(kind).inc()
+
+
+def metric_names(metrics: Metrics) -> list[str]:
+    """Every family kvgate exports, as Prometheus names it (counters without ``_total``)."""
+    return sorted({family.name for family in metrics.registry.collect()})

@@ -62,6 +62,7 @@ class InferenceRequest:
     max_output_tokens: int | None  # None: the request set no cap
     stream: bool
     choices: int  # max(n, best_of): the engine generates this many answers
+    request_class: str | None = None  # set once classified (the metrics' class label)
 
     @property
     def wants_usage_chunk(self) -> bool:

@@ -54,23 +54,29 @@ class KvgateProcess:
     """A ``kvgate serve`` subprocess on a config written to ``workdir``: for set-ups with
     several replicas, or that must kill one (tests, the soak benchmark)."""
 
-    def __init__(self, config: Config, workdir: Path, name: str = "kvgate", workers: int = 1):
+    def __init__(self, config: Config, workdir: Path, name: str = "kvgate", workers: int = 1,
+                 options: tuple[str, ...] = ()):
         self.config = config
         self.path = workdir / f"{name}.yaml"
+        self.write_config(config)
+        self.workers = workers
+        self.options = options  # kvgate's own, before the verb (--log-format json)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
+
+    def write_config(self, config: Config) -> None:
+        """(Re)write the config file the process reads (a running one reloads it)."""
         import yaml
 
         self.path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-        self.workers = workers
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.config.server.grpc_port}"
 
     def start(self, timeout: float = 20) -> KvgateProcess:
-        command = [sys.executable, "-m", "extproc.cli", "serve", "-c", str(self.path),
-                   "--workers", str(self.workers)]
+        command = [sys.executable, "-m", "extproc.cli", *self.options, "serve",
+                   "-c", str(self.path), "--workers", str(self.workers)]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         import httpx
 
@@ -86,9 +92,11 @@ class KvgateProcess:
                 time.sleep(0.1)
         raise RuntimeError(f"kvgate did not become healthy:\n{self.log()}")
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 4000) -> str:
+        """What the process wrote (the last ``tail`` characters; None: all of it)."""
         self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-4000:]
+        text = self._log.read().decode(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def kill(self) -> None:
         """SIGKILL: a crashed replica that releases nothing."""

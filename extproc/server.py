@@ -11,7 +11,8 @@ import contextlib
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -31,6 +32,7 @@ from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.metrics import Metrics
+from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
@@ -40,12 +42,17 @@ from limiter.stores import LimiterStore
 log = logging.getLogger(__name__)
 
 
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, director: Director, metrics: Metrics, config: Config, desk: ReportDesk):
         self.director = director
         self.metrics = metrics
         self.settings = config.server
         self.desk = desk
+        self.open: set[RequestStream] = set()  # streams whose RPC is running
+        self.releasing: set[asyncio.Future[None]] = set()  # releases under way
 
     async def Process(
         self,
@@ -56,6 +63,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream = RequestStream(self.director, self.metrics, self.settings, self.desk,
                                incoming.watch)
         handle = stream.handle
+        self.open.add(stream)
         ending: str | None = "envoy_closed"
         try:
             while (message := await incoming.next()) is not None:
@@ -74,10 +82,29 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             _uncancel()  # the watch cancelled the wait: its client left while it queued
             ending = "client_gone"
         finally:
+            self.open.discard(stream)
             await incoming.close()
-            if stream.holds_admission:  # usually released already, at end of stream
-                # shielded: a second cancellation must not skip the release
-                await asyncio.shield(stream.close(ending))
+            if stream.holds_admission:
+                await self._release(stream, ending)
+
+    async def _release(self, stream: RequestStream, ending: str | None) -> None:
+        """Shielded: a second cancellation must not skip the release; kept in
+        ``releasing`` so a shutdown can wait for it before closing the stores."""
+        release = asyncio.ensure_future(stream.close(ending))
+        self.releasing.add(release)
+        release.add_done_callback(self.releasing.discard)
+        await asyncio.shield(release)
+
+    async def settle(self) -> int:
+        """After the gRPC server stopped: release what streams still hold (their RPCs were
+        cut at the grace) and wait for every release under way. Returns how many were cut."""
+        cut = [stream for stream in self.open if stream.holds_admission]
+        for stream in cut:
+            with contextlib.suppress(Exception):
+                await self._release(stream, "shutdown")
+        while self.releasing:
+            await asyncio.gather(*self.releasing, return_exceptions=True)
+        return len(cut)
 
 
 class Incoming:
@@ -150,7 +177,7 @@ def _uncancel() -> None:
 def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> None:
     """The generated ``add_ExternalProcessorServicer_to_server``, with a serializer that
     sends replies kvgate already serialized (``messages.Reply``) as they are."""
-    service = "envoy.service.ext_proc.v3.ExternalProcessor"
+    service = EXT_PROC_SERVICE
     handlers = {"Process": grpc.stream_stream_rpc_method_handler(
         processor.Process,
         request_deserializer=pb.ProcessingRequest.FromString,
@@ -185,10 +212,14 @@ class KvgateServer:
     """Owns the gRPC server and the admin site; ports 0 bind ephemeral ports (tests)."""
 
     def __init__(
-        self, config: Config, store: LimiterStore | None = None, *, reuse_port: bool = False
+        self, config: Config, store: LimiterStore | None = None, *, reuse_port: bool = False,
+        config_path: str | Path | None = None,
     ):
         self.config = config
         self.metrics = Metrics()
+        self.metrics.configure(*_label_names(config))
+        # the file reloads read (SIGHUP, or polled): none for a config built in code
+        self.config_file = None if config_path is None else ConfigFile(config_path)
         self.endpoints = EndpointStore({p.name: p.kv_capacity_tokens for p in config.pools
                                         if p.kv_capacity_tokens})
         self.director = build_director(config, store or build_store(config, self.metrics),
@@ -198,14 +229,22 @@ class KvgateServer:
             if p.dns else StaticDiscovery(self.endpoints, p.name, p.endpoints)
             for p in config.pools
         ]
-        self.scraper = _scraper(config, self.endpoints, self.metrics, self.director)
+        self.scraper = _scraper(config, self.endpoints, self.director, self._on_scraped)
         self.reuse_port = reuse_port  # several worker processes share the gRPC port
         self.desk = ReportDesk(self.metrics)
+        self.metrics.watch_endpoints(lambda: self.endpoints.snapshot().states(),
+                                     self.scraper.errors)
         self._renewer: asyncio.Task[None] | None = None
+        self._poller: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._processor: ExternalProcessor | None = None
         self._admin: web.AppRunner | None = None
+        self.started = False  # serving
+        self.draining = False  # SIGTERM: no new streams, open ones finishing
+        self._scraped_pools: set[str] = set()  # KV-aware pools with an endpoint scraped once
 
     async def start(self) -> None:
         """Discover endpoints and scrape them once (so the first requests are scheduled on
@@ -227,9 +266,9 @@ class KvgateServer:
             ("grpc.max_send_message_length", max_message),
         ])
         await self.desk.start(settings.host, settings.report_port, _report_host(settings))
-        _add_processor(ExternalProcessor(self.director, self.metrics, self.config, self.desk),
-                       self._grpc)
-        health_servicer = health.aio.HealthServicer()
+        self._processor = ExternalProcessor(self.director, self.metrics, self.config, self.desk)
+        _add_processor(self._processor, self._grpc)
+        self._health = health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
         address = f"{settings.host}:{settings.grpc_port}"
         if credentials is None:
@@ -237,19 +276,30 @@ class KvgateServer:
         else:
             self.grpc_port = self._grpc.add_secure_port(address, credentials)
         await self._grpc.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        for service in ("", EXT_PROC_SERVICE):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         if settings.admin_port is not None:
             await self._start_admin(settings.admin_host, settings.admin_port)
         if self.config.redis is not None:
             self._renewer = asyncio.create_task(self._renew_leases(self.config.redis.lease_ttl_s))
+        if self.config_file is not None and settings.reload_poll_s > 0:
+            self._poller = asyncio.create_task(self._poll_config(settings.reload_poll_s))
+        self.started = True
+        self.metrics.last_reload.set(time.time())
+        self._note_scraped(self.endpoints.snapshot())
         log.info("kvgate ext_proc on %s:%d (%s), admin on %s:%d; hot path: %s", settings.host,
                  self.grpc_port, "plaintext" if settings.tls is None else "TLS",
                  settings.admin_host, self.admin_port, kvgate_native.status())
+
+    def _on_scraped(self, snapshot: StoreSnapshot) -> None:
+        if any(p.kv_aware and p.name not in self._scraped_pools for p in self.config.pools):
+            self._note_scraped(snapshot)  # until every pool is seen
 
     async def _start_admin(self, host: str, port: int) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/admin/tenants/{tenant}/usage", self._usage)
         app.router.add_get("/debug/queues", self._queues)
         self._admin = web.AppRunner(app, access_log=None)
@@ -282,11 +332,97 @@ class KvgateServer:
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, _request: web.Request) -> web.Response:
+        """Alive: the event loop answers (a liveness probe; readiness is ``/readyz``)."""
         return web.json_response({"status": "ok"})
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        waiting = self.not_ready()
+        if waiting:
+            return web.json_response({"status": "not ready", "waiting_for": waiting},
+                                     status=503)
+        return web.json_response({"status": "ready"})
+
+    def not_ready(self) -> list[str]:
+        """Why this process should get no traffic yet (empty: ready): still starting, a
+        KV-aware pool none of whose endpoints has answered a scrape yet (once one has, the
+        pool counts as seen: an engine outage later is the scheduler's business, not a
+        reason to take kvgate out of service), or draining."""
+        waiting = [] if self.started else ["start"]
+        waiting += [f"pool {p.name}: no endpoint scraped yet" for p in self.config.pools
+                    if p.kv_aware and p.name not in self._scraped_pools]
+        if self.draining:
+            waiting.append("draining (shutting down)")
+        self.metrics.ready.set(0 if waiting else 1)
+        return waiting
+
+    def _note_scraped(self, snapshot: StoreSnapshot) -> None:
+        """Remember the pools that have had an endpoint scraped (readiness)."""
+        for state in snapshot.states():
+            if state.scraped_at is not None:
+                self._scraped_pools.add(state.pool)
+        self.not_ready()
+
+    # -- reload ----------------------------------------------------------------------------
+
+    async def _poll_config(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                if self.config_file is not None and self.config_file.changed():
+                    self.reload("file changed")
+            except Exception:  # the poll must outlive any one failure
+                log.exception("config poll failed")
+
+    def reload(self, why: str = "SIGHUP") -> bool:
+        """Read the config file again; apply it if valid, else keep the running one. No
+        await from validation to swap: no request sees half of it."""
+        if self.config_file is None:
+            log.warning("config reload (%s) ignored: this server has no config file", why)
+            return False
+        source = str(self.config_file.path)
+        try:
+            change = plan(self.config, self.config_file.load(), source)
+        except ConfigError as error:
+            self.metrics.reloads.labels("rejected").inc()
+            log.error("config reload (%s) rejected, the running config stays: %s", why, error)
+            return False
+        self.director.reconfigure(change.config)
+        self.config = change.config
+        self.metrics.configure(*_label_names(change.config))
+        self.metrics.reloads.labels("applied").inc()
+        self.metrics.last_reload.set(time.time())
+        log.info("config reloaded (%s) from %s: tenants added %s, removed %s, changed %s",
+                 why, source, change.added or "none", change.removed or "none",
+                 change.changed or "none")
+        if change.restart:
+            log.warning("config reload: %s changed in %s and take effect only after a restart "
+                        "(the running values stay)", ", ".join(change.restart), source)
+        return True
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def drain(self, grace: float, delay: float = 0) -> None:
+        """SIGTERM: not ready (``/readyz`` 503, gRPC health NOT_SERVING); after ``delay``
+        no new streams, and open ones get ``grace`` seconds to finish; then everything is
+        released and closed."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        self.not_ready()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if delay:
+            log.info("draining: not ready; new streams still taken for %g s", delay)
+            await asyncio.sleep(delay)
+        open_streams = 0 if self._processor is None else len(self._processor.open)
+        log.info("draining: not ready, no new streams; %d open stream(s) get up to %g s",
+                 open_streams, grace)
+        await self.stop(grace)
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        cut = 0 if self._processor is None else await self._processor.settle()
+        await cancel(self._poller)
         await self.desk.stop()
         await cancel(self._renewer)
         await self.scraper.stop()
@@ -298,6 +434,8 @@ class KvgateServer:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.director.store.close()
+        log.info("stopped: %d stream(s) cut at the grace, %d lease(s) left held", cut,
+                 len(self.director.active))
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain: open streams get ``shutdown_grace_s``."""
@@ -311,14 +449,21 @@ class KvgateServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         await stop.wait()
-        log.info("shutting down; draining streams for up to %.0f s",
-                 self.config.server.shutdown_grace_s)
-        await self.stop(self.config.server.shutdown_grace_s)
+        loop.remove_signal_handler(signal.SIGHUP)
+        await self.drain(self.config.server.shutdown_grace_s, self.config.server.drain_delay_s)
+
+
+def _label_names(config: Config) -> tuple[list[str], list[str], list[str]]:
+    """The tenants, models and classes metrics may name (see ``Metrics.configure``)."""
+    return ([t.name for t in config.tenants],
+            [m.name for p in config.pools for m in p.models], list(config.classes))
 
 
 def _scraper(
-    config: Config, endpoints: EndpointStore, metrics: Metrics, director: Director
+    config: Config, endpoints: EndpointStore, director: Director,
+    on_scraped: Callable[[StoreSnapshot], None] | None = None,
 ) -> Scraper:
     """The scrape loop for the KV-aware pools, with their GPU sources."""
     sources = {p.name: GpuSource(GpuSource.parse(p.gpu_source).url, frozenset(p.gpus))
@@ -328,10 +473,8 @@ def _scraper(
 
     def on_update(snapshot: StoreSnapshot) -> None:
         director.kick()  # fresh numbers: queued requests may fit now
-        for state in snapshot.states():
-            if state.kv_cache_usage is not None:
-                metrics.endpoint_kv_usage.labels(state.pool, state.address).set(
-                    state.kv_cache_usage)
+        if on_scraped is not None:
+            on_scraped(snapshot)
 
     return Scraper(
         endpoints,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from logging import DEBUG
 from time import perf_counter
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -24,7 +25,8 @@ from extproc import messages
 from extproc.accounting import ResponseRecord
 from extproc.config import Server, Tenant
 from extproc.director import Admission, Director, Watch
-from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS
+from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS, REQUEST_ID_HEADER
+from extproc.logs import new_request_id, usable_request_id
 from extproc.metrics import Metrics
 from extproc.openai import (
     BadRequest,
@@ -54,7 +56,8 @@ def _wanted(class_header: str) -> frozenset[str]:
 
 class RequestStream:
     __slots__ = ("_released", "admission", "desk", "director", "done", "metrics", "path",
-                 "request", "requested_class", "response", "settings", "tenant", "watch")
+                 "request", "request_id", "requested_class", "response", "settings", "tenant",
+                 "watch")
 
     def __init__(self, director: Director, metrics: Metrics, settings: Server, desk: ReportDesk,
                  watch: Watch = contextlib.nullcontext):
@@ -70,6 +73,7 @@ class RequestStream:
         self.request: InferenceRequest | None = None
         self.admission: Admission | None = None
         self.response: ResponseRecord | None = None  # a metered response, once admitted
+        self.request_id = ""  # Envoy's x-request-id, or one kvgate made (log lines)
         self._released = False
 
     async def handle(self, message: pb.ProcessingRequest) -> messages.Reply:
@@ -85,16 +89,19 @@ class RequestStream:
                 return await self._on_request_body(message.request_body)
             return _continue_other(kind)
         except BadRequest as error:
+            self._count("invalid", error.code or "bad_request")
             return self._answer(*client_error(error), details=error.code or "bad_request")
         except StoreUnavailable:
             self.metrics.stream_errors.add(("store_unavailable",))
+            self._count("shed", "store_unavailable")
             return self._answer(*unavailable("admission limits are unavailable; retry later"),
                                 details="kvgate_store_unavailable")
         except Exception:
-            log.exception("ext_proc %s failed", kind)
+            log.exception("ext_proc %s failed", kind, extra=self._context())
             self.metrics.stream_errors.add(("internal",))
             if kind.startswith("response"):
                 return _continue_other(kind)
+            self._count("error", "internal")
             return self._answer(*internal_error("kvgate could not process the request"),
                                 details="kvgate_internal")
 
@@ -106,10 +113,22 @@ class RequestStream:
         director = self.director
         class_header = director.config.classification.header
         values, spoofed = messages.header_map(headers, _wanted(class_header))
+        request_id = values.get(REQUEST_ID_HEADER) or ""
+        made_id = not usable_request_id(request_id)
+        self.request_id = new_request_id() if made_id else request_id
+        self.requested_class = values.get(class_header)
+        reply = await self._admit_headers(headers, values, spoofed)
+        if made_id and not self.done:  # the engine gets the id the log lines carry
+            return (messages.serialize_reply(reply)
+                    + messages.set_request_header(REQUEST_ID_HEADER, self.request_id))
+        return reply
+
+    async def _admit_headers(self, headers: pb.HttpHeaders, values: dict[str, str],
+                             spoofed: list[str]) -> messages.Reply:
+        director = self.director
         self.path = path = route_path(values.get(":path", "/"))
         self.tenant = tenant = director.authenticate(values.get("authorization"))
         metered = check_route(values.get(":method", ""), path)
-        self.requested_class = values.get(class_header)
         remove = (*STRIPPED_HEADERS, *spoofed) if spoofed else STRIPPED_HEADERS
         length = values.get("content-length")
         if (length is not None and length.isascii() and length.isdigit()
@@ -161,10 +180,8 @@ class RequestStream:
                meter: str = "") -> bytes:
         self.admission = admission
         tenant = admission.tenant.name
-        metrics = self.metrics
-        metrics.decisions.add((tenant, "admitted"))
-        metrics.tokens.add((tenant, "reserved"), admission.cost.tokens)
-        metrics.in_flight.add((tenant,))
+        self.metrics.admitted(tenant, self._model(), admission.request_class,
+                              admission.cost.tokens)
         return messages.route_request(
             tenant, admission.request_class, admission.endpoints, admission.priority,
             admission.pool, admission.lease_id, body, in_body_phase,
@@ -196,14 +213,40 @@ class RequestStream:
     # -- endings ---------------------------------------------------------------------------
 
     def _refuse(self, reject: Reject) -> pb.ProcessingResponse:
-        if self.tenant is not None:
-            self.metrics.decisions.add((self.tenant.name, reject.reason.value))
+        self._count("shed" if reject.status == 503 else "rejected", reject.reason.value)
         return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
+
+    def _count(self, decision: str, reason: str) -> None:
+        """The request's one entry in ``kvgate_requests_total`` (admissions: ``_route``)."""
+        request = self.request
+        self.metrics.decided(None if self.tenant is None else self.tenant.name, self._model(),
+                             None if request is None else request.request_class,
+                             decision, reason)
+        if log.isEnabledFor(DEBUG):
+            log.debug("request %s %s (%s)", self.path, decision, reason, extra=self._context())
+
+    def _context(self) -> dict[str, str]:
+        """What a log line about this request carries (never its key or body)."""
+        context = {"request_id": self.request_id or "-"}
+        if self.tenant is not None:
+            context["tenant"] = self.tenant.name
+        return context
+
+    def _model(self) -> str | None:
+        """The model the request is served by (a degraded one: its fallback), if it named one."""
+        request, admission = self.request, self.admission
+        if request is None:
+            return None
+        if admission is not None:
+            return admission.body_overrides.get("model", request.model)
+        return request.model
 
     def _answer(
         self, status: int, body: bytes, headers: dict[str, str], *, details: str
     ) -> pb.ProcessingResponse:
         self.done = True
+        if self.request_id:  # the client can quote it
+            headers = {**headers, REQUEST_ID_HEADER: self.request_id}
         return messages.immediate(status, body, headers, details)
 
     @property
@@ -222,9 +265,12 @@ class RequestStream:
         self.desk.forget(admission.lease_id)
         record = self.response
         used, output = (0, 0) if record is None else record.settle(admission.cost)
-        tenant = admission.tenant.name
-        metrics.in_flight.add((tenant,), -1)
-        metrics.tokens.add((tenant, "used"), used)
+        metrics.finished(admission.tenant.name, self._model(), admission.cost.tokens, used,
+                         output)
+        if log.isEnabledFor(DEBUG):
+            log.debug("request %s ended%s: %d tokens used of %d reserved", self.path,
+                      f" ({abnormal})" if abnormal else "", used, admission.cost.tokens,
+                      extra=self._context())
         await self.director.release(admission, used, output)
 
 

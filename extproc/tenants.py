@@ -32,13 +32,26 @@ def policy_from_limits(limits: Limits) -> TenantPolicy:
 
 
 class Tenants:
-    def __init__(self, config: Config):
+    """The configured tenants. Built again on a reload, from the ``previous`` set: a tenant
+    the reload removed can no longer authenticate, but keeps its last policy and weight for
+    the requests it still has in flight or queued."""
+
+    def __init__(self, config: Config, previous: Tenants | None = None):
         self._by_key = {key: t for t in config.tenants for key in t.api_keys}
         self._by_name = {t.name: t for t in config.tenants}
         self._recent: dict[str, Tenant] = {}  # Authorization value → tenant
         self._policies = {t.name: policy_from_limits(config.limits_for(t))
                           for t in config.tenants}
         self._weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
+        if previous is not None:
+            for name, policy in previous._policies.items():
+                self._policies.setdefault(name, policy)
+                self._weights.setdefault(name, previous._weights[name])
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Tenant → tier weight, removed tenants with requests left included."""
+        return dict(self._weights)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant owning the request's API key. A key already seen skips the hash

@@ -75,6 +75,7 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
         breaker=CircuitBreaker(settings.breaker_failures, settings.breaker_open_ms),
         on_transition=on_transition,
         on_fallback=lambda policy: metrics.store_fallbacks.labels(policy).inc(),
+        on_error=metrics.store_error,
     )
 
 

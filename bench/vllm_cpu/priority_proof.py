@@ -101,14 +101,15 @@ def kvgate_metrics(text: str) -> dict[str, float]:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "kvgate_queue_wait_seconds_count":
-                out[f"queued_{s.labels['request_class']}"] = s.value
+                out[f"queued_{s.labels['class']}"] = s.value
             elif s.name == "kvgate_queue_wait_seconds_sum":
-                out[f"queued_s_{s.labels['request_class']}"] = s.value
+                out[f"queued_s_{s.labels['class']}"] = s.value
             elif s.name == "kvgate_queue_events_total":
                 out[f"queue_{s.labels['event']}"] = s.value
-            elif s.name == "kvgate_decisions_total":
-                out[f"decision_{s.labels['outcome']}"] = (
-                    out.get(f"decision_{s.labels['outcome']}", 0.0) + s.value)
+            elif s.name == "kvgate_requests_total":
+                outcome = s.labels["decision"] if s.labels["decision"] == "admitted" else (
+                    s.labels["reason"])
+                out[f"decision_{outcome}"] = out.get(f"decision_{outcome}", 0.0) + s.value
     return out
 
 

@@ -148,6 +148,7 @@ class Scraper:
         self.clock = clock
         self.pools = None if pools is None else frozenset(pools)  # None: every pool
         self.rounds = 0
+        self.errors: dict[str, int] = {}  # address → failed scrapes (the metrics read it)
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -223,6 +224,8 @@ class Scraper:
             metrics, gpu_readings = await _gather(scrapes), {}
         results = []
         for address, (at, parsed, error, reached) in zip(addresses, metrics, strict=True):
+            if error is not None:
+                self.errors[address] = self.errors.get(address, 0) + 1
             gpus = None
             if address in plan:
                 source, target = plan[address]

@@ -99,6 +99,7 @@ class FailoverStore:
         breaker: CircuitBreaker | None = None,
         on_transition: Callable[[Transition], None] | None = None,
         on_fallback: Callable[[str], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
         clock_ms: Callable[[], int] = monotonic_ms,
     ):
         self.primary = primary
@@ -110,6 +111,7 @@ class FailoverStore:
         self.clock_ms = clock_ms
         self._on_transition = on_transition or (lambda _t: None)
         self._on_fallback = on_fallback or (lambda _p: None)
+        self._on_error = on_error or (lambda _e: None)  # every failed call (metrics)
         self._local_policies: dict[TenantPolicy, TenantPolicy] = {}
         self._held: dict[str, _Held] = {}  # lease id → where it counts
         self._counts: Counter[str] = Counter()  # tenant → leases held (Redis needs as many)
@@ -366,6 +368,7 @@ class FailoverStore:
             self._report(self.breaker.success())
             return False, None, lost
         except _FAILURES as error:
+            self._on_error(error)
             self._report(self.breaker.failure(self.clock_ms()), error)
             self._reassert = True
             self._need_repair()

@@ -245,7 +245,7 @@ def test_admin_port_serves_usage_and_metrics(stack):
     assert usage["tenant"] == "tokens" and usage["tokens"]["limit"] == 60
     assert httpx.get(f"{admin}/admin/tenants/nobody/usage").status_code == 404
     metrics = httpx.get(f"{admin}/metrics").text
-    assert "# TYPE kvgate_decisions_total counter" in metrics
+    assert "# TYPE kvgate_requests_total counter" in metrics
 
 
 # -- hostile paths and Envoy's own replies -------------------------------------------------

@@ -296,13 +296,15 @@ def test_kvgate_scrapes_real_vllm_kv_capacity(gateway):
 
 
 def _used_tokens(kvgate) -> float:
-    """kvgate's ``kvgate_tokens_total{kind="used",tenant="acme"}``."""
+    """kvgate's ``kvgate_tokens_used_total{tenant="acme"}``, prompt and completion."""
     from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
 
     text = generate_latest(kvgate.server.metrics.registry).decode()
-    line = next((row for row in text.splitlines()
-                 if row.startswith('kvgate_tokens_total{kind="used",tenant="acme"}')), None)
-    return 0.0 if line is None else float(line.rpartition(" ")[2])
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "kvgate_tokens_used_total"
+               and sample.labels["tenant"] == "acme")
 
 
 @pytest.mark.parametrize("stream", [True, False])

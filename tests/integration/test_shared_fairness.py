@@ -77,8 +77,9 @@ def dispatched_tokens(process: KvgateProcess) -> dict[str, float]:
     tokens: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "kvgate_tokens_total" and sample.labels["kind"] == "reserved":
-                tokens[sample.labels["tenant"]] = sample.value
+            if sample.name == "kvgate_tokens_reserved_total":
+                tokens[sample.labels["tenant"]] = tokens.get(sample.labels["tenant"], 0) + (
+                    sample.value)
     return tokens
 
 

@@ -1,0 +1,77 @@
+"""Log lines, as text or one JSON object per line, and request ids.
+
+A line about a request carries its ``request_id`` (Envoy's ``x-request-id``; kvgate makes one
+when the request has none and sends it upstream) and may carry ``tenant``: pass them as
+``extra={...}``. A line never carries an API key or a request body: kvgate logs neither,
+and the formatters blank any ``Bearer`` credential that an exception's text might bring.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+
+import orjson
+
+FORMATS = ("plain", "json")
+CONTEXT = ("request_id", "tenant")  # the ``extra`` fields a line may carry
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"',;]+")
+_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def redact(text: str) -> str:
+    return _BEARER.sub(r"\1[redacted]", text)
+
+
+def new_request_id() -> str:
+    return os.urandom(16).hex()
+
+
+def usable_request_id(value: str) -> bool:
+    """A client's or Envoy's id goes into log lines only if it is short and plain."""
+    return _ID.fullmatch(value) is not None
+
+
+class PlainFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        context = " ".join(f"{k}={getattr(record, k)}" for k in CONTEXT if hasattr(record, k))
+        return redact(f"{line} [{context}]" if context else line)
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "logger", "pid", "msg", request_id?, tenant?, "exc"?}``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        document = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "pid": record.process,
+            "msg": redact(record.getMessage()),
+        }
+        for key in CONTEXT:
+            if hasattr(record, key):
+                document[key] = getattr(record, key)
+        if record.exc_info:
+            document["exc"] = redact(self.formatException(record.exc_info))
+        return orjson.dumps(document).decode()
+
+
+def setup_logging(level: str, fmt: str = "plain") -> None:
+    """The root logger's one handler (stderr), replaced if set before (a worker process
+    re-applies the config file's format)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
