@@ -113,6 +113,46 @@ async def test_admin_listens_on_loopback_unless_told_otherwise() -> None:
         assert admin_host(server) == "0.0.0.0"
 
 
+# -- drain -----------------------------------------------------------------------------------
+
+
+def models_request() -> pb.ProcessingRequest:
+    """GET /v1/models: admitted on its headers, then the stream stays open (as it would for
+    the response) until Envoy ends it."""
+    from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+
+    values = {":method": "GET", ":path": "/v1/models", "authorization": "Bearer sk-x"}
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]),
+        end_of_stream=True))
+
+
+async def test_a_stream_cut_at_the_grace_is_released_and_health_flips_first() -> None:
+    cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
+                        "pools": [{"name": "p", "models": ["m"], "kv_aware": False,
+                                   "endpoints": [f"127.0.0.1:{free_port()}"]}]})
+    server = KvgateServer(cfg)
+    await server.start()
+    assert server.not_ready() == []
+    target = f"127.0.0.1:{server.grpc_port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=pb.ProcessingRequest.SerializeToString,
+            response_deserializer=pb.ProcessingResponse.FromString)()
+        await call.write(models_request())
+        await call.read()  # routed: the admission is held until the stream ends
+        assert len(server.director.active) == 1
+        drained = asyncio.create_task(server.drain(grace=0.3, delay=0.3))
+        await asyncio.sleep(0.1)
+        assert server.not_ready() == ["draining (shutting down)"]
+        assert await health(target, None) == health_pb2.HealthCheckResponse.NOT_SERVING
+        await drained  # the client never ends its stream: cut at the grace
+        call.cancel()
+    assert server.director.active == {}
+    assert await server.director.store.in_flight("acme") == 0
+
+
 # -- TLS -----------------------------------------------------------------------------------
 
 

@@ -462,3 +462,24 @@ async def test_an_absurd_content_length_is_never_a_kvgate_failure(length):
         assert reply.immediate_response.status.code == 413
     else:
         assert reply.WhichOneof("response") == "request_headers"
+
+
+async def test_a_request_without_an_id_gets_one_sent_upstream():
+    """Envoy's own id goes on as it is; a request with none (or one unfit for a log line)
+    gets kvgate's, on the same headers reply (no extra message), and a refusal shows it."""
+    stream, _ = new_stream()
+    reply = parsed(await stream.handle(headers_msg(**{"x-request-id": "envoy-id-1"})))
+    assert "x-request-id" not in header_dict(reply.request_headers.response.header_mutation)
+    assert stream.request_id == "envoy-id-1"
+    for sent in ({}, {"x-request-id": "has spaces"}):
+        stream, _ = new_stream()
+        reply = parsed(await stream.handle(headers_msg(**sent)))
+        mutation = reply.request_headers.response.header_mutation
+        assert header_dict(mutation)["x-request-id"] == stream.request_id
+        assert len(stream.request_id) == 32
+        assert "authorization" in mutation.remove_headers  # the rest of the reply is intact
+        assert reply.mode_override.request_body_mode == ProcessingMode.BUFFERED
+    stream, _ = new_stream()
+    reply = parsed(await stream.handle(headers_msg(key="sk-nope")))
+    answer = reply.immediate_response
+    assert header_dict(answer.headers)["x-request-id"] == stream.request_id

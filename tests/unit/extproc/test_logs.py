@@ -1,0 +1,60 @@
+"""Log lines: JSON or text, with the request's context, never a Bearer credential."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from extproc.logs import (
+    JsonFormatter,
+    PlainFormatter,
+    new_request_id,
+    redact,
+    usable_request_id,
+)
+
+
+def record(message: str, *args: object, **extra: str) -> logging.LogRecord:
+    entry = logging.LogRecord("extproc.stream", logging.INFO, __file__, 1, message, args, None)
+    for key, value in extra.items():
+        setattr(entry, key, value)
+    return entry
+
+
+def test_json_lines_carry_the_request_context() -> None:
+    line = orjson.loads(JsonFormatter().format(
+        record("request %s admitted", "/v1/chat/completions", request_id="r-1", tenant="acme")))
+    assert line["msg"] == "request /v1/chat/completions admitted"
+    assert (line["level"], line["logger"], line["request_id"], line["tenant"]) == (
+        "info", "extproc.stream", "r-1", "acme")
+    assert line["ts"].endswith("+00:00")
+
+
+def test_plain_lines_append_the_context() -> None:
+    text = PlainFormatter().format(record("hello", request_id="r-2"))
+    assert text.endswith("hello [request_id=r-2]")
+
+
+def test_bearer_credentials_are_blanked_whatever_logs_them() -> None:
+    assert redact("got Authorization: Bearer sk-live-123, then") == (
+        "got Authorization: Bearer [redacted], then")
+    try:
+        raise ValueError("header was 'bearer sk-live-456'")
+    except ValueError:
+        import sys
+
+        entry = record("failed")
+        entry.exc_info = sys.exc_info()
+    line = orjson.loads(JsonFormatter().format(entry))
+    assert "sk-live-456" not in line["exc"] and "[redacted]" in line["exc"]
+    assert "sk-live-456" not in PlainFormatter().format(entry)
+
+
+def test_request_ids_that_may_go_into_log_lines() -> None:
+    assert usable_request_id("0d4f6a2e-7b1c-4c55-9c1e-1f2a3b4c5d6e")
+    assert not usable_request_id("")
+    assert not usable_request_id("two words")
+    assert not usable_request_id("x" * 129)
+    made = new_request_id()
+    assert usable_request_id(made) and made != new_request_id()

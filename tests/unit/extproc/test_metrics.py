@@ -1,0 +1,104 @@
+"""kvgate's own metrics: bounded label values, the token counters billing reads, and the
+README naming every series kvgate exports (extproc/metrics.py is the one list)."""
+
+from __future__ import annotations
+
+import re
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.datalayer.endpoints import EndpointState
+from extproc.datalayer.metrics import EngineMetrics
+from extproc.metrics import NONE, OTHER, Metrics, metric_names
+from tests.paths import REPO
+
+
+ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
+         "error")
+
+
+def values(metrics: Metrics, name: str) -> dict[tuple[str, ...], float]:
+    """A series' samples by their label values, in ``ORDER``."""
+    text = generate_latest(metrics.registry).decode()
+    return {tuple(s.labels[k] for k in ORDER if k in s.labels): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
+
+
+def configured() -> Metrics:
+    metrics = Metrics()
+    metrics.configure(["acme"], ["m"], ["interactive"])
+    return metrics
+
+
+def test_label_values_are_configured_names_or_two_fixed_ones() -> None:
+    metrics = configured()
+    metrics.decided("acme", "m", "interactive", "rejected", "tokens")
+    metrics.decided("intruder", "gpt-9", "vip", "invalid", "model_not_found")
+    metrics.decided(None, None, None, "invalid", "invalid_api_key")
+    assert set(values(metrics, "kvgate_requests_total")) == {
+        ("acme", "m", "interactive", "rejected", "tokens"),
+        (OTHER, OTHER, OTHER, "invalid", "model_not_found"),
+        (NONE, NONE, NONE, "invalid", "invalid_api_key"),
+    }
+
+
+def test_a_tenant_removed_by_a_reload_keeps_its_label() -> None:
+    metrics = configured()
+    metrics.admitted("acme", "m", "interactive", 10)
+    metrics.configure([], ["m"], ["interactive"])  # acme removed while in flight
+    metrics.finished("acme", "m", 10, 4, 1)
+    assert values(metrics, "kvgate_in_flight_requests") == {("acme",): 0}
+
+
+def test_tokens_reserved_used_and_refunded() -> None:
+    metrics = configured()
+    metrics.admitted("acme", "m", "interactive", 100)
+    metrics.finished("acme", "m", 100, 30, 20)
+    assert values(metrics, "kvgate_tokens_reserved_total") == {("acme", "m"): 100}
+    assert values(metrics, "kvgate_tokens_used_total") == {
+        ("acme", "m", "prompt"): 10, ("acme", "m", "completion"): 20}
+    assert values(metrics, "kvgate_tokens_refunded_total") == {("acme", "m"): 70}
+
+
+def test_store_errors_by_kind() -> None:
+    metrics = configured()
+    for error in (TimeoutError(), ConnectionRefusedError(), ValueError()):
+        try:
+            raise RuntimeError("store call failed") from error
+        except RuntimeError as wrapped:
+            metrics.store_error(wrapped)
+    assert values(metrics, "kvgate_store_errors_total") == {
+        ("timeout",): 1, ("connection",): 1, ("other",): 1}
+
+
+def test_endpoint_series_come_from_the_store_when_scraped() -> None:
+    metrics = Metrics()
+    states = [EndpointState("10.0.0.1:8000", "p", EngineMetrics(
+        kv_cache_usage=0.5, num_requests_running=3, num_requests_waiting=1), scraped_at=0.0,
+        healthy=True), EndpointState("10.0.0.2:8000", "p")]
+    metrics.watch_endpoints(lambda: states, {"10.0.0.2:8000": 4})
+    one, two = ("p", "10.0.0.1:8000"), ("p", "10.0.0.2:8000")
+    assert values(metrics, "kvgate_endpoint_kv_cache_usage") == {one: 0.5}
+    assert values(metrics, "kvgate_endpoint_requests_running") == {one: 3}
+    assert values(metrics, "kvgate_endpoint_requests_waiting") == {one: 1}
+    assert values(metrics, "kvgate_endpoint_healthy") == {one: 1, two: 0}
+    assert values(metrics, "kvgate_endpoint_scrape_errors_total") == {one: 0, two: 4}
+    assert set(values(metrics, "kvgate_endpoint_scrape_age_seconds")) == {one}
+    states.pop(0)  # an endpoint that left the pool leaves no series
+    assert set(values(metrics, "kvgate_endpoint_healthy")) == {two}
+
+
+def test_the_readme_lists_every_metric() -> None:
+    metrics = Metrics()
+    metrics.watch_endpoints(lambda: [], {})
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Metrics", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(kvgate_[a-z_]+)", section))
+    counters = {f.name for f in metrics.registry.collect() if f.type == "counter"}
+    exported = {name + "_total" if name in counters else name
+                for name in metric_names(metrics)}
+    assert exported <= listed, f"not in the README: {sorted(exported - listed)}"
+    assert listed <= exported | {"kvgate_decisions_total", "kvgate_tokens_total"}, (
+        f"in the README, not exported: {sorted(listed - exported)}")

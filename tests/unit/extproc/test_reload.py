@@ -1,0 +1,113 @@
+"""Hot reload, without a server: what a new file changes, what waits for a restart, what is
+refused; the file watch; a removed tenant's requests releasing under its last policy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.config import ConfigError, hash_api_key, parse_config
+from extproc.openai import BadRequest
+from extproc.reload import ConfigFile, plan
+from extproc.tenants import Tenants
+from extproc.wiring import build_director
+from limiter.stores import MemoryStore
+
+
+def data(concurrency: int = 5, tenants: tuple[str, ...] = ("acme", "gone")) -> dict:
+    return {
+        "tiers": {"gold": {"limits": {"max_concurrency": concurrency}}},
+        "tenants": [{"name": name, "tier": "gold", "api_keys": [hash_api_key(f"sk-{name}")]}
+                    for name in tenants],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:7001"],
+                   "kv_aware": False}],
+    }
+
+
+def test_plan_names_tenants_added_removed_and_changed() -> None:
+    running = parse_config(data())
+    change = plan(running, parse_config(data(1, ("acme", "new"))))
+    assert (change.added, change.removed, change.changed) == (["new"], ["gone"], ["acme"])
+    assert change.restart == []
+    assert change.config.limits_for(change.config.tenants[0]).max_concurrency == 1
+
+
+def test_sections_that_cannot_change_live_keep_their_running_values() -> None:
+    running = parse_config({**data(), "server": {"grpc_port": 9001}})
+    new = parse_config({**data(), "server": {"grpc_port": 9100},
+                        "redis": {"url": "redis://10.0.0.1:6379"}, "scrape": {"interval_s": 1}})
+    change = plan(running, new)
+    assert change.restart == ["redis", "scrape", "server"]
+    assert change.config.server.grpc_port == 9001 and change.config.redis is None
+    assert change.config.scrape == running.scrape
+
+
+def test_live_sections_that_need_a_restart_only_section_are_refused() -> None:
+    running = parse_config(data())
+    new = data()
+    new["classes"] = {"interactive": {"priority": 0}, "batch": {"priority": 1},
+                      "gold-class": {"priority": 2}}
+    new["tenants"][0]["default_class"] = "gold-class"
+    with pytest.raises(ConfigError) as error:
+        plan(running, parse_config(new), "kvgate.yaml")
+    assert error.value.source == "kvgate.yaml"
+    assert any("unknown class 'gold-class'" in p for p in error.value.problems)
+
+
+def test_config_file_changes_only_when_its_content_does(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    watched = ConfigFile(path)
+    assert not watched.changed()
+    os.utime(path, ns=(1, 1))  # touched, same bytes
+    assert not watched.changed()
+    path.write_text(yaml.safe_dump(data(3)))
+    assert watched.changed()
+    assert watched.load().tiers["gold"].limits.max_concurrency == 3
+    assert not watched.changed()
+    path.write_text("tiers: [")  # broken: reported by load, then no longer "changed"
+    assert watched.changed()
+    with pytest.raises(ConfigError):
+        watched.load()
+    assert not watched.changed()
+    path.unlink()
+    assert not watched.changed()
+
+
+def test_removed_tenants_keep_their_policy_but_cannot_authenticate() -> None:
+    before = Tenants(parse_config(data()))
+    gone = before.get("gone")
+    assert gone is not None
+    after = Tenants(parse_config(data(2, ("acme",))), previous=before)
+    assert after.policy(gone) == before.policy(gone)
+    assert after.weight(gone) == before.weight(gone)
+    with pytest.raises(BadRequest):
+        after.authenticate("Bearer sk-gone")
+    assert after.authenticate("Bearer sk-acme").name == "acme"
+
+
+def test_director_reconfigure_applies_new_limits_and_releases_removed_tenants() -> None:
+    async def run() -> None:
+        store = MemoryStore()
+        running = parse_config(data())
+        director = build_director(running, store)
+        gone = director.authenticate("Bearer sk-gone")
+        held = await director.admit_request_only(gone, "/v1/models")
+        change = plan(running, parse_config(data(1, ("acme",))))
+        director.reconfigure(change.config)
+        with pytest.raises(BadRequest):
+            director.authenticate("Bearer sk-gone")
+        acme = director.authenticate("Bearer sk-acme")
+        first = await director.admit_request_only(acme, "/v1/models")
+        second = await director.admit_request_only(acme, "/v1/models")
+        assert type(second).__name__ == "Reject"  # concurrency is now 1
+        await director.release(held, 0)  # type: ignore[arg-type]
+        await director.release(first, 0)  # type: ignore[arg-type]
+        assert director.active == {}
+        assert await store.in_flight("gone") == 0
+
+    asyncio.run(run())
