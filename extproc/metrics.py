@@ -151,8 +151,9 @@ class Metrics:
         self.requests = Tally(
             "kvgate_requests",
             "Requests by tenant, model, class and decision (admitted, rejected: 429/400 the "
-            "tenant's limits; shed: 503; invalid: bad input or API key; error), with the "
-            "reason (a rejection reason or error code; none when admitted).",
+            "tenant's limits; shed: 503; invalid: bad input or API key; cancelled: the client "
+            "left while queued; error), with the reason (a rejection reason or error code; "
+            "none when admitted).",
             ["tenant", "model", "class", "decision", "reason"], self.registry,
         )
         self.tokens_reserved = Tally(

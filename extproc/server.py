@@ -81,6 +81,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 raise
             _uncancel()  # the watch cancelled the wait: its client left while it queued
             ending = "client_gone"
+            stream.departed()
         finally:
             self.open.discard(stream)
             await incoming.close()

@@ -216,6 +216,11 @@ class RequestStream:
         self._count("shed" if reject.status == 503 else "rejected", reject.reason.value)
         return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
 
+    def departed(self) -> None:
+        """The client left while its request queued: no answer, nothing held; counted."""
+        if not self.done and self.admission is None:
+            self._count("cancelled", "client_gone")
+
     def _count(self, decision: str, reason: str) -> None:
         """The request's one entry in ``kvgate_requests_total`` (admissions: ``_route``)."""
         request = self.request

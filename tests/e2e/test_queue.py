@@ -99,6 +99,9 @@ def test_client_that_disconnects_while_queued_leaves_nothing_behind(stack, how):
     results: dict[str, int] = {}
     (engine,) = stack.engines.values()
     engine.clear_requests()
+    counted = stack.kvgate.server.metrics.requests.values
+    gone = ("acme", "tiny-llama", "interactive", "cancelled", "client_gone")
+    before = counted.get(gone, 0)
     blocker = send(stack, "blocker", "interactive", results)
     wait_until(lambda: stack.kvgate.server.director.active)
     raw = orjson.dumps(body("leaver"))
@@ -118,6 +121,7 @@ def test_client_that_disconnects_while_queued_leaves_nothing_behind(stack, how):
     wait_until(lambda: queued(stack) == 0)  # gone with their clients, not dispatched
     # ~0.1 s on an idle machine; the bound leaves room for a loaded one, well under 1 s
     assert time.monotonic() - left < 0.6
+    assert counted.get(gone, 0) - before == len(leavers)  # in kvgate_requests_total
     blocker.join(60)
     assert results == {"blocker": 200}
     director = stack.kvgate.server.director

@@ -134,6 +134,8 @@ async def test_redis_down_follows_the_policy_and_recovers(redis_server, redis_ur
         else:  # this replica's half of a 4-request burst
             assert statuses == [200, 200, 429, 429, 429, 429]
         assert server.metrics.store_fallbacks.labels(policy)._value.get() >= 1
+        assert server.metrics.store_state._value.get() == 1  # the fallback state
+        assert server.metrics.store_errors.labels("connection")._value.get() >= 1
 
         redis_server.start()
         recovered = time.monotonic()

@@ -13,7 +13,6 @@ from extproc.datalayer.metrics import EngineMetrics
 from extproc.metrics import NONE, OTHER, Metrics, metric_names
 from tests.paths import REPO
 
-
 ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
          "error")
 
