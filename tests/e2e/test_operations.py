@@ -17,6 +17,7 @@ import grpc
 import httpx
 import orjson
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,6 +27,7 @@ from extproc.demo import local_stack
 from extproc.engine.server import EngineProcess
 from extproc.envoy_proc import EnvoyProcess
 from extproc.processes import KvgateProcess
+from extproc.reload import ConfigFile
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
@@ -303,3 +305,43 @@ def assert_log_lines_are_clean(log: str) -> None:
     for secret in (*KEYS.values(), SECRET_PROMPT):
         assert secret not in log
         assert hash_api_key(secret).removeprefix("sha256:") not in log
+
+
+def test_queued_requests_ride_through_a_reload(tmp_path: Path) -> None:
+    """Requests waiting in the fair queue when a reload lowers their tenant's concurrency
+    are dispatched and served; the lowered limit applies to new requests only."""
+    # 16 blocks × 16 tokens of KV: the engine takes one ~100-token request at a time
+    data = config_data(f"127.0.0.1:{free_port()}", server={
+        "grpc_port": free_port(), "admin_port": 0}, scrape={"interval_s": 0.05})
+    data["pools"][0]["watermarks"] = {"high": 0.45, "critical": 0.45}
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data))
+    engine = {"ms_per_token": 8, "kv_blocks": 16, "block_size": 16}
+    with local_stack(parse_config(data), engine_options=engine) as running:
+        server = running.kvgate.server
+        server.config_file = ConfigFile(path)
+        streams = [Stream(running.url, "acme", max_tokens=100)]
+        waiting = [threading.Thread(target=lambda: statuses.append(
+            post(running.url, "acme", chat(100)).status_code)) for _ in range(2)]
+        statuses: list[int] = []
+        for thread in waiting:
+            thread.start()
+        queues = f"http://127.0.0.1:{server.admin_port}/debug/queues"
+        wait_until(lambda: httpx.get(queues).json()["pools"][0]["queued"] == 2)
+
+        data["tiers"]["big"]["limits"]["max_concurrency"] = 1
+        path.write_text(yaml.safe_dump(data))
+
+        async def reload() -> bool:
+            return server.reload("test")
+
+        assert running.kvgate.call(reload())
+        assert httpx.get(queues).json()["pools"][0]["queued"] == 2  # nobody dropped
+        over = post(running.url, "acme", chat())
+        assert over.status_code == 429 and over.headers["x-kvgate-reject"] == "concurrency"
+        for stream in streams:
+            stream.finish()
+        for thread in waiting:
+            thread.join(30)
+        assert statuses == [200, 200]
+
