@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams counted as cut
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -53,6 +54,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.desk = desk
         self.open: set[RequestStream] = set()  # streams whose RPC is running
         self.releasing: set[asyncio.Future[None]] = set()  # releases under way
+        self.cut = 0  # streams still open when a shutdown's grace ran out
 
     async def Process(
         self,
@@ -96,16 +98,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         release.add_done_callback(self.releasing.discard)
         await asyncio.shield(release)
 
-    async def settle(self) -> int:
-        """After the gRPC server stopped: release what streams still hold (their RPCs were
-        cut at the grace) and wait for every release under way. Returns how many were cut."""
-        cut = [stream for stream in self.open if stream.holds_admission]
-        for stream in cut:
+    async def settle(self) -> None:
+        """After the gRPC server stopped (cutting the streams still open at the grace):
+        release anything a stream still holds, and wait for every release under way."""
+        for stream in [stream for stream in self.open if stream.holds_admission]:
             with contextlib.suppress(Exception):
                 await self._release(stream, "shutdown")
         while self.releasing:
             await asyncio.gather(*self.releasing, return_exceptions=True)
-        return len(cut)
 
 
 class Incoming:
@@ -421,8 +421,9 @@ class KvgateServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._grpc is not None:
-            await self._grpc.stop(grace)
-        cut = 0 if self._processor is None else await self._processor.settle()
+            await self._stop_grpc(self._grpc, grace)
+        if self._processor is not None:
+            await self._processor.settle()
         await cancel(self._poller)
         await self.desk.stop()
         await cancel(self._renewer)
@@ -435,8 +436,18 @@ class KvgateServer:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.director.store.close()
-        log.info("stopped: %d stream(s) cut at the grace, %d lease(s) left held", cut,
+        log.info("stopped: %d stream(s) cut at the grace, %d lease(s) left held",
+                 0 if self._processor is None else self._processor.cut,
                  len(self.director.active))
+
+    async def _stop_grpc(self, server: grpc.aio.Server, grace: float) -> None:
+        """No new streams; open ones get ``grace`` (those still open then are counted, and
+        gRPC cuts them a moment later)."""
+        stopping = asyncio.ensure_future(server.stop(grace + CUT_MARGIN_S if grace else 0))
+        done, _ = await asyncio.wait({stopping}, timeout=grace)
+        if not done and self._processor is not None:
+            self._processor.cut = len(self._processor.open)
+        await stopping
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain: open streams get ``shutdown_grace_s``."""

@@ -151,6 +151,7 @@ async def test_a_stream_cut_at_the_grace_is_released_and_health_flips_first() ->
         call.cancel()
     assert server.director.active == {}
     assert await server.director.store.in_flight("acme") == 0
+    assert server._processor is not None and server._processor.cut == 1
 
 
 # -- TLS -----------------------------------------------------------------------------------
