@@ -32,6 +32,7 @@ from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk
+from extproc.status import add_status_routes
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
 from extproc.wiring import build_director, build_store
@@ -252,6 +253,7 @@ class KvgateServer:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/admin/tenants/{tenant}/usage", self._usage)
         app.router.add_get("/debug/queues", self._queues)
+        add_status_routes(app, lambda: self.director)  # GET / and /status.json
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, host, port)
