@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         "this machine. Every port comes from the config file: envoy.listen_port (the "
         "gateway), envoy.admin_port, server.grpc_port, server.admin_port (/metrics and the "
         "status page), server.report_port, and each pools[].endpoints address (an engine). "
-        "The bundled config uses 10000, 9901, 9001, 9002, any free port, 8001 and 8002; "
+        "The bundled config uses 10000, 9901, 9001, 9002, any free port, 8101 and 8102; "
         "give your own with --config to move them.",
     )
     demo.add_argument("--config", "-c", type=Path, default=EXAMPLE_CONFIG,
