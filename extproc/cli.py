@@ -1,4 +1,8 @@
-"""The ``kvgate`` command: serve, check, hash-key, render-envoy, demo."""
+"""The ``kvgate`` command: serve, check, hash-key, render-envoy, agent, demo.
+
+Every verb ends in one clear line on bad input (an unreadable or invalid config, a port
+already taken, no key to hash) and exit status 2; ``--log-level debug`` adds the traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,24 @@ import argparse
 import asyncio
 import contextlib
 import getpass
+import logging
 import os
 import sys
 from pathlib import Path
 
-from extproc.config import EXAMPLE_CONFIG, ConfigError, hash_api_key, load_config
+from extproc.config import (
+    EXAMPLE_CONFIG,
+    Config,
+    ConfigError,
+    hash_api_key,
+    load_config,
+    parse_config,
+    read_config_data,
+)
+from extproc.config_check import file_problems
+from extproc.ports import PortInUse, ensure_free
+
+DESCRIPTION = "Multi-tenant admission control for vLLM, as an Envoy external processor."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         _print_config_error(error)
         return 2
+    except (PortInUse, OSError) as error:
+        logging.getLogger("kvgate").debug("failed", exc_info=True)
+        print(f"kvgate {args.command}: {_one_line(error)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror + (f": {error.filename}" if error.filename else "")
+    return str(error)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -33,7 +69,11 @@ def _setup_logging(level: str, fmt: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvgate", description=DESCRIPTION,
+        epilog="`kvgate COMMAND --help` describes each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvgate {_version()}")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -41,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
         "--log-format", choices=["plain", "json"],
         help="text lines or one JSON object per line (default: server.log_format, plain)",
     )
-    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND", dest="command")
 
     serve = commands.add_parser("serve", help="run the ext_proc server")
     serve.add_argument("--config", "-c", type=Path, required=True)
@@ -51,12 +91,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    check = commands.add_parser("check", help="validate a config file; print every error")
+    check = commands.add_parser(
+        "check", help="validate a config file; print every problem",
+        description="Print every problem in a config file at once (field errors with their "
+        "paths, unknown keys with the closest known one, cross-references, files it names "
+        "that cannot be read) and exit 2; exit 0 when it is valid.",
+    )
     check.add_argument("config", type=Path)
+    check.add_argument(
+        "--skip-files", action="store_true",
+        help="do not check the files it names (a config for another machine, a ConfigMap)",
+    )
     check.set_defaults(func=_check)
 
     hash_key = commands.add_parser("hash-key", help="print the sha256 form of an API key")
-    hash_key.add_argument("key", nargs="?", help="the key (prompted for when omitted)")
+    hash_key.add_argument(
+        "key", nargs="?", help="the key; when omitted, read from stdin (prompted for on a "
+        "terminal), which keeps it out of the shell history")
     hash_key.set_defaults(func=_hash_key)
 
     render = commands.add_parser("render-envoy", help="write the Envoy bootstrap for a config")
@@ -73,9 +124,16 @@ def _parser() -> argparse.ArgumentParser:
     agent.set_defaults(func=_agent)
 
     demo = commands.add_parser(
-        "demo", help="Envoy + kvgate + two simulated engines on the bundled config"
+        "demo", help="Envoy + kvgate + simulated engines, on the bundled config or yours",
+        description="Run Envoy, kvgate and one simulated vLLM engine per pool endpoint on "
+        "this machine. Every port comes from the config file: envoy.listen_port (the "
+        "gateway), envoy.admin_port, server.grpc_port, server.admin_port (/metrics and the "
+        "status page), server.report_port, and each pools[].endpoints address (an engine). "
+        "The bundled config uses 10000, 9901, 9001, 9002, any free port, 8101 and 8102; "
+        "give your own with --config to move them.",
     )
-    demo.add_argument("--config", "-c", type=Path, default=EXAMPLE_CONFIG)
+    demo.add_argument("--config", "-c", type=Path, default=EXAMPLE_CONFIG,
+                      help="default: the bundled example config")
     demo.add_argument(
         "--smoke", action="store_true", help="send a few requests through, print them, exit"
     )
@@ -90,7 +148,14 @@ def _print_config_error(error: ConfigError) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    data = read_config_data(args.config)
+    missing = [] if args.skip_files else file_problems(data)
+    try:
+        config = parse_config(data, str(args.config))
+    except ConfigError as error:
+        raise ConfigError(error.source, [*error.problems, *missing]) from None
+    if missing:
+        raise ConfigError(str(args.config), missing)
     print(
         f"{args.config}: OK — {len(config.tenants)} tenant(s), {len(config.tiers)} tier(s), "
         f"{len(config.pools)} pool(s)"
@@ -99,12 +164,40 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _hash_key(args: argparse.Namespace) -> int:
-    key = args.key or getpass.getpass("API key: ")
+    key = (args.key if args.key is not None else _read_key()).strip()
     if not key:
-        print("no key given", file=sys.stderr)
+        print("kvgate hash-key: no key given (as an argument, on stdin, or at the prompt)",
+              file=sys.stderr)
         return 2
     print(hash_api_key(key))
     return 0
+
+
+def _read_key() -> str:
+    """The key from a terminal prompt (not echoed) or the first line of piped stdin."""
+    try:
+        if sys.stdin is not None and sys.stdin.isatty():
+            return getpass.getpass("API key: ")
+        return "" if sys.stdin is None else sys.stdin.readline()
+    except EOFError:  # Ctrl-D at the prompt
+        return ""
+
+
+def _kvgate_ports(config: Config, worker: int = 0) -> list[tuple[str, int, str]]:
+    """Where a kvgate process listens, and the setting each port comes from."""
+    server = config.server
+    ports = [(server.host, server.grpc_port, "server.grpc_port"),
+             (server.host, server.report_port, "server.report_port")]
+    if server.admin_port is not None:
+        admin = server.admin_port + worker if server.admin_port else 0
+        ports.append((server.admin_host, admin, "server.admin_port"))
+    return ports
+
+
+def _ensure_free(ports: list[tuple[str, int, str]]) -> None:
+    """Every port free before anything starts: one line naming the setting otherwise."""
+    for host, port, what in ports:
+        ensure_free(host, port, what)
 
 
 def _render_envoy(args: argparse.Namespace) -> int:
@@ -124,6 +217,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
+    _ensure_free([p for i in range(args.workers) for p in _kvgate_ports(config, i)
+                  if i == 0 or p[2] == "server.admin_port"])
     if args.workers == 1:
         _serve_worker(args.config, 0, args.log_level, args.log_format, reuse_port=False)
         return 0
@@ -197,6 +292,7 @@ def _agent(args: argparse.Namespace) -> int:
     settings = load_config(args.config).agent if args.config else AgentSettings()
     host = args.host or settings.host
     port = settings.port if args.port is None else args.port
+    ensure_free(host, port, "agent port (--port, agent.port)")
 
     async def serve() -> None:
         task = asyncio.current_task()
@@ -212,9 +308,11 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from extproc.demo import run_demo
+    from extproc.demo import demo_ports, run_demo
 
-    return run_demo(load_config(args.config), smoke=args.smoke)
+    config = load_config(args.config)
+    _ensure_free([*_kvgate_ports(config), *demo_ports(config)])
+    return run_demo(config, smoke=args.smoke, source=args.config)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -23,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from extproc.config_check import explain
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -312,10 +315,17 @@ class SecretRef(_Strict):
         return value
 
 
+def _endpoint(endpoint: str) -> str:
+    """Each endpoint checked on its own, so every bad one is reported with its index."""
+    parse_endpoint(endpoint)
+    return endpoint
+
+
 class Pool(_Strict):
     name: str = Field(min_length=1)
     models: list[Model] = Field(min_length=1)
-    endpoints: list[str] = Field(default_factory=list, description="ip:port of each engine")
+    endpoints: list[Annotated[str, AfterValidator(_endpoint)]] = Field(
+        default_factory=list, description="ip:port of each engine")
     dns: Dns | None = Field(None, description="discover endpoints by DNS instead")
     priority_scheduling: bool = Field(
         False, description="the engines run vLLM with --scheduling-policy priority"
@@ -365,13 +375,6 @@ class Pool(_Strict):
         if isinstance(models, list):
             return [{"name": m} if isinstance(m, str) else m for m in models]
         return models
-
-    @field_validator("endpoints")
-    @classmethod
-    def _ip_port(cls, endpoints: list[str]) -> list[str]:
-        for endpoint in endpoints:
-            parse_endpoint(endpoint)
-        return endpoints
 
     @model_validator(mode="after")
     def _some_endpoints(self) -> Pool:
@@ -670,42 +673,33 @@ class ConfigError(Exception):
         super().__init__(f"{source}: " + "; ".join(problems))
 
 
-def _format_loc(loc: tuple[Any, ...]) -> str:
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += ("." if path else "") + str(part)
-    return path
-
-
 def parse_config(data: Any, source: str = "<config>") -> Config:
+    """The validated config, or a ConfigError with every problem (``config_check``)."""
+    data = data if data is not None else {}
     try:
-        return Config.model_validate(data if data is not None else {})
+        return Config.model_validate(data)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = _format_loc(tuple(p for p in err["loc"] if p not in ("function-after",)))
-            message = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "value_error" and not loc:
-                problems.extend(message.split("; "))
-            else:
-                problems.append(f"{loc or '<root>'}: {message}")
-        raise ConfigError(source, problems) from None
+        raise ConfigError(source, explain(data, exc, Config)) from None
 
 
-def load_config(path: str | Path) -> Config:
+def read_config_data(path: str | Path) -> Any:
+    """The YAML of a config file, unvalidated; problems name the file and the line."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
-    return parse_config(data, str(path))
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: "
+        what = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(str(path), [f"{where}not valid YAML: {what}"]) from None
+
+
+def load_config(path: str | Path) -> Config:
+    return parse_config(read_config_data(path), str(path))
 
 
 EXAMPLE_CONFIG = Path(__file__).parent / "examples" / "kvgate.yaml"

@@ -1,7 +1,8 @@
 """``kvgate demo``: the whole data path on one machine, on the embedded defaults.
 
-Simulated vLLM engines on the pool's endpoints, kvgate in this process (no Redis), and the
-real Envoy in front. The end-to-end tests drive the same ``LocalStack`` on free ports.
+Simulated vLLM engines on the pools' endpoints, kvgate in this process (in-memory limits,
+or Redis where the config names it), and the real Envoy in front. The end-to-end tests
+drive the same ``local_stack`` on free ports.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import httpx
 
-from extproc.config import Config, parse_endpoint
+from extproc.config import Config, hash_api_key, parse_endpoint
 from extproc.server import KvgateServer, new_event_loop
 
 if TYPE_CHECKING:
@@ -107,7 +110,8 @@ def _gateway_url(config: Config) -> str:
     return f"http://{config.envoy.listen_host}:{config.envoy.listen_port}"
 
 
-def curl_line(config: Config, key: str = DEMO_KEYS["acme"], stream: bool = True) -> str:
+def curl_line(config: Config, key: str = DEMO_KEYS["acme"], stream: bool = True,
+              quote: str = "'") -> str:
     model = config.pools[0].models[0].name
     body = (
         f'{{"model": "{model}", "max_tokens": 32, "stream": {str(stream).lower()}, '
@@ -115,7 +119,8 @@ def curl_line(config: Config, key: str = DEMO_KEYS["acme"], stream: bool = True)
     )
     return (
         f"curl -sN {_gateway_url(config)}/v1/chat/completions "
-        f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' -d '{body}'"
+        f"-H {quote}Authorization: Bearer {key}{quote} -H 'Content-Type: application/json' "
+        f"-d '{body}'"
     )
 
 
@@ -142,15 +147,57 @@ def _smoke(config: Config) -> int:
     return 0 if ok.status_code == 200 and bad.status_code == 401 and 429 in statuses else 1
 
 
-def run_demo(config: Config, *, smoke: bool = False) -> int:
-    print("starting 2 simulated vLLM engines, kvgate (in-memory limits) and Envoy …")
+def demo_ports(config: Config) -> list[tuple[str, int, str]]:
+    """What the demo starts besides kvgate, and the setting each port comes from."""
+    envoy = config.envoy
+    ports = [(envoy.listen_host, envoy.listen_port, "envoy.listen_port"),
+             ("127.0.0.1", envoy.admin_port, "envoy.admin_port")]
+    for p, pool in enumerate(config.pools):
+        for e, endpoint in enumerate(pool.endpoints):
+            host, port = parse_endpoint(endpoint)
+            ports.append((host, port, f"pools[{p}].endpoints[{e}] (a simulated engine)"))
+    return ports
+
+
+def known_keys(config: Config) -> dict[str, str]:
+    """tenant → plain key, for the bundled demo keys this config accepts: configs store
+    only hashes, so these are the only keys the demo can print."""
+    owners = {key: t.name for t in config.tenants for key in t.api_keys}
+    return {owners[hash_api_key(key)]: key for key in DEMO_KEYS.values()
+            if hash_api_key(key) in owners}
+
+
+def _limits_line(config: Config) -> str:
+    if config.redis is None:
+        return "in-memory limits"
+    where = urlsplit(config.redis.url)
+    return f"limits in Redis at {where.hostname or where.path}" + (
+        f":{where.port}" if where.port else "")
+
+
+def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundled config") -> int:
+    keys = known_keys(config)
+    if smoke and not {"acme", "hobbyist"} <= keys.keys():
+        print(f"--smoke sends the bundled demo keys of acme and hobbyist, which {source} "
+              "does not accept; run it without --smoke", file=sys.stderr)
+        return 2
+    engines = sum(len(pool.endpoints) for pool in config.pools)
+    print(f"starting {engines} simulated vLLM engine(s), kvgate ({_limits_line(config)}) "
+          "and Envoy …")
     with local_stack(config) as stack:
         kvgate = stack.kvgate
+        admin = f"http://{config.server.admin_host}:{kvgate.server.admin_port}"
         print(f"\nEnvoy gateway : {_gateway_url(config)}")
-        print(f"kvgate ext_proc: {config.server.host}:{kvgate.server.grpc_port}, metrics: "
-              f"http://{config.server.admin_host}:{kvgate.server.admin_port}/metrics")
-        print("demo API keys : " + ", ".join(f"{k} ({t})" for t, k in DEMO_KEYS.items()))
-        print("\nTry:\n  " + curl_line(config) + "\n")
+        print(f"kvgate ext_proc: {config.server.host}:{kvgate.server.grpc_port}")
+        if config.server.admin_port is not None:
+            print(f"status page   : {admin}/  (metrics: {admin}/metrics)")
+        if keys:
+            print("API keys      : " + ", ".join(f"{k} ({t})" for t, k in keys.items()))
+            print("\nTry:\n  " + curl_line(config, next(iter(keys.values()))) + "\n")
+        else:
+            print(f"API keys      : {source} stores only hashes of its tenants' keys, so the "
+                  "demo cannot know them; put one of your own keys in $KVGATE_API_KEY")
+            print("\nTry:\n  " + curl_line(config, "$KVGATE_API_KEY", quote='"') + "\n")
         if smoke:
             return _smoke(config)
         print("Ctrl-C to stop.")

@@ -30,6 +30,7 @@ from extproc.flow import FlowController, Waiter
 from extproc.leases import LeaseBook
 from extproc.openai import InferenceRequest
 from extproc.pricing import Pricer
+from extproc.rejections import RecentRejections
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tenants import Tenants
 from limiter.fairqueue import QueuedRequest
@@ -106,6 +107,7 @@ class Director:
         self.rng = rng
         self.clock = clock
         self.leases = LeaseBook()
+        self.rejections = RecentRejections()  # for the admin status page
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration's live sections (``extproc.reload.LIVE``: tenants,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 
 _handed_out: set[int] = set()  # ports this process already gave to something it starts
@@ -18,3 +19,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
+
+
+class PortInUse(Exception):
+    """A port kvgate (or something the demo starts) must listen on is taken: one line says
+    which, instead of a traceback from deep inside a server library."""
+
+
+def ensure_free(host: str, port: int, what: str) -> None:
+    """Raise :class:`PortInUse` if nothing could listen on ``host:port`` now (port 0 means
+    any free port: always fine). ``what`` names the setting the port came from."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise PortInUse(f"{what}: cannot listen on {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"{what}: {host}:{port} is already in use") from None
+            raise PortInUse(f"{what}: cannot listen on {host}:{port}: {exc.strerror}") from None

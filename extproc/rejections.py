@@ -13,6 +13,9 @@ they honour it only up to 60–120 s, so ``retry-after`` is capped at 60 while
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
+from collections.abc import Callable
 
 import orjson
 
@@ -97,3 +100,22 @@ def _server_error(message: str, code: str) -> tuple[int, bytes, dict[str, str]]:
     body = orjson.dumps({"error": {"message": message, "type": "server_error",
                                    "param": None, "code": code}})
     return 503, body, {"x-kvgate-reject": code, **retry_headers(1000)}
+
+
+class RecentRejections:
+    """The last refusals, newest last, for the admin status page: a bounded ring (one
+    append per refusal, nothing per admission) and a count per reason since start."""
+
+    def __init__(self, size: int = 200, clock: Callable[[], float] = time.time):
+        self._ring: deque[tuple[float, int, str, str]] = deque(maxlen=size)
+        self.by_reason: dict[str, int] = {}
+        self._clock = clock
+
+    def add(self, status: int, reason: str, tenant: str | None) -> None:
+        self._ring.append((self._clock(), status, reason, tenant or ""))
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+
+    def recent(self) -> list[dict[str, object]]:
+        """Newest first, JSON-friendly."""
+        return [{"at": at, "status": status, "reason": reason, "tenant": tenant}
+                for at, status, reason, tenant in reversed(self._ring)]

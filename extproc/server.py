@@ -34,6 +34,7 @@ from extproc.director import Director
 from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
+from extproc.status import add_status_routes
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
 from extproc.wiring import build_director, build_store
@@ -303,6 +304,7 @@ class KvgateServer:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/admin/tenants/{tenant}/usage", self._usage)
         app.router.add_get("/debug/queues", self._queues)
+        add_status_routes(app, lambda: self.director)  # GET / and /status.json
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, host, port)

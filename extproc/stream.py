@@ -250,6 +250,8 @@ class RequestStream:
         self, status: int, body: bytes, headers: dict[str, str], *, details: str
     ) -> pb.ProcessingResponse:
         self.done = True
+        tenant = None if self.tenant is None else self.tenant.name
+        self.director.rejections.add(status, headers.get("x-kvgate-reject", details), tenant)
         if self.request_id:  # the client can quote it
             headers = {**headers, REQUEST_ID_HEADER: self.request_id}
         return messages.immediate(status, body, headers, details)

@@ -73,7 +73,7 @@ from prometheus_client import generate_latest as render_prometheus
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from extproc.engine.model import EngineConfig, EngineModel, SimRequest
-from extproc.ports import free_port
+from extproc.ports import PortInUse, free_port
 from extproc.processes import stop_process
 
 Kind = Literal["chat", "completion"]
@@ -490,7 +490,8 @@ class EngineServer:
         return json_response({"overrides": self.metrics.overrides})
 
     async def debug_state(self, request: web.Request) -> web.Response:
-        return json_response({**self.model.snapshot(), "overrides": self.metrics.overrides})
+        return json_response({**self.model.snapshot(), "overrides": self.metrics.overrides,
+                              "pid": os.getpid()})  # which process answers this port
 
 
 def token_text(index: int) -> str:
@@ -656,10 +657,21 @@ class EngineProcess:
             with (contextlib.suppress(OSError),
                   urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp):
                 if resp.status == 200:
+                    self._check_ours()
                     return
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"engine on {self.url} not healthy after {self.startup_timeout}s")
+
+    def _check_ours(self) -> None:
+        """The engine answering is the one started here, not another on the same port (a
+        second demo would otherwise take the first one's engines for its own)."""
+        assert self.proc is not None
+        answering = self.state().get("pid")
+        if answering != self.proc.pid:
+            self.stop()
+            raise PortInUse(f"{self.host}:{self.port} is already in use (by process "
+                            f"{answering}): the engine started for it could not listen")
 
     def stop(self) -> None:
         stop_process(self.proc, timeout=5)

@@ -47,7 +47,7 @@ def test_errors_name_their_paths():
     found = problems(bad)
     assert any(p.startswith("tiers.gold.limits.requests_per_second:") for p in found)
     assert any(p.startswith("tiers.gold.limits.tokens_per_minuet:") for p in found)
-    assert any(p.startswith("pools[0].endpoints:") and "ip:port" in p for p in found)
+    assert any(p.startswith("pools[0].endpoints[0]:") and "ip:port" in p for p in found)
     assert any(p.startswith("tenants[0].api_keys:") and "hash-key" in p for p in found)
 
 
@@ -117,7 +117,8 @@ def test_bad_aging_and_reserved_slots_name_their_paths():
     bad["queue"] = {"aging_s": "soon"}
     bad["pools"][0]["reserved_in_flight"] = 4
     found = problems(bad)
-    assert found == ["queue.aging_s: must be a number of seconds > 0, 'auto' or null, got 'soon'"]
+    assert found == ["queue.aging_s: must be a number of seconds > 0, 'auto' or null, got 'soon'",
+                     "pools[0].reserved_in_flight: 4 must be below max_in_flight (None)"]
     bad["queue"] = {}
     assert problems(bad) == ["pools[0].reserved_in_flight: 4 must be below max_in_flight (None)"]
     bad["pools"][0]["max_in_flight"] = 4

@@ -1,0 +1,264 @@
+"""The ``kvgate`` command line: every problem of a config in one run, one clear line (never
+a traceback) for bad input to every verb and for ports already taken, ``--version`` and a
+clean ``--help``, and a demo that only prints keys and facts its config supports.
+
+Subprocesses where the point is what a user sees (no traceback, the exit status)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.cli import main
+from extproc.config import EXAMPLE_CONFIG, hash_api_key, load_config, parse_config
+from extproc.demo import DEMO_KEYS, _limits_line, known_keys
+from extproc.engine.server import EngineProcess
+from extproc.ports import PortInUse
+from tests.conftest import free_port
+
+GOOD = {
+    "tiers": {"gold": {"limits": {"requests_per_second": 2}}},
+    "tenants": [{"name": "a", "tier": "gold", "api_keys": [hash_api_key("sk-mine")]}],
+    "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:8000"]}],
+}
+
+
+def kvgate(*args: str, stdin: str | None = None,
+           timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "extproc.cli", *args], input=stdin,
+                          stdin=subprocess.DEVNULL if stdin is None else None,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, done
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def write(tmp_path: Path, data: object, name: str = "kvgate.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def taken() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+# -- kvgate check -----------------------------------------------------------------------------
+
+
+def check_problems(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
+    assert main(["check", *args, str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"{path}: ")
+    return [line.strip() for line in err[1:]]
+
+
+def test_check_reports_field_errors_and_cross_references_together(tmp_path, capsys):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["tiers"]["gold"]["limits"]["requests_per_second"] = -1
+    data["tenants"].append({"name": "b", "tier": "platinum", "api_keys": ["plain-key"],
+                            "default_class": "vip"})
+    data["tenants"].append({"name": "c", "tier": "silver", "api_keys": [hash_api_key("c")]})
+    found = check_problems(write(tmp_path, data), capsys)
+    assert any(p.startswith("tiers.gold.limits.requests_per_second: Input should") for p in found)
+    assert any(p.startswith("tenants[1].api_keys: API keys are stored as sha256") for p in found)
+    # the cross-references of the broken tenant and of the others, in the same run
+    assert "tenants[1].tier: unknown tier 'platinum' (known: gold)" in found
+    assert any(p.startswith("tenants[1].default_class: unknown class 'vip'") for p in found)
+    assert "tenants[2].tier: unknown tier 'silver' (known: gold)" in found
+    assert len(found) == 5, found
+
+
+def test_a_tenant_missing_a_field_keeps_the_others_indexes(tmp_path, capsys):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["tenants"].insert(0, {"tier": "gold"})  # no name, no keys
+    data["tenants"].append({"name": "z", "tier": "bronze", "api_keys": [hash_api_key("z")]})
+    found = check_problems(write(tmp_path, data), capsys)
+    assert "tenants[0].name: Field required" in found
+    assert "tenants[2].tier: unknown tier 'bronze' (known: gold)" in found
+
+
+def test_unknown_keys_get_a_did_you_mean(tmp_path, capsys):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["tiers"]["gold"]["limits"]["tokens_per_minuet"] = 5
+    data["pools"][0]["watermark"] = {"high": 0.5}
+    data["server"] = {"grpc_prot": 1}
+    data["tiers"]["gold"]["zzz"] = 1
+    found = check_problems(write(tmp_path, data), capsys)
+    assert ("tiers.gold.limits.tokens_per_minuet: unknown key 'tokens_per_minuet': "
+            "did you mean 'tokens_per_minute'?") in found
+    assert "pools[0].watermark: unknown key 'watermark': did you mean 'watermarks'?" in found
+    assert "server.grpc_prot: unknown key 'grpc_prot': did you mean 'grpc_port'?" in found
+    assert "tiers.gold.zzz: unknown key 'zzz' (known: limits, weight)" in found
+
+
+def test_every_bad_endpoint_is_reported(tmp_path, capsys):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["endpoints"] = ["vllm:8000", "127.0.0.1:8000", "10.0.0.1", "[::1]:80"]
+    found = check_problems(write(tmp_path, data), capsys)
+    assert [p.split(":")[0] for p in found] == ["pools[0].endpoints[0]", "pools[0].endpoints[2]"]
+
+
+def test_files_the_config_names_are_checked(tmp_path, capsys):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["models"] = [{"name": "m", "tokenizer": str(tmp_path / "tokenizer.json")}]
+    data["tenants"][0]["tier"] = "nope"
+    path = write(tmp_path, data)
+    found = check_problems(path, capsys)
+    assert f"pools[0].models[0].tokenizer: cannot read {tmp_path}/tokenizer.json: no such file" \
+        in found
+    assert any(p.startswith("tenants[0].tier: unknown tier") for p in found)
+    assert len(check_problems(path, capsys, "--skip-files")) == 1
+    (tmp_path / "tokenizer.json").write_text("{}")
+    data["tenants"][0]["tier"] = "gold"
+    assert main(["check", str(write(tmp_path, data))]) == 0
+
+
+def test_yaml_errors_name_the_file_and_line(tmp_path):
+    path = write(tmp_path, "tiers:\n  gold: {}\n bad: 1\n")
+    done = kvgate("check", str(path))
+    assert done.returncode == 2 and "<unicode string>" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"{path}: 1 problem(s)",
+        "  line 3, column 2: not valid YAML: expected <block end>, but found "
+        "'<block mapping start>'",
+    ]
+
+
+def test_the_bundled_config_checks_clean():
+    done = kvgate("check", str(EXAMPLE_CONFIG))
+    assert done.returncode == 0 and "OK" in done.stdout
+
+
+# -- one line for bad input, never a traceback --------------------------------------------------
+
+
+def test_hash_key_without_input_is_one_line_not_eoferror():
+    line = one_line_error(kvgate("hash-key"))
+    assert "no key given" in line
+
+
+def test_hash_key_reads_a_piped_key():
+    done = kvgate("hash-key", stdin="sk-piped\n")
+    assert done.returncode == 0 and done.stdout.strip() == hash_api_key("sk-piped")
+
+
+def test_serve_on_a_port_in_use_is_one_line(tmp_path, taken):
+    data = {**GOOD, "server": {"grpc_port": taken, "admin_port": 0}}
+    line = one_line_error(kvgate("serve", "--config", str(write(tmp_path, data))))
+    assert line == f"kvgate serve: server.grpc_port: 127.0.0.1:{taken} is already in use"
+
+
+def test_serve_and_render_on_a_missing_file_are_one_line(tmp_path):
+    for verb in (["serve", "--config"], ["render-envoy"], ["demo", "--config"]):
+        done = kvgate(*verb, str(tmp_path / "missing.yaml"))
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert "cannot read: No such file or directory" in done.stderr
+
+
+def test_render_envoy_to_an_unwritable_place_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    line = one_line_error(kvgate("render-envoy", str(EXAMPLE_CONFIG), "-o",
+                                 str(tmp_path / "file" / "envoy.yaml")))
+    assert line.startswith("kvgate render-envoy: ") and str(tmp_path / "file") in line
+
+
+def test_agent_on_a_port_in_use_is_one_line(taken):
+    line = one_line_error(kvgate("agent", "--host", "127.0.0.1", "--port", str(taken)))
+    assert "already in use" in line
+
+
+# -- --version and --help ---------------------------------------------------------------------
+
+
+def test_version_and_a_clean_help():
+    version = kvgate("--version")
+    assert version.returncode == 0 and version.stdout.startswith("kvgate ")
+    help_text = kvgate("--help").stdout
+    assert "``" not in help_text and ":class:" not in help_text
+    for verb in ("serve", "check", "hash-key", "render-envoy", "agent", "demo"):
+        assert f"    {verb} " in help_text
+    demo_help = " ".join(kvgate("demo", "--help").stdout.split())
+    assert "envoy.listen_port" in demo_help and "server.grpc_port" in demo_help
+    assert "pools[].endpoints" in demo_help
+
+
+# -- the demo ---------------------------------------------------------------------------------
+
+
+def demo_config(tmp_path: Path, **extra: object) -> Path:
+    engines = [f"127.0.0.1:{free_port()}"]
+    return write(tmp_path, {
+        **GOOD, **extra,
+        "server": {"grpc_port": free_port(), "admin_port": free_port()},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "pools": [{"name": "p", "models": ["m"], "endpoints": engines}],
+    })
+
+
+def test_the_demo_prints_only_keys_its_config_accepts(tmp_path):
+    bundled = load_config(EXAMPLE_CONFIG)
+    assert known_keys(bundled) == {"acme": DEMO_KEYS["acme"], "globex": DEMO_KEYS["globex"],
+                                   "hobbyist": DEMO_KEYS["hobbyist"]}
+    assert known_keys(parse_config(GOOD)) == {}
+    redis = parse_config({**GOOD, "redis": {"url": "redis://:secret@10.1.2.3:6379/0"}})
+    assert _limits_line(redis) == "limits in Redis at 10.1.2.3:6379"
+    assert _limits_line(parse_config(GOOD)) == "in-memory limits"
+
+
+def test_the_demo_on_a_config_of_ones_own(tmp_path):
+    """Started for real: it says it cannot know the keys, and offers a curl line that does
+    not carry the bundled ones."""
+    path = demo_config(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = ""
+        deadline = time.monotonic() + 60
+        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
+            out += proc.stdout.readline()  # type: ignore[union-attr]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert "stores only hashes" in out and "$KVGATE_API_KEY" in out, out
+    assert "sk-demo" not in out and "in-memory limits" in out
+    assert "starting 1 simulated vLLM engine(s)" in out
+
+
+def test_smoke_refuses_a_config_without_the_demo_keys(tmp_path):
+    line = one_line_error(kvgate("demo", "--smoke", "--config", str(demo_config(tmp_path))))
+    assert "--smoke sends the bundled demo keys" in line
+
+
+def test_a_demo_port_in_use_is_one_line(tmp_path, taken):
+    path = demo_config(tmp_path, envoy={"listen_port": taken})
+    data = yaml.safe_load(path.read_text())
+    data["envoy"]["listen_port"] = taken
+    line = one_line_error(kvgate("demo", "--config", str(write(tmp_path, data))))
+    assert line == f"kvgate demo: envoy.listen_port: 127.0.0.1:{taken} is already in use"
+
+
+def test_an_engine_port_another_engine_answers_is_not_taken_for_ours():
+    """A second demo must not report the first one's engines as its own."""
+    with EngineProcess() as first:
+        with pytest.raises(PortInUse, match=f"{first.port} is already in use"):
+            EngineProcess(port=first.port).start()
+        assert first.state()["pid"] == first.proc.pid  # type: ignore[union-attr]

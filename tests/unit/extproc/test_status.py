@@ -1,0 +1,81 @@
+"""The admin port's status page (extproc.status) and the rejections ring behind it: a real
+kvgate server on ephemeral ports, read over HTTP. The browser test is tests/e2e."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+import pytest
+
+from extproc.config import hash_api_key, parse_config
+from extproc.engine.server import start_engine
+from extproc.rejections import RecentRejections
+from extproc.server import KvgateServer
+from extproc.status import render_page
+
+KEY = "sk-status-acme"
+
+
+def test_the_ring_keeps_the_newest_and_counts_every_reason() -> None:
+    clock = iter(range(1000)).__next__
+    ring = RecentRejections(size=3, clock=lambda: float(clock()))
+    for i in range(5):
+        ring.add(429, "tokens" if i % 2 else "requests", f"t{i}")
+    assert [r["tenant"] for r in ring.recent()] == ["t4", "t3", "t2"]
+    assert ring.by_reason == {"requests": 3, "tokens": 2}
+
+
+def test_no_value_can_close_the_inline_script() -> None:
+    page = render_page({"tenants": [{"tenant": "</script><script>alert(1)</script>"}]})
+    assert b"</script><script>alert" not in page
+    assert b"<\\/script>" in page
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[KvgateServer, str]]:
+    engine = await start_engine(model="m")
+    config = parse_config({
+        "server": {"grpc_port": 0, "admin_port": 0},
+        "tiers": {"gold": {"limits": {"max_concurrency": 4, "daily_token_quota": 10_000}}},
+        "tenants": [{"name": "acme", "tier": "gold", "api_keys": [hash_api_key(KEY)]}],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": [f"127.0.0.1:{engine.port}"]}],
+    })
+    kvgate = KvgateServer(config)
+    await kvgate.start()
+    try:
+        yield kvgate, f"http://127.0.0.1:{kvgate.admin_port}"
+    finally:
+        await kvgate.stop(grace=0)
+        await engine.stop()
+
+
+async def test_status_json_shows_endpoints_tenants_queues_and_rejections(server) -> None:
+    kvgate, admin = server
+    kvgate.director.rejections.add(401, "invalid_api_key", None)
+    async with httpx.AsyncClient() as client:
+        state = (await client.get(f"{admin}/status.json")).json()
+    [endpoint] = state["endpoints"]
+    assert endpoint["healthy"] and endpoint["fresh"] and endpoint["kv_cache_usage"] == 0
+    assert 0 <= endpoint["scrape_age_s"] < 2
+    [tenant] = state["tenants"]
+    assert tenant["tenant"] == "acme" and tenant["max_concurrency"] == 4
+    assert tenant["quotas"]["daily"]["limit"] == 10_000
+    assert state["queues"] == [{"pool": "p", "queued": 0, "oldest_wait_ms": 0, "depth": []}]
+    assert state["rejections"]["by_reason"] == {"invalid_api_key": 1}
+    assert state["limits"] == "in-memory"
+
+
+async def test_the_page_is_self_contained_and_never_shows_a_key(server) -> None:
+    _, admin = server
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(f"{admin}/")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/html")
+    csp = reply.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    page = reply.text
+    assert "http://" not in page and "https://" not in page and "src=" not in page
+    assert KEY not in page and hash_api_key(KEY).removeprefix("sha256:") not in page
+    inline = page.split('<script id="initial" type="application/json">')[1].split("</script>")[0]
+    assert orjson.loads(inline)["tenants"][0]["tenant"] == "acme"
