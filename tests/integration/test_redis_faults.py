@@ -66,11 +66,12 @@ def failover(server: RedisServer, policy: str, timeout_ms: int = 50) -> Failover
 
 
 async def leftovers(raw: aioredis.Redis) -> dict[str, object]:
-    """Every key in Redis but the tombstones of cancelled admissions, with its contents."""
+    """Every key in Redis but the tombstones of cancelled admissions and the retry-slot
+    statistics (observed durations, no charge), with its contents."""
     found: dict[str, object] = {}
     for key in await raw.keys("*"):
         kind = (await raw.type(key)).decode()
-        if key.endswith(b":cancelled"):
+        if key.endswith((b":cancelled", b":herd")):
             continue
         found[key.decode()] = (
             await raw.zrange(key, 0, -1) if kind == "zset" else await raw.hgetall(key)
