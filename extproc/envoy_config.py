@@ -35,6 +35,8 @@ from extproc.headers import (
     EXT_PROC_HEADERS,
     KVGATE_HEADER_PREFIX,
     LB_NAMESPACE,
+    RATELIMIT_HEADERS,
+    RATELIMIT_NAMESPACE,
     RECEIVING_NAMESPACES,
 )
 
@@ -280,6 +282,27 @@ def _header_option(key: str, value: str) -> Any:
     )
 
 
+def _ratelimit_headers() -> list[Any]:
+    """``x-ratelimit-*`` on every response, from the metadata kvgate returned when it
+    admitted the request (``messages.ratelimit_metadata``): no gRPC message of their own.
+    A key kvgate did not set (a tenant without that limit) formats as an empty value, and an
+    empty value is not added; a header already there (kvgate's own refusal) is kept."""
+    from envoy_data_plane.envoy.config.core.v3 import (
+        HeaderValue,
+        HeaderValueOption,
+        HeaderValueOptionHeaderAppendAction,
+    )
+
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=name,
+                               value=f"%DYNAMIC_METADATA({RATELIMIT_NAMESPACE}:{name})%"),
+            append_action=HeaderValueOptionHeaderAppendAction.ADD_IF_ABSENT,
+        )
+        for name in RATELIMIT_HEADERS
+    ]
+
+
 def _http_connection_manager(config: Config) -> Any:
     from envoy_data_plane.envoy.config.route.v3 import (
         Route,
@@ -306,6 +329,7 @@ def _http_connection_manager(config: Config) -> Any:
             timeout=_seconds(env.route_timeout_s),
             idle_timeout=idle,
         ),
+        response_headers_to_add=_ratelimit_headers(),
     )
     return HttpConnectionManager(
         stat_prefix=GATEWAY_LISTENER,

@@ -15,7 +15,7 @@ from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.headers import DESTINATION_HEADER, KVGATE_HEADER_PREFIX
+from extproc.headers import DESTINATION_HEADER, KVGATE_HEADER_PREFIX, RATELIMIT_NAMESPACE
 
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -146,6 +146,19 @@ def route_request(
         mutation = _body_parts.get(around) or _cache(_body_parts, around, _body_parts_of(*around))
         parts += (mutation[0], body, mutation[1])
     return b"".join(parts)
+
+
+def ratelimit_metadata(headers: Headers) -> bytes:
+    """The admitted request's ``x-ratelimit-*`` values as dynamic metadata (header name →
+    value), appended to a serialized routing reply (concatenated messages merge): the
+    rendered route turns them into response headers, so they cost no message of their own."""
+    if not headers:
+        return b""
+    reply = pb.ProcessingResponse()
+    fields = reply.dynamic_metadata.fields[RATELIMIT_NAMESPACE].struct_value.fields
+    for key, value in headers.items():
+        fields[key].string_value = value
+    return reply.SerializeToString()
 
 
 def _cache(cache: dict[Any, Parts], key: Any, parts: Parts) -> Parts:
