@@ -97,6 +97,22 @@ def cluster(bootstrap: dict[str, Any], name: str) -> dict[str, Any]:
 # -- shape of the rendered bootstrap (no Envoy needed) ----------------------------------------
 
 
+def test_ratelimit_headers_come_from_metadata_envoy_accepts(example: Config) -> None:
+    """Every x-ratelimit-* response header formats a key of a namespace ext_proc may set."""
+    bootstrap = render_bootstrap(example)
+    route = hcm_of(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][0]
+    accepted = ext_proc_filter_config(bootstrap)["metadata_options"]["receiving_namespaces"]
+    added = {o["header"]["key"]: o for o in route["response_headers_to_add"]}
+    assert sorted(added) == sorted(f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens")
+                                   for what in ("limit", "remaining", "reset"))
+    for name, option in added.items():
+        namespace, key = option["header"]["value"].removeprefix(
+            "%DYNAMIC_METADATA(").removesuffix(")%").split(":")
+        assert namespace in accepted["untyped"] and key == name
+        assert option["append_action"] == "ADD_IF_ABSENT"  # a refusal's own values stay
+        assert not option.get("keep_empty_value")  # an absent key adds no empty header
+
+
 def test_ext_proc_filter_settings(example: Config) -> None:
     bootstrap = render_bootstrap(example)
     hcm = hcm_of(bootstrap)
@@ -119,7 +135,8 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     assert ext_proc["message_timeout"] == "1000s"
     assert ext_proc["max_message_timeout"] == "3600s"  # server.max_stream_seconds
     assert ext_proc["allow_mode_override"] is True
-    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb", "kvgate"]
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == [
+        "envoy.lb", "kvgate", "kvgate.ratelimit"]  # the last: x-ratelimit-* (route headers)
     assert hcm["stat_prefix"] == "kvgate_gateway"
     assert (hcm["normalize_path"], hcm["merge_slashes"]) == (True, True)
     assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
