@@ -14,8 +14,8 @@ a schedule, not a lease.
 
 Concurrency has no exact time (a slot frees when some request ends), so its wait is an
 expected completion: the tenant's observed mean request duration (the configured
-``concurrency_retry_ms`` until one has been seen) plus a quarter for the spread of
-durations and the retry's own trip, after the oldest request in flight started; one of
+``concurrency_retry_ms`` until one has been seen) plus half for the spread of durations
+and 10 ms for the retry's own trip, after the oldest request in flight started; one of
 ``max_concurrency`` slots frees every such duration.
 
 Pure integer math so the Redis scripts (:mod:`limiter.stores.redis_scripts`) redo it exactly.
@@ -48,10 +48,15 @@ def window_interval(cost: int, limit: int, window_ms: int) -> int:
     return ceil_div(cost * window_ms, limit)
 
 
+TRIP_MS = 10
+"""A retry's own trip through Envoy and kvgate's two messages before it takes a slot."""
+
+
 def completion_ms(mean_ms: int) -> int:
-    """How long after its start a request is expected to have ended: the mean plus a
-    quarter, so that a client sent back then finds the slot free despite the spread."""
-    return mean_ms + ceil_div(mean_ms, 4)
+    """How long after its start a slot is expected to be free again: the mean duration plus
+    half (durations spread, and every round of a herd adds its admission's latency) plus a
+    retry's trip, so that a client sent back then finds the slot free."""
+    return mean_ms + ceil_div(mean_ms, 2) + TRIP_MS
 
 
 def concurrency_wait(now_ms: int, oldest_start_ms: int | None, mean_ms: int) -> int:

@@ -382,7 +382,7 @@ local function mean_ms(H)
   return CONC_RETRY
 end
 
-local function completion(mean) return mean + cdiv(mean, 4) end
+local function completion(mean) return mean + cdiv(mean, 2) + 10 end  -- herd.completion_ms
 
 local function herd_observe(H, duration)  -- limiter.herd.observe
   H.n = math.min(H.n + 1, 8)

@@ -102,7 +102,7 @@ async def test_admitted_request_is_routed_with_priority_and_content_length():
     chosen, fallback = headers["x-gateway-destination-endpoint"].split(",")
     assert {chosen, fallback} == {"127.0.0.1:7001", "127.0.0.1:7002"}
     lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
-    assert lb.fields["x-gateway-destination-endpoint"].string_value == chosen
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == f"{chosen},{fallback}"
     assert common.clear_route_cache
 
 

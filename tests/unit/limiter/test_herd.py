@@ -63,8 +63,8 @@ def test_concurrency_herd_follows_observed_durations() -> None:
     for i in range(2):
         assert isinstance(limiter.admit(Cost(1, 1), f"a{i}", 1000), Admit)
     waits = _refuse_all(limiter, 6, 1000, Cost(1, 1))
-    # expected end 40 ms + a quarter after the oldest start; then one slot per 50/2 ms
-    assert waits == [50, 75, 100, 125, 150, 175]
+    # expected end 40 ms + half + 10 ms after the oldest start; then one slot per 70/2 ms
+    assert waits == [70, 105, 140, 175, 210, 245]
     assert len(set(waits)) == len(waits)
 
 
@@ -72,7 +72,7 @@ def test_no_duration_seen_uses_the_configured_hint() -> None:
     policy = TenantPolicy(max_concurrency=1, concurrency_retry_ms=800)
     limiter = TenantLimiter(policy, now_ms=0)
     assert isinstance(limiter.admit(Cost(1, 1), "a", 0), Admit)
-    assert _refuse_all(limiter, 2, 0, Cost(1, 1)) == [1000, 2000]
+    assert _refuse_all(limiter, 2, 0, Cost(1, 1)) == [1210, 2420]
 
 
 def test_policy_reload_forgets_promises() -> None:
