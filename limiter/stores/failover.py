@@ -139,7 +139,7 @@ class FailoverStore:
         if not ok:
             return dataclasses.replace(reject, retry_after_ms=wait)
         if result is None:
-            del self._blocked[tenant]
+            self._blocked.pop(tenant, None)  # (another request may have got there first)
         return result
 
     async def admit(
