@@ -382,7 +382,9 @@ class TenantLimiter:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
-        if timed:  # a request that ran: its duration joins the observed mean
+        if timed and (used_tokens is None or used_tokens > 0):
+            # a request that ran (one that used nothing never did: it left the queue, or it
+            # was a GET) — its duration joins the observed mean
             self._mean_ms, self._samples = observe(self._mean_ms, self._samples,
                                                    now_ms - lease.started_ms)
         reserved = lease.cost.tokens

@@ -554,7 +554,9 @@ end
 local meta = redis.call('HGET', KLMETA, lease)
 redis.call('HDEL', KLMETA, lease)
 local started = meta and lease_start(meta)
-if started and not cancel then  -- a cancelled admission's time says nothing of durations
+-- a cancelled admission's time, or a request that used nothing (it left the queue, or it
+-- was a GET), says nothing of durations (TenantLimiter.release)
+if started and not cancel and ARGV[OP + 1] ~= '0' then
   local H = herd()
   herd_observe(H, NOW - started)
   herd_save(H, NOW)

@@ -68,6 +68,16 @@ def test_concurrency_herd_follows_observed_durations() -> None:
     assert len(set(waits)) == len(waits)
 
 
+def test_only_requests_that_ran_are_timed() -> None:
+    limiter = TenantLimiter(TenantPolicy(max_concurrency=1, concurrency_retry_ms=1000), 0)
+    assert isinstance(limiter.admit(Cost(1, 1), "queued", 0), Admit)
+    assert limiter.release("queued", 0, 30_000)  # gave up in the queue: used nothing
+    assert limiter.mean_duration_ms == 1000  # still the hint
+    assert isinstance(limiter.admit(Cost(1, 1), "ran", 30_000), Admit)
+    assert limiter.release("ran", None, 30_040)  # usage unknown: it ran
+    assert limiter.mean_duration_ms == 40
+
+
 def test_no_duration_seen_uses_the_configured_hint() -> None:
     policy = TenantPolicy(max_concurrency=1, concurrency_retry_ms=800)
     limiter = TenantLimiter(policy, now_ms=0)
