@@ -108,6 +108,7 @@ class Director:
         self.clock = clock
         self.leases = LeaseBook()
         self.rejections = RecentRejections()  # for the admin status page
+        self.started_s = int(time.time())  # the models' "created" in GET /v1/models
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration's live sections (``extproc.reload.LIVE``: tenants,
@@ -164,6 +165,18 @@ class Director:
         scheduler = self.schedulers[self.config.pools[0].name]
         placed = scheduler.place_light(self.endpoints.snapshot(), self.clock(), self.rng)
         return await self._take(tenant, klass, Route(scheduler, Cost(0, 0), placed))
+
+    async def list_models(self, tenant: Tenant) -> tuple[list[tuple[str, str]], Admit] | Reject:
+        """``GET /v1/models``, answered here for every pool (no engine serves another pool's
+        models): ``(model, pool)`` pairs, after charging the tenant one request (taken and
+        given back at once: nothing is held while nobody runs)."""
+        policy = self.tenants.policy(tenant)
+        lease_id = self.leases.new_id()
+        decision = await self.store.admit(tenant.name, policy, Cost(0, 0), lease_id)
+        if isinstance(decision, Reject):
+            return decision
+        await self.store.release(tenant.name, policy, lease_id, 0)
+        return [(m.name, pool.name) for pool in self.config.pools for m in pool.models], decision
 
     def _route(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass

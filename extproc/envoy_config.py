@@ -35,15 +35,21 @@ from extproc.headers import (
     EXT_PROC_HEADERS,
     KVGATE_HEADER_PREFIX,
     LB_NAMESPACE,
+    RATELIMIT_HEADERS,
+    RATELIMIT_NAMESPACE,
     RECEIVING_NAMESPACES,
 )
 
 if TYPE_CHECKING:
-    from extproc.config import Config, ExtProcTls
+    from extproc.config import Config, ExtProcTls, Pool
 
 GATEWAY_LISTENER = "kvgate_gateway"
 EXT_PROC_CLUSTER = "kvgate_ext_proc"
-UPSTREAM_CLUSTER = "kvgate_upstream"
+UPSTREAM_CLUSTER = "kvgate_upstream"  # requests kvgate did not route: no host, 503
+POOL_CLUSTER_PREFIX = "kvgate_pool_"  # + the pool's name: where kvgate's requests go
+# Envoy moves to the next endpoint kvgate listed when the chosen one cannot be reached
+# (connection refused or reset before the request was sent: nothing reached the engine).
+RETRY_ON = "connect-failure,reset-before-request"
 REPORT_CLUSTER = "kvgate_report"  # the name meter.lua calls
 METER_FILTER = "envoy.filters.http.lua"
 REPORT_TIMEOUT = dt.timedelta(seconds=1)
@@ -280,6 +286,57 @@ def _header_option(key: str, value: str) -> Any:
     )
 
 
+def _ratelimit_headers() -> list[Any]:
+    """``x-ratelimit-*`` on every response, from the metadata kvgate returned when it
+    admitted the request (``messages.ratelimit_metadata``): no gRPC message of their own.
+    A key kvgate did not set (a tenant without that limit) formats as an empty value, and an
+    empty value is not added; a header already there (kvgate's own refusal) is kept."""
+    from envoy_data_plane.envoy.config.core.v3 import (
+        HeaderValue,
+        HeaderValueOption,
+        HeaderValueOptionHeaderAppendAction,
+    )
+
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=name,
+                               value=f"%DYNAMIC_METADATA({RATELIMIT_NAMESPACE}:{name})%"),
+            append_action=HeaderValueOptionHeaderAppendAction.ADD_IF_ABSENT,
+        )
+        for name in RATELIMIT_HEADERS
+    ]
+
+
+def pool_cluster_name(pool: Pool) -> str:
+    return POOL_CLUSTER_PREFIX + pool.name
+
+
+def _pool_match(pool: Pool) -> Any:
+    """A request kvgate routed to ``pool`` (its ``kvgate`` metadata names the pool; the
+    route is chosen again after kvgate's reply, which clears the route cache)."""
+    from envoy_data_plane.envoy.config.route.v3 import RouteMatch
+    from envoy_data_plane.envoy.type.matcher.v3 import (
+        MetadataMatcher,
+        MetadataMatcherPathSegment,
+        StringMatcher,
+        ValueMatcher,
+    )
+
+    return RouteMatch(prefix="/", dynamic_metadata=[MetadataMatcher(
+        filter="kvgate", path=[MetadataMatcherPathSegment(key="pool")],
+        value=ValueMatcher(string_match=StringMatcher(exact=pool.name)))])
+
+
+def _fallback_retries() -> Any:
+    """Each retry takes the next endpoint of kvgate's list (the override_host policy), and
+    only when nothing reached the engine: the chosen one and its two fallbacks."""
+    from envoy_data_plane.envoy.config.route.v3 import RetryPolicy
+
+    from extproc.scheduler import FALLBACKS
+
+    return RetryPolicy(retry_on=RETRY_ON, num_retries=FALLBACKS)
+
+
 def _http_connection_manager(config: Config) -> Any:
     from envoy_data_plane.envoy.config.route.v3 import (
         Route,
@@ -296,17 +353,18 @@ def _http_connection_manager(config: Config) -> Any:
 
     env = config.envoy
     idle = _seconds(idle_timeout_s(config))
-    route = Route(
-        name="all",
-        match=RouteMatch(prefix="/"),
-        route=RouteAction(
-            cluster=UPSTREAM_CLUSTER,
-            # 0 s disables the whole-request timeout (Envoy's default is 15 s, far too short
-            # for a long generation).
-            timeout=_seconds(env.route_timeout_s),
-            idle_timeout=idle,
-        ),
-    )
+
+    def action(cluster: str, retry: Any = None) -> Any:
+        # 0 s disables the whole-request timeout (Envoy's default is 15 s, far too short
+        # for a long generation).
+        return RouteAction(cluster=cluster, timeout=_seconds(env.route_timeout_s),
+                           idle_timeout=idle, retry_policy=retry)
+
+    routes = [Route(name=f"pool:{pool.name}", match=_pool_match(pool),
+                    route=action(pool_cluster_name(pool), _fallback_retries()))
+              for pool in config.pools]
+    routes.append(Route(name="all", match=RouteMatch(prefix="/"),
+                        route=action(UPSTREAM_CLUSTER)))
     return HttpConnectionManager(
         stat_prefix=GATEWAY_LISTENER,
         codec_type=HttpConnectionManagerCodecType.AUTO,
@@ -324,7 +382,8 @@ def _http_connection_manager(config: Config) -> Any:
         ),
         route_config=RouteConfiguration(
             name="kvgate_routes",
-            virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=[route])],
+            virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=routes,
+                                       response_headers_to_add=_ratelimit_headers())],
         ),
         http_filters=[_ext_proc_filter(config), _meter_filter(), _router_filter()],
         local_reply_config=_local_reply_config(),
@@ -362,8 +421,9 @@ def _circuit_breakers() -> Any:
     limit = CIRCUIT_BREAKER_LIMIT
     return CircuitBreakers(
         thresholds=[
-            CircuitBreakersThresholds(
-                max_connections=limit, max_pending_requests=limit, max_requests=limit
+            CircuitBreakersThresholds(  # retries too: each is a fallback endpoint's turn
+                max_connections=limit, max_pending_requests=limit, max_requests=limit,
+                max_retries=limit,
             )
         ]
     )
@@ -391,6 +451,65 @@ def _upstream_cluster(config: Config) -> Any:
                 key=LB_NAMESPACE, path=[MetadataKeyPathSegment(key=DESTINATION_HEADER)]
             )
         ),
+        connect_timeout=_seconds(config.envoy.connect_timeout_s),
+        circuit_breakers=_circuit_breakers(),
+    )
+
+
+def _pool_cluster(config: Config, pool: Pool) -> Any:
+    """A pool's engines, known to Envoy (static addresses, or the pool's DNS name resolved
+    as kvgate resolves it), so that Envoy's override_host policy can take the endpoints in
+    the order kvgate listed them in ``envoy.lb`` metadata — the chosen one, then the
+    fallbacks on retries. Past the list, or for an endpoint Envoy does not know yet, the
+    pool's other endpoints in turn (round robin): never another pool's."""
+    from envoy_data_plane.envoy.config.cluster.v3 import (
+        Cluster,
+        ClusterDiscoveryType,
+        LoadBalancingPolicy,
+        LoadBalancingPolicyPolicy,
+    )
+    from envoy_data_plane.envoy.config.core.v3 import TypedExtensionConfig
+    from envoy_data_plane.envoy.config.endpoint.v3 import (
+        ClusterLoadAssignment,
+        Endpoint,
+        LbEndpoint,
+        LocalityLbEndpoints,
+    )
+    from envoy_data_plane.envoy.extensions.load_balancing_policies.override_host.v3 import (
+        OverrideHost,
+        OverrideHostOverrideHostSource,
+    )
+    from envoy_data_plane.envoy.extensions.load_balancing_policies.round_robin.v3 import (
+        RoundRobin,
+    )
+    from envoy_data_plane.envoy.type.metadata.v3 import MetadataKey, MetadataKeyPathSegment
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    from extproc.config import parse_endpoint
+
+    def policy(name: str, message: Any) -> Any:
+        return LoadBalancingPolicy(policies=[LoadBalancingPolicyPolicy(
+            typed_extension_config=TypedExtensionConfig(name=name,
+                                                        typed_config=AnyMsg.pack(message)))])
+
+    listed = OverrideHostOverrideHostSource(metadata=MetadataKey(
+        key=LB_NAMESPACE, path=[MetadataKeyPathSegment(key=DESTINATION_HEADER)]))
+    override = OverrideHost(override_host_sources=[listed], fallback_policy=policy(
+        "envoy.load_balancing_policies.round_robin", RoundRobin()))
+    if pool.dns is not None:
+        addresses = [(pool.dns.hostname, pool.dns.port)]
+    else:
+        addresses = [parse_endpoint(endpoint) for endpoint in pool.endpoints]
+    name = pool_cluster_name(pool)
+    return Cluster(
+        name=name,
+        type=ClusterDiscoveryType.STRICT_DNS,  # IP literals resolve to themselves
+        dns_refresh_rate=None if pool.dns is None else _seconds(pool.dns.interval_s),
+        load_assignment=ClusterLoadAssignment(cluster_name=name, endpoints=[
+            LocalityLbEndpoints(lb_endpoints=[
+                LbEndpoint(endpoint=Endpoint(address=_socket_address(host, port)))
+                for host, port in addresses])]),
+        load_balancing_policy=policy("envoy.load_balancing_policies.override_host", override),
         connect_timeout=_seconds(config.envoy.connect_timeout_s),
         circuit_breakers=_circuit_breakers(),
     )
@@ -536,7 +655,8 @@ def build_bootstrap(config: Config) -> Any:
         admin=Admin(address=_socket_address("127.0.0.1", config.envoy.admin_port)),
         static_resources=BootstrapStaticResources(
             listeners=[_listener(config)],
-            clusters=[_upstream_cluster(config), _ext_proc_cluster(config), _report_cluster()],
+            clusters=[*(_pool_cluster(config, pool) for pool in config.pools),
+                      _upstream_cluster(config), _ext_proc_cluster(config), _report_cluster()],
         ),
         layered_runtime=LayeredRuntime(
             layers=[RuntimeLayer(name="static", static_layer=Struct.from_dict(RUNTIME_FLAGS))]

@@ -195,7 +195,7 @@ class FlowController:
         """A queued request that will not run: over its share until its deadline (429), or
         the pool stayed saturated (503: expired, queue full, shutting down)."""
         waiter: Waiter = item.payload  # type: ignore[assignment]
-        retry = self.scheduler.retry_ms(item.cost, self.clock())
+        retry = self.scheduler.retry_ms(item.cost, self.clock(), promise=True)
         if why == "expired" and waiter.queued_for is Reason.KV_SHARE:
             return refuse(Reason.KV_SHARE, f"tenant '{item.tenant}' stayed over its weighted "
                           f"share of pool '{self.pool}' until its deadline", retry)

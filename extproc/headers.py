@@ -12,4 +12,9 @@ REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: in kvgate's log lines,
 KVGATE_HEADER_PREFIX = "x-kvgate-"
 # Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.
 LB_NAMESPACE = "envoy.lb"
-RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate")
+# An admitted request's x-ratelimit-* values (header name → value), which the rendered route
+# adds to its response (response_headers_to_add with %DYNAMIC_METADATA%): no extra message.
+RATELIMIT_NAMESPACE = "kvgate.ratelimit"
+RATELIMIT_HEADERS = tuple(f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens")
+                          for what in ("limit", "remaining", "reset"))
+RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate", RATELIMIT_NAMESPACE)

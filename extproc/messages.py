@@ -15,7 +15,7 @@ from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.headers import DESTINATION_HEADER, KVGATE_HEADER_PREFIX
+from extproc.headers import DESTINATION_HEADER, KVGATE_HEADER_PREFIX, RATELIMIT_NAMESPACE
 
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -114,7 +114,7 @@ Parts = tuple[bytes, ...]  # serialized message parts; the values go in between
 # (tenant, class, priority, body phase, endpoint list size, content-length size or None,
 # the pool's upstream Authorization or None)
 _header_parts: dict[tuple[str, str, int | None, bool, int, int | None, str | None], Parts] = {}
-# (tenant, pool, chosen endpoint size, lease size, meter, report address, report key)
+# (tenant, pool, endpoint list size, lease size, meter, report address, report key)
 _routing_parts: dict[tuple[str, str, int, int, str, str, str], Parts] = {}
 # (body phase, body size)
 _body_parts: dict[tuple[bool, int], Parts] = {}
@@ -126,7 +126,9 @@ def route_request(
     meter: str = "", report: str = "", report_key: str = "",
 ) -> bytes:
     """Admit: set headers (and the mutated body + its content-length, and the pool's own
-    ``authorization`` when it has one), pick ``endpoints[0]`` (the rest are fallbacks), and
+    ``authorization`` when it has one), name ``endpoints`` in the ``envoy.lb`` metadata
+    (Envoy's override_host policy takes the first, and the others in turn on retries
+    when one cannot be reached), and
     carry the lease in the dynamic metadata, with what Envoy's Lua meter needs to report the
     response (how to read it, ``meter``; where to, ``report``; and the process's key; no
     ``meter``: nothing to report). Serialized.
@@ -138,21 +140,33 @@ def route_request(
     let gRPC serialize it again (and ~11 µs more whenever a per-endpoint-list template was
     new: with fallbacks, a pool of n endpoints has n·(n-1)·(n-2) of them)."""
     joined = ",".join(endpoints).encode()
-    chosen = endpoints[0].encode()
     leased = lease.encode()
     length = None if body is None else b"%d" % len(body)
     sizes = (tenant, request_class, priority, in_body_phase, len(joined),
              None if length is None else len(length), authorization)
     headers = _header_parts.get(sizes) or _cache(_header_parts, sizes, _headers_parts(*sizes))
-    where = (tenant, pool, len(chosen), len(leased), meter, report, report_key)
+    where = (tenant, pool, len(joined), len(leased), meter, report, report_key)
     routing = _routing_parts.get(where) or _cache(_routing_parts, where, _routing_parts_of(*where))
     parts = [headers[0], joined, headers[1], length or b"", headers[2],
-             routing[0], chosen, routing[1], leased, routing[2]]
+             routing[0], joined, routing[1], leased, routing[2]]
     if body is not None:
         around = (in_body_phase, len(body))
         mutation = _body_parts.get(around) or _cache(_body_parts, around, _body_parts_of(*around))
         parts += (mutation[0], body, mutation[1])
     return b"".join(parts)
+
+
+def ratelimit_metadata(headers: Headers) -> bytes:
+    """The admitted request's ``x-ratelimit-*`` values as dynamic metadata (header name →
+    value), appended to a serialized routing reply (concatenated messages merge): the
+    rendered route turns them into response headers, so they cost no message of their own."""
+    if not headers:
+        return b""
+    reply = pb.ProcessingResponse()
+    fields = reply.dynamic_metadata.fields[RATELIMIT_NAMESPACE].struct_value.fields
+    for key, value in headers.items():
+        fields[key].string_value = value
+    return reply.SerializeToString()
 
 
 def _cache(cache: dict[Any, Parts], key: Any, parts: Parts) -> Parts:
@@ -200,7 +214,7 @@ def _body_parts_of(in_body_phase: bool, size: int) -> Parts:
 
 def _routing_parts_of(tenant: str, pool: str, endpoint_size: int, lease_size: int,
                       meter: str, report: str, report_key: str) -> Parts:
-    """The dynamic metadata, around the chosen endpoint (for Envoy's load balancer) and the
+    """The dynamic metadata, around the endpoint list (for Envoy's load balancer) and the
     lease (for kvgate's own logs). One message per map entry: maps serialize in hash order,
     so within one message the two values could come in either order."""
 

@@ -6,6 +6,7 @@ output cap) and lenient elsewhere: vLLM validates the rest and answers in its ow
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -16,7 +17,8 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 INFERENCE_PATHS = (CHAT, COMPLETIONS, EMBEDDINGS)  # metered by their body
-HARMLESS_PATHS = ("/v1/models", "/health")  # one request's worth, decided on headers
+MODELS_PATH = "/v1/models"  # answered by kvgate itself: every pool's models (model_list)
+HARMLESS_PATHS = (MODELS_PATH, "/health")  # one request's worth, decided on headers
 # Default-deny: the only paths that pass, and the methods each allows. Everything else an
 # engine serves (responses, scoring, pooling, audio, tokenize, debug hooks…) kvgate cannot
 # meter, so it answers 404 itself.
@@ -227,6 +229,15 @@ def mutate_body(
         body["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                   "include_usage": True}
     return orjson.dumps(body)
+
+
+def model_list(models: Iterable[tuple[str, str]], created: int) -> bytes:
+    """``GET /v1/models`` in OpenAI's list format, from ``(model, pool)`` pairs: what a
+    client may ask kvgate for, whichever pool serves it (``owned_by`` names the pool)."""
+    return orjson.dumps({"object": "list", "data": [
+        {"id": model, "object": "model", "created": created, "owned_by": pool}
+        for model, pool in models
+    ]})
 
 
 def error_body(error: BadRequest) -> bytes:

@@ -51,6 +51,17 @@ def ratelimit_headers(remaining: Remaining) -> dict[str, str]:
     return headers
 
 
+def admitted_ratelimit_headers(remaining: Remaining) -> dict[str, str]:
+    """What an admitted response carries (requests and tokens; the quota family only on
+    its refusals): the headroom right after this admission."""
+    if remaining.request_limit is None and remaining.token_limit is None:
+        return {}
+    headers = ratelimit_headers(remaining)
+    for kind in ("limit", "remaining", "reset"):
+        headers.pop(f"x-ratelimit-{kind}-quota", None)
+    return headers
+
+
 def retry_headers(retry_after_ms: int) -> dict[str, str]:
     seconds = max(1, math.ceil(retry_after_ms / 1000))
     return {

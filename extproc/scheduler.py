@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from extproc.config import Pool
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
+from limiter.herd import herd_wait
 from limiter.outcome import Reason, Reject, refuse
 
 FALLBACKS = 2  # endpoints after the chosen one, for Envoy's retries
@@ -152,6 +153,7 @@ class PoolScheduler:
     # ones newer than a scrape are found from the end without walking every reservation
     by_endpoint: dict[str, dict[str, Reservation]] = field(default_factory=dict)
     drain: DrainRate = field(default_factory=DrainRate)
+    retry_slot_ms: int | None = None  # the last retry time promised to a refused client
     _cached_view: _PoolView | None = field(default=None, repr=False, compare=False)
 
     # -- the decision ----------------------------------------------------------------------
@@ -460,12 +462,20 @@ class PoolScheduler:
                       f"pool '{self.config.name}' is saturated (no endpoint has room)",
                       self.retry_ms(tokens, now))
 
-    def retry_ms(self, tokens: int, now: float) -> int:
-        """Time for the pool to drain this request's worth of KV at the recent drain rate."""
+    def retry_ms(self, tokens: int, now: float, *, promise: bool = False) -> int:
+        """Time for the pool to drain this request's worth of KV at the recent drain rate.
+        ``promise``: the answer goes to a client, so it takes the next slot of the pool's
+        schedule (``limiter.herd``): refused clients come back one drain-time apart."""
         rate = self.drain.per_second(now)
         if rate <= 0:
             return MIN_RETRY_MS
-        return min(MAX_RETRY_MS, max(MIN_RETRY_MS, math.ceil(1000 * tokens / rate)))
+        need = max(1, math.ceil(1000 * tokens / rate))
+        wait = max(MIN_RETRY_MS, need)
+        if promise:
+            now_ms = int(now * 1000)
+            wait = herd_wait(now_ms, wait, self.retry_slot_ms, need)
+            self.retry_slot_ms = now_ms + min(MAX_RETRY_MS, wait)
+        return min(MAX_RETRY_MS, wait)
 
 
 def _metric(state: EndpointState, name: str) -> float:

@@ -29,15 +29,23 @@ from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS, REQUEST_ID_HEA
 from extproc.logs import new_request_id, usable_request_id
 from extproc.metrics import Metrics
 from extproc.openai import (
+    MODELS_PATH,
     BadRequest,
     InferenceRequest,
     Usage,
     check_route,
+    model_list,
     mutate_body,
     parse_body,
     route_path,
 )
-from extproc.rejections import client_error, internal_error, rejection, unavailable
+from extproc.rejections import (
+    admitted_ratelimit_headers,
+    client_error,
+    internal_error,
+    rejection,
+    unavailable,
+)
 from extproc.reports import ReportDesk
 from limiter import Reject
 from limiter.stores import StoreUnavailable
@@ -146,6 +154,8 @@ class RequestStream:
     async def _admit_without_body(self, remove: tuple[str, ...]) -> messages.Reply:
         """The harmless GETs: one request's worth, decided on headers alone."""
         assert self.tenant is not None
+        if self.path == MODELS_PATH:
+            return await self._list_models()
         decision = await self.director.admit_request_only(
             self.tenant, self.path, self.requested_class
         )
@@ -153,6 +163,17 @@ class RequestStream:
             return self._refuse(decision)
         reply = self._route(decision, body=None, in_body_phase=False)
         return reply + messages.headers_only(remove)  # serialized messages merge
+
+    async def _list_models(self) -> messages.Reply:
+        """Every pool's models, answered by kvgate (an engine knows only its own pool's)."""
+        assert self.tenant is not None
+        listed = await self.director.list_models(self.tenant)
+        if isinstance(listed, Reject):
+            return self._refuse(listed)
+        models, admit = listed
+        self.metrics.decisions.add((self.tenant.name, "admitted"))
+        return self._answer(200, model_list(models, self.director.started_s),
+                            admitted_ratelimit_headers(admit.remaining), details="kvgate_models")
 
     async def _on_request_body(self, body: pb.HttpBody) -> messages.Reply:
         if self.tenant is None or self.request is not None or self.admission is not None:
@@ -187,7 +208,7 @@ class RequestStream:
             admission.pool, admission.lease_id, body, in_body_phase,
             self.director.upstream_authorization.get(admission.pool),
             meter, self.desk.address, self.desk.key,
-        )
+        ) + messages.ratelimit_metadata(admitted_ratelimit_headers(admission.admit.remaining))
 
     # -- the response, as Envoy's Lua meter reports it --------------------------------------
 

@@ -15,6 +15,14 @@ from typing import Any
 
 from limiter.buckets import SlidingWindow, TokenBucket, bucket_view
 from limiter.calendar import Period
+from limiter.herd import (
+    concurrency_interval,
+    concurrency_wait,
+    herd_wait,
+    observe,
+    rate_interval,
+    window_interval,
+)
 from limiter.outcome import (
     Admit,
     BucketView,
@@ -106,6 +114,13 @@ def _bound(*limits: int | None) -> float:
     return min((limit for limit in limits if limit is not None), default=math.inf)
 
 
+def _scheduled_by(policy: TenantPolicy) -> tuple[Any, ...]:
+    """The limits retry slots are computed from (what the Redis scripts compare too)."""
+    return (policy.request_rate, policy.request_burst, policy.token_rate, policy.token_burst,
+            policy.window_limit, policy.window_ms, policy.max_concurrency,
+            policy.concurrency_retry_ms, policy.daily_token_quota, policy.monthly_token_quota)
+
+
 def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> BucketView | None:
     return None if bucket is None else BucketView(*bucket.view(now_ms))
 
@@ -158,6 +173,7 @@ class _Lease:
     tokens_charged: bool
     quotas_charged: tuple[Period, ...]
     expires_ms: int | None
+    started_ms: int
 
 
 class TenantLimiter:
@@ -183,6 +199,9 @@ class TenantLimiter:
         self._quotas = {period: QuotaCounter(period) for period in Period}
         self._leases: dict[str, _Lease] = {}
         self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
+        self._promised: dict[Reason, int] = {}  # dimension → its last promised retry slot
+        self._mean_ms = 0  # observed mean request duration (limiter.herd), and its samples
+        self._samples = 0
         self.update_policy(policy, now_ms)
 
     @property
@@ -215,7 +234,14 @@ class TenantLimiter:
         )
         self._tokens = _rebucket(self._tokens, policy.token_rate, policy.token_burst, now_ms)
         self._window = self._rewindow(policy, now_ms)
+        if _scheduled_by(policy) != _scheduled_by(self.policy):
+            self.forget_promises()  # slots promised under old limits say nothing of the new
         self.policy = policy
+
+    def forget_promises(self) -> None:
+        """Drop the retry slots promised to refused clients (``limiter.herd``): the next
+        refusal gets the exact wait."""
+        self._promised.clear()
 
     def _rewindow(self, policy: TenantPolicy, now_ms: int) -> SlidingWindow | None:
         if policy.window_limit is None or policy.window_ms is None:
@@ -295,7 +321,9 @@ class TenantLimiter:
         if self._next_expiry is not None:
             self.expire_leases(now_ms)
         waits = self._waits(1, None, now_ms)
-        return wait_reject(waits, self.remaining(now_ms)) if waits else None
+        if not waits:
+            return None
+        return wait_reject(self._schedule(waits, 1, None, now_ms), self.remaining(now_ms))
 
     def admit(self, cost: Cost, lease_id: str, now_ms: int) -> Admit | Reject:
         """Admit ``cost`` under ``lease_id`` if every dimension has room, else consume nothing."""
@@ -314,6 +342,7 @@ class TenantLimiter:
             return quota_reject(failing, cost.tokens, self.remaining(now_ms))
         waits = self._waits(cost.requests, cost.tokens, now_ms)
         if waits:
+            waits = self._schedule(waits, cost.requests, cost.tokens, now_ms)
             return wait_reject(waits, self.remaining(now_ms))
         self._consume(cost, now_ms)
         self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
@@ -339,9 +368,10 @@ class TenantLimiter:
         if expires is not None:
             self._lower_next_expiry(expires)
         periods = tuple(quota.period for quota in quotas) if quotas else ()
-        return _Lease(cost, self._tokens is not None, periods, expires)
+        return _Lease(cost, self._tokens is not None, periods, expires, now_ms)
 
-    def release(self, lease_id: str, used_tokens: int | None, now_ms: int) -> bool:
+    def release(self, lease_id: str, used_tokens: int | None, now_ms: int, *,
+                timed: bool = True) -> bool:
         """Free the lease exactly once (False on repeats, or once its TTL passed) and
         reconcile reserved vs used tokens on the token bucket and the quotas it was charged to.
 
@@ -352,6 +382,11 @@ class TenantLimiter:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        if timed and (used_tokens is None or used_tokens > 0):
+            # a request that ran (one that used nothing never did: it left the queue, or it
+            # was a GET) — its duration joins the observed mean
+            self._mean_ms, self._samples = observe(self._mean_ms, self._samples,
+                                                   now_ms - lease.started_ms)
         reserved = lease.cost.tokens
         used = reserved if used_tokens is None else max(0, used_tokens)
         if lease.tokens_charged and self._tokens is not None:
@@ -380,9 +415,39 @@ class TenantLimiter:
             waits.append((Reason.TOKENS, wait))
         limit = self.policy.max_concurrency
         if limit is not None and len(self._leases) >= limit:
-            # A slot frees when some request finishes: unknowable here, so a configured hint.
-            waits.append((Reason.CONCURRENCY, self.policy.concurrency_retry_ms))
+            # A slot frees when some request finishes: expected from observed durations.
+            oldest = min((lease.started_ms for lease in self._leases.values()), default=None)
+            waits.append((Reason.CONCURRENCY,
+                          concurrency_wait(now_ms, oldest, self.mean_duration_ms)))
         return waits
+
+    @property
+    def mean_duration_ms(self) -> int:
+        """The tenant's observed mean request duration; the configured hint before any."""
+        return self._mean_ms if self._samples else self.policy.concurrency_retry_ms
+
+    def _schedule(self, waits: list[tuple[Reason, int]], requests: int, tokens: int | None,
+                  now_ms: int) -> list[tuple[Reason, int]]:
+        """Exact waits → this client's slot in each refusing dimension's schedule, which
+        moves on by one (``limiter.herd``)."""
+        scheduled = []
+        for reason, wait in waits:
+            slot = herd_wait(now_ms, wait, self._promised.get(reason),
+                             self._interval(reason, requests, tokens or 0))
+            self._promised[reason] = now_ms + slot
+            scheduled.append((reason, slot))
+        return scheduled
+
+    def _interval(self, reason: Reason, requests: int, tokens: int) -> int:
+        """What one more such request needs of the dimension, in ms."""
+        policy = self.policy
+        if reason is Reason.REQUESTS and policy.request_rate is not None:
+            return rate_interval(requests, policy.request_rate)
+        if reason is Reason.TOKENS and policy.token_rate is not None:
+            return rate_interval(tokens, policy.token_rate)
+        if reason is Reason.WINDOW and policy.window_limit and policy.window_ms:
+            return window_interval(requests, policy.window_limit, policy.window_ms)
+        return concurrency_interval(self.mean_duration_ms, policy.max_concurrency or 1)
 
     def _consume(self, cost: Cost, now_ms: int) -> None:
         if self._requests is not None:

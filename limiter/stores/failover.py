@@ -123,9 +123,10 @@ class FailoverStore:
     # -- the LimiterStore protocol ---------------------------------------------------------
 
     async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
-        """The headers-phase peek, answered without a Redis round trip: from the last
-        rejection Redis gave this tenant, while its retry time has not passed. Admission
-        itself stays one round trip; a tenant that keeps knocking is turned away early."""
+        """The headers-phase peek: no Redis round trip unless Redis refused this tenant
+        lately and its retry time has not passed; then Redis is asked (one round trip, as
+        an admission would cost), so that every refused client gets its own retry slot
+        (``limiter.herd``), across replicas. Without an answer, the last refusal stands."""
         if self.breaker.state != "closed" and self.policy is FailurePolicy.LOCAL:
             return await self.local.check_requests(tenant, self._local(policy))
         blocked = self._blocked.get(tenant)
@@ -136,7 +137,12 @@ class FailoverStore:
         if wait <= 0:
             del self._blocked[tenant]
             return None
-        return dataclasses.replace(reject, retry_after_ms=wait)
+        ok, result, _error = await self._try(lambda: self.primary.check_requests(tenant, policy))
+        if not ok:
+            return dataclasses.replace(reject, retry_after_ms=wait)
+        if result is None:
+            self._blocked.pop(tenant, None)  # (another request may have got there first)
+        return result
 
     async def admit(
         self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0

@@ -59,8 +59,10 @@ class MemoryStore:
         return self.limiter(tenant, policy, now_ms).release(lease_id, used_tokens, now_ms)
 
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
-        """A call in this process always answers, so only the lease can be left to free."""
-        await self.release(tenant, policy, lease_id, 0)
+        """A call in this process always answers, so only the lease can be left to free
+        (not timed: an admission given up on says nothing of request durations)."""
+        now_ms = self._clock()
+        self.limiter(tenant, policy, now_ms).release(lease_id, 0, now_ms, timed=False)
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
         limiter = self._tenants.get(tenant)

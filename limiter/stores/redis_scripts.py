@@ -26,7 +26,10 @@ rescale on a policy change; a full bucket is deleted: missing = full); ``win`` a
 and window length); ``leases`` a ZSET lease_id → expiry ms and ``leases:meta`` lease_id →
 ``"tokens:tb:day:month"`` (the reservation and which dimensions it was charged to);
 ``q:day`` and ``q:month`` hashes ``{s, u}`` (the period start the count belongs to, used);
-``cancelled`` a ZSET lease_id → expiry ms of admissions kvgate gave up on (below).
+``cancelled`` a ZSET lease_id → expiry ms of admissions kvgate gave up on (below);
+``herd`` a hash of the retry slots last promised per dimension (``limiter.herd``), the
+policy they were promised under (``pol``) and the observed mean request duration (``d``,
+``n`` samples; a lease's meta ends with its start ms).
 
 **Calls whose answer is lost.** kvgate stops waiting for Redis after its budget (20 ms), but
 a command already sent still runs when Redis gets to it (a paused or overloaded server).
@@ -46,7 +49,7 @@ from __future__ import annotations
 # ARGV: [1] now ms ('' = Redis TIME), [2] lease TTL ms, [3] TTL slack ms.
 _CORE = r"""
 local KREQ, KTOK, KWIN, KWMETA = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local KLEASES, KLMETA, KCANCEL = KEYS[5], KEYS[6], KEYS[9]
+local KLEASES, KLMETA, KCANCEL, KHERD = KEYS[5], KEYS[6], KEYS[9], KEYS[10]
 local LEASE_TTL, SLACK = tonumber(ARGV[2]), tonumber(ARGV[3])
 local LMAX = 2251799813685248  -- 2^51: saturation bound for a bucket's debt
 
@@ -340,10 +343,88 @@ local function q_save(q, t)
   redis.call('PEXPIRE', q.key, str(math.max(1, q.e - t) + SLACK))
 end
 
+-- retry slots for a herd (limiter.herd) -------------------------------------------------
+local HERD_FIELDS = {'requests', 'requests_window', 'tokens', 'concurrency'}
+local HERD
+
+local function herd()  -- read once per call
+  if HERD then return HERD end
+  local h = redis.call('HMGET', KHERD, 'd', 'n', unpack(HERD_FIELDS))
+  HERD = {d = tonumber(h[1]) or 0, n = tonumber(h[2]) or 0, tat = {}}
+  for i, f in ipairs(HERD_FIELDS) do HERD.tat[f] = tonumber(h[i + 2]) end
+  return HERD
+end
+
+local function herd_save(H, t)
+  local args, last = {'pol', ARGV[4], 'd', str(H.d), 'n', str(H.n)}, t
+  for _, f in ipairs(HERD_FIELDS) do
+    local v = H.tat[f]
+    if v then
+      table.insert(args, f)
+      table.insert(args, str(v))
+      if v > last then last = v end
+    end
+  end
+  redis.call('HSET', KHERD, unpack(args))
+  redis.call('PEXPIRE', KHERD, str(last - t + LEASE_TTL + SLACK))
+end
+
+local function herd_policy()  -- TenantLimiter.update_policy: new limits forget old promises
+  local pol = redis.call('HGET', KHERD, 'pol')
+  if pol and pol ~= ARGV[4] then
+    redis.call('HDEL', KHERD, unpack(HERD_FIELDS))
+    redis.call('HSET', KHERD, 'pol', ARGV[4])
+  end
+end
+
+local function mean_ms(H)
+  if H.n > 0 then return H.d end
+  return CONC_RETRY
+end
+
+local function completion(mean) return mean + cdiv(mean, 2) + 10 end  -- herd.completion_ms
+
+local function herd_observe(H, duration)  -- limiter.herd.observe
+  H.n = math.min(H.n + 1, 8)
+  H.d = H.d + fdiv(math.max(0, duration) - H.d, H.n)
+end
+
+local function herd_interval(H, reason, requests, tokens)
+  if reason == 'requests' and REQ.a > 0 then return cdiv(requests * REQ.p, REQ.a) end
+  if reason == 'tokens' and TOK.a > 0 then return cdiv(tokens * TOK.p, TOK.a) end
+  if reason == 'requests_window' and WIN_MS > 0 then
+    return cdiv(requests * WIN_MS, WIN_LIMIT)
+  end
+  return cdiv(completion(mean_ms(H)), math.max(MAX_CONC, 1))
+end
+
+-- waits: the flat {reason, exact wait, ...} list; each wait becomes this client's slot
+local function herd_schedule(waits, requests, tokens, t)
+  local H = herd()
+  for i = 1, #waits, 2 do
+    local reason, wait = waits[i], waits[i + 1]
+    local tat = H.tat[reason]
+    if tat then wait = math.max(wait, tat + herd_interval(H, reason, requests, tokens) - t) end
+    H.tat[reason] = t + wait
+    waits[i + 1] = wait
+  end
+  herd_save(H, t)
+end
+
+local function lease_start(meta)  -- the 9th field of a lease's meta, if it has one
+  local i = 0
+  for field in string.gmatch(meta, '[^:]+') do
+    i = i + 1
+    if i == 9 then return tonumber(field) end
+  end
+  return nil
+end
+
 -- the whole tenant ----------------------------------------------------------------------
 -- Opening applies a changed policy (TenantLimiter.update_policy) and expires leases, as
 -- MemoryStore does on every call that carries a policy.
 local function open_all(t)
+  herd_policy()
   local st = {req = tb_open(REQ, t), tok = tb_open(TOK, t), win = win_open(t), quotas = {}}
   for _, spec in ipairs(QUOTAS) do
     if spec.limit > 0 then st.quotas[spec.kind] = q_open(spec, t) end
@@ -388,10 +469,20 @@ local function request_waits(st, requests, t, waits)
   end
 end
 
-local function concurrency_wait(st, waits)
+local function concurrency_wait(st, waits, t)  -- limiter.herd.concurrency_wait
   if MAX_CONC > 0 and st.in_flight >= MAX_CONC then
+    local oldest
+    for _, meta in ipairs(redis.call('HVALS', KLMETA)) do
+      local start = lease_start(meta)
+      if start and (not oldest or start < oldest) then oldest = start end
+    end
+    local expected = completion(mean_ms(herd()))
     table.insert(waits, 'concurrency')
-    table.insert(waits, CONC_RETRY)
+    if oldest then
+      table.insert(waits, math.max(1, oldest + expected - t))
+    else
+      table.insert(waits, expected)
+    end
   end
 end
 """
@@ -420,8 +511,11 @@ if st.tok then
   local wait = tb_wait(st.tok, tokens, NOW)
   if wait > 0 then table.insert(waits, 'tokens'); table.insert(waits, wait) end
 end
-concurrency_wait(st, waits)
-if #waits > 0 then return finish(st, NOW, 'wait', waits) end
+concurrency_wait(st, waits, NOW)
+if #waits > 0 then
+  herd_schedule(waits, requests, tokens, NOW)
+  return finish(st, NOW, 'wait', waits)
+end
 
 local flags = {'0', '0', '0'}
 local charged = {str(requests), '0', '0', '0'}  -- requests, req bucket, window, window ts
@@ -440,8 +534,8 @@ for i, kind in ipairs({'d', 'm'}) do
   end
 end
 redis.call('ZADD', KLEASES, str(NOW + LEASE_TTL), lease)
-redis.call('HSET', KLMETA, lease,
-           str(tokens) .. ':' .. table.concat(flags, ':') .. ':' .. table.concat(charged, ':'))
+redis.call('HSET', KLMETA, lease, str(tokens) .. ':' .. table.concat(flags, ':') .. ':'
+           .. table.concat(charged, ':') .. ':' .. str(NOW))
 leases_save(NOW)
 st.in_flight = st.in_flight + 1
 return finish(st, NOW, 'ok', {})
@@ -459,6 +553,14 @@ if redis.call('ZREM', KLEASES, lease) == 0 then
 end
 local meta = redis.call('HGET', KLMETA, lease)
 redis.call('HDEL', KLMETA, lease)
+local started = meta and lease_start(meta)
+-- a cancelled admission's time, or a request that used nothing (it left the queue, or it
+-- was a GET), says nothing of durations (TenantLimiter.release)
+if started and not cancel and ARGV[OP + 1] ~= '0' then
+  local H = herd()
+  herd_observe(H, NOW - started)
+  herd_save(H, NOW)
+end
 -- tokens:tb:day:month[:requests:req:win:ts]; a lease re-asserted after a restart has none
 local f = {}
 for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
@@ -492,8 +594,11 @@ _CHECK = r"""
 local st = open_all(NOW)
 local waits = {}
 request_waits(st, 1, NOW, waits)
-concurrency_wait(st, waits)
-if #waits > 0 then return finish(st, NOW, 'wait', waits) end
+concurrency_wait(st, waits, NOW)
+if #waits > 0 then
+  herd_schedule(waits, 1, 0, NOW)
+  return finish(st, NOW, 'wait', waits)
+end
 return finish(st, NOW, 'ok', {})
 """
 

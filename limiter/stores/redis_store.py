@@ -53,7 +53,7 @@ Redis's own clock."""
 
 _KEY_SUFFIXES = (
     "tb:req", "tb:tok", "win", "win:meta", "leases", "leases:meta", "q:day", "q:month",
-    "cancelled",
+    "cancelled", "herd",
 )
 _MAX_FULL = 2**51
 _MAX_PERIOD_MS = 2**26

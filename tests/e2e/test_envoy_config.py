@@ -97,6 +97,22 @@ def cluster(bootstrap: dict[str, Any], name: str) -> dict[str, Any]:
 # -- shape of the rendered bootstrap (no Envoy needed) ----------------------------------------
 
 
+def test_ratelimit_headers_come_from_metadata_envoy_accepts(example: Config) -> None:
+    """Every x-ratelimit-* response header formats a key of a namespace ext_proc may set."""
+    bootstrap = render_bootstrap(example)
+    host = hcm_of(bootstrap)["route_config"]["virtual_hosts"][0]  # every route
+    accepted = ext_proc_filter_config(bootstrap)["metadata_options"]["receiving_namespaces"]
+    added = {o["header"]["key"]: o for o in host["response_headers_to_add"]}
+    assert sorted(added) == sorted(f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens")
+                                   for what in ("limit", "remaining", "reset"))
+    for name, option in added.items():
+        namespace, key = option["header"]["value"].removeprefix(
+            "%DYNAMIC_METADATA(").removesuffix(")%").split(":")
+        assert namespace in accepted["untyped"] and key == name
+        assert option["append_action"] == "ADD_IF_ABSENT"  # a refusal's own values stay
+        assert not option.get("keep_empty_value")  # an absent key adds no empty header
+
+
 def test_ext_proc_filter_settings(example: Config) -> None:
     bootstrap = render_bootstrap(example)
     hcm = hcm_of(bootstrap)
@@ -119,7 +135,8 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     assert ext_proc["message_timeout"] == "1000s"
     assert ext_proc["max_message_timeout"] == "3600s"  # server.max_stream_seconds
     assert ext_proc["allow_mode_override"] is True
-    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb", "kvgate"]
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == [
+        "envoy.lb", "kvgate", "kvgate.ratelimit"]  # the last: x-ratelimit-* (route headers)
     assert hcm["stat_prefix"] == "kvgate_gateway"
     assert (hcm["normalize_path"], hcm["merge_slashes"]) == (True, True)
     assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
@@ -161,10 +178,37 @@ def test_upstream_cluster_routes_by_metadata(example: Config) -> None:
     assert upstream["connect_timeout"] == "2s"
     (virtual_host,) = hcm_of(bootstrap)["route_config"]["virtual_hosts"]
     assert virtual_host["domains"] == ["*"]
-    (route,) = virtual_host["routes"]
-    assert route["match"] == {"prefix": "/"}
+    *pools, route = virtual_host["routes"]
+    assert route["match"] == {"prefix": "/"}  # nothing kvgate routed: no host, 503
     assert route["route"]["cluster"] == UPSTREAM_CLUSTER
     assert route["route"]["timeout"] == "0s"  # explicit: Envoy's default is 15 s
+    assert [p["route"]["cluster"] for p in pools] == [
+        f"kvgate_pool_{pool.name}" for pool in example.pools]
+
+
+def test_each_pool_has_a_cluster_that_takes_kvgates_endpoints_in_order(example: Config) -> None:
+    """The chosen endpoint, then the fallbacks on connect failures: Envoy's override_host
+    policy over the pool's own engines, reached by a route that matches kvgate's metadata."""
+    bootstrap = render_bootstrap(example)
+    routes = hcm_of(bootstrap)["route_config"]["virtual_hosts"][0]["routes"]
+    for pool, route in zip(example.pools, routes, strict=False):
+        (matcher,) = route["match"]["dynamic_metadata"]
+        assert matcher == {"filter": "kvgate", "path": [{"key": "pool"}],
+                           "value": {"string_match": {"exact": pool.name}}}
+        assert route["route"]["retry_policy"] == {
+            "retry_on": "connect-failure,reset-before-request", "num_retries": 2}
+        found = cluster(bootstrap, f"kvgate_pool_{pool.name}")
+        assert found["type"] == "STRICT_DNS"
+        addresses = [e["endpoint"]["address"]["socket_address"]
+                     for e in found["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+        assert [f"{a['address']}:{a['port_value']}" for a in addresses] == pool.endpoints
+        (policy,) = found["load_balancing_policy"]["policies"]
+        override = policy["typed_extension_config"]["typed_config"]
+        assert override["override_host_sources"] == [{"metadata": {
+            "key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}]
+        (fallback,) = override["fallback_policy"]["policies"]  # the pool's others, in turn
+        assert fallback["typed_extension_config"]["name"].endswith("round_robin")
+        assert found["circuit_breakers"]["thresholds"][0]["max_retries"] >= 1_000_000
 
 
 def test_listener_admin_runtime(example: Config) -> None:

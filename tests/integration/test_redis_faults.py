@@ -66,11 +66,12 @@ def failover(server: RedisServer, policy: str, timeout_ms: int = 50) -> Failover
 
 
 async def leftovers(raw: aioredis.Redis) -> dict[str, object]:
-    """Every key in Redis but the tombstones of cancelled admissions, with its contents."""
+    """Every key in Redis but the tombstones of cancelled admissions and the retry-slot
+    statistics (observed durations, no charge), with its contents."""
     found: dict[str, object] = {}
     for key in await raw.keys("*"):
         kind = (await raw.type(key)).decode()
-        if key.endswith(b":cancelled"):
+        if key.endswith((b":cancelled", b":herd")):
             continue
         found[key.decode()] = (
             await raw.zrange(key, 0, -1) if kind == "zset" else await raw.hgetall(key)
@@ -262,4 +263,19 @@ async def test_fault_under_load(server, raw, fault, policy):
 
     await settle(store)  # every request has ended: nothing held or owed ...
     assert not await raw.zcard(store.primary.keys("acme")[4])  # ... and no lease in Redis
+    await store.close()
+
+
+async def test_a_blocked_tenants_herd_gets_slots_from_redis(server, raw):
+    """While a tenant is blocked, the headers-phase check asks Redis, so concurrent refused
+    clients get successive retry slots (limiter.herd), not the one cached refusal."""
+    store = failover(server, "local", timeout_ms=500)
+    policy = TenantPolicy(request_rate=Rate(1, 1000), request_burst=1)
+    assert isinstance(await store.admit("acme", policy, Cost(1, 1), lease()), Admit)
+    refused = await store.admit("acme", policy, Cost(1, 1), lease())
+    assert isinstance(refused, Reject) and refused.reason is Reason.REQUESTS
+    checks = await asyncio.gather(*(store.check_requests("acme", policy) for _ in range(4)))
+    waits = [check.retry_after_ms for check in checks if check is not None]
+    assert len(waits) == 4 and len(set(waits)) == 4  # a refill (1 s) apart, each its own
+    assert max(waits) - min(waits) >= 2900
     await store.close()

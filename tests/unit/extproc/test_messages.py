@@ -14,7 +14,7 @@ def reference(key: tuple, body: bytes | None, lease: str,
               authorization: str | None = None) -> pb.ProcessingResponse:
     """The admit reply built the plain way, one field after another."""
     tenant, request_class, endpoint_list, priority, pool, in_body_phase = key
-    endpoints, endpoint = ",".join(endpoint_list), endpoint_list[0]
+    endpoints = ",".join(endpoint_list)
     reply = pb.ProcessingResponse()
     common = (reply.request_body if in_body_phase else reply.request_headers).response
     common.clear_route_cache = True
@@ -33,7 +33,8 @@ def reference(key: tuple, body: bytes | None, lease: str,
         option.header.raw_value = value.encode()
         option.append_action = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     dynamic = reply.dynamic_metadata.fields
-    dynamic["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value = endpoint
+    # the whole list: Envoy's override_host policy takes the next one on a retry
+    dynamic["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value = endpoints
     ours = dynamic["kvgate"].struct_value.fields
     ours["tenant"].string_value = tenant
     ours["pool"].string_value = pool

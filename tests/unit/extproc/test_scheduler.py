@@ -84,6 +84,19 @@ def test_all_saturated_is_503_with_retry_after_from_the_drain_rate():
     assert shed.retry_after_ms == 3000  # 3000 tokens at 1000 tokens/s
 
 
+def test_refused_clients_get_successive_drain_slots():
+    """503s handed to clients (a queue deadline, a full queue) are one drain-time apart."""
+    sched = scheduler()
+    for i in range(10):  # 1000 tokens/s, as above
+        sched.reserve(f"l{i}", "a", "e1", 500, NOW - 6 + i * 0.5)
+        sched.release(f"l{i}", NOW - 5 + i * 0.5)
+    waits = [sched.retry_ms(2000, NOW, promise=True) for _ in range(3)]
+    assert waits == [2000, 4000, 6000]
+    assert sched.retry_ms(2000, NOW) == 2000  # a mere estimate promises nothing
+    later = NOW + 7  # every slot is past: the plain estimate again
+    assert sched.retry_ms(2000, later, promise=True) == sched.retry_ms(2000, later)
+
+
 def test_no_drain_history_falls_back_to_a_one_second_retry():
     shed = place(scheduler(), snapshot(state("e1", 0.99)))
     assert shed.retry_after_ms == MIN_RETRY_MS

@@ -102,7 +102,7 @@ async def test_admitted_request_is_routed_with_priority_and_content_length():
     chosen, fallback = headers["x-gateway-destination-endpoint"].split(",")
     assert {chosen, fallback} == {"127.0.0.1:7001", "127.0.0.1:7002"}
     lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
-    assert lb.fields["x-gateway-destination-endpoint"].string_value == chosen
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == f"{chosen},{fallback}"
     assert common.clear_route_cache
 
 
@@ -264,9 +264,28 @@ async def test_disconnect_releases_exactly_once():
     assert await store.in_flight("acme") == 0
 
 
+async def test_models_are_listed_by_kvgate_for_every_pool():
+    config = make_config(requests_per_second=1, request_burst=2)
+    config.pools.append(config.pools[0].model_copy(update={
+        "name": "other", "models": [config.pools[0].models[0].model_copy(
+            update={"name": "other-model"})]}))
+    stream, store = new_stream(config)
+    reply = parsed(await stream.handle(headers_msg(path="/v1/models", end_of_stream=True)))
+    answer = reply.immediate_response
+    assert answer.status.code == 200
+    listed = orjson.loads(answer.body)
+    assert listed["object"] == "list"
+    assert [(m["id"], m["owned_by"]) for m in listed["data"]] == [
+        (config.pools[0].models[0].name, config.pools[0].name), ("other-model", "other")]
+    headers = header_dict(answer.headers)
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "1"  # charged one request
+    assert await store.in_flight("acme") == 0  # and holds nothing
+
+
 async def test_get_is_decided_on_headers_alone():
     stream, store = new_stream()
-    reply = parsed(await stream.handle(headers_msg(path="/v1/models", end_of_stream=True)))
+    reply = parsed(await stream.handle(headers_msg(path="/health", end_of_stream=True)))
     assert reply.WhichOneof("response") == "request_headers"
     assert reply.mode_override.request_body_mode == 0  # NONE
     assert header_dict(reply.request_headers.response.header_mutation)["x-kvgate-tenant"] == "acme"
@@ -340,7 +359,16 @@ async def test_a_wrong_method_on_a_known_path_is_405(method, path, allow):
     assert await store.in_flight("acme") == 0
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/health", "/v1/models/?x", "//health"])
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/?x", "//v1/./models"])
+async def test_model_list_paths_are_answered_by_kvgate(path):
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(path=path, end_of_stream=True,
+                                                   **{":method": "GET"})))
+    assert reply.immediate_response.status.code == 200
+    assert await store.in_flight("acme") == 0
+
+
+@pytest.mark.parametrize("path", ["/health", "//health"])
 async def test_harmless_gets_are_admitted_as_one_request(path):
     stream, store = new_stream()
     reply = parsed(await stream.handle(headers_msg(path=path, end_of_stream=True,
@@ -375,7 +403,7 @@ async def test_the_tenants_key_is_removed_before_anything_goes_upstream():
     reply = parsed(await stream.handle(body_msg(chat())))
     assert "authorization" not in header_dict(reply.request_body.response.header_mutation)
     get = RequestStream(stream.director, stream.metrics, stream.settings, stream.desk)
-    reply = parsed(await get.handle(headers_msg(path="/v1/models", end_of_stream=True)))
+    reply = parsed(await get.handle(headers_msg(path="/health", end_of_stream=True)))
     mutation = reply.request_headers.response.header_mutation
     assert "authorization" in mutation.remove_headers
     assert "authorization" not in header_dict(mutation)

@@ -110,7 +110,8 @@ def test_concurrency_slot_and_retry_hint() -> None:
     admit_ok(limiter, Cost(1, 1), "a", 0)
     blocked = limiter.check_requests(0)
     assert blocked is not None
-    assert (blocked.reason, blocked.retry_after_ms) == (Reason.CONCURRENCY, 250)
+    # no request has finished yet: the hint is the expected duration, plus half and 10 ms
+    assert (blocked.reason, blocked.retry_after_ms) == (Reason.CONCURRENCY, 385)
     assert admit_rejected(limiter, Cost(1, 1), "b", 0).reason is Reason.CONCURRENCY
     assert limiter.release("a", 2, 5)
     assert limiter.in_flight == 0
@@ -246,7 +247,7 @@ def test_message_lists_every_dimension_that_said_no() -> None:
     limiter = TenantLimiter(policy, now_ms=0)
     admit_ok(limiter, Cost(100, 0), "a", 0)
     rejected = admit_rejected(limiter, Cost(1, 0), "b", 0)
-    assert (rejected.reason, rejected.retry_after_ms) == (Reason.CONCURRENCY, 2000)
+    assert (rejected.reason, rejected.retry_after_ms) == (Reason.CONCURRENCY, 3010)
     assert rejected.message == (
-        "tenant over its request rate, token rate and concurrency limits; retry after 2.000 s"
+        "tenant over its request rate, token rate and concurrency limits; retry after 3.010 s"
     )

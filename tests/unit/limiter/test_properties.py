@@ -350,7 +350,10 @@ def test_tenant_limiter_retry_exactness(data: st.DataObject, policy: TenantPolic
     limiter = TenantLimiter(policy, now_ms=0)
     now, _ = _run_history(record, limiter, steps, 0)
     cost = _costs(data.draw, policy)
-    result = replayed().admit(cost, "probe", now)
+    herd = replayed().admit(cost, "probe", now)  # the history's refused clients hold slots
+    alone = replayed()
+    alone.forget_promises()  # a client alone
+    result = alone.admit(cost, "probe", now)
     event(f"probe: {result.reason if isinstance(result, Reject) else 'admitted'}")
     if isinstance(result, Admit):
         return
@@ -360,8 +363,13 @@ def test_tenant_limiter_retry_exactness(data: st.DataObject, policy: TenantPolic
     retry = result.retry_after_ms
     assert retry > 0
     event(f"several dimensions: {' and ' in result.message}")
-    assert isinstance(replayed().admit(cost, "probe", now + retry - 1), Reject)
-    assert isinstance(limiter.admit(cost, "probe", now + retry), Admit)
+    assert isinstance(herd, Reject) and herd.retry_after_ms is not None
+    assert herd.retry_after_ms >= retry  # a later slot, never an earlier one
+    later = replayed()
+    later.forget_promises()
+    assert isinstance(later.admit(cost, "probe", now + retry - 1), Reject)
+    assert isinstance(limiter.admit(cost, "probe", now + herd.retry_after_ms), Admit)
+    assert isinstance(replayed().admit(cost, "probe", now + retry), Admit)
 
 
 @SLOW
@@ -369,6 +377,7 @@ def test_tenant_limiter_retry_exactness(data: st.DataObject, policy: TenantPolic
 def test_check_requests_retry_exactness(data: st.DataObject, policy: TenantPolicy) -> None:
     limiter = TenantLimiter(policy, now_ms=0)
     now, _ = _run_history(data.draw, limiter, data.draw(st.integers(0, 20)), 0)
+    limiter.forget_promises()  # a client alone (test_herd_* cover the others)
     result = limiter.check_requests(now)
     if result is None:
         return

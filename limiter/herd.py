@@ -1,0 +1,78 @@
+"""Retry times that schedule a herd: each rejected client of a tenant gets its own slot.
+
+An exact wait is exact for *one* client: the time until the bucket holds this request. Told
+to twenty concurrent clients, it makes them all come back in the same millisecond, where one
+wins and nineteen are refused again. So every dimension that refuses keeps one number per
+tenant, the time of the last slot it promised (``tat``, as in GCRA): the next refused client
+gets ``max(now + exact wait, tat + interval)``, where ``interval`` is what one more request
+of this size needs of that dimension — its share of the bucket's refill, of the sliding
+window's limit, or of the concurrency slots' expected completions. Promises expire by
+themselves: once ``tat`` is in the past the rule gives back the exact wait, and no state
+grows with the number of clients (one integer per dimension). A single client still gets
+the exact time; nothing is reserved for a promise (admission is unchanged), so a promise is
+a schedule, not a lease.
+
+Concurrency has no exact time (a slot frees when some request ends), so its wait is an
+expected completion: the tenant's observed mean request duration (the configured
+``concurrency_retry_ms`` until one has been seen) plus half for the spread of durations
+and 10 ms for the retry's own trip, after the oldest request in flight started; one of
+``max_concurrency`` slots frees every such duration.
+
+Pure integer math so the Redis scripts (:mod:`limiter.stores.redis_scripts`) redo it exactly.
+"""
+
+from __future__ import annotations
+
+from limiter.buckets import ceil_div
+from limiter.rates import Rate
+
+DURATION_SAMPLES = 8
+"""The observed mean duration is a running mean over the first samples, then an
+exponential one weighing each new request 1/8."""
+
+
+def herd_wait(now_ms: int, wait_ms: int, tat: int | None, interval_ms: int) -> int:
+    """This client's wait: the exact one, or one interval after the last promised slot."""
+    if tat is None:
+        return wait_ms
+    return max(wait_ms, tat + interval_ms - now_ms)
+
+
+def rate_interval(cost: int, rate: Rate) -> int:
+    """Ms for a bucket refilling at ``rate`` to refill ``cost`` (rounded up)."""
+    return ceil_div(cost * rate.period_ms, rate.amount)
+
+
+def window_interval(cost: int, limit: int, window_ms: int) -> int:
+    """A sliding window frees ``limit`` requests per ``window_ms`` on average."""
+    return ceil_div(cost * window_ms, limit)
+
+
+TRIP_MS = 10
+"""A retry's own trip through Envoy and kvgate's two messages before it takes a slot."""
+
+
+def completion_ms(mean_ms: int) -> int:
+    """How long after its start a slot is expected to be free again: the mean duration plus
+    half (durations spread, and every round of a herd adds its admission's latency) plus a
+    retry's trip, so that a client sent back then finds the slot free."""
+    return mean_ms + ceil_div(mean_ms, 2) + TRIP_MS
+
+
+def concurrency_wait(now_ms: int, oldest_start_ms: int | None, mean_ms: int) -> int:
+    """Until the oldest request in flight is expected to have ended (at least 1 ms)."""
+    if oldest_start_ms is None:
+        return completion_ms(mean_ms)
+    return max(1, oldest_start_ms + completion_ms(mean_ms) - now_ms)
+
+
+def concurrency_interval(mean_ms: int, max_concurrency: int) -> int:
+    """One of ``max_concurrency`` slots frees per expected duration."""
+    return ceil_div(completion_ms(mean_ms), max_concurrency)
+
+
+def observe(mean_ms: int, samples: int, duration_ms: int) -> tuple[int, int]:
+    """The mean duration and sample count after one more finished request."""
+    samples = min(samples + 1, DURATION_SAMPLES)
+    delta = max(0, duration_ms) - mean_ms
+    return mean_ms + delta // samples, samples

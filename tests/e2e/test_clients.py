@@ -1,0 +1,169 @@
+"""What real clients see through real Envoy: the openai-python client with its default
+retries recovers from a concurrent burst (every refused client gets its own retry time),
+admitted responses carry x-ratelimit-* without an extra gRPC message, and GET /v1/models
+lists every pool's models. Run on the in-memory store and on Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import httpx
+import openai
+import pytest
+
+from extproc.config import hash_api_key, parse_config
+from extproc.demo import local_stack
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.e2e
+
+KEYS = {"herd": "sk-clients-herd", "pair": "sk-clients-pair", "plain": "sk-clients-plain"}
+
+
+def clients_config(redis_url: str | None):
+    pools = [("tiny", "tiny-llama", 2), ("other", "other-llama", 1)]
+    data = {
+        "server": {"grpc_port": free_port(), "admin_port": 0},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "tiers": {
+            "herd": {"limits": {"requests_per_second": 2, "request_burst": 4}},
+            "pair": {"limits": {"max_concurrency": 2}},
+            "plain": {"limits": {"requests_per_second": 100, "tokens_per_minute": 600_000}},
+        },
+        "tenants": [{"name": name, "tier": name, "api_keys": [hash_api_key(key)]}
+                    for name, key in KEYS.items()],
+        "pools": [{"name": pool, "models": [{"name": model, "default_max_tokens": 16}],
+                   "endpoints": [f"127.0.0.1:{free_port()}" for _ in range(n)]}
+                  for pool, model, n in pools],
+    }
+    if redis_url:
+        data["redis"] = {"url": redis_url, "timeout_ms": 250}
+    return parse_config(data)
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def stack(request):
+    url = None
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_server").url
+    with local_stack(clients_config(url), engine_options={"ms_per_token": 5}) as running:
+        yield running
+
+
+def client(stack, tenant: str) -> openai.AsyncOpenAI:
+    """The real client, default max_retries (2) and its own retry timing."""
+    return openai.AsyncOpenAI(api_key=KEYS[tenant], base_url=stack.url + "/v1", timeout=60)
+
+
+async def ask(api: openai.AsyncOpenAI, model: str = "tiny-llama") -> str:
+    answer = await api.chat.completions.create(
+        model=model, max_tokens=8, messages=[{"role": "user", "content": "hello there"}])
+    return answer.choices[0].message.content or ""
+
+
+def burst(stack, tenant: str, n: int, *, before: int = 0) -> list[object]:
+    """``before`` requests one after the other, then ``n`` at once; each result or error."""
+
+    async def run() -> list[object]:
+        api = client(stack, tenant)
+        try:
+            for _ in range(before):
+                await ask(api)
+            return await asyncio.gather(*(ask(api) for _ in range(n)), return_exceptions=True)
+        finally:
+            await api.close()
+
+    return asyncio.run(run())
+
+
+def test_a_rate_limited_herd_all_succeed_on_default_retries(stack):
+    """2 req/s, burst 4, the bucket empty: 20 concurrent requests, each refused one told
+    its own retry time, all served within the client's two retries."""
+    results = burst(stack, "herd", 20, before=4)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, failed[:3]
+
+
+def test_a_concurrency_limited_herd_all_succeed_on_default_retries(stack):
+    """max_concurrency 2, requests of ~40 ms (learnt from the first few): 50 at once."""
+    results = burst(stack, "pair", 50, before=4)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, failed[:3]
+    assert wait_until(lambda: in_flight(stack, "pair") == 0)
+
+
+def test_refused_clients_are_told_distinct_times(stack):
+    """The same burst seen raw: every 429 names another retry time, a refill apart."""
+    time.sleep(2.5)  # the herd tenant's bucket full again, its promises spent
+    auth = {"authorization": f"Bearer {KEYS['herd']}"}
+    body = {"model": "tiny-llama", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            return await asyncio.gather(*(http.post("/v1/chat/completions", json=body,
+                                                    headers=auth) for _ in range(12)))
+
+    answers = asyncio.run(run())
+    waits = sorted(int(r.headers["retry-after-ms"]) for r in answers if r.status_code == 429)
+    assert len(waits) >= 7  # 4 (burst) + what refilled meanwhile were admitted
+    gaps = [b - a for a, b in itertools.pairwise(waits)]
+    assert all(400 <= gap <= 600 for gap in gaps), waits  # one refill (500 ms) apart
+
+
+def test_admitted_responses_carry_ratelimit_headers_without_an_extra_message(stack):
+    messages = stack.kvgate.server.metrics.messages.values
+    before = sum(messages.values())
+    auth = {"authorization": f"Bearer {KEYS['plain']}"}
+    body = {"model": "tiny-llama", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=stack.url, timeout=30) as http:
+        answers = [http.post("/v1/chat/completions", json=body, headers=auth) for _ in range(5)]
+        other = http.post("/v1/chat/completions", json=body,
+                          headers={"authorization": f"Bearer {KEYS['pair']}"})
+    assert [a.status_code for a in answers] == [200] * 5
+    assert wait_until(lambda: sum(messages.values()) - before == 2 * 6)  # headers + body
+    last = answers[-1].headers
+    assert last["x-ratelimit-limit-requests"] == "200"  # the bucket's capacity (2 × rate)
+    assert 190 <= int(last["x-ratelimit-remaining-requests"]) < 200
+    assert last["x-ratelimit-reset-requests"].endswith("ms")
+    assert last["x-ratelimit-limit-tokens"] == "600000"
+    assert int(last["x-ratelimit-remaining-tokens"]) < 600_000
+    assert last["x-ratelimit-reset-tokens"].endswith("s")
+    assert other.status_code == 200  # a tenant with neither limit: no header, no empty one
+    assert not [k for k in other.headers if k.startswith("x-ratelimit-")]
+
+
+def test_models_lists_every_pool(stack):
+    async def run() -> list[str]:
+        api = client(stack, "plain")
+        try:
+            return [m.id async for m in api.models.list()]
+        finally:
+            await api.close()
+
+    assert asyncio.run(run()) == ["tiny-llama", "other-llama"]
+    assert burst(stack, "plain", 1) and asyncio.run(ask_other(stack)) is not None
+
+
+async def ask_other(stack) -> str:
+    api = client(stack, "plain")
+    try:
+        return await ask(api, "other-llama")
+    finally:
+        await api.close()
+
+
+def in_flight(stack, tenant: str) -> int:
+    return stack.kvgate.call(stack.kvgate.server.director.store.in_flight(tenant))
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

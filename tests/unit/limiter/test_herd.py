@@ -1,0 +1,118 @@
+"""Retry slots for a herd (limiter.herd): refused clients that come back when told are
+admitted on their first retry."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from limiter import Admit, Cost, Rate, Reason, Reject, TenantLimiter, TenantPolicy
+from limiter.herd import observe
+
+
+def _refuse_all(limiter: TenantLimiter, n: int, now: int, cost: Cost) -> list[int]:
+    waits = []
+    for i in range(n):
+        result = limiter.admit(cost, f"r{i}", now)
+        assert isinstance(result, Reject) and result.retry_after_ms is not None
+        waits.append(result.retry_after_ms)
+    return waits
+
+
+def test_rate_limited_herd_gets_the_refill_times() -> None:
+    policy = TenantPolicy(request_rate=Rate(2, 1000), request_burst=4)
+    limiter = TenantLimiter(policy, now_ms=0)
+    for i in range(4):
+        assert isinstance(limiter.admit(Cost(1, 1), f"a{i}", 0), Admit)
+    waits = _refuse_all(limiter, 16, 0, Cost(1, 1))
+    assert waits == [500 * (k + 1) for k in range(16)]  # the k-th gets the k-th refill
+    for k, wait in enumerate(waits):  # each comes back when told: admitted at once
+        assert isinstance(limiter.admit(Cost(1, 1), f"retry{k}", wait), Admit)
+
+
+def test_a_newcomer_queues_behind_the_promised_slots() -> None:
+    policy = TenantPolicy(request_rate=Rate(1, 100), request_burst=1)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(1, 1), "a", 0), Admit)
+    assert _refuse_all(limiter, 3, 0, Cost(1, 1)) == [100, 200, 300]
+    assert isinstance(limiter.admit(Cost(1, 1), "first", 100), Admit)
+    later = limiter.admit(Cost(1, 1), "new", 150)
+    assert isinstance(later, Reject) and later.retry_after_ms == 400 - 150
+    # once every promised slot is past, a refusal is exact again
+    for i, now in enumerate((200, 300, 400)):
+        assert isinstance(limiter.admit(Cost(1, 1), f"b{i}", now), Admit)
+    alone = limiter.admit(Cost(1, 1), "alone", 430)
+    assert isinstance(alone, Reject) and alone.retry_after_ms == 70
+
+
+def test_token_herd_is_spaced_by_each_request_s_tokens() -> None:
+    policy = TenantPolicy(token_rate=Rate(10, 1000), token_burst=100)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(100, 0), "a", 0), Admit)
+    waits = _refuse_all(limiter, 3, 0, Cost(20, 0))
+    assert waits == [2000, 4000, 6000]
+
+
+def test_concurrency_herd_follows_observed_durations() -> None:
+    policy = TenantPolicy(max_concurrency=2, concurrency_retry_ms=1000)
+    limiter = TenantLimiter(policy, now_ms=0)
+    for i in range(4):  # learn: requests take 40 ms
+        assert isinstance(limiter.admit(Cost(1, 1), f"w{i}", i * 100), Admit)
+        assert limiter.release(f"w{i}", 2, i * 100 + 40)
+    assert limiter.mean_duration_ms == 40
+    for i in range(2):
+        assert isinstance(limiter.admit(Cost(1, 1), f"a{i}", 1000), Admit)
+    waits = _refuse_all(limiter, 6, 1000, Cost(1, 1))
+    # expected end 40 ms + half + 10 ms after the oldest start; then one slot per 70/2 ms
+    assert waits == [70, 105, 140, 175, 210, 245]
+    assert len(set(waits)) == len(waits)
+
+
+def test_only_requests_that_ran_are_timed() -> None:
+    limiter = TenantLimiter(TenantPolicy(max_concurrency=1, concurrency_retry_ms=1000), 0)
+    assert isinstance(limiter.admit(Cost(1, 1), "queued", 0), Admit)
+    assert limiter.release("queued", 0, 30_000)  # gave up in the queue: used nothing
+    assert limiter.mean_duration_ms == 1000  # still the hint
+    assert isinstance(limiter.admit(Cost(1, 1), "ran", 30_000), Admit)
+    assert limiter.release("ran", None, 30_040)  # usage unknown: it ran
+    assert limiter.mean_duration_ms == 40
+
+
+def test_no_duration_seen_uses_the_configured_hint() -> None:
+    policy = TenantPolicy(max_concurrency=1, concurrency_retry_ms=800)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(1, 1), "a", 0), Admit)
+    assert _refuse_all(limiter, 2, 0, Cost(1, 1)) == [1210, 2420]
+
+
+def test_policy_reload_forgets_promises() -> None:
+    limiter = TenantLimiter(TenantPolicy(request_rate=Rate(1, 1000), request_burst=1), 0)
+    assert isinstance(limiter.admit(Cost(1, 1), "a", 0), Admit)
+    assert _refuse_all(limiter, 2, 0, Cost(1, 1)) == [1000, 2000]
+    limiter.update_policy(TenantPolicy(request_rate=Rate(1, 10), request_burst=1), 5)
+    assert _refuse_all(limiter, 1, 5, Cost(1, 1)) == [10]  # exact under the new rate
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.integers(20, 2000), st.integers(1, 6), st.integers(1, 40),
+       st.integers(0, 3000))
+def test_every_client_of_a_herd_is_admitted_on_its_first_retry(
+    amount: int, period: int, burst: int, clients: int, start: int
+) -> None:
+    """However many refused at once, each retrying at its own time is admitted."""
+    policy = TenantPolicy(request_rate=Rate(amount, period), request_burst=burst)
+    limiter = TenantLimiter(policy, now_ms=0)
+    for i in range(burst):
+        assert isinstance(limiter.admit(Cost(1, 1), f"a{i}", start), Admit)
+    waits = _refuse_all(limiter, clients, start, Cost(1, 1))
+    assert waits == sorted(waits) and len(set(waits)) == len(waits)
+    for k, wait in enumerate(waits):
+        assert isinstance(limiter.admit(Cost(1, 1), f"retry{k}", start + wait), Admit)
+
+
+def test_observed_mean_starts_with_the_first_sample() -> None:
+    assert observe(0, 0, 40) == (40, 1)
+    assert observe(40, 1, 80) == (60, 2)
+    mean, samples = 100, 8
+    assert observe(mean, samples, 180) == (110, 8)  # 1/8 of the difference from then on
+    assert Reason.CONCURRENCY.value == "concurrency"
