@@ -32,9 +32,10 @@ from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk
+from extproc.rls import RateLimitService
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
-from extproc.wiring import build_director, build_store
+from extproc.wiring import build_director, build_rate_counters, build_store
 from limiter.stores import LimiterStore
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,9 @@ class KvgateServer:
         self.scraper = _scraper(config, self.endpoints, self.metrics, self.director)
         self.reuse_port = reuse_port  # several worker processes share the gRPC port
         self.desk = ReportDesk(self.metrics)
+        self.ratelimit = RateLimitService(
+            config.ratelimit, build_rate_counters(config),
+            timeout_s=None if config.redis is None else config.redis.timeout_ms / 1000)
         self._renewer: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.admin_port = 0
@@ -229,6 +233,7 @@ class KvgateServer:
         await self.desk.start(settings.host, settings.report_port, _report_host(settings))
         _add_processor(ExternalProcessor(self.director, self.metrics, self.config, self.desk),
                        self._grpc)
+        self.ratelimit.attach(self._grpc)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
         address = f"{settings.host}:{settings.grpc_port}"
@@ -298,6 +303,7 @@ class KvgateServer:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.director.store.close()
+        await self.ratelimit.close()
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain: open streams get ``shutdown_grace_s``."""
