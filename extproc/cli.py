@@ -1,4 +1,4 @@
-"""The ``kvgate`` command: serve, check, hash-key, render-envoy, demo."""
+"""The ``kvgate`` command: serve, check, hash-key, render-envoy, import-ratelimit, demo."""
 
 from __future__ import annotations
 
@@ -63,6 +63,18 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     render.set_defaults(func=_render_envoy)
 
+    ratelimit = commands.add_parser(
+        "import-ratelimit",
+        help="convert envoyproxy/ratelimit config files into kvgate's ratelimit: section",
+    )
+    ratelimit.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    ratelimit.add_argument(
+        "--algorithm", default="fixed_window",
+        choices=["fixed_window", "token_bucket", "sliding_window"],
+        help="for every limit (default fixed_window: the same decisions as envoyproxy/ratelimit)",
+    )
+    ratelimit.set_defaults(func=_import_ratelimit)
+
     agent = commands.add_parser(
         "agent", help="serve this node's NVML GPU readings for a gateway-mode kvgate"
     )
@@ -115,6 +127,20 @@ def _render_envoy(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(render_yaml(config))
+    return 0
+
+
+def _import_ratelimit(args: argparse.Namespace) -> int:
+    from extproc.rls_import import RatelimitImportError, import_files
+
+    try:
+        text, notes = import_files(args.files, args.algorithm)
+    except RatelimitImportError as error:
+        print(f"kvgate import-ratelimit: {error}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"# {note}", file=sys.stderr)
+    sys.stdout.write(text)
     return 0
 
 
