@@ -473,6 +473,12 @@ class EnvoySettings(_Strict):
         0, ge=0, description="whole upstream request; 0 = none (long generations)"
     )
     connect_timeout_s: PositiveFloat = 2.0
+    ratelimit_domain: str | None = Field(
+        None, min_length=1, description="also render Envoy's ratelimit filter, asking "
+        "kvgate's Rate Limit Service with this domain: per request (kind=requests, tenant) "
+        "and a check of (kind=tokens, tenant), and after each response (kind=tokens, tenant) "
+        "charged the response's real usage; null = no ratelimit filter"
+    )
 
 
 class ScrapeSettings(_Strict):
