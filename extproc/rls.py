@@ -15,6 +15,7 @@ reported to Envoy as UNAVAILABLE, whose ``failure_mode_deny`` then decides.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -126,13 +127,19 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a rate limit request needs a domain and descriptors")
         entries = self._plan(request)
-        hits = [e.hit for e in entries if e.hit is not None]
+        # a descriptor sent twice is one counter charged once with both costs
+        hits: dict[str, Hit] = {}
+        for entry in entries:
+            if entry.hit is not None:
+                seen = hits.get(entry.hit.key)
+                hits[entry.hit.key] = entry.hit if seen is None else dataclasses.replace(
+                    seen, cost=seen.cost + entry.hit.cost)
         if hits:
-            verdicts = await self._charge(request.domain, hits, context)
-            it = iter(verdicts)
+            verdicts = await self._charge(request.domain, list(hits.values()), context)
+            by_key = dict(zip(hits, verdicts, strict=True))
             for entry in entries:
                 if entry.hit is not None:
-                    entry.verdict = next(it)
+                    entry.verdict = by_key[entry.hit.key]
         return _response(entries)
 
     def _plan(self, request: rls_pb2.RateLimitRequest) -> list[_Entry]:

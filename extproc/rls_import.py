@@ -51,7 +51,8 @@ def _descriptor(item: Any, where: str, algorithm: str, notes: list[str]) -> dict
         raise RatelimitImportError(f"{where}: expected a mapping")
     for key in item:
         if key in UNSUPPORTED and item[key]:
-            raise RatelimitImportError(f"{where}.{key}: not supported by kvgate (it changes decisions)")
+            raise RatelimitImportError(
+                f"{where}.{key}: not supported by kvgate (it changes decisions)")
         if key in DROPPED:
             notes.append(f"{where}.{key}: dropped (metrics or response metadata only)")
         elif key not in DESCRIPTOR_KEYS and key not in UNSUPPORTED:

@@ -126,7 +126,7 @@ local function take(c, fits, t)  -- returns the record of what was charged
     return 't:' .. str(c.cost) .. ':0'
   elseif c.algo == 's' then
     point(c)
-    win_consume(c.w, c.cost); win_save(c.w, t)
+    win_consume(c.w, c.cost)  -- saved by the caller, with its evictions
     return 's:' .. str(c.cost) .. ':' .. str(c.w.now)
   end
   c.n = c.n + c.cost
@@ -147,15 +147,16 @@ local function refund(i, rec, t)
   local kind, n, ts = string.match(rec, '^(%a):(%d+):(%d+)$')
   local c = open(i, t)
   n, ts = tonumber(n), tonumber(ts)
-  if c.algo ~= kind then return end
-  if kind == 't' then
+  if c.algo == 's' then point(c) end
+  if c.algo ~= kind then
+  elseif kind == 't' then
     tb_refund(c.b, n, t); tb_save(c.b, t)
   elseif kind == 's' then
-    point(c)
-    win_refund(c.w, ts, n); win_save(c.w, t)
+    win_refund(c.w, ts, n)
   elseif c.start == ts then
     c.n = math.max(0, c.n - n); fixed_save(c, t)
   end
+  if c.algo == 's' then win_save(c.w, t) end  -- its evictions, at least
 end
 
 local record = redis.call('GET', KCALL)
@@ -185,10 +186,8 @@ for i = 1, N do
   if charge_ok and (string.find(c.flags, 'd', 1, true) or (fits[i] and passed)) then
     local rec = take(c, fits[i], NOW)
     if rec then table.insert(charged, str(i) .. '=' .. rec) end
-  elseif c.algo == 's' then
-    point(c)
-    win_save(c.w, NOW)
   end
+  if c.algo == 's' then point(c); win_save(c.w, NOW) end
   local remaining, reset = view(c, NOW)
   table.insert(out, (fits[i] and '1' or '0') .. ',' .. str(remaining) .. ',' .. str(reset)
                .. ',' .. str(waits[i]))

@@ -238,3 +238,10 @@ def test_config_errors_name_the_path(section, problem):
 
 def test_an_empty_section_is_the_default():
     assert config_with({}).ratelimit.domains == []
+
+
+def test_a_descriptor_sent_twice_is_charged_both_hits_once(service):
+    twice = (descriptor(("user", "gina")), descriptor(("user", "gina"), hits=2))
+    response = ask(service, *twice)
+    assert [s.limit_remaining for s in response.statuses] == [2, 2]
+    assert ask(service, *twice).overall_code == OVER_LIMIT
