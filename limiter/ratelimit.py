@@ -211,6 +211,15 @@ def view_of(counter: Counter, now_ms: int) -> tuple[int, int]:
     return counter.remaining(now_ms), counter.reset_ms(now_ms)
 
 
+def idle(counter: Counter, now_ms: int) -> bool:
+    """Back to its starting state (full, or nothing counted): forgetting it changes nothing."""
+    if isinstance(counter, TokenBucket):
+        return counter.level_at(now_ms) >= counter.full_scaled
+    if isinstance(counter, SlidingWindow):
+        return counter.used(now_ms) == 0
+    return counter.remaining(now_ms) == counter.limit
+
+
 def take(counter: Counter, cost: int, fits: bool, now_ms: int) -> None:
     """Count ``cost``: within the limit when it fits, into debt (a debt rule) when not."""
     if cost == 0:

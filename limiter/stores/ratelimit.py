@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from limiter.clock import wall_ms
-from limiter.ratelimit import Counter, Hit, Limit, Verdict, decide, new_counter
+from limiter.ratelimit import Counter, Hit, Limit, Verdict, decide, idle, new_counter
 
 
 @runtime_checkable
@@ -41,12 +41,24 @@ class MemoryRateCounters:
     """Counters in a dict; each call is atomic on the event loop (nothing awaits).
 
     A counter is rebuilt when its rule's limit changes (a config reload): RLS limits are
-    coarse, and carrying a level across algorithms would mean nothing.
+    coarse, and carrying a level across algorithms would mean nothing. Counters back to
+    their starting state are dropped every ``sweep_every`` calls, so one per client address
+    or user id does not pile up.
     """
 
-    def __init__(self, clock: Callable[[], int] = wall_ms) -> None:
+    def __init__(self, clock: Callable[[], int] = wall_ms, *, sweep_every: int = 4096) -> None:
         self._clock = clock
         self._slots: dict[str, _Slot] = {}
+        self._sweep_every = sweep_every
+        self._calls = 0
+
+    def __len__(self) -> int:
+        """Counters held."""
+        return len(self._slots)
+
+    def _sweep(self, now_ms: int) -> None:
+        for key in [k for k, slot in self._slots.items() if idle(slot.counter, now_ms)]:
+            del self._slots[key]
 
     def _counter(self, hit: Hit, now_ms: int) -> Counter:
         slot = self._slots.get(hit.key)
@@ -57,6 +69,9 @@ class MemoryRateCounters:
 
     async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:
         now_ms = self._clock()
+        self._calls += 1
+        if self._calls % self._sweep_every == 0:
+            self._sweep(now_ms)
         return decide(hits, lambda h: self._counter(h, now_ms), now_ms)
 
     async def cancel(self, domain: str, hits: Sequence[Hit], call_id: str) -> None:

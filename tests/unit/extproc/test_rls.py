@@ -245,3 +245,15 @@ def test_a_descriptor_sent_twice_is_charged_both_hits_once(service):
     response = ask(service, *twice)
     assert [s.limit_remaining for s in response.statuses] == [2, 2]
     assert ask(service, *twice).overall_code == OVER_LIMIT
+
+
+def test_idle_counters_are_forgotten(clock):
+    counters = MemoryRateCounters(clock, sweep_every=10)
+    service = RateLimitService(RateLimitSettings.model_validate(RULES), counters, timeout_s=None)
+    for i in range(9):
+        ask(service, descriptor(("user", f"u{i}")), descriptor(("fixed", f"f{i}")),
+            descriptor(("sliding", f"s{i}")))
+    assert len(counters) == 27
+    clock.now += MINUTE
+    ask(service, descriptor(("user", "last")))  # the 10th call sweeps, then counts its own
+    assert len(counters) == 1
