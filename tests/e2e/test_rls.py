@@ -8,17 +8,25 @@ Once with the in-memory counters, once with a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
+import time
 
 import grpc
 import httpx
 import orjson
 import pytest
+import yaml
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.wrappers_pb2 import UInt64Value
 
-from extproc.config import hash_api_key, parse_config
-from extproc.demo import local_stack
+from extproc.config import RateLimitSettings, hash_api_key, parse_config, parse_endpoint
+from extproc.demo import ServerThread, local_stack
+from extproc.engine.server import EngineProcess
+from extproc.envoy_config import render_bootstrap
+from extproc.envoy_proc import EnvoyProcess
+from extproc.rls_import import import_files
 from tests.conftest import free_port
 from tests.e2e.test_gateway import wait_for
 
@@ -126,3 +134,133 @@ def test_tokens_per_minute_is_charged_real_usage_and_blocks_once_spent(stack):
     assert refused.status_code == 429
     # 6 tokens of debt plus the one the check needs, at one token a second
     assert 6_000 <= int(refused.headers["retry-after-ms"]) <= 7_000
+
+
+# -- an imported envoyproxy/ratelimit config, through Envoy, beside its hand-written twin -------
+
+ENVOYPROXY_CONFIG = """
+domain: edge
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: hour, requests_per_unit: 3}
+  - key: remote_address
+    value: 10.0.0.1
+    rate_limit: {name: office, unit: hour, requests_per_unit: 1}
+  - key: path
+    value: /api/*
+    rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: user
+    descriptors:
+      - key: plan
+        value: premium
+        rate_limit: {unit: hour, requests_per_unit: 5, replaces: [{name: office}]}
+      - key: plan
+        rate_limit: {unit: HOUR, requests_per_unit: 2}
+  - key: canary
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+"""
+
+
+def hour(n: int, **extra: object) -> dict:
+    return {"unit": "hour", "requests_per_unit": n, "algorithm": "fixed_window", **extra}
+
+
+HAND_WRITTEN = {"domain": "edge-hand", "descriptors": [
+    {"key": "remote_address", "rate_limit": hour(3)},
+    {"key": "remote_address", "value": "10.0.0.1", "rate_limit": hour(1, name="office")},
+    {"key": "path", "value": "/api/*", "rate_limit": hour(2)},
+    {"key": "user", "descriptors": [
+        {"key": "plan", "value": "premium",
+         "rate_limit": hour(5, replaces=[{"name": "office"}])},
+        {"key": "plan", "rate_limit": hour(2)},
+    ]},
+    {"key": "canary", "shadow_mode": True, "rate_limit": hour(1)},
+]}
+
+# Envoy builds the descriptors from request headers; a descriptor whose header is absent is
+# not sent
+HEADER_DESCRIPTORS = [
+    [("x-remote-address", "remote_address")],
+    [("x-path", "path")],
+    [("x-user", "user"), ("x-plan", "plan")],
+    [("x-canary", "canary")],
+]
+SEQUENCE = (
+    [{"x-remote-address": "10.0.0.9"}] * 4
+    + [{"x-remote-address": "10.0.0.1"}] * 2
+    + [{"x-remote-address": "10.0.0.1", "x-user": "u1", "x-plan": "premium"}]
+    + [{"x-path": "/api/chat"}] * 3 + [{"x-path": "/other"}]
+    + [{"x-user": "u2", "x-plan": "basic"}] * 3
+    + [{"x-canary": "yes"}] * 2
+)
+EXPECTED = [200, 200, 200, 429, 200, 429, 200, 200, 200, 429, 200, 200, 200, 429, 200, 200]
+
+
+def imported_twins_bootstrap(config) -> dict:
+    """kvgate's bootstrap, its ratelimit filter fed from request headers; requests with
+    ``x-rl-config: hand`` ask domain ``edge-hand`` (a per-route override), others ``edge``."""
+    bootstrap = copy.deepcopy(render_bootstrap(config))
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    typed = hcm["typed_config"]
+    ratelimit = next(f for f in typed["http_filters"]
+                     if f["name"] == "envoy.filters.http.ratelimit")["typed_config"]
+    ratelimit["rate_limits"] = [
+        {"actions": [{"request_headers": {"header_name": h, "descriptor_key": k}}
+                     for h, k in actions]} for actions in HEADER_DESCRIPTORS]
+    routes = typed["route_config"]["virtual_hosts"][0]["routes"]
+    hand = copy.deepcopy(routes[0])
+    hand["name"] = "hand"
+    hand["match"]["headers"] = [{"name": "x-rl-config", "string_match": {"exact": "hand"}}]
+    hand["typed_per_filter_config"] = {"envoy.filters.http.ratelimit": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3."
+                 "RateLimitPerRoute", "domain": "edge-hand"}}
+    routes.insert(0, hand)
+    return bootstrap
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def twins(request, tmp_path_factory):
+    source = tmp_path_factory.mktemp("rl") / "edge.yaml"
+    source.write_text(ENVOYPROXY_CONFIG)
+    imported = yaml.safe_load(import_files([source])[0])["ratelimit"]["domains"]
+    url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
+    base = rls_config(url)
+    config = base.model_copy(update={
+        "envoy": base.envoy.model_copy(update={"ratelimit_domain": "edge"}),
+        "ratelimit": RateLimitSettings.model_validate({"domains": [*imported, HAND_WRITTEN]}),
+    })
+    with contextlib.ExitStack() as stack:
+        host, port = parse_endpoint(config.pools[0].endpoints[0])
+        stack.enter_context(EngineProcess(port=port, host=host, model="tiny", ms_per_token=2))
+        kvgate = ServerThread(config).start()
+        stack.callback(kvgate.stop)
+        yield stack.enter_context(EnvoyProcess(bootstrap=imported_twins_bootstrap(config)))
+
+
+def limit_headers(response: httpx.Response) -> dict[str, str]:
+    """The headers that must agree exactly (reset times move on between the twins' calls)."""
+    return {k: v for k, v in response.headers.items()
+            if k in ("x-ratelimit-limit", "x-ratelimit-remaining", "x-should-retry")}
+
+
+def test_an_imported_config_decides_as_its_hand_written_equivalent(twins):
+    left = 3600 - time.time() % 3600
+    if left < 20:  # both twins must count in the same hour
+        time.sleep(left + 0.5)
+    body = orjson.dumps({"model": "tiny", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": PROMPT}]})
+    answers: dict[str, list[httpx.Response]] = {"imported": [], "hand": []}
+    for headers in SEQUENCE:
+        for twin in answers:
+            answers[twin].append(httpx.post(
+                f"{twins.url}/v1/chat/completions", content=body, timeout=30,
+                headers={**headers, "x-rl-config": twin, "content-type": "application/json",
+                         "authorization": f"Bearer {KEYS['reqs']}"}))
+    imported, hand = answers["imported"], answers["hand"]
+    assert [r.status_code for r in imported] == EXPECTED
+    assert [r.status_code for r in hand] == EXPECTED
+    assert [limit_headers(r) for r in imported] == [limit_headers(r) for r in hand]
+    for a, b in zip(imported, hand, strict=True):
+        for name in ("retry-after", "x-ratelimit-reset"):
+            assert abs(int(a.headers.get(name, 0)) - int(b.headers.get(name, 0))) <= 1
