@@ -28,6 +28,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
 
 from extproc.config import RateLimitSettings, RlsDescriptor
+from extproc.metrics import Metrics
 from limiter.buckets import ceil_div
 from limiter.ratelimit import (
     Algorithm,
@@ -107,11 +108,13 @@ def _override(descriptor: object) -> Rule | None:
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
     def __init__(
-        self, settings: RateLimitSettings, counters: RateCounters, *, timeout_s: float | None
+        self, settings: RateLimitSettings, counters: RateCounters, *, timeout_s: float | None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.domains = build_domains(settings)
         self.counters = counters
         self.timeout_s = timeout_s
+        self.metrics = metrics
         self._prefix = secrets.token_hex(6)
         self._ids = itertools.count()
         self._cancels: set[asyncio.Task[None]] = set()
@@ -140,7 +143,18 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             for entry in entries:
                 if entry.hit is not None:
                     entry.verdict = by_key[entry.hit.key]
-        return _response(entries)
+        response = _response(entries)
+        self._count(request.domain, entries, response)
+        return response
+
+    def _count(
+        self, domain: str, entries: list[_Entry], response: rls_pb2.RateLimitResponse
+    ) -> None:
+        if self.metrics is None:
+            return
+        label = domain if domain in self.domains else "other"
+        for entry, status in zip(entries, response.statuses, strict=True):
+            self.metrics.ratelimit.add((label, _code(entry, status)))
 
     def _plan(self, request: rls_pb2.RateLimitRequest) -> list[_Entry]:
         """Each descriptor's rule (most specific match; replaced ones dropped) and hit."""
@@ -176,6 +190,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
             log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides", exc)
+            if self.metrics is not None:
+                label = domain if domain in self.domains else "other"
+                self.metrics.ratelimit.add((label, "error"), len(hits))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
             raise  # abort raises; this keeps the type checker informed
 
@@ -194,6 +211,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         for task in list(self._cancels):
             task.cancel()
         await self.counters.close()
+
+
+def _code(entry: _Entry, status: rls_pb2.RateLimitResponse.DescriptorStatus) -> str:
+    """The metric's code for one descriptor."""
+    if entry.rule is None:
+        return "no_rule"
+    if entry.rule.limit is None:
+        return "unlimited"
+    if status.code == OVER_LIMIT:
+        return "over_limit"
+    return "shadow_over_limit" if entry.verdict and not entry.verdict.fits else "ok"
 
 
 def _status(entry: _Entry) -> rls_pb2.RateLimitResponse.DescriptorStatus:

@@ -204,7 +204,8 @@ class KvgateServer:
         self.desk = ReportDesk(self.metrics)
         self.ratelimit = RateLimitService(
             config.ratelimit, build_rate_counters(config),
-            timeout_s=None if config.redis is None else config.redis.timeout_ms / 1000)
+            timeout_s=None if config.redis is None else config.redis.timeout_ms / 1000,
+            metrics=self.metrics)
         self._renewer: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.admin_port = 0

@@ -13,6 +13,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.wrappers_pb2 import UInt64Value
 
 from extproc.config import ConfigError, RateLimitSettings, parse_config
+from extproc.metrics import Metrics
 from extproc.rls import OK, OVER_LIMIT, RateLimitService
 from limiter.stores.ratelimit import MemoryRateCounters
 
@@ -257,3 +258,16 @@ def test_idle_counters_are_forgotten(clock):
     clock.now += MINUTE
     ask(service, descriptor(("user", "last")))  # the 10th call sweeps, then counts its own
     assert len(counters) == 1
+
+
+def test_every_descriptor_is_counted_by_domain_and_code(clock):
+    metrics = Metrics()
+    service = RateLimitService(RateLimitSettings.model_validate(RULES),
+                               MemoryRateCounters(clock), timeout_s=None, metrics=metrics)
+    for _ in range(2):
+        ask(service, descriptor(("shadow", "m")), descriptor(("user", "free")),
+            descriptor(("banned", "m")), descriptor(("nothing", "m")))
+    ask(service, descriptor(("user", "vip")), domain="elsewhere")
+    assert metrics.ratelimit.values == {
+        ("edge", "ok"): 1, ("edge", "shadow_over_limit"): 1, ("edge", "unlimited"): 2,
+        ("edge", "over_limit"): 2, ("edge", "no_rule"): 2, ("other", "no_rule"): 1}
