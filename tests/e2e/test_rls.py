@@ -17,9 +17,7 @@ import httpx
 import orjson
 import pytest
 import yaml
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from google.protobuf.wrappers_pb2 import UInt64Value
 
 from extproc.config import RateLimitSettings, hash_api_key, parse_config, parse_endpoint
 from extproc.demo import ServerThread, local_stack
@@ -29,6 +27,7 @@ from extproc.envoy_proc import EnvoyProcess
 from extproc.rls_import import import_files
 from tests.conftest import free_port
 from tests.e2e.test_gateway import wait_for
+from tests.rls_support import descriptor
 
 pytestmark = pytest.mark.e2e
 
@@ -80,17 +79,14 @@ def chat(stack, tenant: str, max_tokens: int, stream: bool = False) -> httpx.Res
 
 def tokens_left(stack, tenant: str) -> int:
     """Ask kvgate's RLS directly (0 hits: a check, charges nothing)."""
-    descriptor = ratelimit_pb2.RateLimitDescriptor(
-        entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key="kind", value="tokens"),
-                 ratelimit_pb2.RateLimitDescriptor.Entry(key="tenant", value=tenant)],
-        hits_addend=UInt64Value(value=0))
+    check = descriptor(("kind", "tokens"), ("tenant", tenant), hits=0)
 
     async def ask() -> rls_pb2.RateLimitResponse:
         port = stack.kvgate.server.grpc_port
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
             return await stub.ShouldRateLimit(
-                rls_pb2.RateLimitRequest(domain=DOMAIN, descriptors=[descriptor]))
+                rls_pb2.RateLimitRequest(domain=DOMAIN, descriptors=[check]))
 
     return asyncio.run(ask()).statuses[0].limit_remaining
 

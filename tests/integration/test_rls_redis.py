@@ -13,9 +13,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
-from google.protobuf.wrappers_pb2 import UInt64Value
 
 from bench.redis_server import RedisServer
 from extproc.config import RateLimitSettings, RedisSettings
@@ -24,6 +22,7 @@ from extproc.rls_import import import_files
 from extproc.wiring import redis_client
 from limiter.stores.ratelimit import MemoryRateCounters, RateCounters, RedisRateCounters
 from tests.paths import REPO
+from tests.rls_support import descriptor
 
 pytestmark = pytest.mark.redis
 
@@ -68,13 +67,6 @@ class Context:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code)
 
-
-def descriptor(*pairs: tuple[str, str], hits: int | None = None):
-    d = ratelimit_pb2.RateLimitDescriptor(
-        entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in pairs])
-    if hits is not None:
-        d.hits_addend.CopyFrom(UInt64Value(value=hits))
-    return d
 
 
 async def ask(service: RateLimitService, *descriptors, domain: str = "edge"):

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
-from google.protobuf.wrappers_pb2 import UInt64Value
 
 from extproc.config import ConfigError, RateLimitSettings, parse_config
 from extproc.metrics import Metrics
 from extproc.rls import OK, OVER_LIMIT, RateLimitService
 from limiter.stores.ratelimit import MemoryRateCounters
+from tests.rls_support import descriptor
 
 MINUTE = 60_000
 
@@ -61,13 +60,6 @@ def service(clock: Clock) -> RateLimitService:
     settings = RateLimitSettings.model_validate(RULES)
     return RateLimitService(settings, MemoryRateCounters(clock), timeout_s=None)
 
-
-def descriptor(*pairs: tuple[str, str], hits: int | None = None):
-    d = ratelimit_pb2.RateLimitDescriptor(
-        entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in pairs])
-    if hits is not None:
-        d.hits_addend.CopyFrom(UInt64Value(value=hits))
-    return d
 
 
 def ask(service: RateLimitService, *descriptors, domain: str = "edge", hits: int = 0):
