@@ -107,6 +107,11 @@ def test_over_limit_gets_429_with_retry_after_and_x_ratelimit_headers(stack):
     assert refused.headers["retry-after"] == "30"
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert "x-should-retry" not in refused.headers
+    # kvgate had admitted it before the filter refused: its lease is freed, and the meter
+    # reported that it used nothing (two answers of 3 prompt + 4 output tokens were charged)
+    server = stack.kvgate.server
+    assert wait_for(lambda: stack.kvgate.call(server.director.store.in_flight("reqs")) == 0)
+    assert wait_for(lambda: server.metrics.tokens.values.get(("reqs", "used")) == 14)
 
 
 def read_stream(response: httpx.Response) -> dict:

@@ -166,12 +166,19 @@ ALGORITHMS = {"domains": [{"domain": "d", "descriptors": [
 ]}]}
 
 
-async def test_redis_counters_decide_as_memory_does(redis):
+@pytest.mark.parametrize("shared", ["redis", "cluster"])
+async def test_redis_counters_decide_as_memory_does(shared, request):
     settings = RateLimitSettings.model_validate(ALGORITHMS)
     runs = []
-    for kind in ("memory", "redis"):
+    for kind in ("memory", shared):
         clock = Clock()
-        service = RateLimitService(settings, counters(kind, redis, clock), timeout_s=1)
+        if kind == "cluster":  # a domain's keys share one hash tag: one shard per call
+            client = redis_client(RedisSettings(
+                url=request.getfixturevalue("redis_cluster").url, cluster=True, timeout_ms=1000))
+            store: RateCounters = RedisRateCounters(client, clock=clock)
+        else:
+            store = counters(kind, request.getfixturevalue("redis"), clock)
+        service = RateLimitService(settings, store, timeout_s=1)
         answers = []
         for step in range(40):
             clock.now += (step * 137) % 400
