@@ -541,7 +541,9 @@ class RlsRateLimit(_Strict):
     """A descriptor's limit, as envoyproxy/ratelimit writes it, plus kvgate's algorithm."""
 
     unit: Literal["second", "minute", "hour", "day", "week", "month", "year"] | None = None
-    requests_per_unit: int | None = Field(None, ge=0, description="0 refuses every hit")
+    requests_per_unit: int | None = Field(
+        None, ge=0, le=2**32 - 1, description="0 refuses every hit (a uint32, as in Envoy's API)"
+    )
     unlimited: bool = Field(False, description="matched, never limited (and never counted)")
     name: str = Field("", description="what other rules' replaces name")
     replaces: list[RlsReplace] = Field(
@@ -550,8 +552,8 @@ class RlsRateLimit(_Strict):
     algorithm: Literal["token_bucket", "sliding_window", "fixed_window"] = Field(
         "token_bucket", description="fixed_window is envoyproxy/ratelimit's only one"
     )
-    burst: PositiveInt | None = Field(
-        None, description="token bucket capacity; default requests_per_unit"
+    burst: int | None = Field(
+        None, gt=0, le=2**32 - 1, description="token bucket capacity; default requests_per_unit"
     )
     debt: bool = Field(
         False, description="always charge, into debt when over: for usage charged after the "
