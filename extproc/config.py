@@ -570,6 +570,10 @@ class RlsRateLimit(_Strict):
             raise ValueError("burst is a token_bucket's capacity; windows have none")
         if self.debt and self.algorithm == "sliding_window":
             raise ValueError("debt needs token_bucket or fixed_window")
+        if self.algorithm == "token_bucket" and self.requests_per_unit:
+            from limiter.ratelimit import Limit
+
+            Limit(self.requests_per_unit, self.unit, burst=self.burst).rate()  # or ValueError
         return self
 
 

@@ -96,14 +96,20 @@ def _cost(descriptor: object, request_hits: int) -> int:
 
 def _override(descriptor: object) -> Rule | None:
     """A limit sent by Envoy with the descriptor (route ``limit`` override): counted in a
-    token bucket of its own."""
+    token bucket of its own (a fixed window when it is too slow for one)."""
     if not descriptor.HasField("limit"):  # type: ignore[attr-defined]
         return None
     override = descriptor.limit  # type: ignore[attr-defined]
     unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Name(override.unit).lower()
     if unit not in _UNITS or unit == "unknown":
         return None
-    return Rule(Limit(override.requests_per_unit, unit), path="override")
+    limit = Limit(override.requests_per_unit, unit)
+    try:
+        if limit.requests_per_unit:
+            limit.rate()
+    except ValueError:
+        limit = Limit(override.requests_per_unit, unit, Algorithm.FIXED_WINDOW)
+    return Rule(limit, path="override")
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):

@@ -39,6 +39,10 @@ UNIT_MS = {
 }
 
 
+MAX_PERIOD_MS = 2**26  # the Redis store's bounds for exact integer math in Lua doubles
+MAX_SCALED = 2**51
+
+
 class Algorithm(StrEnum):
     TOKEN_BUCKET = "token_bucket"
     SLIDING_WINDOW = "sliding_window"
@@ -68,8 +72,17 @@ class Limit:
         return self.requests_per_unit
 
     def rate(self) -> Rate:
-        """The token bucket's refill rate, in lowest terms (small integers stay exact in Lua)."""
-        frac = Fraction(self.requests_per_unit, self.unit_ms)
+        """The token bucket's refill rate, in lowest terms: exact when its period fits the
+        bounds of exact Lua arithmetic (``MAX_PERIOD_MS``, and capacity × period ≤ 2^51),
+        else the nearest rate that does, if within 1e-4 of it (7 a day: off by 1e-8).
+        ValueError for slower rates (about one unit per ``MAX_PERIOD_MS``, ~18.6 h)."""
+        exact = Fraction(self.requests_per_unit, self.unit_ms)
+        longest = min(MAX_PERIOD_MS, MAX_SCALED // max(1, self.capacity))
+        frac = exact if exact.denominator <= longest else exact.limit_denominator(longest)
+        if abs(frac - exact) * 10_000 > exact:
+            raise ValueError(f"{self.requests_per_unit} per {self.unit} is too slow for a "
+                             "token bucket (about one per 18.6 h at the least): use a "
+                             "fixed_window or sliding_window")
         return Rate(frac.numerator, frac.denominator)
 
 

@@ -220,6 +220,7 @@ def one(*descriptors: dict) -> dict:
      "burst is a token_bucket's capacity"),
     (one({"key": "k", "rate_limit": rl(1, algorithm="sliding_window", debt=True)}),
      "debt needs token_bucket or fixed_window"),
+    (one({"key": "k", "rate_limit": rl(1, "day")}), "too slow for a token bucket"),
     (one({"key": "k", "rate_limit": rl(1, "fortnight")}),
      "ratelimit.domains[0].descriptors[0].rate_limit.unit"),
 ])
@@ -263,3 +264,11 @@ def test_every_descriptor_is_counted_by_domain_and_code(clock):
     assert metrics.ratelimit.values == {
         ("edge", "ok"): 1, ("edge", "shadow_over_limit"): 1, ("edge", "unlimited"): 2,
         ("edge", "over_limit"): 2, ("edge", "no_rule"): 2, ("other", "no_rule"): 1}
+
+
+def test_a_limit_sent_by_envoy_overrides_the_rules(service):
+    override = descriptor(("user", "vip"))
+    override.limit.requests_per_unit = 1
+    override.limit.unit = rls_pb2.RateLimitResponse.RateLimit.DAY  # too slow for a bucket
+    assert [ask(service, override).overall_code for _ in range(2)] == [OK, OVER_LIMIT]
+    assert limit_of(ask(service, override)) == 1

@@ -7,6 +7,7 @@ import pytest
 
 from limiter.buckets import FixedWindow
 from limiter.ratelimit import (
+    MAX_PERIOD_MS,
     Algorithm,
     Hit,
     Limit,
@@ -101,3 +102,15 @@ def test_limits_build_exact_rates_and_capacities():
     assert Limit(90, "minute").rate().per_ms() * 60_000 == 90
     assert Limit(10, "second", burst=25).capacity == 25
     assert Limit(10, "second", Algorithm.SLIDING_WINDOW).capacity == 10
+
+
+def test_slow_rates_stay_within_exact_lua_bounds():
+    exact = Limit(1000, "day").rate()
+    assert (exact.amount, exact.period_ms) == (1, 86_400)
+    seven = Limit(7, "day").rate()  # 7 / 86.4M ms: no exact period under 2^26 ms
+    assert seven.period_ms <= MAX_PERIOD_MS
+    assert abs(seven.per_ms() * 86_400_000 - 7) < 1e-6
+    big = Limit(2**32 - 1, "day").rate()
+    assert big.period_ms * (2**32 - 1) <= 2**51
+    with pytest.raises(ValueError, match="too slow for a token bucket"):
+        Limit(1, "day").rate()
