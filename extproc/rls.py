@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
 
@@ -86,20 +87,20 @@ class _Entry:
     verdict: Verdict | None = None
 
 
-def _cost(descriptor: object, request_hits: int) -> int:
+def _cost(descriptor: ratelimit_pb2.RateLimitDescriptor, request_hits: int) -> int:
     """The descriptor's ``hits_addend`` (a wrapper: an explicit 0 is a check), else the
     request's."""
-    if descriptor.HasField("hits_addend"):  # type: ignore[attr-defined]
-        return int(descriptor.hits_addend.value)  # type: ignore[attr-defined]
+    if descriptor.HasField("hits_addend"):
+        return int(descriptor.hits_addend.value)
     return request_hits
 
 
-def _override(descriptor: object) -> Rule | None:
+def _override(descriptor: ratelimit_pb2.RateLimitDescriptor) -> Rule | None:
     """A limit sent by Envoy with the descriptor (route ``limit`` override): counted in a
     token bucket of its own (a fixed window when it is too slow for one)."""
-    if not descriptor.HasField("limit"):  # type: ignore[attr-defined]
+    if not descriptor.HasField("limit"):
         return None
-    override = descriptor.limit  # type: ignore[attr-defined]
+    override = descriptor.limit
     unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Name(override.unit).lower()
     if unit not in _UNITS or unit == "unknown":
         return None
