@@ -1,4 +1,5 @@
-"""The ``kvgate`` command: serve, check, hash-key, render-envoy, agent, demo.
+"""The ``kvgate`` command: serve, check, hash-key, render-envoy, import-ratelimit,
+agent, demo.
 
 Every verb ends in one clear line on bad input (an unreadable or invalid config, a port
 already taken, no key to hash) and exit status 2; ``--log-level debug`` adds the traceback.
@@ -115,6 +116,18 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     render.set_defaults(func=_render_envoy)
 
+    ratelimit = commands.add_parser(
+        "import-ratelimit",
+        help="convert envoyproxy/ratelimit config files into kvgate's ratelimit: section",
+    )
+    ratelimit.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    ratelimit.add_argument(
+        "--algorithm", default="fixed_window",
+        choices=["fixed_window", "token_bucket", "sliding_window"],
+        help="for every limit (default fixed_window: the same decisions as envoyproxy/ratelimit)",
+    )
+    ratelimit.set_defaults(func=_import_ratelimit)
+
     agent = commands.add_parser(
         "agent", help="serve this node's NVML GPU readings for a gateway-mode kvgate"
     )
@@ -209,6 +222,20 @@ def _render_envoy(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(render_yaml(config))
+    return 0
+
+
+def _import_ratelimit(args: argparse.Namespace) -> int:
+    from extproc.rls_import import RatelimitImportError, import_files
+
+    try:
+        text, notes = import_files(args.files, args.algorithm)
+    except RatelimitImportError as error:
+        print(f"kvgate import-ratelimit: {error}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"# {note}", file=sys.stderr)
+    sys.stdout.write(text)
     return 0
 
 

@@ -489,6 +489,12 @@ class EnvoySettings(_Strict):
         0, ge=0, description="whole upstream request; 0 = none (long generations)"
     )
     connect_timeout_s: PositiveFloat = 2.0
+    ratelimit_domain: str | None = Field(
+        None, min_length=1, description="also render Envoy's ratelimit filter, asking "
+        "kvgate's Rate Limit Service with this domain: per request (kind=requests, tenant) "
+        "and a check of (kind=tokens, tenant), and after each response (kind=tokens, tenant) "
+        "charged the response's real usage; null = no ratelimit filter"
+    )
 
 
 class ScrapeSettings(_Strict):
@@ -543,6 +549,99 @@ class RedisSettings(_Strict):
         return url
 
 
+class RlsReplace(_Strict):
+    name: str = Field(min_length=1)
+
+
+class RlsRateLimit(_Strict):
+    """A descriptor's limit, as envoyproxy/ratelimit writes it, plus kvgate's algorithm."""
+
+    unit: Literal["second", "minute", "hour", "day", "week", "month", "year"] | None = None
+    requests_per_unit: int | None = Field(
+        None, ge=0, le=2**32 - 1, description="0 refuses every hit (a uint32, as in Envoy's API)"
+    )
+    unlimited: bool = Field(False, description="matched, never limited (and never counted)")
+    name: str = Field("", description="what other rules' replaces name")
+    replaces: list[RlsReplace] = Field(
+        default_factory=list, description="named limits this one switches off when both match"
+    )
+    algorithm: Literal["token_bucket", "sliding_window", "fixed_window"] = Field(
+        "token_bucket", description="fixed_window is envoyproxy/ratelimit's only one"
+    )
+    burst: int | None = Field(
+        None, gt=0, le=2**32 - 1, description="token bucket capacity; default requests_per_unit"
+    )
+    debt: bool = Field(
+        False, description="always charge, into debt when over: for usage charged after the "
+        "response (apply_on_stream_done); token_bucket and fixed_window only"
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> RlsRateLimit:
+        if self.unlimited:
+            return self
+        if self.unit is None or self.requests_per_unit is None:
+            raise ValueError("give unit and requests_per_unit (or unlimited: true)")
+        if self.burst is not None and self.algorithm != "token_bucket":
+            raise ValueError("burst is a token_bucket's capacity; windows have none")
+        if self.debt and self.algorithm == "sliding_window":
+            raise ValueError("debt needs token_bucket or fixed_window")
+        if self.algorithm == "token_bucket" and self.requests_per_unit:
+            from limiter.ratelimit import Limit
+
+            Limit(self.requests_per_unit, self.unit, burst=self.burst).rate()  # or ValueError
+        return self
+
+
+class RlsDescriptor(_Strict):
+    key: str = Field(min_length=1)
+    value: str | None = Field(None, description="null = any value; '*' matches any run")
+    rate_limit: RlsRateLimit | None = None
+    shadow_mode: bool = Field(False, description="counted and reported, never refuses")
+    descriptors: list[RlsDescriptor] = Field(default_factory=list)
+
+    @field_validator("descriptors")
+    @classmethod
+    def _unique(cls, children: list[RlsDescriptor]) -> list[RlsDescriptor]:
+        return _unique_descriptors(children)
+
+
+def _unique_descriptors(children: list[RlsDescriptor]) -> list[RlsDescriptor]:
+    seen = set()
+    for child in children:
+        if (child.key, child.value) in seen:
+            value = "any value" if child.value is None else f"value {child.value!r}"
+            raise ValueError(f"duplicate descriptor: key {child.key!r} with {value}")
+        seen.add((child.key, child.value))
+    return children
+
+
+class RlsDomain(_Strict):
+    domain: str = Field(min_length=1)
+    descriptors: list[RlsDescriptor] = Field(default_factory=list)
+
+    @field_validator("descriptors")
+    @classmethod
+    def _unique(cls, children: list[RlsDescriptor]) -> list[RlsDescriptor]:
+        return _unique_descriptors(children)
+
+
+class RateLimitSettings(_Strict):
+    """The Envoy Rate Limit Service on the gRPC port: descriptor rules per domain. A domain
+    not listed answers OK (as envoyproxy/ratelimit does)."""
+
+    domains: list[RlsDomain] = Field(default_factory=list)
+
+    @field_validator("domains")
+    @classmethod
+    def _unique_domains(cls, domains: list[RlsDomain]) -> list[RlsDomain]:
+        names = [d.domain for d in domains]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"duplicate domain {name!r}")
+        return domains
+
+
 class Config(_Strict):
     server: Server = Server()
     envoy: EnvoySettings = EnvoySettings()
@@ -551,6 +650,7 @@ class Config(_Strict):
     queue: QueueSettings = QueueSettings()
     classification: Classification = Classification()
     agent: AgentSettings = AgentSettings()
+    ratelimit: RateLimitSettings = RateLimitSettings()
     tiers: dict[str, Tier] = Field(min_length=1)
     classes: dict[str, RequestClass] = Field(
         default_factory=lambda: {

@@ -86,6 +86,7 @@ _EXT_PROC_FAILED = "response.code_details.startsWith('ext_proc_error')"
 _CLIENT_FAULT = "response.code >= 400 && response.code < 500 && response.code != 408"
 DO_NOT_RETRY = {"x-should-retry": "false"}
 EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
+RATE_LIMITED_MESSAGE = "rate limit exceeded; retry after the time in retry-after"
 
 
 def _seconds(value: float) -> dt.timedelta:
@@ -192,6 +193,73 @@ def _meter_filter() -> Any:
         Lua(default_source_code=DataSource(inline_string=source))))
 
 
+USAGE_NAMESPACE = "kvgate.usage"  # set by meter.lua when a response ends
+USAGE_HITS = f"%DYNAMIC_METADATA({USAGE_NAMESPACE}:total_tokens)%"
+RATELIMIT_TIMEOUT = dt.timedelta(milliseconds=100)
+
+
+def _ratelimit_filters(config: Config) -> list[Any]:
+    """Envoy's ratelimit filter asking kvgate's RLS (``envoy.ratelimit_domain``), if set.
+
+    After ext_proc, so descriptors can name the tenant kvgate derived from the API key (its
+    ``kvgate`` metadata), never a client header; after the meter, so the meter sees the
+    filter's 429 (and reports that nothing was used). A dead RLS lets requests through
+    (``failure_mode_deny: false``): kvgate's own admission still holds.
+    """
+    domain = config.envoy.ratelimit_domain
+    if domain is None:
+        return []
+    from envoy_data_plane.envoy.config.core.v3 import (
+        ApiVersion,
+        GrpcService,
+        GrpcServiceEnvoyGrpc,
+    )
+    from envoy_data_plane.envoy.config.ratelimit.v3 import RateLimitServiceConfig
+    from envoy_data_plane.envoy.extensions.filters.http.ratelimit.v3 import RateLimit
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpFilter,
+    )
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    service = RateLimitServiceConfig(
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)),
+        transport_api_version=ApiVersion.V3,
+    )
+    ratelimit = RateLimit(domain=domain, rate_limit_service=service, failure_mode_deny=False,
+                          timeout=RATELIMIT_TIMEOUT, rate_limits=_tenant_rate_limits())
+    return [HttpFilter(name="envoy.filters.http.ratelimit", typed_config=AnyMsg.pack(ratelimit))]
+
+
+def _tenant_rate_limits() -> list[Any]:
+    """Three descriptors: ``(kind=requests, tenant=T)`` one hit per request; ``(kind=tokens,
+    tenant=T)`` checked (0 hits) per request, and charged ``total_tokens`` when the stream
+    is done."""
+    from envoy_data_plane.envoy.config.route.v3 import (
+        RateLimit,
+        RateLimitAction,
+        RateLimitActionGenericKey,
+        RateLimitActionMetaData,
+        RateLimitActionMetaDataSource,
+        RateLimitHitsAddend,
+    )
+    from envoy_data_plane.envoy.type.metadata.v3 import MetadataKey, MetadataKeyPathSegment
+
+    tenant = RateLimitAction(metadata=RateLimitActionMetaData(
+        descriptor_key="tenant", source=RateLimitActionMetaDataSource.DYNAMIC,
+        metadata_key=MetadataKey(key="kvgate", path=[MetadataKeyPathSegment(key="tenant")])))
+
+    def kind(value: str) -> Any:
+        return RateLimitAction(generic_key=RateLimitActionGenericKey(
+            descriptor_key="kind", descriptor_value=value))
+
+    return [
+        RateLimit(actions=[kind("requests"), tenant]),
+        RateLimit(actions=[kind("tokens"), tenant], hits_addend=RateLimitHitsAddend(number=0)),
+        RateLimit(actions=[kind("tokens"), tenant], apply_on_stream_done=True,
+                  hits_addend=RateLimitHitsAddend(format=USAGE_HITS)),
+    ]
+
+
 def _router_filter() -> Any:
     from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -259,6 +327,13 @@ def _local_reply_config() -> Any:
             ResponseMapper(
                 filter=_cel_filter(f"{own} && response.code >= 500"),
                 body_format_override=_json_error_format("server_error"),
+            ),
+            # the ratelimit filter's 429 (kvgate's RLS said OVER_LIMIT): retryable, and its
+            # retry-after / x-ratelimit-* headers stay
+            ResponseMapper(
+                filter=_cel_filter(f"{own} && response.code == 429"),
+                body=DataSource(inline_string=RATE_LIMITED_MESSAGE),
+                body_format_override=_json_error_format("rate_limit_error"),
             ),
             ResponseMapper(
                 filter=_cel_filter(f"{own} && {_CLIENT_FAULT}"),
@@ -385,7 +460,8 @@ def _http_connection_manager(config: Config) -> Any:
             virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=routes,
                                        response_headers_to_add=_ratelimit_headers())],
         ),
-        http_filters=[_ext_proc_filter(config), _meter_filter(), _router_filter()],
+        http_filters=[_ext_proc_filter(config), _meter_filter(), *_ratelimit_filters(config),
+                      _router_filter()],
         local_reply_config=_local_reply_config(),
     )
 
@@ -705,8 +781,8 @@ def _spell_out_failure_mode(bootstrap: dict[str, Any]) -> None:
 
 HEADER = """\
 # Envoy bootstrap for kvgate (gateway mode).
-# GENERATED by `kvgate render-envoy` from kvgate's config; do not edit by hand. Regenerate with:
-#   kvgate render-envoy extproc/examples/kvgate.yaml -o envoy/gateway.yaml
+# GENERATED by `kvgate render-envoy` from kvgate's config; do not edit by hand. Regenerate with
+#   kvgate render-envoy CONFIG -o FILE   (envoy/README.md names the config of each file here)
 """
 
 

@@ -10,6 +10,10 @@
 --   * every response, when its last chunk passes: POST /done/<lease> with the engine's
 --     usage object. That last chunk goes on once kvgate has answered (a millisecond), so
 --     kvgate has settled the request before Envoy ends the request's ext_proc stream.
+-- At the end it also publishes the usage as dynamic metadata (namespace kvgate.usage:
+-- prompt_tokens, completion_tokens, total_tokens) for what runs when the stream is done: an
+-- Envoy ratelimit action with hits_addend "%DYNAMIC_METADATA(kvgate.usage:total_tokens)%"
+-- and apply_on_stream_done charges the real usage to kvgate's Rate Limit Service.
 -- With "sse-strip" it also removes the usage-only event kvgate asked the engine for when
 -- the client did not ask for it.
 -- Unfinished events are held back only while stripping, and only up to the end of the
@@ -112,6 +116,19 @@ local function read_events(state, chunk, bytes)
   chunk:setBytes(table.concat(out))
 end
 
+-- A 429 from Envoy's ratelimit filter (after kvgate admitted the request) never reached
+-- an engine: it used nothing.
+local NOTHING = '{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}'
+
+local function publish(handle, usage)
+  if usage == nil then return end
+  local meta = handle:streamInfo():dynamicMetadata()
+  for _, name in ipairs({"prompt_tokens", "completion_tokens", "total_tokens"}) do
+    local n = string.match(usage, '"' .. name .. '"%s*:%s*(%d+)')
+    if n ~= nil then meta:set("kvgate.usage", name, n) end
+  end
+end
+
 function envoy_on_response(handle)
   local meta = handle:streamInfo():dynamicMetadata():get("kvgate")
   if meta == nil or meta.meter == nil or meta.meter == "" then return end
@@ -119,6 +136,8 @@ function envoy_on_response(handle)
   local sse = string.find(handle:headers():get("content-type") or "", "text/event-stream", 1,
                           true) ~= nil
   local stream = meta.meter ~= "json" and sse
+  local limited = handle:headers():get(":status") == "429"
+      and handle:headers():get("x-envoy-ratelimited") ~= nil
   local state = {carry = "", sent = 0, usage = nil, events = 0,
                  strip = stream and meta.meter == "sse-strip"}
   local first = true
@@ -138,6 +157,8 @@ function envoy_on_response(handle)
     end
   end
   if not stream then state.usage = last_usage(state.carry) end
+  if limited then state.usage = NOTHING end
   report(handle, meta, "done",
          '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events .. '}', false)
+  publish(handle, state.usage)
 end

@@ -188,6 +188,13 @@ class Metrics:
             "done (a response's end and usage), refused (a wrong key or a malformed call).",
             ["kind"], self.registry,
         )
+        self.ratelimit = Tally(
+            "kvgate_ratelimit_descriptors",
+            "Rate Limit Service descriptors answered, by domain (configured ones; 'other') and "
+            "code: ok, over_limit, shadow_over_limit (shadow mode: would have refused), "
+            "unlimited, no_rule, error (the store failed).",
+            ["domain", "code"], self.registry,
+        )
         self.stream_errors = Tally(
             "kvgate_extproc_stream_errors",
             "ext_proc streams that ended abnormally (client disconnect, reset, internal error).",

@@ -35,15 +35,17 @@ from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
 from extproc.status import add_status_routes
+from extproc.rls import RateLimitService
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
-from extproc.wiring import build_director, build_store
+from extproc.wiring import build_director, build_rate_counters, build_store
 from limiter.stores import LimiterStore
 
 log = logging.getLogger(__name__)
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams counted as cut
 
 
@@ -236,6 +238,10 @@ class KvgateServer:
         self.desk = ReportDesk(self.metrics)
         self.metrics.watch_endpoints(lambda: self.endpoints.snapshot().states(),
                                      self.scraper.errors)
+        self.ratelimit = RateLimitService(
+            config.ratelimit, build_rate_counters(config),
+            timeout_s=None if config.redis is None else config.redis.timeout_ms / 1000,
+            metrics=self.metrics)
         self._renewer: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
         self.grpc_port = 0
@@ -271,6 +277,7 @@ class KvgateServer:
         self._processor = ExternalProcessor(self.director, self.metrics, self.config, self.desk)
         _add_processor(self._processor, self._grpc)
         self._health = health_servicer = health.aio.HealthServicer()
+        self.ratelimit.attach(self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
         address = f"{settings.host}:{settings.grpc_port}"
         if credentials is None:
@@ -278,7 +285,7 @@ class KvgateServer:
         else:
             self.grpc_port = self._grpc.add_secure_port(address, credentials)
         await self._grpc.start()
-        for service in ("", EXT_PROC_SERVICE):
+        for service in ("", EXT_PROC_SERVICE, RLS_SERVICE):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         if settings.admin_port is not None:
             await self._start_admin(settings.admin_host, settings.admin_port)
@@ -438,6 +445,7 @@ class KvgateServer:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.director.store.close()
+        await self.ratelimit.close()
         log.info("stopped: %d stream(s) cut at the grace, %d lease(s) left held",
                  0 if self._processor is None else self._processor.cut,
                  len(self.director.active))

@@ -31,6 +31,7 @@ from limiter.stores import (
     MemoryFairness,
     MemoryStore,
 )
+from limiter.stores.ratelimit import MemoryRateCounters, RateCounters
 
 
 def redis_client(settings: RedisSettings) -> Any:
@@ -77,6 +78,16 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
         on_fallback=lambda policy: metrics.store_fallbacks.labels(policy).inc(),
         on_error=metrics.store_error,
     )
+
+
+def build_rate_counters(config: Config) -> RateCounters:
+    """The Rate Limit Service's counters: in Redis (global) when configured. Its own client:
+    an RLS call never waits behind an admission's."""
+    if config.redis is None:
+        return MemoryRateCounters()
+    from limiter.stores.ratelimit import RedisRateCounters
+
+    return RedisRateCounters(redis_client(config.redis), prefix=config.redis.prefix)
 
 
 def build_fairness(config: Config, pool: str) -> Fairness:

@@ -281,3 +281,51 @@ class LeakyBucket:
     def drain_ms(self, now_ms: int) -> int:
         """Ms until the bucket is empty: a Retry-After estimate for a saturated shaper."""
         return ceil_div(self.level_at(now_ms), self.rate.amount)
+
+
+class FixedWindow:
+    """At most ``limit`` cost per window of ``window_ms``, windows aligned on the epoch
+    (envoyproxy/ratelimit's counters: the same instants reset for every replica and store).
+
+    Lets up to 2× ``limit`` through around a boundary; offered for configurations carried
+    over from that service, not for protection. :meth:`charge` may overshoot the limit
+    (usage charged after the fact).
+    """
+
+    __slots__ = ("limit", "start_ms", "used", "window_ms")
+
+    def __init__(self, limit: int, window_ms: int) -> None:
+        self.limit = require_int("limit", limit, 0)
+        self.window_ms = require_int("window_ms", window_ms, 1)
+        self.start_ms = 0
+        self.used = 0
+
+    def _advance(self, now_ms: int) -> None:
+        start = now_ms - now_ms % self.window_ms
+        if start > self.start_ms:
+            self.start_ms, self.used = start, 0
+
+    def remaining(self, now_ms: int) -> int:
+        self._advance(now_ms)
+        return max(0, self.limit - self.used)
+
+    def reset_ms(self, now_ms: int) -> int:
+        """Ms until the current window ends (its count goes back to 0)."""
+        self._advance(now_ms)
+        return self.start_ms + self.window_ms - now_ms
+
+    def wait_ms(self, cost: int, now_ms: int) -> int:
+        """0 if ``cost`` fits now, else the ms until the next window; ValueError if it can
+        never fit."""
+        require_int("cost", cost, 0)
+        if cost > self.limit:
+            raise ValueError(f"cost {cost} exceeds window limit {self.limit}: it can never fit")
+        self._advance(now_ms)
+        return 0 if self.used + cost <= self.limit else self.reset_ms(now_ms)
+
+    def charge(self, cost: int, now_ms: int) -> None:
+        """Count ``cost``, over the limit if need be (check :meth:`wait_ms` first to stay
+        within it)."""
+        require_int("cost", cost, 0)
+        self._advance(now_ms)
+        self.used += cost

@@ -1,0 +1,288 @@
+"""The Envoy Rate Limit Service (``envoy.service.ratelimit.v3.RateLimitService``) on kvgate's
+gRPC port, for Envoy's ``ratelimit`` filter.
+
+The rules are the ``ratelimit:`` section (descriptor trees per domain, matched by
+:mod:`limiter.ratelimit`); the counters live where admission's do (this process, or Redis
+for limits shared by every replica). One ``ShouldRateLimit`` is one store call: every
+descriptor of it is checked and charged at once, all or nothing.
+
+Costs follow Envoy's proto: a descriptor's own ``hits_addend`` wins, else the request's,
+where 0 (unset) means 1; a descriptor's explicit 0 only checks (it is refused when not even
+one unit is left). An answer lost to a timeout is undone (:meth:`RateCounters.cancel`) and
+reported to Envoy as UNAVAILABLE, whose ``failure_mode_deny`` then decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from google.protobuf.duration_pb2 import Duration
+
+from extproc.config import RateLimitSettings, RlsDescriptor
+from extproc.metrics import Metrics
+from limiter.buckets import ceil_div
+from limiter.ratelimit import (
+    Algorithm,
+    Hit,
+    Limit,
+    Node,
+    Rule,
+    Verdict,
+    counter_key,
+    match,
+)
+from limiter.stores.base import StoreUnavailable
+from limiter.stores.ratelimit import RateCounters
+
+log = logging.getLogger(__name__)
+
+OK = rls_pb2.RateLimitResponse.OK
+OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
+MAX_UINT32 = 2**32 - 1
+CANCEL_TRIES = 20
+CANCEL_PAUSE_S = 0.25
+_UNITS = {name.lower(): number for name, number in rls_pb2.RateLimitResponse.RateLimit.Unit.items()}
+
+
+def build_domains(settings: RateLimitSettings) -> dict[str, Node]:
+    """The ``ratelimit:`` section as one descriptor tree per domain."""
+    domains = {}
+    for d, domain in enumerate(settings.domains):
+        root = Node()
+        _add(root, domain.descriptors, f"ratelimit.domains[{d}]")
+        domains[domain.domain] = root
+    return domains
+
+
+def _add(parent: Node, descriptors: Sequence[RlsDescriptor], path: str) -> None:
+    for i, desc in enumerate(descriptors):
+        here = f"{path}.descriptors[{i}]"
+        node = parent.child(desc.key, desc.value)
+        spec = desc.rate_limit
+        if spec is not None:
+            limit = None if spec.unlimited else Limit(
+                spec.requests_per_unit or 0, spec.unit or "second", Algorithm(spec.algorithm),
+                spec.burst, spec.debt)
+            node.rule = Rule(limit, spec.name, tuple(r.name for r in spec.replaces),
+                             desc.shadow_mode, here)
+        _add(node, desc.descriptors, here)
+
+
+@dataclass
+class _Entry:
+    """One request descriptor on its way to an answer."""
+
+    rule: Rule | None
+    hit: Hit | None = None
+    verdict: Verdict | None = None
+
+
+def _cost(descriptor: ratelimit_pb2.RateLimitDescriptor, request_hits: int) -> int:
+    """The descriptor's ``hits_addend`` (a wrapper: an explicit 0 is a check), else the
+    request's."""
+    if descriptor.HasField("hits_addend"):
+        return int(descriptor.hits_addend.value)
+    return request_hits
+
+
+def _override(descriptor: ratelimit_pb2.RateLimitDescriptor) -> Rule | None:
+    """A limit sent by Envoy with the descriptor (route ``limit`` override): counted in a
+    token bucket of its own (a fixed window when it is too slow for one)."""
+    if not descriptor.HasField("limit"):
+        return None
+    override = descriptor.limit
+    unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Name(override.unit).lower()
+    if unit not in _UNITS or unit == "unknown":
+        return None
+    limit = Limit(override.requests_per_unit, unit)
+    try:
+        if limit.requests_per_unit:
+            limit.rate()
+    except ValueError:
+        limit = Limit(override.requests_per_unit, unit, Algorithm.FIXED_WINDOW)
+    return Rule(limit, path="override")
+
+
+class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
+    def __init__(
+        self, settings: RateLimitSettings, counters: RateCounters, *, timeout_s: float | None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.domains = build_domains(settings)
+        self.counters = counters
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._prefix = secrets.token_hex(6)
+        self._ids = itertools.count()
+        self._cancels: set[asyncio.Task[None]] = set()
+
+    def attach(self, server: grpc.aio.Server) -> None:
+        """Serve on ``server`` (kvgate's gRPC port, beside ext_proc)."""
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self, server)
+
+    async def ShouldRateLimit(
+        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+    ) -> rls_pb2.RateLimitResponse:
+        if not request.domain or not request.descriptors:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "a rate limit request needs a domain and descriptors")
+        entries = self._plan(request)
+        # a descriptor sent twice is one counter charged once with both costs
+        hits: dict[str, Hit] = {}
+        for entry in entries:
+            if entry.hit is not None:
+                seen = hits.get(entry.hit.key)
+                hits[entry.hit.key] = entry.hit if seen is None else dataclasses.replace(
+                    seen, cost=seen.cost + entry.hit.cost)
+        if hits:
+            verdicts = await self._charge(request.domain, list(hits.values()), context)
+            by_key = dict(zip(hits, verdicts, strict=True))
+            for entry in entries:
+                if entry.hit is not None:
+                    entry.verdict = by_key[entry.hit.key]
+        response = _response(entries)
+        self._count(request.domain, entries, response)
+        return response
+
+    def _count(
+        self, domain: str, entries: list[_Entry], response: rls_pb2.RateLimitResponse
+    ) -> None:
+        if self.metrics is None:
+            return
+        label = domain if domain in self.domains else "other"
+        for entry, status in zip(entries, response.statuses, strict=True):
+            self.metrics.ratelimit.add((label, _code(entry, status)))
+
+    def _plan(self, request: rls_pb2.RateLimitRequest) -> list[_Entry]:
+        """Each descriptor's rule (most specific match; replaced ones dropped) and hit."""
+        root = self.domains.get(request.domain)
+        request_hits = request.hits_addend or 1
+        entries = []
+        for descriptor in request.descriptors:
+            pairs = [(e.key, e.value) for e in descriptor.entries]
+            rule = None if root is None else (
+                _override(descriptor) or match(root, pairs))
+            entry = _Entry(rule)
+            if rule is not None and rule.limit is not None:
+                entry.hit = Hit(counter_key(request.domain, pairs), rule.limit,
+                                _cost(descriptor, request_hits), rule.shadow_mode)
+            entries.append(entry)
+        replaced = {name for e in entries if e.rule for name in e.rule.replaces}
+        for entry in entries:
+            if entry.rule is not None and entry.rule.name and entry.rule.name in replaced:
+                entry.rule = entry.hit = None
+            elif entry.hit is not None and entry.hit.limit.requests_per_unit == 0:
+                entry.verdict, entry.hit = Verdict(False, 0, entry.hit.limit.unit_ms, None), None
+        return entries
+
+    async def _charge(
+        self, domain: str, hits: list[Hit], context: grpc.aio.ServicerContext
+    ) -> list[Verdict]:
+        call_id = f"{self._prefix}{next(self._ids)}"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.counters.hit(domain, hits, call_id)
+        except (StoreUnavailable, TimeoutError, OSError) as exc:
+            task = asyncio.create_task(self._cancel(domain, hits, call_id))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+            log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides", exc)
+            if self.metrics is not None:
+                label = domain if domain in self.domains else "other"
+                self.metrics.ratelimit.add((label, "error"), len(hits))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
+            raise  # abort raises; this keeps the type checker informed
+
+    async def _cancel(self, domain: str, hits: list[Hit], call_id: str) -> None:
+        """Undo a call that may still run in the store, until the store confirms."""
+        for _ in range(CANCEL_TRIES):
+            try:
+                async with asyncio.timeout(max(self.timeout_s or 0, 0.5)):
+                    await self.counters.cancel(domain, hits, call_id)
+                return
+            except (StoreUnavailable, TimeoutError, OSError):
+                await asyncio.sleep(CANCEL_PAUSE_S)
+        log.error("ratelimit call %s could not be cancelled", call_id)
+
+    async def close(self) -> None:
+        for task in list(self._cancels):
+            task.cancel()
+        await self.counters.close()
+
+
+def _code(entry: _Entry, status: rls_pb2.RateLimitResponse.DescriptorStatus) -> str:
+    """The metric's code for one descriptor."""
+    if entry.rule is None:
+        return "no_rule"
+    if entry.rule.limit is None:
+        return "unlimited"
+    if status.code == OVER_LIMIT:
+        return "over_limit"
+    return "shadow_over_limit" if entry.verdict and not entry.verdict.fits else "ok"
+
+
+def _status(entry: _Entry) -> rls_pb2.RateLimitResponse.DescriptorStatus:
+    rule, verdict = entry.rule, entry.verdict
+    if rule is None or rule.limit is None or verdict is None:
+        # no rule, or unlimited: envoyproxy/ratelimit answers OK without a limit
+        remaining = MAX_UINT32 if rule is not None else 0
+        return rls_pb2.RateLimitResponse.DescriptorStatus(code=OK, limit_remaining=remaining)
+    over = not verdict.fits and not rule.shadow_mode
+    return rls_pb2.RateLimitResponse.DescriptorStatus(
+        code=OVER_LIMIT if over else OK,
+        current_limit=rls_pb2.RateLimitResponse.RateLimit(
+            name=rule.name, requests_per_unit=rule.limit.requests_per_unit,
+            unit=_UNITS[rule.limit.unit]),
+        limit_remaining=min(verdict.remaining, MAX_UINT32),
+        duration_until_reset=_duration(verdict.reset_ms),
+    )
+
+
+def _duration(ms: int) -> Duration:
+    return Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+
+
+def _response(entries: list[_Entry]) -> rls_pb2.RateLimitResponse:
+    statuses = [_status(e) for e in entries]
+    over = any(s.code == OVER_LIMIT for s in statuses)
+    return rls_pb2.RateLimitResponse(
+        overall_code=OVER_LIMIT if over else OK,
+        statuses=statuses,
+        response_headers_to_add=[base_pb2.HeaderValue(key=k, value=v)
+                                 for k, v in _headers(entries, statuses)],
+    )
+
+
+def _headers(
+    entries: list[_Entry], statuses: list[rls_pb2.RateLimitResponse.DescriptorStatus]
+) -> list[tuple[str, str]]:
+    """``x-ratelimit-limit/remaining/reset`` of the tightest limit (refusing ones first,
+    then the fewest remaining), and on a refusal the exact ``retry-after(-ms)``: when every
+    refusing limit has room again (``x-should-retry: false`` if one never will)."""
+    limited = [(s, e) for s, e in zip(statuses, entries, strict=True)
+               if s.HasField("current_limit")]
+    if not limited:
+        return []
+    tightest, _ = min(limited, key=lambda p: (p[0].code != OVER_LIMIT, p[0].limit_remaining))
+    reset_ms = tightest.duration_until_reset.ToMilliseconds()
+    headers = [("x-ratelimit-limit", str(tightest.current_limit.requests_per_unit)),
+               ("x-ratelimit-remaining", str(tightest.limit_remaining)),
+               ("x-ratelimit-reset", str(ceil_div(reset_ms, 1000)))]
+    waits = [e.verdict.wait_ms for s, e in limited if s.code == OVER_LIMIT and e.verdict]
+    if not waits:
+        return headers
+    if None in waits:
+        return [*headers, ("x-should-retry", "false")]
+    wait_ms = max(w for w in waits if w is not None)
+    return [*headers, ("retry-after", str(max(1, ceil_div(wait_ms, 1000)))),
+            ("retry-after-ms", str(wait_ms))]

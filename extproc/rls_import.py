@@ -1,0 +1,123 @@
+"""``kvgate import-ratelimit``: envoyproxy/ratelimit config files → kvgate's ``ratelimit:``.
+
+Each file holds one domain (``domain``, nested ``descriptors``); the fields mean the same in
+kvgate, so the conversion mostly copies. What it changes: every limit gets an explicit
+``algorithm`` (``fixed_window`` by default: the same decisions as that service), units are
+lower-cased. Metrics-only fields (``detailed_metric``, ``value_to_metric``) and response
+``metadata`` are dropped with a note; fields that would change decisions and that kvgate does
+not have (``quota_mode``, ``share_threshold``) are errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.config import RateLimitSettings, _format_loc
+
+DROPPED = ("detailed_metric", "value_to_metric", "metadata")
+UNSUPPORTED = ("quota_mode", "share_threshold")
+DESCRIPTOR_KEYS = ("key", "value", "rate_limit", "descriptors", "shadow_mode")
+LIMIT_KEYS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
+
+
+class RatelimitImportError(ValueError):
+    """A file that cannot be converted; the message is one line."""
+
+
+def convert(document: Any, algorithm: str, notes: list[str]) -> dict[str, Any]:
+    """One envoyproxy/ratelimit document as a kvgate ``domains`` entry."""
+    if not isinstance(document, dict) or not isinstance(document.get("domain"), str):
+        raise RatelimitImportError("not an envoyproxy/ratelimit config: expected a mapping with a "
+                           "'domain' string")
+    unknown = set(document) - {"domain", "descriptors"}
+    if unknown:
+        raise RatelimitImportError(f"unknown key {sorted(unknown)[0]!r} at the top level")
+    return {"domain": document["domain"],
+            "descriptors": _descriptors(document.get("descriptors") or [], "descriptors",
+                                        algorithm, notes)}
+
+
+def _descriptors(items: Any, where: str, algorithm: str, notes: list[str]) -> list[dict]:
+    if not isinstance(items, list):
+        raise RatelimitImportError(f"{where}: expected a list")
+    return [_descriptor(item, f"{where}[{i}]", algorithm, notes) for i, item in enumerate(items)]
+
+
+def _descriptor(item: Any, where: str, algorithm: str, notes: list[str]) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise RatelimitImportError(f"{where}: expected a mapping")
+    for key in item:
+        if key in UNSUPPORTED and item[key]:
+            raise RatelimitImportError(
+                f"{where}.{key}: not supported by kvgate (it changes decisions)")
+        if key in DROPPED:
+            notes.append(f"{where}.{key}: dropped (metrics or response metadata only)")
+        elif key not in DESCRIPTOR_KEYS and key not in UNSUPPORTED:
+            raise RatelimitImportError(f"{where}: unknown key {key!r}")
+    out: dict[str, Any] = {"key": item.get("key")}
+    if item.get("value") not in (None, ""):
+        out["value"] = str(item["value"])
+    if item.get("rate_limit") is not None:
+        out["rate_limit"] = _limit(item["rate_limit"], f"{where}.rate_limit", algorithm)
+    if item.get("shadow_mode"):
+        out["shadow_mode"] = True
+    if item.get("descriptors"):
+        out["descriptors"] = _descriptors(item["descriptors"], f"{where}.descriptors",
+                                          algorithm, notes)
+    return out
+
+
+def _limit(spec: Any, where: str, algorithm: str) -> dict[str, Any]:
+    if not isinstance(spec, dict):
+        raise RatelimitImportError(f"{where}: expected a mapping")
+    unknown = set(spec) - set(LIMIT_KEYS)
+    if unknown:
+        raise RatelimitImportError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+    out = {k: spec[k] for k in LIMIT_KEYS if spec.get(k) not in (None, "", [], False)}
+    if "unit" in out:
+        out["unit"] = str(out["unit"]).lower()
+    if not out.get("unlimited"):
+        out["algorithm"] = algorithm
+    return out
+
+
+def import_files(paths: list[Path], algorithm: str = "fixed_window") -> tuple[str, list[str]]:
+    """The ``ratelimit:`` section for ``paths`` as YAML, and notes on what was dropped.
+    Raises :class:`RatelimitImportError` naming the file."""
+    domains, notes = [], []
+    for path in paths:
+        try:
+            document = yaml.safe_load(path.read_text())
+            file_notes: list[str] = []
+            domains.append(convert(document, algorithm, file_notes))
+            notes += [f"{path}: {note}" for note in file_notes]
+        except OSError as exc:
+            raise RatelimitImportError(f"{path}: cannot read: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise RatelimitImportError(f"{path}: not valid YAML: {_one_line(str(exc))}") from None
+        except RatelimitImportError as exc:
+            raise RatelimitImportError(f"{path}: {exc}") from None
+    section = {"domains": domains}
+    _validate(section, paths)
+    return yaml.safe_dump({"ratelimit": section}, sort_keys=False), notes
+
+
+def _validate(section: dict[str, Any], paths: list[Path]) -> None:
+    """The converted section must load as kvgate config (same checks as ``kvgate check``)."""
+    from pydantic import ValidationError
+
+    try:
+        RateLimitSettings.model_validate(section)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = err["loc"]
+        where = paths[loc[1]] if len(loc) > 1 and isinstance(loc[1], int) else paths[0]
+        message = err["msg"].removeprefix("Value error, ")
+        raise RatelimitImportError(f"{where}: {_format_loc(loc[2:])}: {message}") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

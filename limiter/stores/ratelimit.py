@@ -1,0 +1,294 @@
+"""Counters for the Envoy Rate Limit Service, in this process or in Redis (global across
+replicas), with one atomic call per ``ShouldRateLimit``.
+
+The rules are :mod:`limiter.ratelimit`'s; these classes only keep the counters. Both answer
+a call with one :class:`~limiter.ratelimit.Verdict` per hit, and neither charges anything
+for a refused call (``debt`` rules excepted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from limiter.clock import wall_ms
+from limiter.ratelimit import Counter, Hit, Limit, Verdict, decide, idle, new_counter
+
+
+@runtime_checkable
+class RateCounters(Protocol):
+    async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:
+        """Check and charge ``hits`` (of one domain) at once. ``call_id`` names the call so
+        that :meth:`cancel` can undo it."""
+        ...
+
+    async def cancel(self, domain: str, hits: Sequence[Hit], call_id: str) -> None:
+        """Undo a call (the same ``hits``) whose answer never came back: refund what it
+        charged if it ran, and make it charge nothing if it runs later."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class _Slot:
+    limit: Limit
+    counter: Counter
+
+
+class MemoryRateCounters:
+    """Counters in a dict; each call is atomic on the event loop (nothing awaits).
+
+    A counter is rebuilt when its rule's limit changes (a config reload): RLS limits are
+    coarse, and carrying a level across algorithms would mean nothing. Counters back to
+    their starting state are dropped every ``sweep_every`` calls, so one per client address
+    or user id does not pile up.
+    """
+
+    def __init__(self, clock: Callable[[], int] = wall_ms, *, sweep_every: int = 4096) -> None:
+        self._clock = clock
+        self._slots: dict[str, _Slot] = {}
+        self._sweep_every = sweep_every
+        self._calls = 0
+
+    def __len__(self) -> int:
+        """Counters held."""
+        return len(self._slots)
+
+    def _sweep(self, now_ms: int) -> None:
+        for key in [k for k, slot in self._slots.items() if idle(slot.counter, now_ms)]:
+            del self._slots[key]
+
+    def _counter(self, hit: Hit, now_ms: int) -> Counter:
+        slot = self._slots.get(hit.key)
+        if slot is None or slot.limit != hit.limit:
+            slot = _Slot(hit.limit, new_counter(hit.limit, now_ms))
+            self._slots[hit.key] = slot
+        return slot.counter
+
+    async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:
+        now_ms = self._clock()
+        self._calls += 1
+        if self._calls % self._sweep_every == 0:
+            self._sweep(now_ms)
+        return decide(hits, lambda h: self._counter(h, now_ms), now_ms)
+
+    async def cancel(self, domain: str, hits: Sequence[Hit], call_id: str) -> None:
+        """A call in this process always completes: nothing to undo."""
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+# Appended to the limiter's own Lua (redis_scripts._CORE + _POLICY, whose token bucket and
+# sliding window functions it calls, pointing their key upvalues at each counter in turn).
+# ARGV[4] is a policy of zeros (unused), ARGV[5] the mode ('h' hit, 'c' cancel), ARGV[6]
+# how long a call's record lives (ms); then 7 fields per hit: algorithm ('t' token bucket,
+# 's' sliding window, 'f' fixed window), amount, period ms, capacity (the window's limit
+# for windows), window ms, cost, flags ('s' shadow, 'd' debt). KEYS: two per hit (counter,
+# its meta), then the call's record: absent (never ran), 'x' (cancelled) or what it charged.
+_RLS = r"""
+local MODE, CALL_TTL = ARGV[5], ARGV[6]
+local N = (#KEYS - 1) / 2
+local KCALL = KEYS[#KEYS]
+local F = 7
+
+local function field(i, k) return ARGV[6 + (i - 1) * F + k] end
+
+local function point(c)  -- the sliding window functions' keys and limits: this counter's
+  KWIN, KWMETA, WIN_MS, WIN_LIMIT = c.key, c.meta, c.wms, c.cap
+end
+
+local function open(i, t)
+  local c = {algo = field(i, 1), a = tonumber(field(i, 2)), p = tonumber(field(i, 3)),
+             cap = tonumber(field(i, 4)), wms = tonumber(field(i, 5)),
+             cost = tonumber(field(i, 6)), flags = field(i, 7), key = KEYS[2 * i - 1],
+             meta = KEYS[2 * i]}
+  if c.algo == 't' then
+    c.b = tb_open({a = c.a, p = c.p, c = c.cap, key = c.key}, t)
+  elseif c.algo == 's' then
+    point(c)
+    c.w = win_open(t)
+  else
+    c.start = t - t % c.wms
+    local h = redis.call('HMGET', c.key, 's', 'n')
+    c.n = 0
+    if tonumber(h[1]) == c.start then c.n = tonumber(h[2]) end
+  end
+  return c
+end
+
+local function wait(c, t)  -- -1: never fits
+  local need = math.max(1, c.cost)
+  if need > c.cap then return -1 end
+  if c.algo == 't' then return tb_wait(c.b, need, t) end
+  if c.algo == 's' then point(c); return win_wait(c.w, need) end
+  if c.n + need <= c.cap then return 0 end
+  return c.start + c.wms - t
+end
+
+local function fixed_save(c, t)
+  if c.n <= 0 then redis.call('DEL', c.key); return end
+  redis.call('HSET', c.key, 's', str(c.start), 'n', str(c.n))
+  redis.call('PEXPIRE', c.key, str(c.start + c.wms - t + SLACK))
+end
+
+local function take(c, fits, t)  -- returns the record of what was charged
+  if c.cost == 0 then return nil end
+  if c.algo == 't' then
+    tb_take(c.b, c.cost, t); tb_save(c.b, t)
+    return 't:' .. str(c.cost) .. ':0'
+  elseif c.algo == 's' then
+    point(c)
+    win_consume(c.w, c.cost)  -- saved by the caller, with its evictions
+    return 's:' .. str(c.cost) .. ':' .. str(c.w.now)
+  end
+  c.n = c.n + c.cost
+  fixed_save(c, t)
+  return 'f:' .. str(c.cost) .. ':' .. str(c.start)
+end
+
+local function view(c, t)  -- remaining, ms until full / reset
+  if c.algo == 't' then
+    return math.max(0, fdiv(tb_level(c.b, t), c.b.p)), tb_reset(c.b, t)
+  elseif c.algo == 's' then
+    return math.max(0, c.cap - c.w.n), win_reset(c.w)
+  end
+  return math.max(0, c.cap - c.n), c.start + c.wms - t
+end
+
+local function refund(i, rec, t)
+  local kind, n, ts = string.match(rec, '^(%a):(%d+):(%d+)$')
+  local c = open(i, t)
+  n, ts = tonumber(n), tonumber(ts)
+  if c.algo == 's' then point(c) end
+  if c.algo ~= kind then
+  elseif kind == 't' then
+    tb_refund(c.b, n, t); tb_save(c.b, t)
+  elseif kind == 's' then
+    win_refund(c.w, ts, n)
+  elseif c.start == ts then
+    c.n = math.max(0, c.n - n); fixed_save(c, t)
+  end
+  if c.algo == 's' then win_save(c.w, t) end  -- its evictions, at least
+end
+
+local record = redis.call('GET', KCALL)
+if MODE == 'c' then
+  if record and record ~= 'x' then
+    for part in string.gmatch(record, '[^,]+') do
+      local i, rec = string.match(part, '^(%d+)=(.+)$')
+      refund(tonumber(i), rec, NOW)
+    end
+  end
+  redis.call('SET', KCALL, 'x', 'PX', CALL_TTL)
+  return 'cancelled'
+end
+-- a cancelled call charges nothing; one resent after a broken connection, nothing twice
+local charge_ok = record == false
+local cs, waits, fits = {}, {}, {}
+local passed = true
+for i = 1, N do
+  cs[i] = open(i, NOW)
+  waits[i] = wait(cs[i], NOW)
+  fits[i] = waits[i] == 0
+  if not fits[i] and not string.find(cs[i].flags, 's', 1, true) then passed = false end
+end
+local out, charged = {}, {}
+for i = 1, N do
+  local c = cs[i]
+  if charge_ok and (string.find(c.flags, 'd', 1, true) or (fits[i] and passed)) then
+    local rec = take(c, fits[i], NOW)
+    if rec then table.insert(charged, str(i) .. '=' .. rec) end
+  end
+  if c.algo == 's' then point(c); win_save(c.w, NOW) end
+  local remaining, reset = view(c, NOW)
+  table.insert(out, (fits[i] and '1' or '0') .. ',' .. str(remaining) .. ',' .. str(reset)
+               .. ',' .. str(waits[i]))
+end
+if #charged > 0 then redis.call('SET', KCALL, table.concat(charged, ','), 'PX', CALL_TTL) end
+if record == 'x' then return 'cancelled' end
+return out
+"""
+
+CALL_TTL_MS = 10_000
+"""How long a call's record (what it charged) is kept for a cancel to undo."""
+_ZERO_POLICY = ",".join(["0"] * 12)
+_ALGO_CODES = {"token_bucket": "t", "sliding_window": "s", "fixed_window": "f"}
+
+
+def _hit_args(hit: Hit) -> list[int | str]:
+    from limiter.stores.redis_store import _check_bucket
+
+    limit = hit.limit
+    if limit.algorithm == "token_bucket":
+        amount, period, capacity = _check_bucket(hit.key, limit.rate(), limit.capacity)
+    else:
+        amount, period, capacity = 0, 0, limit.capacity
+    flags = ("s" if hit.shadow else "") + ("d" if limit.debt else "") or "-"
+    return [_ALGO_CODES[limit.algorithm], amount, period, capacity, limit.unit_ms, hit.cost,
+            flags]
+
+
+def _verdict(packed: bytes | str) -> Verdict:
+    text = packed.decode() if isinstance(packed, bytes) else packed
+    fits, remaining, reset, wait = (int(f) for f in text.split(","))
+    return Verdict(bool(fits), remaining, reset, None if wait < 0 else wait)
+
+
+class RedisRateCounters:
+    """Counters in Redis, shared by every replica: one script call per ``ShouldRateLimit``.
+
+    All of a domain's keys share the hash tag ``{prefix:rls:domain}`` (one Redis Cluster
+    shard per domain, so a call stays atomic), and each has a TTL to when it is back to its
+    default state. ``clock=None`` uses Redis ``TIME``: one clock for every replica.
+    """
+
+    def __init__(
+        self, client: Any, *, prefix: str = "kvgate", clock: Callable[[], int] | None = None
+    ) -> None:
+        from limiter.stores.redis_scripts import _CORE, _POLICY
+
+        self._client = client
+        self._prefix = prefix
+        self._clock = clock
+        self._script = client.register_script(_CORE + _POLICY + _RLS)
+
+    def _keys(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[str]:
+        from limiter.stores.redis_store import _tenant_tag
+
+        base = f"{self._prefix}:{_tenant_tag(self._prefix + ':rls', domain)}"
+        keys = []
+        for hit in hits:
+            code = _ALGO_CODES[hit.limit.algorithm]
+            keys += [f"{base}:{code}:{hit.key}", f"{base}:{code}m:{hit.key}"]
+        return [*keys, f"{base}:call:{call_id}"]
+
+    async def _run(self, mode: str, domain: str, hits: Sequence[Hit], call_id: str) -> Any:
+        from redis.exceptions import RedisError
+
+        from limiter.stores.base import StoreUnavailable
+
+        now: int | str = "" if self._clock is None else self._clock()
+        args: list[int | str] = [now, 1, 60_000, _ZERO_POLICY, mode, CALL_TTL_MS]
+        for hit in hits:
+            args += _hit_args(hit)
+        try:
+            return await self._script(keys=self._keys(domain, hits, call_id), args=args)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis ratelimit failed: {exc}") from exc
+
+    async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:
+        from limiter.stores.base import StoreUnavailable
+
+        reply = await self._run("h", domain, hits, call_id)
+        if not isinstance(reply, list):
+            raise StoreUnavailable(f"ratelimit call {call_id} was cancelled")
+        return [_verdict(packed) for packed in reply]
+
+    async def cancel(self, domain: str, hits: Sequence[Hit], call_id: str) -> None:
+        await self._run("c", domain, hits, call_id)
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,219 @@
+"""kvgate's Rate Limit Service over real Redis and in memory: an imported envoyproxy/ratelimit
+config decides exactly as its hand-written kvgate equivalent, the Redis counters decide as the
+in-memory ones for every algorithm, and a call that times out on a paused Redis charges
+nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from bench.redis_server import RedisServer
+from extproc.config import RateLimitSettings, RedisSettings
+from extproc.rls import OK, OVER_LIMIT, RateLimitService
+from extproc.rls_import import import_files
+from extproc.wiring import redis_client
+from limiter.stores.ratelimit import MemoryRateCounters, RateCounters, RedisRateCounters
+from tests.paths import REPO
+from tests.rls_support import descriptor
+
+pytestmark = pytest.mark.redis
+
+IMPORTED = REPO / "tests" / "data" / "envoyproxy-ratelimit.yaml"
+MINUTE = 60_000
+
+
+def fixed(n: int, unit: str, **extra: object) -> dict:
+    return {"unit": unit, "requests_per_unit": n, "algorithm": "fixed_window", **extra}
+
+
+HAND_WRITTEN = {"domains": [{"domain": "edge", "descriptors": [
+    {"key": "remote_address", "rate_limit": fixed(3, "second")},
+    {"key": "remote_address", "value": "10.0.0.1", "rate_limit": fixed(1, "second",
+                                                                      name="office")},
+    {"key": "path", "value": "/api/*", "rate_limit": fixed(2, "minute")},
+    {"key": "user", "descriptors": [
+        {"key": "plan", "value": "premium",
+         "rate_limit": fixed(5, "minute", replaces=[{"name": "office"}])},
+        {"key": "plan", "rate_limit": fixed(2, "minute")},
+    ]},
+    {"key": "header_match", "value": "internal", "rate_limit": {"unlimited": True}},
+    {"key": "canary", "shadow_mode": True, "rate_limit": fixed(1, "minute")},
+]}]}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_040_000 + 100  # 100 ms into a minute
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """What the service uses of a gRPC context: abort."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code)
+
+
+
+async def ask(service: RateLimitService, *descriptors, domain: str = "edge"):
+    request = rls_pb2.RateLimitRequest(domain=domain, descriptors=descriptors)
+    return await service.ShouldRateLimit(request, Context())  # type: ignore[arg-type]
+
+
+def summary(response) -> tuple:
+    return (response.overall_code, tuple(
+        (s.code, s.current_limit.requests_per_unit, s.limit_remaining,
+         s.duration_until_reset.ToMilliseconds()) for s in response.statuses))
+
+
+# (ms to advance first, descriptors) — each a request as Envoy would send it
+SEQUENCE = [
+    (0, [[("remote_address", "10.0.0.9")]]),
+    (0, [[("remote_address", "10.0.0.9")]]),
+    (0, [[("remote_address", "10.0.0.9")]]),
+    (0, [[("remote_address", "10.0.0.9")]]),  # 4th in a second: over
+    (0, [[("remote_address", "10.0.0.1")]]),
+    (0, [[("remote_address", "10.0.0.1")]]),  # office: 1/s
+    (0, [[("remote_address", "10.0.0.1")], [("user", "u1"), ("plan", "premium")]]),  # replaced
+    (0, [[("path", "/api/chat")]]),
+    (0, [[("path", "/api/models")]]),  # the same pattern, but its own counter
+    (0, [[("path", "/api/chat")]]),
+    (0, [[("path", "/api/chat")]]),  # over
+    (0, [[("path", "/other")]]),  # no rule
+    (0, [[("user", "u2"), ("plan", "basic")]]),
+    (0, [[("user", "u2"), ("plan", "basic")]]),
+    (0, [[("user", "u2"), ("plan", "basic")]]),  # over
+    (0, [[("user", "u2")]]),  # no limit at that level
+    (0, [[("header_match", "internal")]] * 2),
+    (0, [[("canary", "x")]]),
+    (0, [[("canary", "x")]]),  # shadow: over, answered OK
+    (1000, [[("remote_address", "10.0.0.9")], [("remote_address", "10.0.0.1")]]),
+    (MINUTE, [[("path", "/api/chat")], [("user", "u2"), ("plan", "basic")]]),
+]
+EXPECTED = [OK, OK, OK, OVER_LIMIT, OK, OVER_LIMIT, OK, OK, OK, OK, OVER_LIMIT, OK, OK, OK,
+            OVER_LIMIT, OK, OK, OK, OK, OK, OK]
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+_prefixes = itertools.count()
+
+
+def counters(kind: str, server: RedisServer, clock: Clock) -> RateCounters:
+    if kind == "memory":
+        return MemoryRateCounters(clock)
+    return RedisRateCounters(aioredis.from_url(server.url), prefix=f"t{next(_prefixes)}",
+                             clock=clock)
+
+
+async def replay(service: RateLimitService, clock: Clock) -> list[tuple]:
+    out = []
+    for advance, descriptors in SEQUENCE:
+        clock.now += advance
+        out.append(summary(await ask(service, *(descriptor(*d) for d in descriptors))))
+    return out
+
+
+def test_the_import_is_the_hand_written_config():
+    text, notes = import_files([IMPORTED])
+    assert RateLimitSettings.model_validate(yaml.safe_load(text)["ratelimit"]) == (
+        RateLimitSettings.model_validate(HAND_WRITTEN))
+    assert notes == [f"{IMPORTED}: descriptors[5].detailed_metric: dropped (metrics or "
+                     "response metadata only)"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_imported_config_decides_as_its_hand_written_equivalent(kind, redis):
+    imported = RateLimitSettings.model_validate(
+        yaml.safe_load(import_files([IMPORTED])[0])["ratelimit"])
+    results = []
+    for settings in (imported, RateLimitSettings.model_validate(HAND_WRITTEN)):
+        clock = Clock()
+        service = RateLimitService(settings, counters(kind, redis, clock), timeout_s=1)
+        results.append(await replay(service, clock))
+        await service.close()
+    assert results[0] == results[1]
+    assert [codes[0] for codes in results[0]] == EXPECTED
+
+
+ALGORITHMS = {"domains": [{"domain": "d", "descriptors": [
+    {"key": "tb", "rate_limit": {"unit": "second", "requests_per_unit": 2, "burst": 3}},
+    {"key": "sw", "rate_limit": {"unit": "second", "requests_per_unit": 2,
+                                 "algorithm": "sliding_window"}},
+    {"key": "fw", "rate_limit": {"unit": "second", "requests_per_unit": 2,
+                                 "algorithm": "fixed_window"}},
+    {"key": "debt", "rate_limit": {"unit": "second", "requests_per_unit": 10, "debt": True}},
+    {"key": "fwdebt", "rate_limit": {"unit": "second", "requests_per_unit": 10, "debt": True,
+                                     "algorithm": "fixed_window"}},
+]}]}
+
+
+@pytest.mark.parametrize("shared", ["redis", "cluster"])
+async def test_redis_counters_decide_as_memory_does(shared, request):
+    settings = RateLimitSettings.model_validate(ALGORITHMS)
+    runs = []
+    for kind in ("memory", shared):
+        clock = Clock()
+        if kind == "cluster":  # a domain's keys share one hash tag: one shard per call
+            client = redis_client(RedisSettings(
+                url=request.getfixturevalue("redis_cluster").url, cluster=True, timeout_ms=1000))
+            store: RateCounters = RedisRateCounters(client, clock=clock)
+        else:
+            store = counters(kind, request.getfixturevalue("redis"), clock)
+        service = RateLimitService(settings, store, timeout_s=1)
+        answers = []
+        for step in range(40):
+            clock.now += (step * 137) % 400
+            key = ("tb", "sw", "fw", "debt", "fwdebt")[step % 5]
+            hits = (step * 7) % 15 if key.endswith("debt") else (step % 3)
+            answers.append(summary(await ask(service, descriptor((key, "v"), hits=hits),
+                                             domain="d")))
+        runs.append(answers)
+        await service.close()
+    assert runs[0] == runs[1]
+    assert {a[0] for a in runs[0]} == {OK, OVER_LIMIT}
+
+
+async def test_a_call_timed_out_on_a_paused_redis_charges_nothing(redis):
+    settings = RateLimitSettings.model_validate(ALGORITHMS)
+    client = redis_client(RedisSettings(url=redis.url, timeout_ms=50))
+    service = RateLimitService(settings, RedisRateCounters(client, prefix="paused"),
+                               timeout_s=0.05)
+    calls = [descriptor((key, "p"), hits=2) for key in ("tb", "sw", "fw")]
+    assert (await ask(service, *calls, domain="d")).overall_code == OK  # warm connection
+    before = [s.limit_remaining for s in (await ask(service, *[
+        descriptor((key, "p"), hits=0) for key in ("tb", "sw", "fw")], domain="d")).statuses]
+    redis.pause()
+    try:
+        with pytest.raises(Aborted):
+            await ask(service, *[descriptor((key, "p"), hits=1) for key in ("tb", "sw", "fw")],
+                      domain="d")
+    finally:
+        redis.resume()
+    for _ in range(100):  # the cancel goes out in the background
+        if not service._cancels:
+            break
+        await asyncio.sleep(0.02)
+    after = [s.limit_remaining for s in (await ask(service, *[
+        descriptor((key, "p"), hits=0) for key in ("tb", "sw", "fw")], domain="d")).statuses]
+    assert after >= before  # the late call was undone (a bucket may have refilled meanwhile)
+    assert after[1:] == before[1:]  # the windows exactly
+    await service.close()

@@ -1,0 +1,274 @@
+"""The Rate Limit Service's rules (extproc.rls over limiter.ratelimit), called in-process
+with a fake clock: envoyproxy/ratelimit's matching (most specific node wins, a limit only at
+the last entry's level, key-only and ``*`` values), replaces, shadow mode, unlimited,
+unknown domains, hits_addend, and kvgate's algorithms and headers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from extproc.config import ConfigError, RateLimitSettings, parse_config
+from extproc.metrics import Metrics
+from extproc.rls import OK, OVER_LIMIT, RateLimitService
+from limiter.stores.ratelimit import MemoryRateCounters
+from tests.rls_support import descriptor
+
+MINUTE = 60_000
+
+
+def rl(n: int, unit: str = "minute", **extra: object) -> dict:
+    return {"unit": unit, "requests_per_unit": n, **extra}
+
+
+RULES = {"domains": [{"domain": "edge", "descriptors": [
+    {"key": "user", "rate_limit": rl(5)},  # any user: 5/min each
+    {"key": "user", "value": "vip", "rate_limit": rl(100)},
+    {"key": "user", "value": "bot-*", "rate_limit": rl(1)},
+    {"key": "user", "value": "free", "rate_limit": {"unlimited": True}},
+    {"key": "org", "value": "acme", "rate_limit": rl(50), "descriptors": [
+        {"key": "path", "rate_limit": rl(2, name="acme_path")},
+        {"key": "path", "value": "/v1/chat", "rate_limit": rl(3)},
+    ]},
+    {"key": "plan", "value": "gold", "rate_limit": rl(10, replaces=[{"name": "acme_path"}])},
+    {"key": "shadow", "rate_limit": rl(1), "shadow_mode": True},
+    {"key": "banned", "rate_limit": rl(0)},
+    {"key": "tokens", "rate_limit": rl(100, debt=True)},
+    {"key": "fixed", "rate_limit": rl(2, algorithm="fixed_window")},
+    {"key": "sliding", "rate_limit": rl(2, algorithm="sliding_window")},
+    {"key": "bursty", "rate_limit": rl(60, burst=3)},
+]}]}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def service(clock: Clock) -> RateLimitService:
+    settings = RateLimitSettings.model_validate(RULES)
+    return RateLimitService(settings, MemoryRateCounters(clock), timeout_s=None)
+
+
+
+def ask(service: RateLimitService, *descriptors, domain: str = "edge", hits: int = 0):
+    request = rls_pb2.RateLimitRequest(domain=domain, descriptors=descriptors, hits_addend=hits)
+    return asyncio.run(service.ShouldRateLimit(request, None))  # type: ignore[arg-type]
+
+
+def codes(service: RateLimitService, n: int, *descriptors, **kw) -> list[int]:
+    return [ask(service, *descriptors, **kw).overall_code for _ in range(n)]
+
+
+def limit_of(response) -> int:
+    return response.statuses[0].current_limit.requests_per_unit
+
+
+def headers(response) -> dict[str, str]:
+    return {h.key: h.value for h in response.response_headers_to_add}
+
+
+def test_exact_value_beats_pattern_beats_key_only(service):
+    assert limit_of(ask(service, descriptor(("user", "vip")))) == 100
+    assert limit_of(ask(service, descriptor(("user", "bot-7")))) == 1
+    assert limit_of(ask(service, descriptor(("user", "alice")))) == 5
+
+
+def test_a_key_only_rule_counts_each_value_apart(service):
+    assert codes(service, 6, descriptor(("user", "alice")))[-2:] == [OK, OVER_LIMIT]
+    assert ask(service, descriptor(("user", "bob"))).overall_code == OK
+
+
+def test_a_limit_applies_only_at_the_level_of_the_last_entry(service):
+    # org=acme alone: its own limit; with a path: the nested one; deeper or unknown: none
+    assert limit_of(ask(service, descriptor(("org", "acme")))) == 50
+    assert limit_of(ask(service, descriptor(("org", "acme"), ("path", "/x")))) == 2
+    assert limit_of(ask(service, descriptor(("org", "acme"), ("path", "/v1/chat")))) == 3
+    for pairs in ([("org", "acme"), ("path", "/x"), ("more", "1")], [("org", "other")],
+                  [("nobody", "x")]):
+        response = ask(service, descriptor(*pairs))
+        assert response.overall_code == OK and not response.statuses[0].HasField("current_limit")
+
+
+def test_unlimited_is_ok_and_never_counted(service):
+    assert codes(service, 50, descriptor(("user", "free"))) == [OK] * 50
+    status = ask(service, descriptor(("user", "free"))).statuses[0]
+    assert status.limit_remaining == 2**32 - 1 and not status.HasField("current_limit")
+
+
+def test_replaces_switches_off_the_named_limit_when_both_match(service):
+    path = descriptor(("org", "acme"), ("path", "/x"))
+    assert codes(service, 3, path)[-1] == OVER_LIMIT  # acme_path: 2/min
+    response = ask(service, path, descriptor(("plan", "gold")))
+    assert response.overall_code == OK
+    assert not response.statuses[0].HasField("current_limit")  # replaced
+    assert response.statuses[1].current_limit.requests_per_unit == 10
+
+
+def test_shadow_mode_reports_but_never_refuses(service):
+    responses = [ask(service, descriptor(("shadow", "x"))) for _ in range(3)]
+    assert [r.overall_code for r in responses] == [OK] * 3
+    assert responses[-1].statuses[0].limit_remaining == 0
+    assert "retry-after" not in headers(responses[-1])
+
+
+def test_a_shadow_limit_does_not_block_a_real_one_and_vice_versa(service):
+    both = (descriptor(("shadow", "y")), descriptor(("user", "carol")))
+    assert codes(service, 6, *both) == [OK] * 5 + [OVER_LIMIT]
+
+
+def test_zero_per_unit_refuses_everything_and_retry_cannot_help(service):
+    response = ask(service, descriptor(("banned", "x")))
+    assert response.overall_code == OVER_LIMIT
+    assert headers(response)["x-should-retry"] == "false"
+
+
+def test_unknown_domain_answers_ok(service):
+    response = ask(service, descriptor(("user", "vip")), domain="elsewhere")
+    assert response.overall_code == OK and len(response.statuses) == 1
+
+
+def test_a_refused_call_charges_no_descriptor(service):
+    one, tight = descriptor(("user", "dave")), descriptor(("user", "bot-1"))
+    assert ask(service, one, tight).overall_code == OK
+    assert ask(service, one, tight).overall_code == OVER_LIMIT  # bot-1: 1/min
+    assert ask(service, one).statuses[0].limit_remaining == 3  # only the first call counted
+
+
+def test_hits_addend_request_level_and_descriptor_level(service):
+    # request 0 = 1; request 3; a descriptor's own value wins; an explicit 0 only checks
+    assert ask(service, descriptor(("user", "erin"))).statuses[0].limit_remaining == 4
+    assert ask(service, descriptor(("user", "erin")), hits=3).statuses[0].limit_remaining == 1
+    response = ask(service, descriptor(("user", "erin"), hits=0), hits=3)
+    assert response.overall_code == OK and response.statuses[0].limit_remaining == 1
+    assert ask(service, descriptor(("user", "erin"), hits=2)).overall_code == OVER_LIMIT
+
+
+def test_usage_charged_after_the_fact_blocks_the_next_check(service, clock):
+    check, usage = descriptor(("tokens", "t"), hits=0), descriptor(("tokens", "t"), hits=250)
+    assert ask(service, check).overall_code == OK
+    ask(service, usage)  # 250 of 100: into debt, whatever the answer
+    response = ask(service, check)
+    assert response.overall_code == OVER_LIMIT
+    # 150 tokens of debt + 1 to check, at 100/min
+    assert headers(response)["retry-after-ms"] == str(151 * MINUTE // 100)
+    clock.now += 151 * MINUTE // 100
+    assert ask(service, check).overall_code == OK
+
+
+def test_token_bucket_retry_after_is_exact(service, clock):
+    d = descriptor(("bursty", "x"))  # 60/min, burst 3
+    assert codes(service, 4, d) == [OK, OK, OK, OVER_LIMIT]
+    response = ask(service, d)
+    assert headers(response)["retry-after-ms"] == "1000"
+    assert headers(response)["retry-after"] == "1"
+    assert headers(response)["x-ratelimit-limit"] == "60"
+    clock.now += 999
+    assert ask(service, d).overall_code == OVER_LIMIT
+    clock.now += 1
+    assert ask(service, d).overall_code == OK
+
+
+def test_fixed_window_resets_on_the_minute_and_sliding_window_does_not(service, clock):
+    clock.now = clock.now - clock.now % MINUTE + MINUTE - 10  # 10 ms before a boundary
+    assert codes(service, 3, descriptor(("fixed", "x"))) == [OK, OK, OVER_LIMIT]
+    assert codes(service, 3, descriptor(("sliding", "x"))) == [OK, OK, OVER_LIMIT]
+    clock.now += 10
+    assert codes(service, 3, descriptor(("fixed", "x"))) == [OK, OK, OVER_LIMIT]
+    response = ask(service, descriptor(("sliding", "x")))
+    assert response.overall_code == OVER_LIMIT
+    assert headers(response)["retry-after-ms"] == str(MINUTE - 10)
+
+
+def test_ok_answers_carry_x_ratelimit_headers_of_the_tightest_limit(service):
+    response = ask(service, descriptor(("user", "vip")), descriptor(("user", "frank")))
+    assert headers(response) == {"x-ratelimit-limit": "5", "x-ratelimit-remaining": "4",
+                                 "x-ratelimit-reset": "12"}
+
+
+def config_with(ratelimit: dict):
+    return parse_config({
+        "ratelimit": ratelimit,
+        "tiers": {"t": {}},
+        "tenants": [{"name": "a", "tier": "t", "api_keys": ["sha256:" + "0" * 64]}],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:1"]}],
+    })
+
+
+def one(*descriptors: dict) -> dict:
+    return {"domains": [{"domain": "d", "descriptors": list(descriptors)}]}
+
+
+@pytest.mark.parametrize(("section", "problem"), [
+    (one({"key": "k", "rate_limit": {"unit": "minute"}}),
+     "ratelimit.domains[0].descriptors[0].rate_limit: give unit and requests_per_unit"),
+    (one({"key": "k"}, {"key": "k"}),
+     "ratelimit.domains[0].descriptors: duplicate descriptor: key 'k' with any value"),
+    ({"domains": [{"domain": "d"}, {"domain": "d"}]}, "ratelimit.domains: duplicate domain 'd'"),
+    (one({"key": "k", "rate_limit": rl(1, algorithm="fixed_window", burst=2)}),
+     "burst is a token_bucket's capacity"),
+    (one({"key": "k", "rate_limit": rl(1, algorithm="sliding_window", debt=True)}),
+     "debt needs token_bucket or fixed_window"),
+    (one({"key": "k", "rate_limit": rl(1, "day")}), "too slow for a token bucket"),
+    (one({"key": "k", "rate_limit": rl(1, "fortnight")}),
+     "ratelimit.domains[0].descriptors[0].rate_limit.unit"),
+])
+def test_config_errors_name_the_path(section, problem):
+    with pytest.raises(ConfigError) as caught:
+        config_with(section)
+    assert any(problem in p for p in caught.value.problems), caught.value.problems
+
+
+def test_an_empty_section_is_the_default():
+    assert config_with({}).ratelimit.domains == []
+
+
+def test_a_descriptor_sent_twice_is_charged_both_hits_once(service):
+    twice = (descriptor(("user", "gina")), descriptor(("user", "gina"), hits=2))
+    response = ask(service, *twice)
+    assert [s.limit_remaining for s in response.statuses] == [2, 2]
+    assert ask(service, *twice).overall_code == OVER_LIMIT
+
+
+def test_idle_counters_are_forgotten(clock):
+    counters = MemoryRateCounters(clock, sweep_every=10)
+    service = RateLimitService(RateLimitSettings.model_validate(RULES), counters, timeout_s=None)
+    for i in range(9):
+        ask(service, descriptor(("user", f"u{i}")), descriptor(("fixed", f"f{i}")),
+            descriptor(("sliding", f"s{i}")))
+    assert len(counters) == 27
+    clock.now += MINUTE
+    ask(service, descriptor(("user", "last")))  # the 10th call sweeps, then counts its own
+    assert len(counters) == 1
+
+
+def test_every_descriptor_is_counted_by_domain_and_code(clock):
+    metrics = Metrics()
+    service = RateLimitService(RateLimitSettings.model_validate(RULES),
+                               MemoryRateCounters(clock), timeout_s=None, metrics=metrics)
+    for _ in range(2):
+        ask(service, descriptor(("shadow", "m")), descriptor(("user", "free")),
+            descriptor(("banned", "m")), descriptor(("nothing", "m")))
+    ask(service, descriptor(("user", "vip")), domain="elsewhere")
+    assert metrics.ratelimit.values == {
+        ("edge", "ok"): 1, ("edge", "shadow_over_limit"): 1, ("edge", "unlimited"): 2,
+        ("edge", "over_limit"): 2, ("edge", "no_rule"): 2, ("other", "no_rule"): 1}
+
+
+def test_a_limit_sent_by_envoy_overrides_the_rules(service):
+    override = descriptor(("user", "vip"))
+    override.limit.requests_per_unit = 1
+    override.limit.unit = rls_pb2.RateLimitResponse.RateLimit.DAY  # too slow for a bucket
+    assert [ask(service, override).overall_code for _ in range(2)] == [OK, OVER_LIMIT]
+    assert limit_of(ask(service, override)) == 1

@@ -1,0 +1,65 @@
+"""``kvgate import-ratelimit``: envoyproxy/ratelimit files become a ``ratelimit:`` section
+kvgate loads; bad input is one clear line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.cli import main
+from extproc.config import RateLimitSettings
+from tests.paths import REPO
+
+IMPORTED = REPO / "tests" / "data" / "envoyproxy-ratelimit.yaml"
+
+
+def test_prints_a_section_kvgate_loads(capsys):
+    assert main(["import-ratelimit", str(IMPORTED)]) == 0
+    out, err = capsys.readouterr()
+    section = yaml.safe_load(out)["ratelimit"]
+    settings = RateLimitSettings.model_validate(section)
+    assert settings.domains[0].domain == "edge"
+    canary = settings.domains[0].descriptors[-1]
+    assert canary.shadow_mode and canary.rate_limit.unit == "minute"  # MINUTE lower-cased
+    assert canary.rate_limit.algorithm == "fixed_window"
+    assert "detailed_metric: dropped" in err
+
+
+def test_several_files_and_another_algorithm(tmp_path: Path, capsys):
+    other = tmp_path / "other.yaml"
+    other.write_text("domain: other\ndescriptors:\n  - key: k\n    rate_limit:\n"
+                     "      unit: hour\n      requests_per_unit: 7\n")
+    assert main(["import-ratelimit", "--algorithm", "token_bucket", str(IMPORTED),
+                 str(other)]) == 0
+    domains = yaml.safe_load(capsys.readouterr().out)["ratelimit"]["domains"]
+    assert [d["domain"] for d in domains] == ["edge", "other"]
+    assert domains[1]["descriptors"][0]["rate_limit"]["algorithm"] == "token_bucket"
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("domain: [unclosed", "not valid YAML"),
+    ("- just a list", "not an envoyproxy/ratelimit config"),
+    ("domain: d\ndescriptors:\n  - key: k\n    rate_limits: {}\n",
+     "descriptors[0]: unknown key 'rate_limits'"),
+    ("domain: d\ndescriptors:\n  - key: k\n    quota_mode: true\n",
+     "descriptors[0].quota_mode: not supported by kvgate"),
+    ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second}\n",
+     "descriptors[0].rate_limit: give unit and requests_per_unit"),
+    ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, "
+     "requests_per_unit: 1}\n", "descriptors[0].rate_limit.unit"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, text, problem):
+    path = tmp_path / "rl.yaml"
+    path.write_text(text)
+    assert main(["import-ratelimit", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith(f"kvgate import-ratelimit: {path}: ")
+    assert problem in err
+
+
+def test_a_missing_file(tmp_path: Path, capsys):
+    assert main(["import-ratelimit", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
