@@ -312,13 +312,36 @@ class SecretRef(_Strict):
         return value
 
 
+Engine = Literal["vllm", "sglang", "tgi", "trtllm"]
+
+# Engines that schedule by a ``priority`` field in the OpenAI request body, and whether a
+# lower value runs first. vLLM: ``priority`` (int, default 0) with ``--scheduling-policy
+# priority``, lower first (vllm/entrypoints/openai/protocol.py, vllm/v1/core/sched/).
+# SGLang: ``priority`` (int, optional) with ``--enable-priority-scheduling``, *higher* first
+# unless started with ``--schedule-low-priority-values-first`` (python/sglang/srt/
+# server_args.py, entrypoints/openai/protocol.py). TGI's request has no priority
+# (router/src/lib.rs); TensorRT-LLM's executor has a per-request float priority but no
+# OpenAI body field for it, under Triton or trtllm-serve, that kvgate could set.
+PRIORITY_LOW_FIRST: dict[str, bool] = {"vllm": True, "sglang": False}
+
+
 class Pool(_Strict):
     name: str = Field(min_length=1)
     models: list[Model] = Field(min_length=1)
     endpoints: list[str] = Field(default_factory=list, description="ip:port of each engine")
     dns: Dns | None = Field(None, description="discover endpoints by DNS instead")
+    engine: Engine = Field(
+        "vllm", description="what serves the pool: which /metrics names kvgate reads, and "
+        "whether and how the body's priority is set"
+    )
     priority_scheduling: bool = Field(
-        False, description="the engines run vLLM with --scheduling-policy priority"
+        False, description="the engines schedule by the body's priority (vLLM "
+        "--scheduling-policy priority, SGLang --enable-priority-scheduling)"
+    )
+    low_priority_first: bool | None = Field(
+        None, description="SGLang only: true if started with --schedule-low-priority-values-"
+        "first; null = the engine's default order (kvgate negates its priorities for SGLang's "
+        "higher-first default)"
     )
     upstream_api_key: SecretRef | None = Field(
         None, description="the key the engines expect (vLLM --api-key), sent as the "
@@ -378,6 +401,26 @@ class Pool(_Strict):
         if not self.endpoints and self.dns is None:
             raise ValueError("give endpoints (ip:port list) or dns")
         return self
+
+    @model_validator(mode="after")
+    def _engine_priority(self) -> Pool:
+        if self.priority_scheduling and self.engine not in PRIORITY_LOW_FIRST:
+            raise ValueError(
+                f"priority_scheduling: {self.engine} does not schedule by a request priority "
+                f"(engines that do: {', '.join(PRIORITY_LOW_FIRST)}); set it to false")
+        if self.low_priority_first is not None and self.engine != "sglang":
+            raise ValueError("low_priority_first: only SGLang has a choice of priority order")
+        return self
+
+    def body_priority(self, priority: int) -> int | None:
+        """A class's priority (lower runs first) as this pool's engines read it from the
+        body; None where they do not schedule by it, so none is sent."""
+        if not self.priority_scheduling:
+            return None
+        low_first = self.low_priority_first
+        if low_first is None:
+            low_first = PRIORITY_LOW_FIRST[self.engine]
+        return priority if low_first else -priority
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

@@ -344,6 +344,7 @@ def _scraper(
         metrics_path=settings.metrics_path,
         on_update=on_update,
         pools={p.name for p in config.pools if p.kv_aware},
+        engines={p.name: p.engine for p in config.pools},
     )
 
 
