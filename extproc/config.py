@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -378,6 +379,11 @@ class Pool(_Strict):
         None, description="'local' (NVML in this process) or a kvgate agent URL, {ip} allowed"
     )
     gpus: list[str] = Field(default_factory=list, description="GPU keys/UUIDs; empty = all")
+    endpoint_gpus: dict[str, list[str]] = Field(
+        default_factory=dict, description="ip:port → the GPUs or MIG slices that endpoint "
+        "runs on (UUID, or 'gpu' / 'gpu:mig' index key): its memory watermark reads only "
+        "those, instead of the pool's gpus"
+    )
     watermarks: Watermarks = Watermarks()
     scoring: Scoring = Scoring()
     degradation: Degradation | None = None
@@ -402,6 +408,35 @@ class Pool(_Strict):
             raise ValueError("give endpoints (ip:port list) or dns")
         return self
 
+    @field_validator("endpoint_gpus", mode="before")
+    @classmethod
+    def _one_gpu_as_a_list(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: [v] if isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _endpoint_gpus(self) -> Pool:
+        problems = []
+        for address, gpus in self.endpoint_gpus.items():
+            if self.endpoints and address not in self.endpoints:
+                problems.append(f"endpoint_gpus: {address!r} is not one of the endpoints")
+            elif not self.endpoints:  # found by DNS: any ip:port may turn up
+                try:
+                    parse_endpoint(address)
+                except ValueError as exc:
+                    problems.append(f"endpoint_gpus: {exc}")
+            problems += [f"endpoint_gpus.{address}: {gpu!r} is neither a GPU/MIG UUID nor "
+                         "a 'gpu' or 'gpu:mig' index key" for gpu in gpus if not _gpu_id(gpu)]
+            if not gpus:
+                problems.append(f"endpoint_gpus.{address}: name at least one GPU")
+        if self.endpoint_gpus and self.gpu_source is None:
+            problems.append("endpoint_gpus: set gpu_source ('local' or a kvgate agent URL) "
+                            "to read them from")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
     @model_validator(mode="after")
     def _engine_priority(self) -> Pool:
         if self.priority_scheduling and self.engine not in PRIORITY_LOW_FIRST:
@@ -421,6 +456,15 @@ class Pool(_Strict):
         if low_first is None:
             low_first = PRIORITY_LOW_FIRST[self.engine]
         return priority if low_first else -priority
+
+
+_GPU_KEY = re.compile(r"\d+(:\d+)?")
+
+
+def _gpu_id(gpu: str) -> bool:
+    """A GPU as NVML names it: its UUID (``GPU-…``, a MIG slice's ``MIG-…``) or the index
+    key ``GpuReading.key`` gives (``"0"``, ``"0:2"`` for MIG slot 2 of GPU 0)."""
+    return gpu.startswith(("GPU-", "MIG-")) or _GPU_KEY.fullmatch(gpu) is not None
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

@@ -321,8 +321,7 @@ def _scraper(
     config: Config, endpoints: EndpointStore, metrics: Metrics, director: Director
 ) -> Scraper:
     """The scrape loop for the KV-aware pools, with their GPU sources."""
-    sources = {p.name: GpuSource(GpuSource.parse(p.gpu_source).url, frozenset(p.gpus))
-               for p in config.pools if p.gpu_source}
+    sources = gpu_sources(config)
     local = any(s.url is None for s in sources.values())
     settings = config.scrape
 
@@ -346,6 +345,20 @@ def _scraper(
         pools={p.name for p in config.pools if p.kv_aware},
         engines={p.name: p.engine for p in config.pools},
     )
+
+
+def gpu_sources(config: Config) -> dict[str, GpuSource]:
+    """Each pool's GPU source, and each endpoint's own where it names its GPUs or MIG
+    slices (``endpoint_gpus``): the scraper prefers an address's entry to its pool's, so
+    that endpoint's memory watermark reads only its own slice."""
+    sources: dict[str, GpuSource] = {}
+    for pool in config.pools:
+        if pool.gpu_source:
+            url = GpuSource.parse(pool.gpu_source).url
+            sources[pool.name] = GpuSource(url, frozenset(pool.gpus))
+            for address, gpus in pool.endpoint_gpus.items():
+                sources[address] = GpuSource(url, frozenset(gpus))
+    return sources
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
