@@ -1,17 +1,15 @@
 """The simulated engine speaking other engines' ``/metrics`` (``--metrics-flavour``): every
 flavour reads back, through kvgate's own parser with that engine's names, as the same
-modelled state; an ``sglang`` engine runs higher priorities first, as SGLang does."""
+modelled state. (An ``sglang`` engine's priority order: test_server.py.)"""
 
 from __future__ import annotations
-
-import asyncio
 
 import httpx
 import pytest
 
 from extproc.datalayer.metrics import ENGINES, parse_metrics
 from extproc.engine.model import EngineConfig
-from extproc.engine.server import EngineProcess, EngineServer, parse_args, start_engine
+from extproc.engine.server import EngineProcess, EngineServer, parse_args
 
 FAST = {"ms_per_token": 2, "prefill_us_per_token": 10}
 
@@ -35,29 +33,3 @@ def test_the_flag_reaches_the_subprocess() -> None:
     with EngineProcess(metrics_flavour="sglang", **FAST) as engine:
         body = httpx.get(engine.url + "/metrics", timeout=5).text
     assert "sglang:token_usage{" in body and "vllm:" not in body
-
-
-async def test_an_sglang_engine_runs_higher_priorities_first() -> None:
-    handle = await start_engine(0, scheduling_policy="priority", max_num_seqs=1,
-                                metrics_flavour="sglang", **FAST)
-    try:
-        async with httpx.AsyncClient(base_url=handle.url, timeout=10) as c:
-            done: list[str] = []
-
-            async def ask(name: str, priority: int, tokens: int) -> None:
-                r = await c.post("/v1/completions", json={"prompt": name, "max_tokens": tokens,
-                                                          "priority": priority})
-                assert r.status_code == 200
-                done.append(name)
-
-            blocker = asyncio.create_task(ask("blocker", 0, 40))
-            while not handle.model.running:
-                await asyncio.sleep(0.005)
-            late = [asyncio.create_task(ask("low", -5, 1)),
-                    asyncio.create_task(ask("high", 1, 1))]
-            while len(handle.model.waiting) < 2:
-                await asyncio.sleep(0.005)
-            await asyncio.gather(blocker, *late)
-            assert done == ["blocker", "high", "low"]
-    finally:
-        await handle.stop()
