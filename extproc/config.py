@@ -339,6 +339,10 @@ class Pool(_Strict):
         False, description="the engines schedule by the body's priority (vLLM "
         "--scheduling-policy priority, SGLang --enable-priority-scheduling)"
     )
+    metrics_port: int | None = Field(
+        None, gt=0, lt=65536, description="the port the engines serve /metrics on, where it "
+        "is not their serving port (Triton: 8002); null = the endpoint's own port"
+    )
     low_priority_first: bool | None = Field(
         None, description="SGLang only: true if started with --schedule-low-priority-values-"
         "first; null = the engine's default order (kvgate negates its priorities for SGLang's "

@@ -344,6 +344,7 @@ def _scraper(
         on_update=on_update,
         pools={p.name for p in config.pools if p.kv_aware},
         engines={p.name: p.engine for p in config.pools},
+        metrics_ports={p.name: p.metrics_port for p in config.pools if p.metrics_port},
     )
 
 

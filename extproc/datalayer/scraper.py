@@ -115,6 +115,8 @@ class Scraper:
     (or its string form); the address wins. ``gpu_reader`` serves the "local" sources.
     ``engines`` maps a pool name to the engine serving it (``"sglang"``, or its
     ``EngineNames``), which says which metric names its bodies are read by; vLLM otherwise.
+    ``metrics_ports`` maps a pool name to the port its engines serve metrics on, where that
+    is not their serving port (Triton's 8002).
     ``session_factory`` makes the one ``ClientSession`` (created on first use, closed by
     ``stop()``); the default suits the bounded concurrency.
     """
@@ -135,6 +137,7 @@ class Scraper:
         clock: Callable[[], float] = time.monotonic,
         pools: Collection[str] | None = None,
         engines: Mapping[str, str | EngineNames] | None = None,
+        metrics_ports: Mapping[str, int] | None = None,
     ):
         if max_concurrency < 1 or interval_s <= 0 or timeout_s <= 0 or unhealthy_after < 1:
             raise ValueError("interval_s, timeout_s, max_concurrency, unhealthy_after must "
@@ -152,6 +155,7 @@ class Scraper:
         self.pools = None if pools is None else frozenset(pools)  # None: every pool
         self.engines = {pool: ENGINES[e] if isinstance(e, str) else e
                         for pool, e in (engines or {}).items()}
+        self.metrics_ports = dict(metrics_ports or {})
         self.rounds = 0
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
@@ -218,7 +222,7 @@ class Scraper:
         engines = self._engine_plan(snapshot)
         addresses = sorted(engines)
         plan = self._gpu_plan(snapshot)
-        scrapes = [self._scrape_metrics(a, engines[a]) for a in addresses]
+        scrapes = [self._scrape_metrics(*engines[a]) for a in addresses]
         if plan:
             metrics, gpu_readings = await asyncio.gather(
                 asyncio.gather(*scrapes),
@@ -241,16 +245,20 @@ class Scraper:
         await self._notify(current)
         return current
 
-    def _engine_plan(self, snapshot: StoreSnapshot) -> dict[str, EngineNames]:
-        """address → the engine its body is read as: its (first) scraped pool's."""
-        plan: dict[str, EngineNames] = {}
+    def _engine_plan(self, snapshot: StoreSnapshot) -> dict[str, tuple[str, EngineNames]]:
+        """address → (its metrics URL, the engine its body is read as): its (first) scraped
+        pool's."""
+        plan: dict[str, tuple[str, EngineNames]] = {}
         for state in snapshot.states():
             if (self.pools is None or state.pool in self.pools) and state.address not in plan:
-                plan[state.address] = self.engines.get(state.pool, VLLM)
+                where = state.address
+                if (port := self.metrics_ports.get(state.pool)) is not None:
+                    where = f"{state.address.rpartition(':')[0]}:{port}"
+                plan[state.address] = (f"http://{where}{self.metrics_path}",
+                                       self.engines.get(state.pool, VLLM))
         return plan
 
-    async def _scrape_metrics(self, address: str, names: EngineNames = VLLM) -> Scraped:
-        url = f"http://{address}{self.metrics_path}"
+    async def _scrape_metrics(self, url: str, names: EngineNames = VLLM) -> Scraped:
         at = self.clock()  # when asked: anything admitted later is not in these numbers yet
         try:
             body = await self._fetch(url)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from extproc.cli import main
-from extproc.config import Engine, hash_api_key, parse_config
+from extproc.config import ConfigError, Engine, hash_api_key, parse_config
 from extproc.datalayer.metrics import ENGINES
 
 
@@ -71,3 +71,11 @@ def test_low_priority_first_is_sglang_only_and_engines_are_spelled_right(tmp_pat
     err = capsys.readouterr().err
     assert "pools[0]: low_priority_first: only SGLang has a choice of priority order" in err
     assert "pools[1].engine:" in err and "'sglang'" in err
+
+
+def test_metrics_port_is_a_port() -> None:
+    assert config(engine="trtllm", metrics_port=8002).pools[0].metrics_port == 8002
+    assert config().pools[0].metrics_port is None
+    with pytest.raises(ConfigError) as info:
+        config(metrics_port=70000)
+    assert info.value.problems[0].startswith("pools[0].metrics_port:")
