@@ -267,8 +267,7 @@ def parse_metrics(text: str, names: EngineNames = VLLM) -> EngineMetrics:
     usage, source = reading.usage(capacities)
     if not samples:
         problems.append(f"no {names.engine} metrics in the body")
-    info = names.cache_info.name if names.cache_info else ""
-    engines = {reading.group(s) for s in samples if s.name != info}
+    engines = reading.engines()
     return EngineMetrics(
         kv_cache_usage=usage,
         num_requests_running=reading.total(names.running),
@@ -432,6 +431,15 @@ class _Reading:
     def group(self, sample: Sample) -> str:
         """The data-parallel engine a sample belongs to ("" without such a label)."""
         return sample.labels.get(self.names.group_label, "") if self.names.group_label else ""
+
+    def engines(self) -> set[str]:
+        """The data-parallel engines the body reports. Samples without the engine label in
+        a body whose others have it are server-wide (SGLang's token counters come from its
+        tokenizer process, not a scheduler): no engine of their own."""
+        info = self.names.cache_info.name if self.names.cache_info else ""
+        groups = {self.group(s) for samples in self.named.values() for s in samples
+                  if s.name != info}
+        return groups - {""} if len(groups) > 1 else groups
 
     def pick(self, families: Families) -> tuple[Family, list[Sample]] | None:
         """The first of ``families`` the body has, and its samples."""

@@ -125,9 +125,11 @@ def test_sglang_data_parallel_ranks_are_engines() -> None:
     body = (sglang("token_usage", 0.2, "0") + sglang("token_usage", 0.6, "1")
             + sglang("max_total_num_tokens", 1000, "0") + sglang("max_total_num_tokens", 3000, "1")
             + sglang("num_running_reqs", 2, "0") + sglang("num_running_reqs", 5, "1"))
+    body += 'sglang:prompt_tokens_total{model_name="m"} 99\n'  # the tokenizer's: no rank
     metrics = parse_metrics(body, SGLANG)
     assert metrics.kv_cache_usage == pytest.approx((0.2 * 1 + 0.6 * 3) / 4)
     assert (metrics.kv_capacity_tokens, metrics.num_requests_running) == (4000, 7)
+    assert metrics.prompt_tokens_total == 99
     assert metrics.engines == ("0", "1") and metrics.problems == ()
 
 
