@@ -98,11 +98,15 @@ async def scrape(cfg: Config, nvml: StubNvml | None = None) -> StoreSnapshot:
     store = EndpointStore()
     await store.set_endpoints("chat", cfg.pools[0].endpoints)
     reader = None if nvml is None else NvmlReader(nvml)
-    scraper = Scraper(store, gpu_sources=gpu_sources(cfg), gpu_reader=reader)
+    # a generous timeout: a loaded CI machine must not turn a slow scrape into no reading
+    scraper = Scraper(store, timeout_s=5, gpu_sources=gpu_sources(cfg),
+                      gpu_reader=reader)
     try:
-        return await scraper.scrape_once()
+        snapshot = await scraper.scrape_once()
     finally:
         await scraper.stop()
+    assert all(s.healthy for s in snapshot.states()), [s.last_error for s in snapshot.states()]
+    return snapshot
 
 
 def ratios(engines: dict[str, EngineHandle], snapshot: StoreSnapshot) -> dict[str, float]:
