@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -321,14 +322,41 @@ def _endpoint(endpoint: str) -> str:
     return endpoint
 
 
+Engine = Literal["vllm", "sglang", "tgi", "trtllm"]
+
+# Engines that schedule by a ``priority`` field in the OpenAI request body, and whether a
+# lower value runs first. vLLM: ``priority`` (int, default 0) with ``--scheduling-policy
+# priority``, lower first (vllm/entrypoints/openai/protocol.py, vllm/v1/core/sched/).
+# SGLang: ``priority`` (int, optional) with ``--enable-priority-scheduling``, *higher* first
+# unless started with ``--schedule-low-priority-values-first`` (python/sglang/srt/
+# server_args.py, entrypoints/openai/protocol.py). TGI's request has no priority
+# (router/src/lib.rs); TensorRT-LLM's executor has a per-request float priority but no
+# OpenAI body field for it, under Triton or trtllm-serve, that kvgate could set.
+PRIORITY_LOW_FIRST: dict[str, bool] = {"vllm": True, "sglang": False}
+
+
 class Pool(_Strict):
     name: str = Field(min_length=1)
     models: list[Model] = Field(min_length=1)
     endpoints: list[Annotated[str, AfterValidator(_endpoint)]] = Field(
         default_factory=list, description="ip:port of each engine")
     dns: Dns | None = Field(None, description="discover endpoints by DNS instead")
+    engine: Engine = Field(
+        "vllm", description="what serves the pool: which /metrics names kvgate reads, and "
+        "whether and how the body's priority is set"
+    )
     priority_scheduling: bool = Field(
-        False, description="the engines run vLLM with --scheduling-policy priority"
+        False, description="the engines schedule by the body's priority (vLLM "
+        "--scheduling-policy priority, SGLang --enable-priority-scheduling)"
+    )
+    metrics_port: int | None = Field(
+        None, gt=0, lt=65536, description="the port the engines serve /metrics on, where it "
+        "is not their serving port (Triton: 8002); null = the endpoint's own port"
+    )
+    low_priority_first: bool | None = Field(
+        None, description="SGLang only: true if started with --schedule-low-priority-values-"
+        "first; null = the engine's default order (kvgate negates its priorities for SGLang's "
+        "higher-first default)"
     )
     upstream_api_key: SecretRef | None = Field(
         None, description="the key the engines expect (vLLM --api-key), sent as the "
@@ -365,6 +393,11 @@ class Pool(_Strict):
         None, description="'local' (NVML in this process) or a kvgate agent URL, {ip} allowed"
     )
     gpus: list[str] = Field(default_factory=list, description="GPU keys/UUIDs; empty = all")
+    endpoint_gpus: dict[str, list[str]] = Field(
+        default_factory=dict, description="ip:port → the GPUs or MIG slices that endpoint "
+        "runs on (UUID, or 'gpu' / 'gpu:mig' index key): its memory watermark reads only "
+        "those, instead of the pool's gpus"
+    )
     watermarks: Watermarks = Watermarks()
     scoring: Scoring = Scoring()
     degradation: Degradation | None = None
@@ -381,6 +414,64 @@ class Pool(_Strict):
         if not self.endpoints and self.dns is None:
             raise ValueError("give endpoints (ip:port list) or dns")
         return self
+
+    @field_validator("endpoint_gpus", mode="before")
+    @classmethod
+    def _one_gpu_as_a_list(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: [v] if isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _endpoint_gpus(self) -> Pool:
+        problems = []
+        for address, gpus in self.endpoint_gpus.items():
+            if self.endpoints and address not in self.endpoints:
+                problems.append(f"endpoint_gpus: {address!r} is not one of the endpoints")
+            elif not self.endpoints:  # found by DNS: any ip:port may turn up
+                try:
+                    parse_endpoint(address)
+                except ValueError as exc:
+                    problems.append(f"endpoint_gpus: {exc}")
+            problems += [f"endpoint_gpus.{address}: {gpu!r} is neither a GPU/MIG UUID nor "
+                         "a 'gpu' or 'gpu:mig' index key" for gpu in gpus if not _gpu_id(gpu)]
+            if not gpus:
+                problems.append(f"endpoint_gpus.{address}: name at least one GPU")
+        if self.endpoint_gpus and self.gpu_source is None:
+            problems.append("endpoint_gpus: set gpu_source ('local' or a kvgate agent URL) "
+                            "to read them from")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _engine_priority(self) -> Pool:
+        if self.priority_scheduling and self.engine not in PRIORITY_LOW_FIRST:
+            raise ValueError(
+                f"priority_scheduling: {self.engine} does not schedule by a request priority "
+                f"(engines that do: {', '.join(PRIORITY_LOW_FIRST)}); set it to false")
+        if self.low_priority_first is not None and self.engine != "sglang":
+            raise ValueError("low_priority_first: only SGLang has a choice of priority order")
+        return self
+
+    def body_priority(self, priority: int) -> int | None:
+        """A class's priority (lower runs first) as this pool's engines read it from the
+        body; None where they do not schedule by it, so none is sent."""
+        if not self.priority_scheduling:
+            return None
+        low_first = self.low_priority_first
+        if low_first is None:
+            low_first = PRIORITY_LOW_FIRST[self.engine]
+        return priority if low_first else -priority
+
+
+_GPU_KEY = re.compile(r"\d+(:\d+)?")
+
+
+def _gpu_id(gpu: str) -> bool:
+    """A GPU as NVML names it: its UUID (``GPU-…``, a MIG slice's ``MIG-…``) or the index
+    key ``GpuReading.key`` gives (``"0"``, ``"0:2"`` for MIG slot 2 of GPU 0)."""
+    return gpu.startswith(("GPU-", "MIG-")) or _GPU_KEY.fullmatch(gpu) is not None
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

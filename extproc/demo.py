@@ -82,7 +82,8 @@ class Stack:
 
 @contextlib.contextmanager
 def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterator[Stack]:
-    """Engines for every pool endpoint, kvgate, then Envoy; torn down in reverse order."""
+    """Engines for every pool endpoint (each speaking its pool's engine's metrics), kvgate,
+    then Envoy; torn down in reverse order."""
     from extproc.engine.server import EngineProcess
     from extproc.envoy_proc import EnvoyProcess
 
@@ -91,15 +92,14 @@ def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterat
         for pool in config.pools:
             for endpoint in pool.endpoints:
                 host, port = parse_endpoint(endpoint)
+                options = {
+                    "model": pool.models[0].name,
+                    "scheduling_policy": "priority" if pool.priority_scheduling else "fcfs",
+                    "metrics_flavour": pool.engine,  # the engine the pool says it runs
+                    **(engine_options or {}),
+                }
                 engines[endpoint] = stack.enter_context(
-                    EngineProcess(
-                        port=port,
-                        host=host,
-                        model=pool.models[0].name,
-                        scheduling_policy="priority" if pool.priority_scheduling else "fcfs",
-                        **(engine_options or {}),
-                    )
-                )
+                    EngineProcess(port=port, host=host, **options))
         kvgate = ServerThread(config).start()
         stack.callback(kvgate.stop)
         envoy = stack.enter_context(EnvoyProcess(config))

@@ -229,7 +229,7 @@ class Director:
         return Admission(
             tenant=tenant, lease_id=lease_id, cost=cost, scheduler=scheduler,
             endpoints=placed.endpoints,
-            priority=klass.priority if scheduler.config.priority_scheduling else None,
+            priority=scheduler.config.body_priority(klass.priority),
             request_class=klass.name, admit=decision, body_overrides=route.overrides,
             charged=charged,
         )

@@ -34,8 +34,8 @@ from extproc.director import Director
 from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
-from extproc.status import add_status_routes
 from extproc.rls import RateLimitService
+from extproc.status import add_status_routes
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
 from extproc.wiring import build_director, build_rate_counters, build_store
@@ -488,8 +488,7 @@ def _scraper(
     on_scraped: Callable[[StoreSnapshot], None] | None = None,
 ) -> Scraper:
     """The scrape loop for the KV-aware pools, with their GPU sources."""
-    sources = {p.name: GpuSource(GpuSource.parse(p.gpu_source).url, frozenset(p.gpus))
-               for p in config.pools if p.gpu_source}
+    sources = gpu_sources(config)
     local = any(s.url is None for s in sources.values())
     settings = config.scrape
 
@@ -509,7 +508,23 @@ def _scraper(
         metrics_path=settings.metrics_path,
         on_update=on_update,
         pools={p.name for p in config.pools if p.kv_aware},
+        engines={p.name: p.engine for p in config.pools},
+        metrics_ports={p.name: p.metrics_port for p in config.pools if p.metrics_port},
     )
+
+
+def gpu_sources(config: Config) -> dict[str, GpuSource]:
+    """Each pool's GPU source, and each endpoint's own where it names its GPUs or MIG
+    slices (``endpoint_gpus``): the scraper prefers an address's entry to its pool's, so
+    that endpoint's memory watermark reads only its own slice."""
+    sources: dict[str, GpuSource] = {}
+    for pool in config.pools:
+        if pool.gpu_source:
+            url = GpuSource.parse(pool.gpu_source).url
+            sources[pool.name] = GpuSource(url, frozenset(pool.gpus))
+            for address, gpus in pool.endpoint_gpus.items():
+                sources[address] = GpuSource(url, frozenset(gpus))
+    return sources
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

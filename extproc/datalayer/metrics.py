@@ -1,13 +1,18 @@
-r"""vLLM ``/metrics`` text → ``EngineMetrics``: pure parsing, no I/O, never raises.
+r"""An engine's ``/metrics`` text → ``EngineMetrics``: pure parsing, no I/O, never raises.
+
+One parser reads every engine kvgate knows (vLLM, SGLang, TGI, TensorRT-LLM under Triton):
+what differs between them is only *where* each figure is exported, and that is data — an
+``EngineNames`` per engine in ``ENGINES`` — not code. Each name there was taken from the
+engine's own source (the file is named beside it).
 
 A scrape body is untrusted input (a proxy's HTML error page, a truncated read, a future
-vLLM that renamed a family), and it arrives ten times a second per endpoint. So parsing
+release that renamed a family), and it arrives ten times a second per endpoint. So parsing
 returns whatever it could read plus a list of problems, and the caller decides what a
 partial reading is worth.
 
-Speed: a vLLM body is mostly histogram buckets nobody here reads. One regex scan picks out
-the lines of the wanted metric names (7 of ~450 sample lines in a real vLLM 0.32 body), and
-a small parser of the text exposition format reads just those, caching each distinct label
+Speed: a body is mostly histogram buckets nobody here reads. One regex scan picks out the
+lines of the wanted metric names (7 of ~450 sample lines in a real vLLM 0.32 body), and a
+small parser of the text exposition format reads just those, caching each distinct label
 set (they are the same on every scrape). With ``prometheus_client``'s parser on the same
 lines, which this replaced, a parse cost 4-5x as much. Values are read by *sample* name, so
 ``# HELP`` and ``# TYPE`` lines play no part.
@@ -17,13 +22,15 @@ values (which may hold commas, braces and metric names), ``NaN``, ``+Inf``, expo
 optional timestamp, CRLF line ends, a trailing comma after the last label — and rejects
 a malformed line as a whole: any line it reads, ``prometheus_client`` reads the same way.
 
-Data-parallel engines: one vLLM server with ``--data-parallel-size N`` reports every family
-once per ``engine`` label value. Counts and counters are summed over engines. KV usage is
-averaged weighted by each engine's KV capacity when the capacity of every reporting engine
-is known — that is the fraction of the *server's* KV cache in use, which is what admission
-compares with its watermarks — and otherwise the maximum is taken: without weights the
-conservative reading is the fullest engine, since an unweighted mean could hide one engine
-that is about to preempt.
+Data-parallel engines: one server can report every family once per engine (vLLM's
+``engine`` label with ``--data-parallel-size N``, SGLang's ``dp_rank``): the engine's
+``group_label``. Counts and counters are summed over engines (within one engine the largest
+sample counts: SGLang can report the same engine from every tensor-parallel rank). KV usage
+is averaged weighted by each engine's KV capacity when the capacity of every reporting
+engine is known — that is the fraction of the *server's* KV cache in use, which is what
+admission compares with its watermarks — and otherwise the maximum is taken: without weights
+the conservative reading is the fullest engine, since an unweighted mean could hide one
+engine that is about to preempt.
 """
 
 from __future__ import annotations
@@ -45,8 +52,6 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 
-WANTED = frozenset({KV_USAGE, KV_USAGE_LEGACY, RUNNING, WAITING, PREEMPTIONS, PROMPT_TOKENS,
-                    GENERATION_TOKENS, CACHE_CONFIG})
 MAX_PROBLEMS = 20  # a body of pure junk must not become a megabyte of log text
 MAX_COUNT = 2**53  # the largest block size, block count or token count taken from a label
 
@@ -60,14 +65,168 @@ class Sample(NamedTuple):
     value: float
 
 
+# -- where each engine exports what --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A series one figure is read from: a sample name and, where an engine puts several
+    figures in one family (Triton's ``nv_trt_llm_*``), the label value that selects it."""
+
+    name: str
+    label: str = ""
+    value: str = ""
+
+    def matches(self, sample: Sample) -> bool:
+        return sample.name == self.name and (
+            not self.label or sample.labels.get(self.label) == self.value)
+
+    def __str__(self) -> str:
+        return f'{self.name}{{{self.label}="{self.value}"}}' if self.label else self.name
+
+
+Families = tuple[Family, ...]  # alternatives: the first one the body has is read
+
+
+def _f(*names: str) -> Families:
+    return tuple(Family(name) for name in names)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheInfo:
+    """An info family (value 1) whose labels give the KV capacity: in tokens directly
+    (``tokens_label``), else as block size × block count."""
+
+    name: str
+    block_size_label: str
+    blocks_label: str
+    tokens_label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNames:
+    """Where one engine exports the figures kvgate schedules on.
+
+    KV usage is ``kv_usage`` (a 0–1 gauge) or, where the engine has none, ``kv_used_tokens``
+    ÷ capacity. Capacity in tokens comes from ``cache_info``'s labels, else a
+    ``kv_capacity_tokens`` gauge, else ``kv_blocks`` × ``kv_block_size`` gauges.
+    ``group_label`` tells data-parallel engines of one server apart; ``model_label`` names
+    the served model.
+    """
+
+    engine: str
+    kv_usage: Families = ()
+    kv_used_tokens: Families = ()
+    running: Families = ()
+    waiting: Families = ()
+    preemptions: Families = ()
+    prompt_tokens: Families = ()
+    generation_tokens: Families = ()
+    cache_info: CacheInfo | None = None
+    kv_capacity_tokens: Families = ()
+    kv_blocks: Families = ()
+    kv_block_size: Families = ()
+    group_label: str = ""
+    model_label: str = ""
+
+    @property
+    def wanted(self) -> frozenset[str]:
+        """Every sample name this engine's figures may come from."""
+        return _wanted(self)
+
+
+@functools.lru_cache(maxsize=16)
+def _wanted(names: EngineNames) -> frozenset[str]:
+    families = (*names.kv_usage, *names.kv_used_tokens, *names.running, *names.waiting,
+                *names.preemptions, *names.prompt_tokens, *names.generation_tokens,
+                *names.kv_capacity_tokens, *names.kv_blocks, *names.kv_block_size)
+    info = () if names.cache_info is None else (names.cache_info.name,)
+    return frozenset({family.name for family in families} | set(info))
+
+
+# vLLM: vllm/v1/metrics/loggers.py (the families), vllm/config/cache.py (cache_config_info's
+# labels; kv_cache_size_tokens in newer releases). Read the V1 name, fall back to the V0 one.
+VLLM = EngineNames(
+    "vllm",
+    kv_usage=_f(KV_USAGE, KV_USAGE_LEGACY),
+    running=_f(RUNNING), waiting=_f(WAITING), preemptions=_f(PREEMPTIONS),
+    prompt_tokens=_f(PROMPT_TOKENS), generation_tokens=_f(GENERATION_TOKENS),
+    cache_info=CacheInfo(CACHE_CONFIG, "block_size", "num_gpu_blocks", "kv_cache_size_tokens"),
+    group_label="engine", model_label="model_name",
+)
+
+# SGLang: python/sglang/srt/observability/metrics_collector.py (SchedulerMetricsCollector,
+# TokenizerMetricsCollector; python/sglang/srt/metrics/collector.py before the move), labels
+# from observability/scheduler_metrics_mixin.py (model_name, engine_type, tp_rank, pp_rank,
+# moe_ep_rank, and dp_rank with data-parallel attention). token_usage is used ÷
+# max_total_num_tokens; a retraction is SGLang's preemption. Releases that export
+# sglang:cache_config_info carry the capacity as page_size × num_pages (llm-d-router's
+# sglang mapping reads those labels).
+SGLANG = EngineNames(
+    "sglang",
+    kv_usage=_f("sglang:token_usage"),
+    kv_used_tokens=_f("sglang:num_used_tokens"),
+    running=_f("sglang:num_running_reqs"), waiting=_f("sglang:num_queue_reqs"),
+    preemptions=_f("sglang:num_retracted_requests_total"),
+    prompt_tokens=_f("sglang:prompt_tokens_total"),
+    generation_tokens=_f("sglang:generation_tokens_total"),
+    cache_info=CacheInfo("sglang:cache_config_info", "page_size", "num_pages"),
+    kv_capacity_tokens=_f("sglang:max_total_num_tokens"),
+    group_label="dp_rank", model_label="model_name",
+)
+
+# TGI: backends/v3/src/backend.rs, queue.rs, lib.rs and router/src/server.rs (3.x). TGI has
+# no usage gauge: the running batch's tokens (tgi_batch_current_max_tokens, the KV slots it
+# holds) over max_batch_total_tokens (tgi_batch_max_total_tokens, what warmup found fits).
+# Token totals are the _sum of its per-request histograms. No labels, no model name.
+TGI = EngineNames(
+    "tgi",
+    kv_used_tokens=_f("tgi_batch_current_max_tokens"),
+    running=_f("tgi_batch_current_size"), waiting=_f("tgi_queue_size"),
+    prompt_tokens=_f("tgi_request_input_length_sum"),
+    generation_tokens=_f("tgi_request_generated_tokens_sum"),
+    kv_capacity_tokens=_f("tgi_batch_max_total_tokens"),
+)
+
+# TensorRT-LLM under Triton: triton_backend/inflight_batcher_llm/src/custom_metrics_reporter/
+# custom_metrics_reporter.cc (NVIDIA/TensorRT-LLM; formerly tensorrtllm_backend): one family
+# per group, the figure in a label (request_type, kv_cache_block_type), plus model and version
+# labels. "scheduled" requests are the running ones, as llm-d-router maps them. The trtllm_*
+# alternatives are trtllm-serve's names as llm-d-router's metrics factory maps them
+# (pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go).
+_TRITON_REQUESTS = "nv_trt_llm_request_metrics"
+_TRITON_KV = "nv_trt_llm_kv_cache_block_metrics"
+TRTLLM = EngineNames(
+    "trtllm",
+    kv_usage=(Family(_TRITON_KV, "kv_cache_block_type", "fraction"),
+              Family("trtllm_kv_cache_utilization")),
+    running=(Family(_TRITON_REQUESTS, "request_type", "scheduled"),
+             Family("trtllm_num_requests_running")),
+    waiting=(Family(_TRITON_REQUESTS, "request_type", "waiting"),
+             Family("trtllm_num_requests_waiting")),
+    prompt_tokens=(Family("nv_llm_input_token_len_sum"),),
+    generation_tokens=(Family("nv_llm_output_token_len_sum"),),
+    kv_blocks=(Family(_TRITON_KV, "kv_cache_block_type", "max"),
+               Family("trtllm_kv_cache_max_blocks")),
+    kv_block_size=(Family(_TRITON_KV, "kv_cache_block_type", "tokens_per"),
+                   Family("trtllm_kv_cache_tokens_per_block")),
+    group_label="model", model_label="model",
+)
+
+ENGINES: Mapping[str, EngineNames] = MappingProxyType(
+    {names.engine: names for names in (VLLM, SGLANG, TGI, TRTLLM)})
+WANTED = VLLM.wanted
+
+
 @dataclass(frozen=True, slots=True)
 class EngineMetrics:
-    """What one scrape of one vLLM server said; ``None`` where it said nothing usable.
+    """What one scrape of one engine said; ``None`` where it said nothing usable.
 
     ``kv_cache_usage`` is a fraction in [0, 1]. ``kv_capacity_tokens`` is the server's KV
-    cache size in tokens (summed over data-parallel engines), from ``vllm:cache_config_info``.
-    ``kv_usage_source`` names the family the usage came from, so an old engine that only has
-    the deprecated name is visible. ``problems`` says what was wrong with the body.
+    cache size in tokens (summed over data-parallel engines). ``kv_usage_source`` names the
+    series the usage came from, so an old engine that only has a deprecated name is visible.
+    ``engines`` are the data-parallel engines seen (``""`` where the engine has no such
+    label). ``problems`` says what was wrong with the body.
     """
 
     kv_cache_usage: float | None = None
@@ -84,7 +243,7 @@ class EngineMetrics:
 
     @property
     def has_data(self) -> bool:
-        """Whether the body held any vLLM metric at all (a junk body holds none)."""
+        """Whether the body held any of the engine's metrics (a junk body holds none)."""
         return bool(self.engines) or self.kv_capacity_tokens is not None
 
     @property
@@ -97,26 +256,28 @@ class EngineMetrics:
 
 def parse_vllm_metrics(text: str) -> EngineMetrics:
     """Read the metrics kvgate schedules on from a vLLM ``/metrics`` body."""
-    samples, problems = read_samples(text, WANTED)
-    named: dict[str, list[Sample]] = {}
-    for sample in samples:
-        named.setdefault(sample.name, []).append(sample)
-    usage_name = KV_USAGE if KV_USAGE in named else KV_USAGE_LEGACY
-    capacities = _engine_capacities(named.get(CACHE_CONFIG, []), problems)
-    usage = _combined_usage(named.get(usage_name, []), usage_name, capacities, problems)
-    engines = {_engine(s) for s in samples if s.name != CACHE_CONFIG}
+    return parse_metrics(text, VLLM)
+
+
+def parse_metrics(text: str, names: EngineNames = VLLM) -> EngineMetrics:
+    """Read the metrics kvgate schedules on from one engine's ``/metrics`` body."""
+    samples, problems = read_samples(text, names.wanted)
+    reading = _Reading(names, samples, problems)
+    capacities = reading.capacities()
+    usage, source = reading.usage(capacities)
     if not samples:
-        problems.append("no vLLM metrics in the body")
+        problems.append(f"no {names.engine} metrics in the body")
+    engines = reading.engines()
     return EngineMetrics(
         kv_cache_usage=usage,
-        num_requests_running=_summed(named.get(RUNNING), problems),
-        num_requests_waiting=_summed(named.get(WAITING), problems),
-        num_preemptions_total=_summed(named.get(PREEMPTIONS), problems),
-        prompt_tokens_total=_summed(named.get(PROMPT_TOKENS), problems),
-        generation_tokens_total=_summed(named.get(GENERATION_TOKENS), problems),
+        num_requests_running=reading.total(names.running),
+        num_requests_waiting=reading.total(names.waiting),
+        num_preemptions_total=reading.total(names.preemptions),
+        prompt_tokens_total=reading.total(names.prompt_tokens),
+        generation_tokens_total=reading.total(names.generation_tokens),
         kv_capacity_tokens=_capacity_total(capacities, engines, problems),
-        kv_usage_source=usage_name if usage is not None else None,
-        models=tuple(sorted({model for s in samples if (model := s.labels.get("model_name"))})),
+        kv_usage_source=source if usage is not None else None,
+        models=_models(samples, names.model_label),
         engines=tuple(sorted(engines)),
         problems=_capped(problems),
     )
@@ -249,49 +410,137 @@ def _number(token: str) -> float:
     return float(token)
 
 
+def _models(samples: list[Sample], label: str) -> tuple[str, ...]:
+    if not label:
+        return ()
+    return tuple(sorted({model for s in samples if (model := s.labels.get(label))}))
+
+
 # -- combining engines ---------------------------------------------------------------------
 
 
-def _engine(sample: Sample) -> str:
-    return sample.labels.get("engine", "")
+class _Reading:
+    """One body's samples, read through one engine's names."""
 
+    def __init__(self, names: EngineNames, samples: list[Sample], problems: list[str]):
+        self.names, self.problems = names, problems
+        self.named: dict[str, list[Sample]] = {}
+        for sample in samples:
+            self.named.setdefault(sample.name, []).append(sample)
 
-def _summed(samples: list[Sample] | None, problems: list[str]) -> int | None:
-    """The total over engines of one family; None when the body had none.
+    def group(self, sample: Sample) -> str:
+        """The data-parallel engine a sample belongs to ("" without such a label)."""
+        return sample.labels.get(self.names.group_label, "") if self.names.group_label else ""
 
-    Finite values can still add up to infinity, which ``round`` would raise on.
-    """
-    if samples is None:
+    def engines(self) -> set[str]:
+        """The data-parallel engines the body reports. Samples without the engine label in
+        a body whose others have it are server-wide (SGLang's token counters come from its
+        tokenizer process, not a scheduler): no engine of their own."""
+        info = self.names.cache_info.name if self.names.cache_info else ""
+        groups = {self.group(s) for samples in self.named.values() for s in samples
+                  if s.name != info}
+        return groups - {""} if len(groups) > 1 else groups
+
+    def pick(self, families: Families) -> tuple[Family, list[Sample]] | None:
+        """The first of ``families`` the body has, and its samples."""
+        for family in families:
+            samples = [s for s in self.named.get(family.name, ()) if family.matches(s)]
+            if samples:
+                return family, samples
         return None
-    total = sum(s.value for s in samples)
-    if math.isfinite(total):
-        return round(total)
-    problems.append(f"{samples[0].name} adds up to {total}")
-    return None
 
+    def per_group(self, families: Families) -> tuple[Family, dict[str, float]] | None:
+        """The first present family's value per engine: the largest where one engine
+        reports the same family several times (once per tensor-parallel rank)."""
+        picked = self.pick(families)
+        if picked is None:
+            return None
+        values: dict[str, float] = {}
+        for sample in picked[1]:
+            group = self.group(sample)
+            values[group] = max(sample.value, values.get(group, -math.inf))
+        return picked[0], values
 
-def _engine_capacities(infos: list[Sample], problems: list[str]) -> dict[str, int]:
-    """KV capacity in tokens per engine, from the ``cache_config_info`` samples' labels.
+    def total(self, families: Families) -> int | None:
+        """A count's total over engines; None when the body had none.
 
-    Newer vLLM exports ``kv_cache_size_tokens``, which is right for hybrid models where
-    block_size × num_gpu_blocks is not; older ones only the two factors.
-    """
-    capacities: dict[str, int] = {}
-    for sample in infos:
-        labels = sample.labels
-        tokens = _positive_int(labels.get("kv_cache_size_tokens"))
-        if tokens is None:
-            block_size = _positive_int(labels.get("block_size"))
-            blocks = _positive_int(labels.get("num_gpu_blocks"))
-            if block_size is None or blocks is None:
-                problems.append(
-                    f"{CACHE_CONFIG} without usable block_size/num_gpu_blocks "
-                    f"({labels.get('block_size')!r}, {labels.get('num_gpu_blocks')!r})")
-                continue
-            tokens = block_size * blocks
-        engine = _engine(sample)
-        capacities[engine] = max(tokens, capacities.get(engine, 0))
-    return capacities
+        Finite values can still add up to infinity, which ``round`` would raise on.
+        """
+        picked = self.per_group(families)
+        if picked is None:
+            return None
+        total = sum(picked[1].values())
+        if math.isfinite(total):
+            return round(total)
+        self.problems.append(f"{picked[0]} adds up to {total}")
+        return None
+
+    def capacities(self) -> dict[str, int]:
+        """KV capacity in tokens per engine: info labels, a gauge, or blocks × block size."""
+        names = self.names
+        if names.cache_info is not None and names.cache_info.name in self.named:
+            return self._info_capacities(names.cache_info)
+        if gauge := self.per_group(names.kv_capacity_tokens):
+            return self._positive(gauge[1], str(gauge[0]))
+        blocks, size = self.per_group(names.kv_blocks), self.per_group(names.kv_block_size)
+        if blocks is None or size is None:
+            return {}
+        counts = self._positive(blocks[1], str(blocks[0]))
+        sizes = self._positive(size[1], str(size[0]))
+        return {g: n * sizes[g] for g, n in counts.items() if g in sizes}
+
+    def _info_capacities(self, info: CacheInfo) -> dict[str, int]:
+        """Newer vLLM exports ``kv_cache_size_tokens``, which is right for hybrid models
+        where block_size × num_gpu_blocks is not; older ones only the two factors."""
+        capacities: dict[str, int] = {}
+        for sample in self.named[info.name]:
+            labels = sample.labels
+            tokens = _positive_int(labels.get(info.tokens_label)) if info.tokens_label else None
+            if tokens is None:
+                block_size = _positive_int(labels.get(info.block_size_label))
+                blocks = _positive_int(labels.get(info.blocks_label))
+                if block_size is None or blocks is None:
+                    self.problems.append(
+                        f"{info.name} without usable {info.block_size_label}/{info.blocks_label}"
+                        f" ({labels.get(info.block_size_label)!r}, "
+                        f"{labels.get(info.blocks_label)!r})")
+                    continue
+                tokens = block_size * blocks
+            group = self.group(sample)
+            capacities[group] = max(tokens, capacities.get(group, 0))
+        return capacities
+
+    def _positive(self, values: dict[str, float], name: str) -> dict[str, int]:
+        out = {}
+        for group, value in values.items():
+            if 0 < value <= MAX_COUNT:
+                out[group] = round(value)
+            else:
+                self.problems.append(f"{name} is {value}, not a KV size")
+        return out
+
+    def usage(self, capacities: dict[str, int]) -> tuple[float | None, str | None]:
+        """The server's KV usage and the series it came from (see the module docstring)."""
+        picked = self.per_group(self.names.kv_usage)
+        if picked is not None:
+            family, per_group = picked
+        elif used := self.per_group(self.names.kv_used_tokens):
+            family = used[0]
+            per_group = {g: v / capacities[g] for g, v in used[1].items() if capacities.get(g)}
+        else:
+            return None, None
+        name = str(family)
+        for group, value in per_group.items():
+            if not 0.0 <= value <= 1.0:
+                self.problems.append(f"{name} out of [0, 1]: {value}; clamped")
+                per_group[group] = min(1.0, max(0.0, value))
+        if not per_group:
+            return None, None
+        weights = [capacities.get(group, 0) for group in per_group]
+        if all(weights):
+            total = sum(u * w for u, w in zip(per_group.values(), weights, strict=True))
+            return total / sum(weights), name
+        return max(per_group.values()), name
 
 
 def _positive_int(value: str | None) -> int | None:
@@ -304,26 +553,6 @@ def _positive_int(value: str | None) -> int | None:
     except ValueError:
         return None
     return number if 0 < number <= MAX_COUNT else None
-
-
-def _combined_usage(usages: list[Sample], name: str, capacities: dict[str, int],
-                    problems: list[str]) -> float | None:
-    """Usage over engines (``usages`` are ``name``'s samples); see the module docstring."""
-    per_engine: dict[str, float] = {}
-    for sample in usages:
-        value = sample.value
-        if not 0.0 <= value <= 1.0:
-            problems.append(f"{name} out of [0, 1]: {value}; clamped")
-            value = min(1.0, max(0.0, value))
-        engine = _engine(sample)
-        per_engine[engine] = max(value, per_engine.get(engine, 0.0))
-    if not per_engine:
-        return None
-    weights = [capacities.get(engine, 0) for engine in per_engine]
-    if all(weights):
-        total = sum(u * w for u, w in zip(per_engine.values(), weights, strict=True))
-        return total / sum(weights)
-    return max(per_engine.values())
 
 
 def _capacity_total(capacities: dict[str, int], engines: set[str],

@@ -1,4 +1,4 @@
-"""The scrape loop: every endpoint's vLLM ``/metrics`` (and GPU readings) every ~100 ms.
+"""The scrape loop: every endpoint's engine ``/metrics`` (and GPU readings) every ~100 ms.
 
 Each round fetches every address in the store once, at most ``max_concurrency`` at a time,
 each bounded by ``timeout_s``, over one reused ``aiohttp.ClientSession`` (keep-alive: a
@@ -40,7 +40,7 @@ from extproc.datalayer.endpoints import (
     ScrapeResult,
     StoreSnapshot,
 )
-from extproc.datalayer.metrics import EngineMetrics, parse_vllm_metrics
+from extproc.datalayer.metrics import ENGINES, VLLM, EngineMetrics, EngineNames, parse_metrics
 from extproc.datalayer.nvml import AsyncGpuReader, GpuReader, GpuReading, parse_gpu_metrics
 from extproc.tasks import cancel
 
@@ -113,6 +113,10 @@ class Scraper:
 
     ``gpu_sources`` maps an endpoint address (``ip:port``) or a pool name to a ``GpuSource``
     (or its string form); the address wins. ``gpu_reader`` serves the "local" sources.
+    ``engines`` maps a pool name to the engine serving it (``"sglang"``, or its
+    ``EngineNames``), which says which metric names its bodies are read by; vLLM otherwise.
+    ``metrics_ports`` maps a pool name to the port its engines serve metrics on, where that
+    is not their serving port (Triton's 8002).
     ``session_factory`` makes the one ``ClientSession`` (created on first use, closed by
     ``stop()``); the default suits the bounded concurrency.
     """
@@ -132,6 +136,8 @@ class Scraper:
         on_update: UpdateHook | None = None,
         clock: Callable[[], float] = time.monotonic,
         pools: Collection[str] | None = None,
+        engines: Mapping[str, str | EngineNames] | None = None,
+        metrics_ports: Mapping[str, int] | None = None,
     ):
         if max_concurrency < 1 or interval_s <= 0 or timeout_s <= 0 or unhealthy_after < 1:
             raise ValueError("interval_s, timeout_s, max_concurrency, unhealthy_after must "
@@ -147,6 +153,9 @@ class Scraper:
         self.on_update = on_update
         self.clock = clock
         self.pools = None if pools is None else frozenset(pools)  # None: every pool
+        self.engines = {pool: ENGINES[e] if isinstance(e, str) else e
+                        for pool, e in (engines or {}).items()}
+        self.metrics_ports = dict(metrics_ports or {})
         self.rounds = 0
         self.errors: dict[str, int] = {}  # address → failed scrapes (the metrics read it)
         self._semaphore = asyncio.Semaphore(max_concurrency)
@@ -211,10 +220,10 @@ class Scraper:
     async def scrape_once(self) -> StoreSnapshot:
         """One round over every endpoint in the store; returns the snapshot it produced."""
         snapshot = self.store.snapshot()
-        addresses = sorted({s.address for s in snapshot.states()
-                            if self.pools is None or s.pool in self.pools})
+        engines = self._engine_plan(snapshot)
+        addresses = sorted(engines)
         plan = self._gpu_plan(snapshot)
-        scrapes = [self._scrape_metrics(a) for a in addresses]
+        scrapes = [self._scrape_metrics(*engines[a]) for a in addresses]
         if plan:
             metrics, gpu_readings = await asyncio.gather(
                 asyncio.gather(*scrapes),
@@ -239,16 +248,28 @@ class Scraper:
         await self._notify(current)
         return current
 
-    async def _scrape_metrics(self, address: str) -> Scraped:
-        url = f"http://{address}{self.metrics_path}"
+    def _engine_plan(self, snapshot: StoreSnapshot) -> dict[str, tuple[str, EngineNames]]:
+        """address → (its metrics URL, the engine its body is read as): its (first) scraped
+        pool's."""
+        plan: dict[str, tuple[str, EngineNames]] = {}
+        for state in snapshot.states():
+            if (self.pools is None or state.pool in self.pools) and state.address not in plan:
+                where = state.address
+                if (port := self.metrics_ports.get(state.pool)) is not None:
+                    where = f"{state.address.rpartition(':')[0]}:{port}"
+                plan[state.address] = (f"http://{where}{self.metrics_path}",
+                                       self.engines.get(state.pool, VLLM))
+        return plan
+
+    async def _scrape_metrics(self, url: str, names: EngineNames = VLLM) -> Scraped:
         at = self.clock()  # when asked: anything admitted later is not in these numbers yet
         try:
             body = await self._fetch(url)
         except Exception as exc:
             return self.clock(), None, _describe(exc, self.timeout_s), not _unreachable(exc)
-        metrics = parse_vllm_metrics(body)
+        metrics = parse_metrics(body, names)
         if not metrics.has_data:
-            return at, None, f"no vLLM metrics at {url}", True
+            return at, None, f"no {names.engine} metrics at {url}", True
         return at, metrics, None, True
 
     async def _fetch(self, url: str) -> str:

@@ -48,6 +48,7 @@ from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 FcfsPriority = Literal["reject", "ignore"]
+MetricsFlavour = Literal["vllm", "sglang", "tgi", "trtllm"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ class EngineConfig:
     # Longest prompt + completion accepted; None means the whole KV cache, so that every
     # accepted request can eventually run alone.
     max_model_len: int | None = None
+    # Whose /metrics names the engine exports (extproc.engine.server.EngineMetrics); an
+    # "sglang" engine also reads the body's priority as SGLang does by default, higher first.
+    metrics_flavour: MetricsFlavour = "vllm"
 
     @property
     def context_limit(self) -> int:

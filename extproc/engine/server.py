@@ -14,12 +14,18 @@ Run it::
         [--base-ms 7] [--decode-us-per-seq 60] [--prefill-us-per-token 90] [--time-scale 1]
         [--ms-per-token N] [--max-num-batched-tokens 2048]
         [--kv-blocks 2048 --block-size 16] [--max-num-seqs 64] [--max-model-len N]
+        [--metrics-flavour vllm|sglang|tgi|trtllm]
 
 The engine runs vLLM V1's step loop (continuous batching, chunked prefill, a step time that
 grows with the batch; see ``extproc.engine.model``). ``--time-scale 10`` runs every step 10×
 slower in real time. ``--fcfs-priority``: a non-zero ``priority`` on an ``fcfs`` engine is
 ignored (``ignore``, the default, as vLLM 0.32 does; see ``bench/vllm_cpu/README.md``) or
 answered 400 (``reject``, as older vLLM releases did).
+
+``--metrics-flavour`` makes ``/metrics`` speak another engine's names (SGLang, TGI, or
+TensorRT-LLM under Triton; see ``extproc.datalayer.metrics.ENGINES``) for the same modelled
+state, so a pool of any engine can be tested end to end; ``sglang`` also reads ``priority``
+the way SGLang does by default (higher first).
 
 or from Python: ``handle = await start_engine(port, **opts)`` inside a running event loop
 (``await handle.stop()``), or ``with EngineProcess(**opts) as engine:`` for a subprocess.
@@ -193,6 +199,8 @@ def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> 
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.",
                        param="max_tokens")
     priority = int_field(body, "priority") or 0
+    if config.metrics_flavour == "sglang":
+        priority = -priority  # SGLang runs higher values first; the model, lower first
     if int_field(body, "n") not in (None, 1):
         raise ApiError(400, "the simulated engine supports n=1 only", param="n")
     stream = body.get("stream")
@@ -242,7 +250,9 @@ OVERRIDABLE = ("kv_cache_usage_perc", "num_requests_running", "num_requests_wait
 
 
 class EngineMetrics:
-    """``/metrics`` in vLLM's names; scalar values come from the model unless overridden."""
+    """``/metrics`` in vLLM's names (or another engine's, ``metrics_flavour``); scalar values
+    come from the model unless overridden (the overrides use vLLM's names whatever the
+    flavour: ``kv_cache_usage_perc`` sets SGLang's ``token_usage`` too)."""
 
     def __init__(self, model: EngineModel, engine_index: str = "0"):
         self.model = model
@@ -252,9 +262,11 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(self)  # collect() below: the scalar families
         names = list(self.labels)
+        # vLLM's histograms and counter; another flavour's body carries its own names only
+        own = self.registry if model.config.metrics_flavour == "vllm" else CollectorRegistry()
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=self.registry)
+            return Histogram(name, doc, names, buckets=buckets, registry=own)
 
         ttft = histogram("vllm:time_to_first_token_seconds",
                          "Histogram of time to first token in seconds.", TTFT_BUCKETS)
@@ -264,7 +276,7 @@ class EngineMetrics:
                           "Histogram of time spent in WAITING phase for request.",
                           REQUEST_LATENCY_BUCKETS)
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*names, "finished_reason"], registry=self.registry)
+                          [*names, "finished_reason"], registry=own)
         self.ttft, self.e2e, self.queue = (h.labels(**self.labels) for h in (ttft, e2e, queue))
         self.success = success
         model.on_admitted = lambda req, seconds: self.queue.observe(seconds)
@@ -291,7 +303,7 @@ class EngineMetrics:
         return render_prometheus(self.registry)
 
     def collect(self) -> list[Metric]:
-        model, label_names, label_values = self.model, list(self.labels), list(self.labels.values())
+        model = self.model
         modelled = {
             "kv_cache_usage_perc": model.kv_cache_usage,
             "num_requests_running": len(model.running),
@@ -300,6 +312,14 @@ class EngineMetrics:
             "prompt_tokens_total": model.prompt_tokens_total,
             "generation_tokens_total": model.generation_tokens_total,
         }
+        values = {name: self.overrides.get(name, value) for name, value in modelled.items()}
+        flavour = model.config.metrics_flavour
+        if flavour == "vllm":
+            return self._vllm(values)
+        return FLAVOURS[flavour](values, model.config)
+
+    def _vllm(self, values: dict[str, float]) -> list[Metric]:
+        label_names, label_values = list(self.labels), list(self.labels.values())
         docs = {
             "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
             "num_requests_running": "Number of requests in model execution batches.",
@@ -309,8 +329,7 @@ class EngineMetrics:
             "generation_tokens_total": "Number of generation tokens processed.",
         }
         families: list[Metric] = []
-        for name, value in modelled.items():
-            value = self.overrides.get(name, value)
+        for name, value in values.items():
             if name.endswith("_total"):
                 family: Metric = CounterMetricFamily(f"vllm:{name.removesuffix('_total')}",
                                                      docs[name], labels=label_names)
@@ -318,7 +337,7 @@ class EngineMetrics:
                 family = GaugeMetricFamily(f"vllm:{name}", docs[name], labels=label_names)
             family.add_metric(label_values, value)
             families.append(family)
-        config = model.config
+        config = self.model.config
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "cache_dtype", "enable_prefix_caching", "engine",
@@ -327,6 +346,72 @@ class EngineMetrics:
                          str(config.kv_blocks)], 1.0)
         families.append(info)
         return families
+
+
+# The other engines' names for the same figures, as extproc.datalayer.metrics reads them
+# (that module names each engine's source). Only what kvgate reads, plus the families
+# around it that share a label scheme.
+
+
+def _sglang(values: dict[str, float], config: EngineConfig) -> list[Metric]:
+    labels = {"engine_type": "unified", "model_name": config.model, "moe_ep_rank": "0",
+              "pp_rank": "0", "tp_rank": "0"}
+    capacity = config.kv_blocks * config.block_size
+    gauges = {"num_running_reqs": values["num_requests_running"],
+              "num_used_tokens": round(values["kv_cache_usage_perc"] * capacity),
+              "token_usage": values["kv_cache_usage_perc"],
+              "num_queue_reqs": values["num_requests_waiting"],
+              "max_total_num_tokens": capacity}
+    counters = {"num_retracted_requests": values["num_preemptions_total"],
+                "prompt_tokens": values["prompt_tokens_total"],
+                "generation_tokens": values["generation_tokens_total"]}
+    families: list[Metric] = []
+    for name, value in gauges.items():
+        family = GaugeMetricFamily(f"sglang:{name}", name, labels=list(labels))
+        family.add_metric(list(labels.values()), value)
+        families.append(family)
+    for name, value in counters.items():
+        counter = CounterMetricFamily(f"sglang:{name}", name, labels=list(labels))
+        counter.add_metric(list(labels.values()), value)
+        families.append(counter)
+    return families
+
+
+def _tgi(values: dict[str, float], config: EngineConfig) -> list[Metric]:
+    capacity = config.kv_blocks * config.block_size
+    gauges = {"tgi_queue_size": values["num_requests_waiting"],
+              "tgi_batch_current_size": values["num_requests_running"],
+              "tgi_batch_current_max_tokens": round(values["kv_cache_usage_perc"] * capacity),
+              "tgi_batch_max_total_tokens": capacity,
+              # TGI's per-request token histograms, reduced to the _sum kvgate reads
+              "tgi_request_input_length_sum": values["prompt_tokens_total"],
+              "tgi_request_generated_tokens_sum": values["generation_tokens_total"]}
+    return [GaugeMetricFamily(name, name, value=value) for name, value in gauges.items()]
+
+
+def _trtllm(values: dict[str, float], config: EngineConfig) -> list[Metric]:
+    labels = ["model", "version"]
+    requests = GaugeMetricFamily("nv_trt_llm_request_metrics", "TRT LLM request metrics",
+                                 labels=[*labels, "request_type"])
+    for kind, value in (("waiting", values["num_requests_waiting"]),
+                        ("scheduled", values["num_requests_running"]),
+                        ("active", values["num_requests_running"]
+                         + values["num_requests_waiting"]),
+                        ("max", config.max_num_seqs)):
+        requests.add_metric(["tensorrt_llm", "1", kind], value)
+    kv = GaugeMetricFamily("nv_trt_llm_kv_cache_block_metrics",
+                           "TRT LLM KV cache block metrics",
+                           labels=[*labels, "kv_cache_block_type"])
+    used = round(values["kv_cache_usage_perc"] * config.kv_blocks)
+    for kind, value in (("fraction", values["kv_cache_usage_perc"]), ("max", config.kv_blocks),
+                        ("used", used), ("free", config.kv_blocks - used),
+                        ("tokens_per", config.block_size)):
+        kv.add_metric(["tensorrt_llm", "1", kind], value)
+    return [requests, kv]
+
+
+FLAVOURS: dict[str, Callable[[dict[str, float], EngineConfig], list[Metric]]] = {
+    "sglang": _sglang, "tgi": _tgi, "trtllm": _trtllm}
 
 
 # -- the HTTP server -----------------------------------------------------------------------
@@ -732,6 +817,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    p.add_argument("--metrics-flavour", choices=["vllm", "sglang", "tgi", "trtllm"],
+                   default=defaults.metrics_flavour, help="whose /metrics names to export")
     return p.parse_args(argv)
 
 

@@ -229,7 +229,7 @@ async def test_a_connection_reset_counts_as_unreachable() -> None:
 
 @pytest.mark.parametrize(("status", "body", "error"), [
     (404, "not found", "HTTP 404"),
-    (200, "<html>a proxy page</html>", "no vLLM metrics"),
+    (200, "<html>a proxy page</html>", "no vllm metrics"),
 ])
 async def test_answers_that_are_not_vllm_metrics_are_failures(status: int, body: str,
                                                               error: str) -> None:

@@ -254,8 +254,14 @@ def test_non_stream_disconnect_frees_the_slot(engine: EngineProcess) -> None:
 # -- scheduling and KV (in-process) --------------------------------------------------------
 
 
-async def test_priority_policy_orders_the_waiting_queue() -> None:
-    handle = await start_engine(0, scheduling_policy="priority", max_num_seqs=1, **FAST)
+@pytest.mark.parametrize(("flavour", "low", "high"), [
+    ("vllm", 5, -1),  # vLLM: lower values first
+    ("sglang", -5, 1),  # SGLang (its default order): higher values first
+])
+async def test_priority_policy_orders_the_waiting_queue(flavour: str, low: int,
+                                                        high: int) -> None:
+    handle = await start_engine(0, scheduling_policy="priority", max_num_seqs=1,
+                                metrics_flavour=flavour, **FAST)
     try:
         async with httpx.AsyncClient(base_url=handle.url, timeout=10) as c:
             done: list[str] = []
@@ -269,12 +275,13 @@ async def test_priority_policy_orders_the_waiting_queue() -> None:
             blocker = asyncio.create_task(ask("blocker", 0, 40))
             while not handle.model.running:
                 await asyncio.sleep(0.005)
-            late = [asyncio.create_task(ask("low", 5, 1)),
-                    asyncio.create_task(ask("high", -1, 1))]
+            late = [asyncio.create_task(ask("low", low, 1)),
+                    asyncio.create_task(ask("high", high, 1))]
             while len(handle.model.waiting) < 2:
                 await asyncio.sleep(0.005)
             state = (await c.get("/debug/state")).json()
             assert (state["running"], state["waiting"]) == (1, 2)
+            # the model's own order: lower first, an SGLang engine's values negated
             assert [r["priority"] for r in state["waiting_requests"]] == [-1, 5]
             await asyncio.gather(blocker, *late)
             assert done == ["blocker", "high", "low"]
