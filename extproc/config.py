@@ -90,6 +90,10 @@ class Limits(_Strict):
 class Tier(_Strict):
     weight: PositiveFloat = 1.0
     limits: Limits = Limits()
+    long_prompt_tokens: PositiveInt | None = Field(
+        None, description="this tier's long-prompt rule: prompts longer than this drop one "
+        "class (default: classification.long_prompt_tokens; set null explicitly for never)"
+    )
 
 
 class RequestClass(_Strict):
@@ -618,6 +622,14 @@ class Config(_Strict):
         if self.queue.aging_s == "auto":
             return klass.deadline_s / 2
         return self.queue.aging_s
+
+    def long_prompt_tokens(self, tier: str) -> int | None:
+        """The tier's own long-prompt threshold if it sets one (null: never), else the
+        global ``classification.long_prompt_tokens``."""
+        own = self.tiers[tier]
+        if "long_prompt_tokens" in own.model_fields_set:
+            return own.long_prompt_tokens
+        return self.classification.long_prompt_tokens
 
     def limits_for(self, tenant: Tenant) -> Limits:
         return self.tiers[tenant.tier].limits.merged(tenant.limits)
