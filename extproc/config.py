@@ -87,9 +87,20 @@ class Limits(_Strict):
         return self.model_copy(update=override.model_dump(exclude_unset=True))
 
 
+Overflow = Literal["queue", "reject", "degrade"]
+"""What happens to a tenant's request that a busy pool cannot place now (see the README's
+"Shaping and overflow")."""
+
+
 class Tier(_Strict):
     weight: PositiveFloat = 1.0
     limits: Limits = Limits()
+    overflow: Overflow = Field(
+        "queue", description="a request the busy pool cannot place now: 'queue' waits in the "
+        "fair queue up to its class deadline; 'reject' is refused at once (429 over its "
+        "share, 503 saturated) with Retry-After; 'degrade' gets the pool's degradation plan "
+        "whatever its class, and waits as 'queue' if no degraded form fits"
+    )
     long_prompt_tokens: PositiveInt | None = Field(
         None, description="this tier's long-prompt rule: prompts longer than this drop one "
         "class (default: classification.long_prompt_tokens; set null explicitly for never)"
@@ -185,6 +196,7 @@ class Tenant(_Strict):
     )
     class_header: bool = Field(True, description="honour the client's x-request-class")
     limits: Limits | None = Field(None, description="overrides of the tier's limits")
+    overflow: Overflow | None = Field(None, description="overrides the tier's overflow mode")
 
     @field_validator("api_keys")
     @classmethod
@@ -576,6 +588,13 @@ class Config(_Strict):
                 if key in seen_keys:
                     yield f"tenants[{i}].api_keys: key already belongs to {seen_keys[key]!r}"
                 seen_keys[key] = tenant.name
+        if not any(pool.degradation for pool in self.pools):
+            for name, tier in self.tiers.items():
+                if tier.overflow == "degrade":
+                    yield f"tiers.{name}.overflow: 'degrade' needs a pool with a degradation plan"
+            for i, tenant in enumerate(self.tenants):
+                if tenant.overflow == "degrade":
+                    yield f"tenants[{i}].overflow: 'degrade' needs a pool with a degradation plan"
         for path, name in self.classification.path_classes.items():
             if name not in self.classes:
                 yield f"classification.path_classes.{path}: unknown class {name!r}"
@@ -630,6 +649,10 @@ class Config(_Strict):
         if "long_prompt_tokens" in own.model_fields_set:
             return own.long_prompt_tokens
         return self.classification.long_prompt_tokens
+
+    def overflow_for(self, tenant: Tenant) -> Overflow:
+        """The tenant's own overflow mode if it sets one, else its tier's."""
+        return tenant.overflow or self.tiers[tenant.tier].overflow
 
     def limits_for(self, tenant: Tenant) -> Limits:
         return self.tiers[tenant.tier].limits.merged(tenant.limits)

@@ -155,11 +155,15 @@ class Director:
     ) -> Route | Reject:
         """An endpoint with room now; else a degraded form that fits; else the pool's queue
         when waiting can help; else the scheduler's refusal. While anything is queued, the
-        request queues too: the fair order, not arrival, decides who goes next."""
+        request queues too: the fair order, not arrival, decides who goes next. The tenant's
+        overflow mode: ``reject`` never queues, ``degrade`` degrades every class."""
         placed = self._place(tenant, scheduler, cost, klass.band)
-        flow = self.flows.get(scheduler.config.name) if self._queueing else None
+        overflow = self.tenants.overflow(tenant)
+        queueing = self._queueing and overflow != "reject"
+        flow = self.flows.get(scheduler.config.name) if queueing else None
         if isinstance(placed, Reject):
-            degraded = self._degrade(tenant, klass, scheduler, cost)
+            degraded = self._degrade(tenant, klass, scheduler, cost,
+                                     every_class=overflow == "degrade")
             if degraded is not None:
                 return degraded
             if flow is not None and placed.reason in QUEUEABLE:
@@ -244,12 +248,14 @@ class Director:
         )
 
     def _degrade(
-        self, tenant: Tenant, klass: RequestClass, scheduler: PoolScheduler, cost: Cost
+        self, tenant: Tenant, klass: RequestClass, scheduler: PoolScheduler, cost: Cost,
+        *, every_class: bool = False,
     ) -> Route | None:
-        """Under saturation, a low-priority class gets a smaller answer or a cheaper model
-        rather than a refusal — when its pool is configured to degrade."""
+        """Under saturation, a low-priority class (or, ``every_class``, any class of a tenant
+        whose overflow mode is ``degrade``) gets a smaller answer or a cheaper model rather
+        than a refusal — when its pool is configured to degrade."""
         plan = scheduler.config.degradation
-        if plan is None or klass.name not in plan.classes:
+        if plan is None or not (every_class or klass.name in plan.classes):
             return None
         if plan.max_tokens_cap and cost.max_output_tokens > plan.max_tokens_cap:
             capped = Cost(cost.prompt_tokens, plan.max_tokens_cap)

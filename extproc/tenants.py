@@ -39,6 +39,7 @@ class Tenants:
         self._policies = {t.name: policy_from_limits(config.limits_for(t))
                           for t in config.tenants}
         self._weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
+        self._overflow = {t.name: config.overflow_for(t) for t in config.tenants}
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant owning the request's API key. A key already seen skips the hash
@@ -70,3 +71,8 @@ class Tenants:
     def weight(self, tenant: Tenant) -> float:
         """The tenant's tier weight: its share of a busy pool and of the fair queue."""
         return self._weights[tenant.name]
+
+    def overflow(self, tenant: Tenant) -> str:
+        """What a request of this tenant does when its busy pool cannot place it now:
+        ``queue``, ``reject`` or ``degrade``."""
+        return self._overflow[tenant.name]

@@ -216,3 +216,100 @@ async def test_debug_shows_the_queue_and_what_the_gate_knows(harness):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# --- per-tenant overflow mode -------------------------------------------------------------
+
+
+def overflow_config(overflow: str, degradation: dict | None = None, on: str = "tenant"):
+    """Tenant b (free, weight 1) with its overflow mode set on itself or on its tier."""
+    data = config().model_dump(exclude_unset=True)
+    if on == "tenant":
+        data["tenants"][1]["overflow"] = overflow
+    else:
+        data["tiers"]["free"]["overflow"] = overflow
+    if degradation:
+        data["pools"][0]["degradation"] = degradation
+    return parse_config(data)
+
+
+async def test_overflow_queue_is_the_default_and_waits():
+    h = Harness(overflow_config("queue"))
+    await h.start(usage=0.99)
+    task = h.admit("b")
+    await settle()
+    assert len(h.flow.queue) == 1 and not task.done()
+    await h.set_usage(0.1)
+    await h.director.release(await asyncio.wait_for(task, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+@pytest.mark.parametrize("on", ["tenant", "tier"])
+async def test_overflow_reject_refuses_at_once_with_retry_after(on):
+    h = Harness(overflow_config("reject", on=on))
+    await h.start(usage=0.99)
+    queued = h.admit("a")  # a keeps today's behaviour: it waits
+    outcome = await asyncio.wait_for(h.admit("b"), 0.5)
+    assert isinstance(outcome, Reject) and (outcome.status, outcome.reason) == (
+        503, "pool_saturated")
+    assert outcome.retry_after_ms is not None and outcome.retry_after_ms >= 1000
+    assert await h.director.store.in_flight("b") == 0
+    await settle()
+    assert len(h.flow.queue) == 1 and not queued.done()
+    await h.set_usage(0.1)
+    await h.director.release(await asyncio.wait_for(queued, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_overflow_reject_over_its_share_is_429_at_once():
+    h = Harness(overflow_config("reject"))
+    scheduler = h.director.schedulers["p"]
+    before_the_scrape = time.monotonic()
+    scheduler.reserve("a-held", "a", ENDPOINT, 100, before_the_scrape)
+    scheduler.reserve("b-held", "b", ENDPOINT, 200, before_the_scrape)
+    await h.start(usage=0.80)
+    outcome = await asyncio.wait_for(h.admit("b", "batch"), 0.5)
+    assert isinstance(outcome, Reject) and (outcome.status, outcome.reason) == (
+        429, "kv_share_exceeded")
+    assert outcome.retry_after_ms is not None
+    assert await h.director.store.in_flight("b") == 0 and not len(h.flow.queue)
+    await h.flow.stop()
+
+
+async def test_overflow_degrade_applies_the_pools_plan_to_every_class():
+    plan = {"classes": ["batch"], "max_tokens_cap": 20}
+    h = Harness(overflow_config("degrade", plan))
+    await h.start(usage=0.85)  # a ~113-token request no longer fits; a ~33-token one does
+    degraded = await asyncio.wait_for(h.admit("b", "interactive"), 0.5)
+    assert isinstance(degraded, Admission)
+    assert degraded.body_overrides == {"max_tokens": 20}
+    assert degraded.request_class == "interactive"
+    waiting = h.admit("a", "interactive")  # a (queue mode): interactive is not in the plan
+    await settle()
+    assert len(h.flow.queue) == 1 and not waiting.done()
+    await h.director.release(degraded, 10)
+    await h.set_usage(0.1)
+    await h.director.release(await asyncio.wait_for(waiting, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_overflow_degrade_waits_when_no_degraded_form_fits():
+    h = Harness(overflow_config("degrade", {"classes": [], "max_tokens_cap": 20}))
+    await h.start(usage=0.99)
+    task = h.admit("b")
+    await settle()
+    assert len(h.flow.queue) == 1 and not task.done()
+    await h.set_usage(0.1)
+    await h.director.release(await asyncio.wait_for(task, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+def test_overflow_degrade_needs_a_degradation_plan():
+    from extproc.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.overflow"):
+        overflow_config("degrade")
