@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from limiter.buckets import SlidingWindow, TokenBucket, bucket_view
+from limiter.buckets import Shaper, SlidingWindow, TokenBucket, bucket_view
 from limiter.calendar import Period
 from limiter.outcome import (
     Admit,
@@ -22,6 +22,7 @@ from limiter.outcome import (
     Reason,
     Reject,
     Remaining,
+    ShapingView,
     Snapshot,
     WindowView,
     quota_reject,
@@ -56,7 +57,8 @@ class TenantPolicy:
 
     Rates come with their bucket capacity (burst) and the window limit with its length: a
     half-configured dimension is an error, not a silent "unlimited". Token quotas count per
-    UTC calendar day / month.
+    UTC calendar day / month. The shaper (``shaping_rate`` with ``shaping_backlog``) paces
+    admitted requests instead of refusing them: see :class:`~limiter.buckets.Shaper`.
     """
 
     request_rate: Rate | None = None
@@ -70,6 +72,8 @@ class TenantPolicy:
     concurrency_retry_ms: int = 1000
     daily_token_quota: int | None = None
     monthly_token_quota: int | None = None
+    shaping_rate: Rate | None = None
+    shaping_backlog: int | None = None
     # Derived once (every admission reads them): the quotas, and the largest request that
     # certainly passes ``never_fits`` — so the common case skips building its messages.
     _quotas: tuple[tuple[Period, int], ...] = field(init=False, repr=False, compare=False)
@@ -79,6 +83,9 @@ class TenantPolicy:
         _pair(self, "request_rate", "request_burst")
         _pair(self, "token_rate", "token_burst")
         _pair(self, "window_limit", "window_ms")
+        _pair(self, "shaping_rate", "shaping_backlog")
+        if self.shaping_backlog is not None:
+            require_int("shaping_backlog", self.shaping_backlog, 0)
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name), 1)
@@ -152,12 +159,23 @@ def never_fits(policy: TenantPolicy, cost: Cost) -> tuple[Reason, str] | None:
     return None
 
 
+def _reshape(shaper: Shaper | None, policy: TenantPolicy) -> Shaper | None:
+    """Carry the shaper across a policy change (slots handed out keep their times)."""
+    if policy.shaping_rate is None or policy.shaping_backlog is None:
+        return None
+    if shaper is None:
+        return Shaper(policy.shaping_rate, policy.shaping_backlog)
+    shaper.reconfigure(policy.shaping_rate, policy.shaping_backlog)
+    return shaper
+
+
 @dataclass(slots=True)
 class _Lease:
     cost: Cost
     tokens_charged: bool
     quotas_charged: tuple[Period, ...]
     expires_ms: int | None
+    slot: tuple[int, Rate] | None = None  # its shaper slot, and the rate it was taken at
 
 
 class TenantLimiter:
@@ -180,6 +198,7 @@ class TenantLimiter:
         self._requests: TokenBucket | None = None
         self._tokens: TokenBucket | None = None
         self._window: SlidingWindow | None = None
+        self._shaper: Shaper | None = None
         self._quotas = {period: QuotaCounter(period) for period in Period}
         self._leases: dict[str, _Lease] = {}
         self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
@@ -205,6 +224,11 @@ class TenantLimiter:
         """The sliding request window (read-only use)."""
         return self._window
 
+    @property
+    def shaper(self) -> Shaper | None:
+        """The shaper pacing admitted requests (read-only use)."""
+        return self._shaper
+
     def update_policy(self, policy: TenantPolicy, now_ms: int) -> None:
         """Swap limits on a config reload; current levels carry over, clamped to new caps.
 
@@ -215,6 +239,7 @@ class TenantLimiter:
         )
         self._tokens = _rebucket(self._tokens, policy.token_rate, policy.token_burst, now_ms)
         self._window = self._rewindow(policy, now_ms)
+        self._shaper = _reshape(self._shaper, policy)
         self.policy = policy
 
     def _rewindow(self, policy: TenantPolicy, now_ms: int) -> SlidingWindow | None:
@@ -284,6 +309,8 @@ class TenantLimiter:
             quotas=tuple(self._quota_views(now_ms)),
             in_flight=self.expire_leases(now_ms),
             max_concurrency=self.policy.max_concurrency,
+            shaping=None if self._shaper is None else ShapingView(
+                self._shaper.backlog, self._shaper.held(now_ms), self._shaper.drain_ms(now_ms)),
         )
 
     def usage(self, now_ms: int) -> dict[str, Any]:
@@ -316,8 +343,13 @@ class TenantLimiter:
         if waits:
             return wait_reject(waits, self.remaining(now_ms))
         self._consume(cost, now_ms)
-        self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
-        return Admit(lease_id, cost, self._remaining_later(now_ms))
+        lease = self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
+        hold = 0
+        if self._shaper is not None and cost.requests:
+            slot = self._shaper.take(now_ms)
+            lease.slot = (slot, self._shaper.rate)
+            hold = self._shaper.delay_ms(slot, now_ms)
+        return Admit(lease_id, cost, self._remaining_later(now_ms), hold)
 
     def _remaining_later(self, now_ms: int) -> Callable[[], Remaining]:
         """``remaining(now_ms)`` as of now, computed only if someone asks: only the buckets'
@@ -352,6 +384,9 @@ class TenantLimiter:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        shaper = self._shaper
+        if lease.slot is not None and shaper is not None and shaper.rate == lease.slot[1]:
+            shaper.give_back(lease.slot[0], now_ms)  # not sent yet (its client left): a hole
         reserved = lease.cost.tokens
         used = reserved if used_tokens is None else max(0, used_tokens)
         if lease.tokens_charged and self._tokens is not None:
@@ -382,6 +417,8 @@ class TenantLimiter:
         if limit is not None and len(self._leases) >= limit:
             # A slot frees when some request finishes: unknowable here, so a configured hint.
             waits.append((Reason.CONCURRENCY, self.policy.concurrency_retry_ms))
+        if requests and self._shaper is not None and (wait := self._shaper.wait_ms(now_ms)):
+            waits.append((Reason.SHAPING, wait))
         return waits
 
     def _consume(self, cost: Cost, now_ms: int) -> None:
