@@ -51,6 +51,29 @@ class SlidingWindow(_Strict):
     window_ms: PositiveInt = 1000
 
 
+class Shaping(_Strict):
+    """Pacing instead of refusing: admitted requests leave at most ``requests_per_second``,
+    evenly spaced, and up to ``backlog`` wait for their turn (the stream stays open); more
+    than that get 429 ``shaping_backlog_full`` with an exact Retry-After."""
+
+    requests_per_second: Annotated[float, Field(ge=0.001, le=1000)]
+    backlog: int | None = Field(
+        None, ge=0, le=1_048_576, description="requests that may wait at once; default ten "
+        "seconds' worth (at least 1); 0 = none wait: the shaper only spaces"
+    )
+
+    @property
+    def effective_backlog(self) -> int:
+        if self.backlog is not None:
+            return self.backlog
+        return max(1, round(10 * self.requests_per_second))
+
+    @property
+    def longest_hold_s(self) -> float:
+        """How long the last request of a full backlog waits."""
+        return self.effective_backlog / self.requests_per_second
+
+
 class Limits(_Strict):
     """One tenant's limits. ``None`` means that dimension is not limited."""
 
@@ -67,6 +90,9 @@ class Limits(_Strict):
     sliding_window: SlidingWindow | None = None
     daily_token_quota: PositiveInt | None = Field(None, description="tokens per UTC day")
     monthly_token_quota: PositiveInt | None = Field(None, description="tokens per UTC month")
+    shaping: Shaping | None = Field(
+        None, description="pace admitted requests (a leaky bucket) instead of refusing them"
+    )
 
     @property
     def effective_request_burst(self) -> int | None:
@@ -84,7 +110,9 @@ class Limits(_Strict):
         """This tier's limits with a tenant's explicitly set fields on top."""
         if override is None:
             return self
-        return self.model_copy(update=override.model_dump(exclude_unset=True))
+        # validated again, so nested sections (sliding_window, shaping) stay models
+        return Limits.model_validate({**self.model_dump(exclude_unset=True),
+                                      **override.model_dump(exclude_unset=True)})
 
 
 Overflow = Literal["queue", "reject", "degrade"]
@@ -595,6 +623,11 @@ class Config(_Strict):
             for i, tenant in enumerate(self.tenants):
                 if tenant.overflow == "degrade":
                     yield f"tenants[{i}].overflow: 'degrade' needs a pool with a degradation plan"
+        for where, limits in self._all_limits():
+            if limits.shaping and limits.shaping.longest_hold_s >= self.envoy.message_timeout_s:
+                yield (f"{where}.limits.shaping: a full backlog waits "
+                       f"{limits.shaping.longest_hold_s:g} s, which must stay below "
+                       f"envoy.message_timeout_s ({self.envoy.message_timeout_s})")
         for path, name in self.classification.path_classes.items():
             if name not in self.classes:
                 yield f"classification.path_classes.{path}: unknown class {name!r}"
@@ -649,6 +682,14 @@ class Config(_Strict):
         if "long_prompt_tokens" in own.model_fields_set:
             return own.long_prompt_tokens
         return self.classification.long_prompt_tokens
+
+    def _all_limits(self) -> Iterable[tuple[str, Limits]]:
+        """Every tier's limits and every tenant's merged ones, with their path."""
+        for name, tier in self.tiers.items():
+            yield f"tiers.{name}", tier.limits
+        for i, tenant in enumerate(self.tenants):
+            if tenant.limits is not None and tenant.tier in self.tiers:
+                yield f"tenants[{i}]", self.limits_for(tenant)
 
     def overflow_for(self, tenant: Tenant) -> Overflow:
         """The tenant's own overflow mode if it sets one, else its tier's."""

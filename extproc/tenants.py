@@ -14,7 +14,7 @@ RECENT_KEYS = 4096  # authenticated Authorization values remembered
 
 
 def policy_from_limits(limits: Limits) -> TenantPolicy:
-    window = limits.sliding_window
+    window, shaping = limits.sliding_window, limits.shaping
     return TenantPolicy(
         request_rate=Rate.per_second(limits.requests_per_second)
         if limits.requests_per_second
@@ -28,6 +28,8 @@ def policy_from_limits(limits: Limits) -> TenantPolicy:
         window_ms=window.window_ms if window else None,
         daily_token_quota=limits.daily_token_quota,
         monthly_token_quota=limits.monthly_token_quota,
+        shaping_rate=Rate.per_second(shaping.requests_per_second) if shaping else None,
+        shaping_backlog=shaping.effective_backlog if shaping else None,
     )
 
 

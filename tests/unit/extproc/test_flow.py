@@ -4,6 +4,7 @@ capacity out in band order as it frees, with deadlines and disconnects leaving n
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import orjson
@@ -313,3 +314,68 @@ def test_overflow_degrade_needs_a_degradation_plan():
 
     with pytest.raises(ConfigError, match=r"tenants\[1\]\.overflow"):
         overflow_config("degrade")
+
+
+# --- the shaping stage ----------------------------------------------------------------------
+
+
+def shaping_config(rps: float = 10, backlog: int = 2):
+    data = config().model_dump(exclude_unset=True)
+    data["tenants"][1]["limits"] = {"shaping": {"requests_per_second": rps, "backlog": backlog}}
+    return parse_config(data)
+
+
+async def test_shaping_paces_a_burst_and_refuses_past_its_backlog():
+    h = Harness(shaping_config(rps=10, backlog=2))
+    await h.start(usage=0.1)
+    started = time.monotonic()
+    tasks = [h.admit("b") for _ in range(4)]
+    refused = await asyncio.wait_for(tasks.pop(), 0.5)  # the fourth: the backlog holds two
+    assert isinstance(refused, Reject)
+    assert (refused.status, refused.reason) == (429, "shaping_backlog_full")
+    assert 0 < refused.retry_after_ms <= 100
+    done_at = []
+    for task in tasks:
+        admission = await asyncio.wait_for(task, 2)
+        assert isinstance(admission, Admission)
+        done_at.append(time.monotonic() - started)
+        await h.director.release(admission, 10)
+    assert done_at[0] < 0.08  # an idle shaper sends at once
+    assert all(later - earlier >= 0.09 for earlier, later in itertools.pairwise(done_at))
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_a_held_client_that_leaves_gives_its_slot_back():
+    h = Harness(shaping_config(rps=5, backlog=1))
+    await h.start(usage=0.1)
+    first = await asyncio.wait_for(h.admit("b"), 0.5)
+    held = h.admit("b")
+    await settle()
+    assert not held.done() and await h.director.store.in_flight("b") == 2
+    assert isinstance(await asyncio.wait_for(h.admit("b"), 0.5), Reject)  # backlog full
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert await h.director.store.in_flight("b") == 1
+    assert not h.director.active.keys() - {first.lease_id}
+    again = h.admit("b")  # takes the slot the one that left gave back
+    admission = await asyncio.wait_for(again, 0.5)
+    assert isinstance(admission, Admission)
+    for done in (first, admission):
+        await h.director.release(done, 10)
+    assert await h.nothing_held() and not h.director.active
+    await h.flow.stop()
+
+
+async def test_a_shaped_request_still_queues_when_the_pool_is_full():
+    h = Harness(shaping_config(rps=10, backlog=2))
+    await h.start(usage=0.99)
+    first, second = h.admit("b"), h.admit("b")
+    await asyncio.sleep(0.3)  # both slots have passed: they wait for KV now
+    assert len(h.flow.queue) == 2
+    await h.set_usage(0.1)
+    for task in (first, second):
+        await h.director.release(await asyncio.wait_for(task, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
