@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import httpx
 import pytest
@@ -82,3 +83,61 @@ def test_past_the_backlog_429_with_retry_after(stack):
         assert 0 < int(response.headers["retry-after-ms"]) <= 500
         assert response.json()["error"]["code"] == "rate_limit_exceeded"
     assert sum(r.status_code == 200 for r in responses) >= 4
+
+
+# --- overflow: reject --------------------------------------------------------------------
+
+QUEUER, REJECTER = "sk-queuer", "sk-rejecter"
+
+
+@pytest.fixture(scope="module")
+def small_pool():
+    """One engine whose KV cache holds one request at a time (as in test_queue.py)."""
+    config = parse_config({
+        "server": {"grpc_port": free_port(), "admin_port": 0},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "scrape": {"interval_s": 0.05},
+        "tiers": {"t": {}, "impatient": {"overflow": "reject"}},
+        "tenants": [{"name": "queuer", "tier": "t", "api_keys": [hash_api_key(QUEUER)]},
+                    {"name": "rejecter", "tier": "impatient",
+                     "api_keys": [hash_api_key(REJECTER)]}],
+        "pools": [{"name": "one", "models": [{"name": "tiny-llama"}],
+                   "endpoints": [f"127.0.0.1:{free_port()}"],
+                   "watermarks": {"high": 0.45, "critical": 0.45}}],
+    })
+    engine = {"ms_per_token": 8, "kv_blocks": 16, "block_size": 16}
+    with local_stack(config, engine_options=engine) as running:
+        yield running
+
+
+def test_overflow_reject_is_refused_at_once_while_queue_tenants_wait(small_pool):
+    body = {"model": "tiny-llama", "max_tokens": 100, "stream": True,
+            "messages": [{"role": "user", "content": "long"}]}
+    statuses: dict[str, int] = {}
+
+    def send(name: str, key: str) -> threading.Thread:
+        def run() -> None:
+            statuses[name] = httpx.post(small_pool.url + "/v1/chat/completions", json=body,
+                                        timeout=60,
+                                        headers={"authorization": f"Bearer {key}"}).status_code
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    director = small_pool.kvgate.server.director
+    blocker = send("blocker", QUEUER)
+    deadline = time.monotonic() + 10
+    while not director.active:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    waiter = send("waiter", QUEUER)
+    started = time.monotonic()
+    refused = httpx.post(small_pool.url + "/v1/chat/completions", json=body, timeout=60,
+                         headers={"authorization": f"Bearer {REJECTER}"})
+    assert time.monotonic() - started < 0.5  # not held until the blocker ends (~0.8 s)
+    assert refused.status_code == 503
+    assert refused.headers["x-kvgate-reject"] == "pool_saturated"
+    assert int(refused.headers["retry-after-ms"]) > 0
+    for thread in (blocker, waiter):
+        thread.join(60)
+    assert statuses == {"blocker": 200, "waiter": 200}
