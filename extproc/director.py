@@ -149,7 +149,8 @@ class Director:
         return await self._take(tenant, klass, route, watch)
 
     async def admit_request_only(
-        self, tenant: Tenant, path: str, requested_class: str | None = None
+        self, tenant: Tenant, path: str, requested_class: str | None = None,
+        *, watch: Watch = contextlib.nullcontext,
     ) -> Admission | Reject:
         """Requests with no inference body (GET /v1/models, …): charged one request, sent to
         any live endpoint of the first pool; they never queue."""
@@ -163,7 +164,7 @@ class Director:
             return Route(scheduler, Cost(0, 0), placed)
 
         if self.tenants.policy(tenant).shaping_rate is not None:
-            return await self._paced(tenant, klass, Cost(0, 0), route_now)
+            return await self._paced(tenant, klass, Cost(0, 0), route_now, watch=watch)
         return await self._take(tenant, klass, route_now())
 
     def _route(

@@ -128,7 +128,7 @@ class RequestStream:
         """The harmless GETs: one request's worth, decided on headers alone."""
         assert self.tenant is not None
         decision = await self.director.admit_request_only(
-            self.tenant, self.path, self.requested_class
+            self.tenant, self.path, self.requested_class, watch=self.watch
         )
         if not isinstance(decision, Admission):
             return self._refuse(decision)

@@ -285,8 +285,9 @@ class Shaper:
         return max(0, ceil_div(slot, self.rate.amount) - now_ms)
 
     def give_back(self, slot: int, now_ms: int) -> None:
-        """Its request will not be sent: a slot not started yet becomes a hole."""
-        if slot >= now_ms * self.rate.amount:
+        """Its request ended: if it was never sent (its send ms is still ahead), the slot
+        becomes a hole. One sent already (even this ms) keeps its slot: the spacing counts it."""
+        if slot > now_ms * self.rate.amount:
             bisect.insort(self.holes, slot)
 
     def drain_ms(self, now_ms: int) -> int:

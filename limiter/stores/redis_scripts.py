@@ -415,7 +415,7 @@ local function sh_delay(slot, t)  -- sent at the first whole ms of its slot
 end
 
 local function sh_give_back(s, slot, t)
-  if slot[1] < t then return end  -- started already: nothing to give back
+  if sh_ahead(slot[1], slot[2], s.a, t) <= 0 then return end  -- sent already: it counts
   local at = #s.holes + 1
   for i, hole in ipairs(s.holes) do
     if slot[1] < hole[1] or (slot[1] == hole[1] and slot[2] < hole[2]) then

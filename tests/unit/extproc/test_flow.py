@@ -4,7 +4,6 @@ capacity out in band order as it frees, with deadlines and disconnects leaving n
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import orjson
@@ -329,19 +328,26 @@ async def test_shaping_paces_a_burst_and_refuses_past_its_backlog():
     h = Harness(shaping_config(rps=10, backlog=2))
     await h.start(usage=0.1)
     started = time.monotonic()
-    tasks = [h.admit("b") for _ in range(4)]
-    refused = await asyncio.wait_for(tasks.pop(), 0.5)  # the fourth: the backlog holds two
-    assert isinstance(refused, Reject)
-    assert (refused.status, refused.reason) == (429, "shaping_backlog_full")
-    assert 0 < refused.retry_after_ms <= 100
-    done_at = []
-    for task in tasks:
-        admission = await asyncio.wait_for(task, 2)
-        assert isinstance(admission, Admission)
+    done_at: list[float] = []
+
+    async def admitted() -> Admission | Reject:
+        outcome = await h.admit("b")
         done_at.append(time.monotonic() - started)
-        await h.director.release(admission, 10)
-    assert done_at[0] < 0.08  # an idle shaper sends at once
-    assert all(later - earlier >= 0.09 for earlier, later in itertools.pairwise(done_at))
+        return outcome
+
+    tasks = [asyncio.create_task(admitted()) for _ in range(4)]
+    outcomes = [await asyncio.wait_for(task, 2) for task in tasks]
+    refused = [o for o in outcomes if isinstance(o, Reject)]  # the backlog holds two
+    assert len(refused) == 1
+    assert (refused[0].status, refused[0].reason) == (429, "shaping_backlog_full")
+    assert 0 < refused[0].retry_after_ms <= 100
+    holds = sorted(o.admit.hold_ms for o in outcomes if isinstance(o, Admission))
+    assert holds[0] == 0 and 98 <= holds[1] <= 100 and 198 <= holds[2] <= 200
+    admitted_at = sorted(done_at)[1:]  # (the refusal came first)
+    assert all(at >= hold / 1000 - 0.002 for at, hold in zip(admitted_at, holds, strict=True))
+    for outcome in outcomes:
+        if isinstance(outcome, Admission):
+            await h.director.release(outcome, 10)
     assert await h.nothing_held()
     await h.flow.stop()
 
@@ -377,5 +383,19 @@ async def test_a_shaped_request_still_queues_when_the_pool_is_full():
     await h.set_usage(0.1)
     for task in (first, second):
         await h.director.release(await asyncio.wait_for(task, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_requests_without_a_body_are_paced_too():
+    h = Harness(shaping_config(rps=10, backlog=2))
+    await h.start(usage=0.1)
+    who = h.director.authenticate("Bearer kb")
+    started = time.monotonic()
+    for _ in range(2):
+        admission = await h.director.admit_request_only(who, "/v1/models")
+        assert isinstance(admission, Admission)
+        await h.director.release(admission, 0)
+    assert time.monotonic() - started >= 0.09
     assert await h.nothing_held()
     await h.flow.stop()
