@@ -560,3 +560,24 @@ async def test_shaper_rate_backlog_and_retry_after_on_both_stores(
     assert_never_faster([*sends.values(), *finished.values()], rate)
     usage = [await s.usage("acme", policy) for s in stores]
     assert usage[0] == usage[1]
+
+
+async def test_one_shaper_across_replicas(client: aioredis.Redis) -> None:
+    """Two replicas (two stores on one Redis) hand out slots from one schedule: their
+    requests leave one spacing apart, and the backlog is shared."""
+    clock = FakeClock()
+    policy = TenantPolicy(shaping_rate=Rate(1, 100), shaping_backlog=2)
+    replicas = [RedisStore(client, clock=clock), RedisStore(client, clock=clock)]
+    holds = []
+    for n in range(3):
+        admitted = await replicas[n % 2].admit("acme", policy, Cost(1, 1), f"l{n}")
+        assert isinstance(admitted, Admit)
+        holds.append(admitted.hold_ms)
+    assert holds == [0, 100, 200]
+    full = await replicas[1].admit("acme", policy, Cost(1, 1), "l3")
+    assert isinstance(full, Reject) and (full.reason, full.retry_after_ms) == (Reason.SHAPING,
+                                                                               100)
+    clock.now += 30
+    assert await replicas[0].release("acme", policy, "l2", 0)  # held on one replica, left
+    moved = await replicas[1].admit("acme", policy, Cost(1, 1), "l4")  # the other takes it
+    assert isinstance(moved, Admit) and moved.hold_ms == 170
