@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from extproc.config import hash_api_key, parse_config
+from extproc.config import Config, hash_api_key, parse_config
 from extproc.demo import local_stack
 from tests.conftest import free_port
 
@@ -20,22 +20,27 @@ pytestmark = pytest.mark.e2e
 SMOOTH, TIGHT = "sk-smooth", "sk-tight"
 
 
-@pytest.fixture(scope="module")
-def stack():
-    config = parse_config({
+def stack_config(tiers: dict, tenants: list[dict], **pool) -> Config:
+    """One pool of one engine, Envoy and kvgate on free ports."""
+    return parse_config({
         "server": {"grpc_port": free_port(), "admin_port": 0},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "scrape": {"interval_s": 0.05},
-        "tiers": {"t": {}},
-        "tenants": [
-            {"name": "smooth", "tier": "t", "api_keys": [hash_api_key(SMOOTH)],
-             "limits": {"shaping": {"requests_per_second": 4, "backlog": 10}}},
-            {"name": "tight", "tier": "t", "api_keys": [hash_api_key(TIGHT)],
-             "limits": {"shaping": {"requests_per_second": 2, "backlog": 3}}},
-        ],
+        "tiers": tiers,
+        "tenants": tenants,
         "pools": [{"name": "one", "models": [{"name": "tiny-llama"}],
-                   "endpoints": [f"127.0.0.1:{free_port()}"]}],
+                   "endpoints": [f"127.0.0.1:{free_port()}"], **pool}],
     })
+
+
+@pytest.fixture(scope="module")
+def stack():
+    config = stack_config({"t": {}}, [
+        {"name": "smooth", "tier": "t", "api_keys": [hash_api_key(SMOOTH)],
+         "limits": {"shaping": {"requests_per_second": 4, "backlog": 10}}},
+        {"name": "tight", "tier": "t", "api_keys": [hash_api_key(TIGHT)],
+         "limits": {"shaping": {"requests_per_second": 2, "backlog": 3}}},
+    ])
     with local_stack(config, engine_options={"ms_per_token": 1}) as running:
         yield running
 
@@ -93,18 +98,12 @@ QUEUER, REJECTER = "sk-queuer", "sk-rejecter"
 @pytest.fixture(scope="module")
 def small_pool():
     """One engine whose KV cache holds one request at a time (as in test_queue.py)."""
-    config = parse_config({
-        "server": {"grpc_port": free_port(), "admin_port": 0},
-        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
-        "scrape": {"interval_s": 0.05},
-        "tiers": {"t": {}, "impatient": {"overflow": "reject"}},
-        "tenants": [{"name": "queuer", "tier": "t", "api_keys": [hash_api_key(QUEUER)]},
-                    {"name": "rejecter", "tier": "impatient",
-                     "api_keys": [hash_api_key(REJECTER)]}],
-        "pools": [{"name": "one", "models": [{"name": "tiny-llama"}],
-                   "endpoints": [f"127.0.0.1:{free_port()}"],
-                   "watermarks": {"high": 0.45, "critical": 0.45}}],
-    })
+    config = stack_config(
+        {"t": {}, "impatient": {"overflow": "reject"}},
+        [{"name": "queuer", "tier": "t", "api_keys": [hash_api_key(QUEUER)]},
+         {"name": "rejecter", "tier": "impatient", "api_keys": [hash_api_key(REJECTER)]}],
+        watermarks={"high": 0.45, "critical": 0.45},
+    )
     engine = {"ms_per_token": 8, "kv_blocks": 16, "block_size": 16}
     with local_stack(config, engine_options=engine) as running:
         yield running

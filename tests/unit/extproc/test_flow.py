@@ -233,8 +233,13 @@ def overflow_config(overflow: str, degradation: dict | None = None, on: str = "t
     return parse_config(data)
 
 
-async def test_overflow_queue_is_the_default_and_waits():
-    h = Harness(overflow_config("queue"))
+@pytest.mark.parametrize(("overflow", "plan"), [
+    (None, None), ("queue", None), ("degrade", {"classes": [], "max_tokens_cap": 20}),
+])
+async def test_overflow_modes_that_wait(overflow, plan):
+    """``queue`` (the default) waits in the fair queue; so does ``degrade`` when no degraded
+    form fits."""
+    h = Harness(config() if overflow is None else overflow_config(overflow, plan))
     await h.start(usage=0.99)
     task = h.admit("b")
     await settle()
@@ -292,18 +297,6 @@ async def test_overflow_degrade_applies_the_pools_plan_to_every_class():
     await h.director.release(degraded, 10)
     await h.set_usage(0.1)
     await h.director.release(await asyncio.wait_for(waiting, 2), 10)
-    assert await h.nothing_held()
-    await h.flow.stop()
-
-
-async def test_overflow_degrade_waits_when_no_degraded_form_fits():
-    h = Harness(overflow_config("degrade", {"classes": [], "max_tokens_cap": 20}))
-    await h.start(usage=0.99)
-    task = h.admit("b")
-    await settle()
-    assert len(h.flow.queue) == 1 and not task.done()
-    await h.set_usage(0.1)
-    await h.director.release(await asyncio.wait_for(task, 2), 10)
     assert await h.nothing_held()
     await h.flow.stop()
 

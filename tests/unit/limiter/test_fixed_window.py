@@ -36,23 +36,22 @@ class FixedWindow:
         return True
 
 
-def _sliding(limit: int, window_ms: int, times: list[int]) -> list[int]:
-    window, admitted = SlidingWindow(limit, window_ms), []
+def _through(limiter: SlidingWindow | TokenBucket, times: list[int]) -> list[int]:
+    """The arrivals ``limiter`` admits, one request each."""
+    admitted = []
     for now in times:
-        if window.wait_ms(1, now) == 0:
-            window.consume(1, now)
+        if limiter.wait_ms(1, now) == 0:
+            limiter.consume(1, now)
             admitted.append(now)
     return admitted
+
+
+def _sliding(limit: int, window_ms: int, times: list[int]) -> list[int]:
+    return _through(SlidingWindow(limit, window_ms), times)
 
 
 def _bucket(limit: int, window_ms: int, times: list[int]) -> list[int]:
-    bucket = TokenBucket(Rate(limit, window_ms), limit, times[0] if times else 0)
-    admitted = []
-    for now in times:
-        if bucket.wait_ms(1, now) == 0:
-            bucket.consume(1, now)
-            admitted.append(now)
-    return admitted
+    return _through(TokenBucket(Rate(limit, window_ms), limit, times[0] if times else 0), times)
 
 
 def _fixed(limit: int, window_ms: int, times: list[int]) -> list[int]:
