@@ -5,10 +5,12 @@ past the backlog, 429 ``shaping_backlog_full`` with its Retry-After."""
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
 
 import httpx
+import orjson
 import pytest
 
 from extproc.config import Config, hash_api_key, parse_config
@@ -17,7 +19,7 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
 
-SMOOTH, TIGHT = "sk-smooth", "sk-tight"
+SMOOTH, TIGHT, LEAVING = "sk-smooth", "sk-tight", "sk-leaving"
 
 
 def stack_config(tiers: dict, tenants: list[dict], **pool) -> Config:
@@ -40,6 +42,8 @@ def stack():
          "limits": {"shaping": {"requests_per_second": 4, "backlog": 10}}},
         {"name": "tight", "tier": "t", "api_keys": [hash_api_key(TIGHT)],
          "limits": {"shaping": {"requests_per_second": 2, "backlog": 3}}},
+        {"name": "leaving", "tier": "t", "api_keys": [hash_api_key(LEAVING)],
+         "limits": {"shaping": {"requests_per_second": 1, "backlog": 5}}},
     ])
     with local_stack(config, engine_options={"ms_per_token": 1}) as running:
         yield running
@@ -88,6 +92,42 @@ def test_past_the_backlog_429_with_retry_after(stack):
         assert 0 < int(response.headers["retry-after-ms"]) <= 500
         assert response.json()["error"]["code"] == "rate_limit_exceeded"
     assert sum(r.status_code == 200 for r in responses) >= 4
+
+
+def test_held_clients_that_leave_give_their_slots_back(stack):
+    admin = f"http://127.0.0.1:{stack.kvgate.server.admin_port}/admin/tenants/leaving/usage"
+    headers = {"authorization": f"Bearer {LEAVING}"}
+    body = {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    started = time.monotonic()
+    assert httpx.post(stack.url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=30).status_code == 200  # sent at once; the next slot is in 1 s
+    raw = orjson.dumps(body)
+    leavers = [socket.create_connection((stack.envoy.listen_host, stack.envoy.listen_port))
+               for _ in range(2)]
+    for sock in leavers:  # held for their slots, 1 s and 2 s after the first
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + LEAVING.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    wait_until(lambda: httpx.get(admin).json()["shaping"]["held"] == 2)
+    for sock in leavers:
+        sock.close()
+    left = time.monotonic()
+    wait_until(lambda: httpx.get(admin).json()["shaping"]["held"] == 0)
+    assert time.monotonic() - left < 0.6  # seen leaving (Envoy's half-close), well before
+    assert httpx.get(admin).json()["in_flight"] == 0
+    # the next request takes the first slot given back (1 s after the first), not the
+    # one after the leavers' (3 s)
+    assert httpx.post(stack.url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=30).status_code == 200
+    assert time.monotonic() - started < 2.5
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.02)
 
 
 # --- overflow: reject --------------------------------------------------------------------
