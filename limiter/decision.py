@@ -376,6 +376,8 @@ class TenantLimiter:
     def release(self, lease_id: str, used_tokens: int | None, now_ms: int) -> bool:
         """Free the lease exactly once (False on repeats, or once its TTL passed) and
         reconcile reserved vs used tokens on the token bucket and the quotas it was charged to.
+        A request released before its shaper slot (its client left while held) gives the
+        slot back.
 
         ``used_tokens=None`` (usage unknown: error, disconnect) counts the reservation as used.
         """
