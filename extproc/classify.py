@@ -2,8 +2,8 @@
 
 The client may ask (``x-request-class``) where its tenant allows, paths have defaults
 (embeddings are batch work), and long prompts drop one class so a 30K-token document never
-blocks short chats. A client can lower its priority, never raise it above its tenant's
-``max_class``.
+blocks short chats (the threshold is per tier: a free tier may set a lower one). A client
+can lower its priority, never raise it above its tenant's ``max_class``.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ class Classifier:
         self._rank = {name: rank for rank, name in enumerate(self.order)}
         self._classes = [RequestClass(name, rank, config.classes[name].priority)
                          for rank, name in enumerate(self.order)]
+        self._long_prompt = {tier: config.long_prompt_tokens(tier) for tier in config.tiers}
 
     def classify(
         self, tenant: Tenant, *, requested: str | None, path: str, prompt_tokens: int
     ) -> RequestClass:
         rank = max(self._rank[self._asked(tenant, requested, path)],
                    self._rank[tenant.max_class or tenant.default_class])
-        long_prompt = self.rules.long_prompt_tokens
+        long_prompt = self._long_prompt[tenant.tier]
         if long_prompt is not None and prompt_tokens > long_prompt:
             rank = min(rank + 1, len(self.order) - 1)
         return self._classes[rank]

@@ -55,6 +55,29 @@ class SlidingWindow(_Strict):
     window_ms: PositiveInt = 1000
 
 
+class Shaping(_Strict):
+    """Pacing instead of refusing: admitted requests leave at most ``requests_per_second``,
+    evenly spaced, and up to ``backlog`` wait for their turn (the stream stays open); more
+    than that get 429 ``shaping_backlog_full`` with an exact Retry-After."""
+
+    requests_per_second: Annotated[float, Field(ge=0.001, le=1000)]
+    backlog: int | None = Field(
+        None, ge=0, le=1_048_576, description="requests that may wait at once; default ten "
+        "seconds' worth (at least 1); 0 = none wait: the shaper only spaces"
+    )
+
+    @property
+    def effective_backlog(self) -> int:
+        if self.backlog is not None:
+            return self.backlog
+        return max(1, round(10 * self.requests_per_second))
+
+    @property
+    def longest_hold_s(self) -> float:
+        """How long the last request of a full backlog waits."""
+        return self.effective_backlog / self.requests_per_second
+
+
 class Limits(_Strict):
     """One tenant's limits. ``None`` means that dimension is not limited."""
 
@@ -71,6 +94,9 @@ class Limits(_Strict):
     sliding_window: SlidingWindow | None = None
     daily_token_quota: PositiveInt | None = Field(None, description="tokens per UTC day")
     monthly_token_quota: PositiveInt | None = Field(None, description="tokens per UTC month")
+    shaping: Shaping | None = Field(
+        None, description="pace admitted requests (a leaky bucket) instead of refusing them"
+    )
 
     @property
     def effective_request_burst(self) -> int | None:
@@ -88,12 +114,29 @@ class Limits(_Strict):
         """This tier's limits with a tenant's explicitly set fields on top."""
         if override is None:
             return self
-        return self.model_copy(update=override.model_dump(exclude_unset=True))
+        # validated again, so nested sections (sliding_window, shaping) stay models
+        return Limits.model_validate({**self.model_dump(exclude_unset=True),
+                                      **override.model_dump(exclude_unset=True)})
+
+
+Overflow = Literal["queue", "reject", "degrade"]
+"""What happens to a tenant's request that a busy pool cannot place now (see the README's
+"Shaping and overflow")."""
 
 
 class Tier(_Strict):
     weight: PositiveFloat = 1.0
     limits: Limits = Limits()
+    overflow: Overflow = Field(
+        "queue", description="a request the busy pool cannot place now: 'queue' waits in the "
+        "fair queue up to its class deadline; 'reject' is refused at once (429 over its "
+        "share, 503 saturated) with Retry-After; 'degrade' gets the pool's degradation plan "
+        "whatever its class, and waits as 'queue' if no degraded form fits"
+    )
+    long_prompt_tokens: PositiveInt | None = Field(
+        None, description="this tier's long-prompt rule: prompts longer than this drop one "
+        "class (default: classification.long_prompt_tokens; set null explicitly for never)"
+    )
 
 
 class RequestClass(_Strict):
@@ -185,6 +228,7 @@ class Tenant(_Strict):
     )
     class_header: bool = Field(True, description="honour the client's x-request-class")
     limits: Limits | None = Field(None, description="overrides of the tier's limits")
+    overflow: Overflow | None = Field(None, description="overrides the tier's overflow mode")
 
     @field_validator("api_keys")
     @classmethod
@@ -779,6 +823,18 @@ class Config(_Strict):
                 if key in seen_keys:
                     yield f"tenants[{i}].api_keys: key already belongs to {seen_keys[key]!r}"
                 seen_keys[key] = tenant.name
+        if not any(pool.degradation for pool in self.pools):
+            for name, tier in self.tiers.items():
+                if tier.overflow == "degrade":
+                    yield f"tiers.{name}.overflow: 'degrade' needs a pool with a degradation plan"
+            for i, tenant in enumerate(self.tenants):
+                if tenant.overflow == "degrade":
+                    yield f"tenants[{i}].overflow: 'degrade' needs a pool with a degradation plan"
+        for where, limits in self._all_limits():
+            if limits.shaping and limits.shaping.longest_hold_s >= self.envoy.message_timeout_s:
+                yield (f"{where}.limits.shaping: a full backlog waits "
+                       f"{limits.shaping.longest_hold_s:g} s, which must stay below "
+                       f"envoy.message_timeout_s ({self.envoy.message_timeout_s})")
         for path, name in self.classification.path_classes.items():
             if name not in self.classes:
                 yield f"classification.path_classes.{path}: unknown class {name!r}"
@@ -825,6 +881,26 @@ class Config(_Strict):
         if self.queue.aging_s == "auto":
             return klass.deadline_s / 2
         return self.queue.aging_s
+
+    def long_prompt_tokens(self, tier: str) -> int | None:
+        """The tier's own long-prompt threshold if it sets one (null: never), else the
+        global ``classification.long_prompt_tokens``."""
+        own = self.tiers[tier]
+        if "long_prompt_tokens" in own.model_fields_set:
+            return own.long_prompt_tokens
+        return self.classification.long_prompt_tokens
+
+    def _all_limits(self) -> Iterable[tuple[str, Limits]]:
+        """Every tier's limits and every tenant's merged ones, with their path."""
+        for name, tier in self.tiers.items():
+            yield f"tiers.{name}", tier.limits
+        for i, tenant in enumerate(self.tenants):
+            if tenant.limits is not None and tenant.tier in self.tiers:
+                yield f"tenants[{i}]", self.limits_for(tenant)
+
+    def overflow_for(self, tenant: Tenant) -> Overflow:
+        """The tenant's own overflow mode if it sets one, else its tier's."""
+        return tenant.overflow or self.tiers[tenant.tier].overflow
 
     def limits_for(self, tenant: Tenant) -> Limits:
         return self.tiers[tenant.tier].limits.merged(tenant.limits)

@@ -6,6 +6,9 @@ already over its request rate or concurrency?). Body phase, :meth:`Director.admi
     price → classify → route (place now, degrade, or queue) → take the tenant's limits
           → (queued: wait for capacity) → admission
 
+A tenant with a shaper (``limits.shaping``) takes its limits first, waits for the departure
+slot they give it, and is routed when it leaves (:meth:`Director._paced`).
+
 Every refusal on the way is a :class:`limiter.Reject`; ``extproc.rejections`` turns it into
 HTTP. Whatever was taken before a later step says no is given back at once. The parts are
 passed in (``extproc.wiring.build_director`` builds them from the configuration); this
@@ -148,14 +151,22 @@ class Director:
             tenant, requested=requested_class, path=request.path, prompt_tokens=cost.prompt_tokens
         )
         request.request_class = klass.name
-        route = self._route(tenant, self.schedulers[pool.name], cost, klass)
+        scheduler = self.schedulers[pool.name]
+
+        def route_now() -> Route | Reject:
+            return self._route(tenant, scheduler, cost, klass)
+
+        if self.tenants.policy(tenant).shaping_rate is not None:
+            return await self._paced(tenant, klass, cost, route_now, request.stream, watch)
+        route = route_now()
         if isinstance(route, Reject):
             return route
         route.streamed = request.stream
         return await self._take(tenant, klass, route, watch)
 
     async def admit_request_only(
-        self, tenant: Tenant, path: str, requested_class: str | None = None
+        self, tenant: Tenant, path: str, requested_class: str | None = None,
+        *, watch: Watch = contextlib.nullcontext,
     ) -> Admission | Reject:
         """Requests with no inference body (GET /v1/models, …): charged one request, sent to
         any live endpoint of the first pool; they never queue."""
@@ -163,8 +174,14 @@ class Director:
             tenant, requested=requested_class, path=path, prompt_tokens=0
         )
         scheduler = self.schedulers[self.config.pools[0].name]
-        placed = scheduler.place_light(self.endpoints.snapshot(), self.clock(), self.rng)
-        return await self._take(tenant, klass, Route(scheduler, Cost(0, 0), placed))
+
+        def route_now() -> Route:
+            placed = scheduler.place_light(self.endpoints.snapshot(), self.clock(), self.rng)
+            return Route(scheduler, Cost(0, 0), placed)
+
+        if self.tenants.policy(tenant).shaping_rate is not None:
+            return await self._paced(tenant, klass, Cost(0, 0), route_now, watch=watch)
+        return await self._take(tenant, klass, route_now())
 
     async def list_models(self, tenant: Tenant) -> tuple[list[tuple[str, str]], Admit] | Reject:
         """``GET /v1/models``, answered here for every pool (no engine serves another pool's
@@ -183,11 +200,15 @@ class Director:
     ) -> Route | Reject:
         """An endpoint with room now; else a degraded form that fits; else the pool's queue
         when waiting can help; else the scheduler's refusal. While anything is queued, the
-        request queues too: the fair order, not arrival, decides who goes next."""
+        request queues too: the fair order, not arrival, decides who goes next. The tenant's
+        overflow mode: ``reject`` never queues, ``degrade`` degrades every class."""
         placed = self._place(tenant, scheduler, cost, klass.band)
-        flow = self.flows.get(scheduler.config.name) if self._queueing else None
+        overflow = self.tenants.overflow(tenant)
+        queueing = self._queueing and overflow != "reject"
+        flow = self.flows.get(scheduler.config.name) if queueing else None
         if isinstance(placed, Reject):
-            degraded = self._degrade(tenant, klass, scheduler, cost)
+            degraded = self._degrade(tenant, klass, scheduler, cost,
+                                     every_class=overflow == "degrade")
             if degraded is not None:
                 return degraded
             if flow is not None and placed.reason in QUEUEABLE:
@@ -205,9 +226,7 @@ class Director:
         lease_id = self.leases.new_id()
         scheduler, cost, placed = route.scheduler, route.cost, route.placed
         if placed is not None:
-            scheduler.reserve(lease_id, tenant.name, placed.endpoints[0], cost.tokens,
-                              self.clock(), band=klass.band, prompt_tokens=cost.prompt_tokens,
-                              streamed=route.streamed)
+            self._reserve(tenant, klass, route, lease_id)
         try:
             decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), cost,
                                               lease_id)
@@ -219,20 +238,70 @@ class Director:
             if placed is not None:
                 scheduler.release(lease_id, self.clock(), completed=False)
             return decision
-        charged = None
+        return await self._settle(tenant, klass, route, lease_id, decision, watch)
+
+    def _reserve(self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str) -> None:
+        """Hold the placed endpoint's KV for the request (released if it never runs)."""
+        assert route.placed is not None
+        cost = route.cost
+        route.scheduler.reserve(lease_id, tenant.name, route.placed.endpoints[0], cost.tokens,
+                                self.clock(), band=klass.band, prompt_tokens=cost.prompt_tokens,
+                                streamed=route.streamed)
+
+    async def _settle(self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str,
+                      decision: Admit, watch: Watch) -> Admission | Reject:
+        """Admitted by the limits: wait in the queue if not placed yet, then the admission."""
+        scheduler, placed, charged = route.scheduler, route.placed, None
         if placed is None:
             waited = await self._wait(tenant, klass, route, lease_id, watch)
             if isinstance(waited, Reject):
                 return waited
-            placed, charged = waited, self._price(cost)
+            placed, charged = waited, self._price(route.cost)
         self.leases.opened(lease_id, tenant.name)
         return Admission(
-            tenant=tenant, lease_id=lease_id, cost=cost, scheduler=scheduler,
+            tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
             priority=scheduler.config.body_priority(klass.priority),
             request_class=klass.name, admit=decision, body_overrides=route.overrides,
             charged=charged,
         )
+
+    async def _paced(
+        self, tenant: Tenant, klass: RequestClass, cost: Cost,
+        route_now: Callable[[], Route | Reject], streamed: bool = True,
+        watch: Watch = contextlib.nullcontext,
+    ) -> Admission | Reject:
+        """A shaped tenant: its limits first (the shaper gives the request a departure slot,
+        or a 429 when its backlog is full), then the wait for the slot — the ext_proc
+        stream stays open, and a client that leaves gives the slot back — then routing as
+        usual, so no KV is held while it waits. Anything later that says no gives the
+        limits back."""
+        lease_id = self.leases.new_id()
+        policy = self.tenants.policy(tenant)
+        decision = await self.store.admit(tenant.name, policy, cost, lease_id)
+        if isinstance(decision, Reject):
+            return decision
+        self.leases.opened(lease_id, tenant.name)  # renewed in the shared store while held
+        try:
+            if decision.hold_ms:
+                with watch():
+                    await asyncio.sleep(decision.hold_ms / 1000)
+            route = route_now()
+            if isinstance(route, Reject):
+                outcome: Admission | Reject = route
+                await self.store.release(tenant.name, policy, lease_id, 0)
+            else:
+                route.streamed = streamed
+                if route.placed is not None:
+                    self._reserve(tenant, klass, route, lease_id)
+                outcome = await self._settle(tenant, klass, route, lease_id, decision, watch)
+        except BaseException:
+            self.leases.closed(lease_id)
+            await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
+            raise
+        if isinstance(outcome, Reject):
+            self.leases.closed(lease_id)
+        return outcome
 
     async def _wait(
         self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, watch: Watch
@@ -272,12 +341,14 @@ class Director:
         )
 
     def _degrade(
-        self, tenant: Tenant, klass: RequestClass, scheduler: PoolScheduler, cost: Cost
+        self, tenant: Tenant, klass: RequestClass, scheduler: PoolScheduler, cost: Cost,
+        *, every_class: bool = False,
     ) -> Route | None:
-        """Under saturation, a low-priority class gets a smaller answer or a cheaper model
-        rather than a refusal — when its pool is configured to degrade."""
+        """Under saturation, a low-priority class (or, ``every_class``, any class of a tenant
+        whose overflow mode is ``degrade``) gets a smaller answer or a cheaper model rather
+        than a refusal — when its pool is configured to degrade."""
         plan = scheduler.config.degradation
-        if plan is None or klass.name not in plan.classes:
+        if plan is None or not (every_class or klass.name in plan.classes):
             return None
         if plan.max_tokens_cap and cost.max_output_tokens > plan.max_tokens_cap:
             capped = Cost(cost.prompt_tokens, plan.max_tokens_cap)

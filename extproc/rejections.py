@@ -31,6 +31,7 @@ _CODES = {
     Reason.CONCURRENCY: "concurrency_limit_exceeded",
     Reason.TOO_LARGE: "tokens_exceed_capacity",
     Reason.QUOTA: "insufficient_quota",
+    Reason.SHAPING: "rate_limit_exceeded",
 }
 
 

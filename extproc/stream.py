@@ -157,7 +157,7 @@ class RequestStream:
         if self.path == MODELS_PATH:
             return await self._list_models()
         decision = await self.director.admit_request_only(
-            self.tenant, self.path, self.requested_class
+            self.tenant, self.path, self.requested_class, watch=self.watch
         )
         if not isinstance(decision, Admission):
             return self._refuse(decision)

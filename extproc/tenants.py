@@ -14,7 +14,7 @@ RECENT_KEYS = 4096  # authenticated Authorization values remembered
 
 
 def policy_from_limits(limits: Limits) -> TenantPolicy:
-    window = limits.sliding_window
+    window, shaping = limits.sliding_window, limits.shaping
     return TenantPolicy(
         request_rate=Rate.per_second(limits.requests_per_second)
         if limits.requests_per_second
@@ -28,6 +28,8 @@ def policy_from_limits(limits: Limits) -> TenantPolicy:
         window_ms=window.window_ms if window else None,
         daily_token_quota=limits.daily_token_quota,
         monthly_token_quota=limits.monthly_token_quota,
+        shaping_rate=Rate.per_second(shaping.requests_per_second) if shaping else None,
+        shaping_backlog=shaping.effective_backlog if shaping else None,
     )
 
 
@@ -43,6 +45,7 @@ class Tenants:
         self._policies = {t.name: policy_from_limits(config.limits_for(t))
                           for t in config.tenants}
         self._weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
+        self._overflow = {t.name: config.overflow_for(t) for t in config.tenants}
         if previous is not None:
             for name, policy in previous._policies.items():
                 self._policies.setdefault(name, policy)
@@ -83,3 +86,8 @@ class Tenants:
     def weight(self, tenant: Tenant) -> float:
         """The tenant's tier weight: its share of a busy pool and of the fair queue."""
         return self._weights[tenant.name]
+
+    def overflow(self, tenant: Tenant) -> str:
+        """What a request of this tenant does when its busy pool cannot place it now:
+        ``queue``, ``reject`` or ``degrade``."""
+        return self._overflow[tenant.name]

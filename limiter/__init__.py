@@ -10,7 +10,7 @@ import kvgate_native
 
 kvgate_native.activate(__name__, __path__)  # compiled modules, when built (make native)
 
-from limiter.buckets import LeakyBucket, SlidingWindow, TokenBucket, ceil_div
+from limiter.buckets import Shaper, SlidingWindow, TokenBucket, ceil_div
 from limiter.calendar import DAY_MS, Period, period_bounds
 from limiter.clock import monotonic_ms, wall_ms
 from limiter.decision import TenantLimiter, TenantPolicy, never_fits
@@ -40,7 +40,6 @@ __all__ = [
     "BucketView",
     "Cost",
     "FairQueue",
-    "LeakyBucket",
     "Period",
     "QueuedRequest",
     "QuotaCounter",
@@ -49,6 +48,7 @@ __all__ = [
     "Reason",
     "Reject",
     "Remaining",
+    "Shaper",
     "SlidingWindow",
     "Snapshot",
     "TenantLimiter",

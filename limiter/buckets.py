@@ -11,6 +11,7 @@ Why tolerate time going backwards: the clock is injected and may come from sever
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from limiter.rates import Rate, require_int
@@ -226,61 +227,81 @@ class SlidingWindow:
         self._advance(now_ms)
 
 
-class LeakyBucket:
-    """A *shaper*: admitted work drains at ``rate``; at most ``capacity`` may be queued.
+class Shaper:
+    """A leaky bucket used as a *shaper*: requests leave at ``rate``, evenly spaced, and up
+    to ``backlog`` of them wait for their turn instead of being refused.
 
-    :meth:`admit` returns the delay before the request may be sent: the time for the water
-    already in the bucket (the work ahead of it) to drain. So an empty bucket sends at once and
-    back-to-back requests depart spaced by ``cost / rate``. ``None`` means adding the request
-    would overflow ``capacity``; :meth:`wait_ms` says how long until it would not.
+    Each admitted request gets a departure *slot*. Time is scaled by ``rate.amount`` (a slot
+    lasts exactly ``rate.period_ms`` scaled units, so nothing rounds) and a request is sent
+    at the first whole ms of its slot: consecutive sends are never closer than ``1/rate``.
+    A request arriving at an idle shaper leaves at once; later ones queue behind the *tail*
+    (the start of the slot after the last one handed out). A slot given back before it
+    starts (its client left) is a *hole* that the next arrival takes, so the spacing holds
+    whatever leaves. Slots are all the state: one hash in Redis mirrors it.
     """
 
-    __slots__ = ("capacity", "last_ms", "level_scaled", "rate")
+    __slots__ = ("backlog", "holes", "rate", "tail")
 
-    def __init__(self, rate: Rate, capacity: int) -> None:
+    def __init__(self, rate: Rate, backlog: int) -> None:
         self.rate = rate
-        self.capacity = require_int("capacity", capacity, 1)
-        self.level_scaled = 0
-        self.last_ms: int | None = None
+        self.backlog = require_int("backlog", backlog, 0)
+        self.tail = 0  # scaled: the next slot at the end starts here (or now, if earlier)
+        self.holes: list[int] = []  # slots given back, ascending; none starts before now
 
-    @property
-    def full_scaled(self) -> int:
-        """The capacity in scaled units (cost × period_ms)."""
-        return self.capacity * self.rate.period_ms
+    def _now(self, now_ms: int) -> int:
+        """Now in scaled units, after forgetting holes that started before it."""
+        now = now_ms * self.rate.amount
+        while self.holes and self.holes[0] < now:
+            del self.holes[0]
+        return now
 
-    def level_at(self, now_ms: int) -> int:
-        """Scaled water level at ``now_ms`` without mutating anything."""
-        if self.last_ms is None or now_ms <= self.last_ms:
-            return self.level_scaled
-        return max(0, self.level_scaled - (now_ms - self.last_ms) * self.rate.amount)
+    def held(self, now_ms: int) -> int:
+        """Requests whose slot has not started: the backlog in use."""
+        now = self._now(now_ms)
+        ahead = self.tail - now
+        slots = ceil_div(ahead, self.rate.period_ms) - 1 if ahead > 0 else 0
+        return slots - sum(1 for hole in self.holes if hole > now)
 
-    def _advance(self, now_ms: int) -> None:
-        self.level_scaled = self.level_at(now_ms)
-        self.last_ms = now_ms if self.last_ms is None else max(self.last_ms, now_ms)
+    def wait_ms(self, now_ms: int) -> int:
+        """Exact ms until one more request fits in the backlog (0: it fits now)."""
+        ahead = self.tail - self._now(now_ms)
+        if self.holes or ahead <= 0:
+            return 0
+        over = ahead - self.backlog * self.rate.period_ms
+        return ceil_div(over, self.rate.amount) if over > 0 else 0
 
-    def admit(self, cost: int, now_ms: int) -> int | None:
-        """Queue ``cost``; returns its send delay in ms, or None if it would overflow."""
-        require_int("cost", cost, 0)
-        if cost > self.capacity:
-            return None
-        level = self.level_at(now_ms)
-        if level + cost * self.rate.period_ms > self.full_scaled:
-            return None
-        self._advance(now_ms)
-        self.level_scaled += cost * self.rate.period_ms
-        return ceil_div(level, self.rate.amount)
+    def take(self, now_ms: int) -> int:
+        """A slot for one request (a hole first); only legal when :meth:`wait_ms` is 0."""
+        if self.wait_ms(now_ms):
+            raise ValueError(f"the backlog is full at {now_ms} ms; check wait_ms first")
+        if self.holes:
+            return self.holes.pop(0)
+        slot = max(self.tail, now_ms * self.rate.amount)
+        self.tail = slot + self.rate.period_ms
+        return slot
 
-    def wait_ms(self, cost: int, now_ms: int) -> int:
-        """Exact ms until ``cost`` would not overflow. Raises ValueError if cost > capacity."""
-        require_int("cost", cost, 0)
-        if cost > self.capacity:
-            raise ValueError(f"cost {cost} exceeds capacity {self.capacity}: it can never fit")
-        overflow = self.level_at(now_ms) + cost * self.rate.period_ms - self.full_scaled
-        return ceil_div(overflow, self.rate.amount) if overflow > 0 else 0
+    def delay_ms(self, slot: int, now_ms: int) -> int:
+        """How long the request holding ``slot`` waits before it is sent."""
+        return max(0, ceil_div(slot, self.rate.amount) - now_ms)
+
+    def give_back(self, slot: int, now_ms: int) -> None:
+        """Its request ended: if it was never sent (its send ms is still ahead), the slot
+        becomes a hole. One sent already (even this ms) keeps its slot: the spacing counts it."""
+        if slot > now_ms * self.rate.amount:
+            bisect.insort(self.holes, slot)
 
     def drain_ms(self, now_ms: int) -> int:
-        """Ms until the bucket is empty: a Retry-After estimate for a saturated shaper."""
-        return ceil_div(self.level_at(now_ms), self.rate.amount)
+        """Ms until every slot handed out has started."""
+        return max(0, ceil_div(self.tail - self._now(now_ms), self.rate.amount))
+
+    def reconfigure(self, rate: Rate, backlog: int) -> None:
+        """A config reload: a new rate spaces the slots handed out from now on (the tail
+        keeps its time, rounded up; holes are dropped); a new backlog applies at once."""
+        require_int("backlog", backlog, 0)
+        if rate != self.rate:
+            self.tail = ceil_div(self.tail * rate.amount, self.rate.amount)
+            self.holes = []
+        self.rate, self.backlog = rate, backlog
 
 
 class FixedWindow:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from limiter.buckets import SlidingWindow, TokenBucket, bucket_view
+from limiter.buckets import Shaper, SlidingWindow, TokenBucket, bucket_view
 from limiter.calendar import Period
 from limiter.herd import (
     concurrency_interval,
@@ -30,6 +30,7 @@ from limiter.outcome import (
     Reason,
     Reject,
     Remaining,
+    ShapingView,
     Snapshot,
     WindowView,
     quota_reject,
@@ -64,7 +65,8 @@ class TenantPolicy:
 
     Rates come with their bucket capacity (burst) and the window limit with its length: a
     half-configured dimension is an error, not a silent "unlimited". Token quotas count per
-    UTC calendar day / month.
+    UTC calendar day / month. The shaper (``shaping_rate`` with ``shaping_backlog``) paces
+    admitted requests instead of refusing them: see :class:`~limiter.buckets.Shaper`.
     """
 
     request_rate: Rate | None = None
@@ -78,6 +80,8 @@ class TenantPolicy:
     concurrency_retry_ms: int = 1000
     daily_token_quota: int | None = None
     monthly_token_quota: int | None = None
+    shaping_rate: Rate | None = None
+    shaping_backlog: int | None = None
     # Derived once (every admission reads them): the quotas, and the largest request that
     # certainly passes ``never_fits`` — so the common case skips building its messages.
     _quotas: tuple[tuple[Period, int], ...] = field(init=False, repr=False, compare=False)
@@ -87,6 +91,9 @@ class TenantPolicy:
         _pair(self, "request_rate", "request_burst")
         _pair(self, "token_rate", "token_burst")
         _pair(self, "window_limit", "window_ms")
+        _pair(self, "shaping_rate", "shaping_backlog")
+        if self.shaping_backlog is not None:
+            require_int("shaping_backlog", self.shaping_backlog, 0)
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name), 1)
@@ -167,6 +174,16 @@ def never_fits(policy: TenantPolicy, cost: Cost) -> tuple[Reason, str] | None:
     return None
 
 
+def _reshape(shaper: Shaper | None, policy: TenantPolicy) -> Shaper | None:
+    """Carry the shaper across a policy change (slots handed out keep their times)."""
+    if policy.shaping_rate is None or policy.shaping_backlog is None:
+        return None
+    if shaper is None:
+        return Shaper(policy.shaping_rate, policy.shaping_backlog)
+    shaper.reconfigure(policy.shaping_rate, policy.shaping_backlog)
+    return shaper
+
+
 @dataclass(slots=True)
 class _Lease:
     cost: Cost
@@ -174,6 +191,7 @@ class _Lease:
     quotas_charged: tuple[Period, ...]
     expires_ms: int | None
     started_ms: int
+    slot: tuple[int, Rate] | None = None  # its shaper slot, and the rate it was taken at
 
 
 class TenantLimiter:
@@ -196,6 +214,7 @@ class TenantLimiter:
         self._requests: TokenBucket | None = None
         self._tokens: TokenBucket | None = None
         self._window: SlidingWindow | None = None
+        self._shaper: Shaper | None = None
         self._quotas = {period: QuotaCounter(period) for period in Period}
         self._leases: dict[str, _Lease] = {}
         self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
@@ -224,6 +243,11 @@ class TenantLimiter:
         """The sliding request window (read-only use)."""
         return self._window
 
+    @property
+    def shaper(self) -> Shaper | None:
+        """The shaper pacing admitted requests (read-only use)."""
+        return self._shaper
+
     def update_policy(self, policy: TenantPolicy, now_ms: int) -> None:
         """Swap limits on a config reload; current levels carry over, clamped to new caps.
 
@@ -236,6 +260,7 @@ class TenantLimiter:
         self._window = self._rewindow(policy, now_ms)
         if _scheduled_by(policy) != _scheduled_by(self.policy):
             self.forget_promises()  # slots promised under old limits say nothing of the new
+        self._shaper = _reshape(self._shaper, policy)
         self.policy = policy
 
     def forget_promises(self) -> None:
@@ -310,6 +335,8 @@ class TenantLimiter:
             quotas=tuple(self._quota_views(now_ms)),
             in_flight=self.expire_leases(now_ms),
             max_concurrency=self.policy.max_concurrency,
+            shaping=None if self._shaper is None else ShapingView(
+                self._shaper.backlog, self._shaper.held(now_ms), self._shaper.drain_ms(now_ms)),
         )
 
     def usage(self, now_ms: int) -> dict[str, Any]:
@@ -345,8 +372,13 @@ class TenantLimiter:
             waits = self._schedule(waits, cost.requests, cost.tokens, now_ms)
             return wait_reject(waits, self.remaining(now_ms))
         self._consume(cost, now_ms)
-        self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
-        return Admit(lease_id, cost, self._remaining_later(now_ms))
+        lease = self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
+        hold = 0
+        if self._shaper is not None and cost.requests:
+            slot = self._shaper.take(now_ms)
+            lease.slot = (slot, self._shaper.rate)
+            hold = self._shaper.delay_ms(slot, now_ms)
+        return Admit(lease_id, cost, self._remaining_later(now_ms), hold)
 
     def _remaining_later(self, now_ms: int) -> Callable[[], Remaining]:
         """``remaining(now_ms)`` as of now, computed only if someone asks: only the buckets'
@@ -374,6 +406,8 @@ class TenantLimiter:
                 timed: bool = True) -> bool:
         """Free the lease exactly once (False on repeats, or once its TTL passed) and
         reconcile reserved vs used tokens on the token bucket and the quotas it was charged to.
+        A request released before its shaper slot (its client left while held) gives the
+        slot back.
 
         ``used_tokens=None`` (usage unknown: error, disconnect) counts the reservation as used.
         """
@@ -387,6 +421,9 @@ class TenantLimiter:
             # was a GET) — its duration joins the observed mean
             self._mean_ms, self._samples = observe(self._mean_ms, self._samples,
                                                    now_ms - lease.started_ms)
+        shaper = self._shaper
+        if lease.slot is not None and shaper is not None and shaper.rate == lease.slot[1]:
+            shaper.give_back(lease.slot[0], now_ms)  # not sent yet (its client left): a hole
         reserved = lease.cost.tokens
         used = reserved if used_tokens is None else max(0, used_tokens)
         if lease.tokens_charged and self._tokens is not None:
@@ -419,6 +456,8 @@ class TenantLimiter:
             oldest = min((lease.started_ms for lease in self._leases.values()), default=None)
             waits.append((Reason.CONCURRENCY,
                           concurrency_wait(now_ms, oldest, self.mean_duration_ms)))
+        if requests and self._shaper is not None and (wait := self._shaper.wait_ms(now_ms)):
+            waits.append((Reason.SHAPING, wait))
         return waits
 
     @property
@@ -447,6 +486,8 @@ class TenantLimiter:
             return rate_interval(tokens, policy.token_rate)
         if reason is Reason.WINDOW and policy.window_limit and policy.window_ms:
             return window_interval(requests, policy.window_limit, policy.window_ms)
+        if reason is Reason.SHAPING and policy.shaping_rate is not None:
+            return rate_interval(requests, policy.shaping_rate)
         return concurrency_interval(self.mean_duration_ms, policy.max_concurrency or 1)
 
     def _consume(self, cost: Cost, now_ms: int) -> None:

@@ -40,7 +40,7 @@ class Cost:
 
 
 class Reason(StrEnum):
-    """Why a request was refused. The tenant's limits give the first seven, KV admission
+    """Why a request was refused. The tenant's limits give the first eight, KV admission
     (the scheduler and flow control) the last four; the values are the ``x-kvgate-reject``
     header and the metrics' ``reason`` label."""
 
@@ -51,6 +51,7 @@ class Reason(StrEnum):
     CONTEXT = "context_length_exceeded"
     TOO_LARGE = "tokens_exceed_capacity"
     QUOTA = "quota_exceeded"
+    SHAPING = "shaping_backlog_full"  # the tenant's shaper holds as many as it may
     KV_TOO_LARGE = "kv_exceeds_capacity"  # larger than any endpoint's KV cache
     NO_ENDPOINT = "no_ready_endpoint"  # the pool has no fresh, healthy endpoint
     KV_SHARE = "kv_share_exceeded"  # the tenant is over its weighted share of a busy pool
@@ -71,6 +72,7 @@ _LIMIT_NAMES = {
     Reason.WINDOW: "request window",
     Reason.TOKENS: "token rate",
     Reason.CONCURRENCY: "concurrency",
+    Reason.SHAPING: "shaping backlog",
 }
 
 
@@ -92,6 +94,16 @@ class WindowView:
     window_ms: int
     used: int
     reset_ms: int
+
+
+@dataclass(frozen=True)
+class ShapingView:
+    """The shaper at one instant (admin snapshot only): its backlog limit, the requests
+    waiting for their slot, and ms until every slot handed out has started."""
+
+    backlog: int
+    held: int
+    drain_ms: int
 
 
 @dataclass(frozen=True)
@@ -118,16 +130,18 @@ class Admit:
 
     ``remaining`` (the headroom right after this admission) may be given as a function of
     state captured at admission: it is computed on first use, as most admissions never
-    show it to anyone.
+    show it to anyone. ``hold_ms``: how long the tenant's shaper holds the request before
+    it may be sent (0 without a shaper, or when its slot is now).
     """
 
-    __slots__ = ("_remaining", "cost", "lease_id")
+    __slots__ = ("_remaining", "cost", "hold_ms", "lease_id")
 
     def __init__(self, lease_id: str, cost: Cost,
-                 remaining: Remaining | Callable[[], Remaining]) -> None:
+                 remaining: Remaining | Callable[[], Remaining], hold_ms: int = 0) -> None:
         self.lease_id = lease_id
         self.cost = cost
         self._remaining = remaining
+        self.hold_ms = hold_ms
 
     @property
     def remaining(self) -> Remaining:
@@ -138,14 +152,14 @@ class Admit:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Admit):
             return NotImplemented
-        return (self.lease_id, self.cost, self.remaining) == (
-            other.lease_id, other.cost, other.remaining)
+        return (self.lease_id, self.cost, self.hold_ms, self.remaining) == (
+            other.lease_id, other.cost, other.hold_ms, other.remaining)
 
     __hash__ = None  # type: ignore[assignment]  # mutable cache: unhashable, like the rest
 
     def __repr__(self) -> str:
         return f"Admit(lease_id={self.lease_id!r}, cost={self.cost!r}, " \
-               f"remaining={self.remaining!r})"
+               f"hold_ms={self.hold_ms}, remaining={self.remaining!r})"
 
 
 NO_REMAINING = Remaining(None, None, None, None, None, None)
@@ -239,6 +253,7 @@ class Snapshot:
     quotas: tuple[QuotaView, ...]
     in_flight: int
     max_concurrency: int | None
+    shaping: ShapingView | None = None
 
     def remaining(self) -> Remaining:
         """The same view an admission would report."""
@@ -253,10 +268,11 @@ class Snapshot:
             "tokens": _plain(self.tokens),
             "window": _plain(self.window),
             "quotas": {q.period.value: _quota_dict(q) for q in self.quotas},
+            "shaping": _plain(self.shaping),
         }
 
 
-def _plain(view: BucketView | WindowView | None) -> dict[str, int] | None:
+def _plain(view: BucketView | WindowView | ShapingView | None) -> dict[str, int] | None:
     return None if view is None else asdict(view)  # (compiled classes have no __dict__)
 
 

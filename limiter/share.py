@@ -15,7 +15,8 @@ from limiter.rates import Rate
 
 
 def scale_policy(policy: TenantPolicy, replicas: int) -> TenantPolicy:
-    """``policy`` with every rate, burst and concurrency divided by ``replicas`` (≥ 1 each)."""
+    """``policy`` with every rate, burst and concurrency divided by ``replicas`` (≥ 1 each;
+    a shaper's backlog rounded up, so 0 stays 0)."""
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
     if replicas == 1:
@@ -33,6 +34,9 @@ def scale_policy(policy: TenantPolicy, replicas: int) -> TenantPolicy:
             token_burst=share(policy.token_burst),
             max_concurrency=share(policy.max_concurrency),
             window_limit=share(policy.window_limit),
+            shaping_rate=_slower(policy.shaping_rate, replicas),
+            shaping_backlog=None if policy.shaping_backlog is None
+            else math.ceil(policy.shaping_backlog / replicas),
         )
     )
 

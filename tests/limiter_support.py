@@ -33,7 +33,10 @@ def policies(
         max_concurrency = draw(st.one_of(st.none(), st.integers(1, 4)))
     else:
         max_concurrency = draw(st.integers(1, 4)) if concurrency else None
+    shaping = draw(st.one_of(st.none(), st.tuples(slow_rates, st.integers(0, 4))))
     return TenantPolicy(
+        shaping_rate=shaping and shaping[0],
+        shaping_backlog=shaping and shaping[1],
         request_rate=request and request[0],
         request_burst=request and request[1],
         token_rate=token and token[0],
@@ -46,6 +49,17 @@ def policies(
         daily_token_quota=draw(quota),
         monthly_token_quota=draw(quota),
     )
+
+
+def assert_never_faster(sends: list[int], rate: Rate) -> None:
+    """A shaper's promise: in any window [t, t + T) of T ms, at most ceil(T × rate) of
+    ``sends`` (ms) fall."""
+    sends = sorted(sends)
+    for i in range(len(sends)):
+        for j in range(i + 1, len(sends)):
+            span = sends[j] - sends[i] + 1  # the shortest window holding sends i..j
+            most = -(-span * rate.amount // rate.period_ms)
+            assert j - i + 1 <= most, (sends[i], sends[j], rate)
 
 
 def admit_ok(limiter: TenantLimiter, cost: Cost, lease: str, now: int) -> Admit:

@@ -57,6 +57,8 @@ REPAIR_TIMEOUT_S = 0.5
 REPAIR_BATCH = 64
 """Repair calls sent at once (each takes a pooled connection)."""
 _FAILURES = (StoreUnavailable, TimeoutError, OSError)
+_REQUEST_LIMITS = (Reason.REQUESTS, Reason.WINDOW, Reason.SHAPING)
+"""Refusals the headers-phase peek may repeat until their retry time: they count requests."""
 
 
 class FailurePolicy(StrEnum):
@@ -165,7 +167,7 @@ class FailoverStore:
         if ok:
             if isinstance(result, Admit):
                 self._hold(lease_id, _Held(tenant, policy, "primary"))
-            elif result.reason in (Reason.REQUESTS, Reason.WINDOW) and result.retry_after_ms:
+            elif result.reason in _REQUEST_LIMITS and result.retry_after_ms:
                 self._blocked[tenant] = (self.clock_ms() + result.retry_after_ms, result)
             return result
         unsure = error is not None and not isinstance(error, LeasesLost)

@@ -29,7 +29,12 @@ and window length); ``leases`` a ZSET lease_id → expiry ms and ``leases:meta``
 ``cancelled`` a ZSET lease_id → expiry ms of admissions kvgate gave up on (below);
 ``herd`` a hash of the retry slots last promised per dimension (``limiter.herd``), the
 policy they were promised under (``pol``) and the observed mean request duration (``d``,
-``n`` samples; a lease's meta ends with its start ms).
+``n`` samples; a lease's meta ends with its start ms, field 13).
+``shape`` a hash ``{m, f, a, p, h}``: the shaper's tail as ``m`` ms plus ``f``/``a`` of a ms
+(``0 ≤ f < a``: the scaled time ``m × a + f`` of :class:`~limiter.buckets.Shaper`, never
+formed from an epoch), the rate it was computed with, and its holes as ``"m:f,…"``; a lease
+charged a slot keeps it in its meta (``…:m:f:a:p``), so a release before the slot starts
+gives it back.
 
 **Calls whose answer is lost.** kvgate stops waiting for Redis after its budget (20 ms), but
 a command already sent still runs when Redis gets to it (a paused or overloaded server).
@@ -50,6 +55,7 @@ from __future__ import annotations
 _CORE = r"""
 local KREQ, KTOK, KWIN, KWMETA = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local KLEASES, KLMETA, KCANCEL, KHERD = KEYS[5], KEYS[6], KEYS[9], KEYS[10]
+local KSHAPE = KEYS[11]
 local LEASE_TTL, SLACK = tonumber(ARGV[2]), tonumber(ARGV[3])
 local LMAX = 2251799813685248  -- 2^51: saturation bound for a bucket's debt
 
@@ -109,8 +115,8 @@ local function leases_save(t)
 end
 """
 
-# ARGV[4]: the policy as 12 comma-separated integers, 0 = not configured (one argument:
-# packing/unpacking 12 separate ones costs the Python client more than the Lua split).
+# ARGV[4]: the policy as 15 comma-separated integers, 0 = not configured (one argument:
+# packing/unpacking 15 separate ones costs the Python client more than the Lua split).
 _POLICY = r"""
 local function arg(i) return tonumber(ARGV[i]) end
 local POL = {}
@@ -121,6 +127,7 @@ local WIN_LIMIT, WIN_MS = POL[7], POL[8]
 local MAX_CONC, CONC_RETRY = POL[9], POL[10]
 local QUOTAS = {{kind = 'd', limit = POL[11], key = KEYS[7]},
                 {kind = 'm', limit = POL[12], key = KEYS[8]}}
+local SHAPE = {a = POL[13], p = POL[14], b = POL[15]}
 local OP = 5
 
 -- token bucket (limiter.buckets.TokenBucket) ------------------------------------------
@@ -344,7 +351,8 @@ local function q_save(q, t)
 end
 
 -- retry slots for a herd (limiter.herd) -------------------------------------------------
-local HERD_FIELDS = {'requests', 'requests_window', 'tokens', 'concurrency'}
+local HERD_FIELDS = {'requests', 'requests_window', 'tokens', 'concurrency',
+                     'shaping_backlog_full'}
 local HERD
 
 local function herd()  -- read once per call
@@ -395,6 +403,9 @@ local function herd_interval(H, reason, requests, tokens)
   if reason == 'requests_window' and WIN_MS > 0 then
     return cdiv(requests * WIN_MS, WIN_LIMIT)
   end
+  if reason == 'shaping_backlog_full' and SHAPE.a > 0 then
+    return cdiv(requests * SHAPE.p, SHAPE.a)
+  end
   return cdiv(completion(mean_ms(H)), math.max(MAX_CONC, 1))
 end
 
@@ -411,13 +422,114 @@ local function herd_schedule(waits, requests, tokens, t)
   herd_save(H, t)
 end
 
-local function lease_start(meta)  -- the 9th field of a lease's meta, if it has one
+local function lease_start(meta)  -- the 13th field of a lease's meta, if it has one
   local i = 0
   for field in string.gmatch(meta, '[^:]+') do
     i = i + 1
-    if i == 9 then return tonumber(field) end
+    if i == 13 then return tonumber(field) end
   end
   return nil
+end
+
+-- shaper (limiter.buckets.Shaper); a slot is {m, f}: m ms plus f/a of a ms ---------------
+local function sh_ahead(m, f, a, t)  -- scaled time from t to {m, f}; only its sign if < 0
+  if m < t then return -1 end
+  return (m - t) * a + f
+end
+
+local function sh_open(t)
+  if SHAPE.a == 0 then
+    redis.call('DEL', KSHAPE)  -- a dropped shaper starts afresh if it comes back
+    return nil
+  end
+  local s = {a = SHAPE.a, p = SHAPE.p, b = SHAPE.b, m = t, f = 0, holes = {}}
+  local h = redis.call('HMGET', KSHAPE, 'm', 'f', 'a', 'p', 'h')
+  if not h[1] then return s end
+  s.m, s.f = tonumber(h[1]), tonumber(h[2])
+  local old_a = tonumber(h[3])
+  if old_a ~= s.a or tonumber(h[4]) ~= s.p then  -- reconfigure: keep the tail's time
+    s.f, s.dirty = cdiv(s.f * s.a, old_a), true
+    if s.f >= s.a then s.m, s.f = s.m + 1, s.f - s.a end
+    return s  -- holes are dropped
+  end
+  for hm, hf in string.gmatch(h[5] or '', '(%d+):(%d+)') do
+    if tonumber(hm) >= t then table.insert(s.holes, {tonumber(hm), tonumber(hf)})
+    else s.dirty = true end  -- started before now: forgotten
+  end
+  return s
+end
+
+local function sh_held(s, t)
+  local ahead, n = sh_ahead(s.m, s.f, s.a, t), 0
+  if ahead > 0 then n = cdiv(ahead, s.p) - 1 end
+  for _, hole in ipairs(s.holes) do
+    if sh_ahead(hole[1], hole[2], s.a, t) > 0 then n = n - 1 end
+  end
+  return n
+end
+
+local function sh_wait(s, t)
+  local ahead = sh_ahead(s.m, s.f, s.a, t)
+  if #s.holes > 0 or ahead <= 0 then return 0 end
+  local over = ahead - s.b * s.p
+  if over > 0 then return cdiv(over, s.a) end
+  return 0
+end
+
+local function sh_drain(s, t)
+  local ahead = sh_ahead(s.m, s.f, s.a, t)
+  if ahead > 0 then return cdiv(ahead, s.a) end
+  return 0
+end
+
+local function sh_take(s, t)  -- after a zero wait: a hole first, else the tail (or now)
+  s.dirty = true
+  if #s.holes > 0 then return table.remove(s.holes, 1) end
+  local slot = {t, 0}
+  if sh_ahead(s.m, s.f, s.a, t) > 0 then slot = {s.m, s.f} end
+  local f = slot[2] + s.p
+  local carry = fdiv(f, s.a)
+  s.m, s.f = slot[1] + carry, f - carry * s.a
+  return slot
+end
+
+local function sh_delay(slot, t)  -- sent at the first whole ms of its slot
+  local d = slot[1] - t
+  if slot[2] > 0 then d = d + 1 end
+  return math.max(0, d)
+end
+
+local function sh_give_back(s, slot, t)
+  if sh_ahead(slot[1], slot[2], s.a, t) <= 0 then return end  -- sent already: it counts
+  local at = #s.holes + 1
+  for i, hole in ipairs(s.holes) do
+    if slot[1] < hole[1] or (slot[1] == hole[1] and slot[2] < hole[2]) then
+      at = i
+      break
+    end
+  end
+  table.insert(s.holes, at, slot)
+  s.dirty = true
+end
+
+local function sh_save(s, t)
+  if not s or not s.dirty then return end
+  if sh_ahead(s.m, s.f, s.a, t) <= 0 and #s.holes == 0 then
+    redis.call('DEL', KSHAPE)  -- idle is the default state
+    return
+  end
+  local holes = {}
+  for _, hole in ipairs(s.holes) do table.insert(holes, str(hole[1]) .. ':' .. str(hole[2])) end
+  redis.call('HSET', KSHAPE, 'm', str(s.m), 'f', str(s.f), 'a', str(s.a), 'p', str(s.p),
+             'h', table.concat(holes, ','))
+  redis.call('PEXPIRE', KSHAPE, str(math.max(1, s.m + 1 - t) + SLACK))
+end
+
+local function lease_slot(meta)  -- the slot a lease's meta records (fields 9-12), if any
+  local f = {}
+  for field in string.gmatch(meta or '', '[^:]+') do table.insert(f, field) end
+  if #f < 12 or f[9] == 'n' then return nil end
+  return {tonumber(f[9]), tonumber(f[10])}, tonumber(f[11]), tonumber(f[12])
 end
 
 -- the whole tenant ----------------------------------------------------------------------
@@ -425,7 +537,8 @@ end
 -- MemoryStore does on every call that carries a policy.
 local function open_all(t)
   herd_policy()
-  local st = {req = tb_open(REQ, t), tok = tb_open(TOK, t), win = win_open(t), quotas = {}}
+  local st = {req = tb_open(REQ, t), tok = tb_open(TOK, t), win = win_open(t), quotas = {},
+              sh = sh_open(t)}
   for _, spec in ipairs(QUOTAS) do
     if spec.limit > 0 then st.quotas[spec.kind] = q_open(spec, t) end
   end
@@ -439,8 +552,9 @@ local function push(out, values, count)  -- '' stands for a dimension not config
   end
 end
 
--- reply: {code, "17 comma-separated view fields", extra...}; one string, because the
--- Python client parses each array element separately. Saves the window on every path.
+-- reply: {code, "19 comma-separated view fields", extra...}; one string, because the
+-- Python client parses each array element separately. Saves the window and the shaper on
+-- every path.
 local function finish(st, t, code, extra)
   win_save(st.win, t)
   local views = {}
@@ -453,6 +567,8 @@ local function finish(st, t, code, extra)
     push(views, q and {q.limit, q.used, q.e - t, q.s}, 4)
   end
   push(views, {st.in_flight}, 1)
+  push(views, st.sh and {sh_held(st.sh, t), sh_drain(st.sh, t)}, 2)
+  sh_save(st.sh, t)
   local out = {code, table.concat(views, ',')}
   for _, v in ipairs(extra) do table.insert(out, v) end
   return out
@@ -485,6 +601,13 @@ local function concurrency_wait(st, waits, t)  -- limiter.herd.concurrency_wait
     end
   end
 end
+
+local function shaping_wait(st, requests, t, waits)
+  if st.sh and requests > 0 then
+    local wait = sh_wait(st.sh, t)
+    if wait > 0 then table.insert(waits, 'shaping_backlog_full'); table.insert(waits, wait) end
+  end
+end
 """
 
 # ARGV[5..10]: tokens, requests, lease id, '1' if the request can never fit (Python knows),
@@ -494,7 +617,10 @@ local tokens, requests, lease = arg(OP), arg(OP + 1), ARGV[OP + 2]
 local st = open_all(NOW)
 if cancelled(lease, NOW) then return finish(st, NOW, 'cancelled', {}) end
 if redis.call('ZSCORE', KLEASES, lease) then
-  if ARGV[OP + 5] == '1' then return finish(st, NOW, 'ok', {}) end  -- the first try ran
+  if ARGV[OP + 5] == '1' then  -- the first try ran: the same answer again
+    local slot = lease_slot(redis.call('HGET', KLMETA, lease))
+    return finish(st, NOW, 'ok', {slot and sh_delay(slot, NOW) or 0})
+  end
   return finish(st, NOW, 'dup', {})
 end
 if st.in_flight < arg(OP + 4) then return finish(st, NOW, 'lost', {}) end
@@ -512,6 +638,7 @@ if st.tok then
   if wait > 0 then table.insert(waits, 'tokens'); table.insert(waits, wait) end
 end
 concurrency_wait(st, waits, NOW)
+shaping_wait(st, requests, NOW, waits)
 if #waits > 0 then
   herd_schedule(waits, requests, tokens, NOW)
   return finish(st, NOW, 'wait', waits)
@@ -533,12 +660,18 @@ for i, kind in ipairs({'d', 'm'}) do
     flags[i + 1] = '1'
   end
 end
+local shaped, hold = 'n:0:0:0', 0
+if st.sh and requests > 0 then
+  local slot = sh_take(st.sh, NOW)
+  shaped = str(slot[1]) .. ':' .. str(slot[2]) .. ':' .. str(st.sh.a) .. ':' .. str(st.sh.p)
+  hold = sh_delay(slot, NOW)
+end
 redis.call('ZADD', KLEASES, str(NOW + LEASE_TTL), lease)
 redis.call('HSET', KLMETA, lease, str(tokens) .. ':' .. table.concat(flags, ':') .. ':'
-           .. table.concat(charged, ':') .. ':' .. str(NOW))
+           .. table.concat(charged, ':') .. ':' .. shaped .. ':' .. str(NOW))
 leases_save(NOW)
 st.in_flight = st.in_flight + 1
-return finish(st, NOW, 'ok', {})
+return finish(st, NOW, 'ok', {hold})
 """
 
 # ARGV[5..7]: lease id, used tokens ('' = unknown: the reservation counts as used), mode
@@ -561,7 +694,11 @@ if started and not cancel and ARGV[OP + 1] ~= '0' then
   herd_observe(H, NOW - started)
   herd_save(H, NOW)
 end
--- tokens:tb:day:month[:requests:req:win:ts]; a lease re-asserted after a restart has none
+local slot, slot_a, slot_p = lease_slot(meta)
+if slot and st.sh and slot_a == st.sh.a and slot_p == st.sh.p then
+  sh_give_back(st.sh, slot, NOW)  -- not sent yet (its client left): a hole
+end
+-- tokens:tb:day:month[:requests:req:win:ts:slot m:f:a:p:start]; a re-asserted lease has none
 local f = {}
 for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
 local reserved, tb, day, month = tonumber(f[1]), f[2], f[3], f[4]
@@ -595,6 +732,7 @@ local st = open_all(NOW)
 local waits = {}
 request_waits(st, 1, NOW, waits)
 concurrency_wait(st, waits, NOW)
+shaping_wait(st, 1, NOW, waits)
 if #waits > 0 then
   herd_schedule(waits, 1, 0, NOW)
   return finish(st, NOW, 'wait', waits)

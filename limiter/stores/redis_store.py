@@ -36,6 +36,7 @@ from limiter.outcome import (
     Cost,
     Reason,
     Reject,
+    ShapingView,
     Snapshot,
     WindowView,
     quota_reject,
@@ -53,11 +54,12 @@ Redis's own clock."""
 
 _KEY_SUFFIXES = (
     "tb:req", "tb:tok", "win", "win:meta", "leases", "leases:meta", "q:day", "q:month",
-    "cancelled", "herd",
+    "cancelled", "herd", "shape",
 )
 _MAX_FULL = 2**51
 _MAX_PERIOD_MS = 2**26
 _MAX_COUNT = 2**50
+_MAX_BACKLOG = 2**20
 _PERIOD_CODES = {"d": Period.DAY, "m": Period.MONTH}
 
 
@@ -80,7 +82,7 @@ def _small(name: str, value: int | None) -> int:
 
 @lru_cache(maxsize=1024)
 def _policy_arg(policy: TenantPolicy) -> str:
-    """ARGV[4]: the policy as 12 comma-separated integers, 0 for "not configured"."""
+    """ARGV[4]: the policy as 15 comma-separated integers, 0 for "not configured"."""
     return ",".join(map(str, _policy_fields(policy)))
 
 
@@ -95,7 +97,19 @@ def _policy_fields(policy: TenantPolicy) -> tuple[int, ...]:
         _small("concurrency_retry_ms", policy.concurrency_retry_ms),
         _small("daily_token_quota", policy.daily_token_quota),
         _small("monthly_token_quota", policy.monthly_token_quota),
+        *_check_shaper(policy.shaping_rate, policy.shaping_backlog),
     )
+
+
+def _check_shaper(rate: Rate | None, backlog: int | None) -> list[int]:
+    """The shaper's ARGV: every slot sum and rescale then stays below 2^53 in Lua."""
+    if rate is None or backlog is None:
+        return [0, 0, 0]
+    if rate.amount > _MAX_PERIOD_MS or rate.period_ms > _MAX_PERIOD_MS:
+        raise ValueError(f"shaper: rate {rate} is too fine-grained for exact Lua arithmetic")
+    if backlog > _MAX_BACKLOG:
+        raise ValueError(f"shaping backlog must be ≤ {_MAX_BACKLOG}, got {backlog}")
+    return [rate.amount, rate.period_ms, backlog]
 
 
 def _text(value: bytes | str) -> str:
@@ -131,6 +145,9 @@ def _snapshot(packed: bytes | str, policy: TenantPolicy) -> Snapshot:
         quotas=_quotas(fields[8:16]),
         in_flight=fields[16] or 0,
         max_concurrency=policy.max_concurrency,
+        shaping=None if fields[17] is None or fields[18] is None
+        or policy.shaping_backlog is None
+        else ShapingView(policy.shaping_backlog, fields[17], fields[18]),
     )
 
 
@@ -229,7 +246,7 @@ class RedisStore:
             return quota_reject(views, cost.tokens, snap.remaining())
         if code == "wait":
             return wait_reject(_waits(rest), snap.remaining())
-        return Admit(lease_id, cost, snap.remaining())
+        return Admit(lease_id, cost, snap.remaining(), int(rest[0]) if rest else 0)
 
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None

@@ -40,7 +40,7 @@ from limiter import (
 )
 from limiter.stores import LimiterStore, MemoryStore, StoreUnavailable
 from limiter.stores.redis_store import RedisStore
-from tests.limiter_support import policies
+from tests.limiter_support import assert_never_faster, policies
 
 pytestmark = pytest.mark.redis
 
@@ -391,7 +391,7 @@ async def _busy_tenant(store: RedisStore, policy: TenantPolicy, clock: FakeClock
 FULL = TenantPolicy(
     request_rate=Rate(1, 100), request_burst=10, token_rate=Rate(1, 1), token_burst=5000,
     window_limit=10, window_ms=1000, max_concurrency=10, daily_token_quota=10**6,
-    monthly_token_quota=10**7,
+    monthly_token_quota=10**7, shaping_rate=Rate(1, 10), shaping_backlog=10,
 )
 
 
@@ -480,7 +480,7 @@ def test_policy_bounds_are_checked_before_lua() -> None:
     from limiter.stores.redis_store import _policy_arg
 
     ok = TenantPolicy(token_rate=Rate.per_minute(1.5), token_burst=10**7)
-    assert _policy_arg(ok) == "0,0,0,1,40000,10000000,0,0,0,1000,0,0"
+    assert _policy_arg(ok) == "0,0,0,1,40000,10000000,0,0,0,1000,0,0,0,0,0"
     with pytest.raises(ValueError, match="2\\^51"):
         _policy_arg(TenantPolicy(token_rate=Rate(1, 60_000), token_burst=10**11))
 
@@ -499,3 +499,88 @@ async def test_timing_one_admission(client: aioredis.Redis) -> None:
         await store.admit("acme", policy, Cost(100, 100), f"l{n}")
     per_call = (time.perf_counter() - started) / 300
     assert per_call < 0.01, per_call
+
+
+# --- the shaper, through both stores -------------------------------------------------------
+
+shaper_steps = st.lists(st.one_of(
+    st.tuples(st.just("advance"), st.one_of(st.integers(0, 30), st.integers(0, 600))),
+    st.tuples(st.just("admit")),
+    st.tuples(st.just("admit")),
+    st.tuples(st.just("admit")),
+    st.tuples(st.just("leave"), st.integers(0, 10**6)),  # a held request's client leaves
+    st.tuples(st.just("retry")),  # wait exactly the last Retry-After
+), min_size=3, max_size=40)
+
+
+@PARITY
+@given(st.data(), st.builds(Rate, st.integers(1, 3), st.integers(20, 500)),
+       st.integers(0, 5), starts)
+async def test_shaper_rate_backlog_and_retry_after_on_both_stores(
+    client: aioredis.Redis, data: st.DataObject, rate: Rate, backlog: int, start: int
+) -> None:
+    """Memory and Redis give the same answers; requests are sent no faster than the rate,
+    at most ``backlog`` wait at once (clients leaving give their slot back), a refusal comes
+    only when the backlog is full, and its Retry-After is exact."""
+    await client.flushdb()
+    clock = FakeClock(start)
+    policy = TenantPolicy(shaping_rate=rate, shaping_backlog=backlog)
+    stores: list[LimiterStore] = [MemoryStore(clock), RedisStore(client, clock=clock)]
+    sends: dict[str, int] = {}  # lease → the ms its request is sent (until it ends)
+    finished: dict[str, int] = {}  # sent and ended: still sent, for the rate
+    retry, refusals = 0, 0
+    for n, step in enumerate(data.draw(shaper_steps, label="steps")):
+        if step[0] in ("advance", "retry"):
+            clock.now += step[1] if step[0] == "advance" else retry
+            continue
+        waiting = sorted(lease for lease, at in sends.items() if at > clock.now)
+        assert len(waiting) <= backlog
+        if step[0] == "leave":  # a request ends: held (its client left), or sent (finished)
+            if sends:
+                lease = sorted(sends)[step[1] % len(sends)]
+                assert [await s.release("acme", policy, lease, 0) for s in stores] == [True] * 2
+                if (sent := sends.pop(lease)) <= clock.now:
+                    finished[lease] = sent
+            continue
+        memory, shared = [await s.admit("acme", policy, Cost(5, 5), f"l{n}") for s in stores]
+        assert memory == shared, (step, clock.now)
+        if isinstance(memory, Admit):
+            sends[memory.lease_id] = clock.now + memory.hold_ms
+            event(f"held: {memory.hold_ms > 0}")
+            continue
+        assert memory.reason is Reason.SHAPING and len(waiting) == backlog
+        retry = memory.retry_after_ms or 0
+        for store in stores:  # exact for the first refused client; a later one of a herd
+            clock.now += retry - 1  # is promised a later slot (limiter.herd)
+            early = await store.check_requests("acme", policy)
+            assert early is not None or refusals, (step, clock.now)
+            assert early is None or early.reason is Reason.SHAPING
+            clock.now += 1
+            assert await store.check_requests("acme", policy) is None
+            clock.now -= retry
+        refusals += 1
+        event("full")
+    assert_never_faster([*sends.values(), *finished.values()], rate)
+    usage = [await s.usage("acme", policy) for s in stores]
+    assert usage[0] == usage[1]
+
+
+async def test_one_shaper_across_replicas(client: aioredis.Redis) -> None:
+    """Two replicas (two stores on one Redis) hand out slots from one schedule: their
+    requests leave one spacing apart, and the backlog is shared."""
+    clock = FakeClock()
+    policy = TenantPolicy(shaping_rate=Rate(1, 100), shaping_backlog=2)
+    replicas = [RedisStore(client, clock=clock), RedisStore(client, clock=clock)]
+    holds = []
+    for n in range(3):
+        admitted = await replicas[n % 2].admit("acme", policy, Cost(1, 1), f"l{n}")
+        assert isinstance(admitted, Admit)
+        holds.append(admitted.hold_ms)
+    assert holds == [0, 100, 200]
+    full = await replicas[1].admit("acme", policy, Cost(1, 1), "l3")
+    assert isinstance(full, Reject) and (full.reason, full.retry_after_ms) == (Reason.SHAPING,
+                                                                               100)
+    clock.now += 30
+    assert await replicas[0].release("acme", policy, "l2", 0)  # held on one replica, left
+    moved = await replicas[1].admit("acme", policy, Cost(1, 1), "l4")  # the other takes it
+    assert isinstance(moved, Admit) and moved.hold_ms == 170

@@ -57,3 +57,31 @@ def test_unknown_class_is_a_clear_400():
     with pytest.raises(BadRequest) as info:
         classify("urgent")
     assert info.value.status == 400 and "interactive" in info.value.message
+
+
+def test_long_prompt_rule_per_tier_the_free_tenants_pdf():
+    """A 10-page PDF (~6,500 tokens) from a free tenant drops to batch under its tier's
+    2,048-token rule, while a paying tenant's prompt of the same length keeps the global
+    8,192 rule and stays interactive; a tier may turn the rule off (null)."""
+    keys = iter(range(10))
+    config = parse_config({
+        "tiers": {"free": {"weight": 1, "long_prompt_tokens": 2048},
+                  "gold": {"weight": 3},
+                  "platinum": {"weight": 5, "long_prompt_tokens": None}},
+        "tenants": [{"name": name, "tier": name, "api_keys": [hash_api_key(str(next(keys)))]}
+                    for name in ("free", "gold", "platinum")],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:1"]}],
+    })
+    c = Classifier(config)
+    free, gold, platinum = config.tenants
+
+    def name(tenant, prompt):
+        return c.classify(tenant, requested=None, path="/v1/chat/completions",
+                          prompt_tokens=prompt).name
+
+    assert name(free, 6500) == "batch"
+    assert name(free, 300) == "interactive"  # its chat is still chat
+    assert name(gold, 6500) == "interactive"
+    assert name(gold, 9000) == "batch"  # the global rule
+    assert name(platinum, 100_000) == "interactive"
+    assert config.long_prompt_tokens("gold") == 8192

@@ -135,3 +135,25 @@ def test_keys_of_the_removed_dynamic_order_say_what_became_of_them():
     assert any(p.startswith("queue: order: removed, the hierarchical fair order") for p in found)
     assert any("beta: removed" in p for p in found)
     assert any(p.startswith("classes.interactive: sla_ms: removed") for p in found)
+
+
+def test_shaping_defaults_overrides_and_the_message_timeout():
+    from extproc.tenants import policy_from_limits
+    from limiter import Rate
+
+    data = {**GOOD, "tiers": {"gold": {"limits": {"shaping": {"requests_per_second": 2.5}}}}}
+    tier = parse_config(data).tiers["gold"].limits.shaping
+    assert tier is not None and tier.effective_backlog == 25  # ten seconds' worth
+    data["tenants"] = [{**GOOD["tenants"][0], "limits": {
+        "shaping": {"requests_per_second": 4, "backlog": 0},
+        "sliding_window": {"requests": 3}}}]
+    config = parse_config(data)
+    policy = policy_from_limits(config.limits_for(config.tenants[0]))
+    assert (policy.shaping_rate, policy.shaping_backlog) == (Rate(1, 250), 0)
+    assert (policy.window_limit, policy.window_ms) == (3, 1000)  # nested overrides are models
+    slow = {**GOOD, "tiers": {"gold": {"limits": {
+        "shaping": {"requests_per_second": 0.1, "backlog": 100}}}}}
+    assert problems(slow) == ["tiers.gold.limits.shaping: a full backlog waits 1000 s, which "
+                              "must stay below envoy.message_timeout_s (1000)"]
+    assert any("requests_per_second" in p for p in problems(
+        {**GOOD, "tiers": {"gold": {"limits": {"shaping": {"requests_per_second": 5000}}}}}))

@@ -216,3 +216,179 @@ async def test_debug_shows_the_queue_and_what_the_gate_knows(harness):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# --- per-tenant overflow mode -------------------------------------------------------------
+
+
+def overflow_config(overflow: str, degradation: dict | None = None, on: str = "tenant"):
+    """Tenant b (free, weight 1) with its overflow mode set on itself or on its tier."""
+    data = config().model_dump(exclude_unset=True)
+    if on == "tenant":
+        data["tenants"][1]["overflow"] = overflow
+    else:
+        data["tiers"]["free"]["overflow"] = overflow
+    if degradation:
+        data["pools"][0]["degradation"] = degradation
+    return parse_config(data)
+
+
+@pytest.mark.parametrize(("overflow", "plan"), [
+    (None, None), ("queue", None), ("degrade", {"classes": [], "max_tokens_cap": 20}),
+])
+async def test_overflow_modes_that_wait(overflow, plan):
+    """``queue`` (the default) waits in the fair queue; so does ``degrade`` when no degraded
+    form fits."""
+    h = Harness(config() if overflow is None else overflow_config(overflow, plan))
+    await h.start(usage=0.99)
+    task = h.admit("b")
+    await settle()
+    assert len(h.flow.queue) == 1 and not task.done()
+    await h.set_usage(0.1)
+    await h.director.release(await asyncio.wait_for(task, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+@pytest.mark.parametrize("on", ["tenant", "tier"])
+async def test_overflow_reject_refuses_at_once_with_retry_after(on):
+    h = Harness(overflow_config("reject", on=on))
+    await h.start(usage=0.99)
+    queued = h.admit("a")  # a keeps today's behaviour: it waits
+    outcome = await asyncio.wait_for(h.admit("b"), 0.5)
+    assert isinstance(outcome, Reject) and (outcome.status, outcome.reason) == (
+        503, "pool_saturated")
+    assert outcome.retry_after_ms is not None and outcome.retry_after_ms >= 1000
+    assert await h.director.store.in_flight("b") == 0
+    await settle()
+    assert len(h.flow.queue) == 1 and not queued.done()
+    await h.set_usage(0.1)
+    await h.director.release(await asyncio.wait_for(queued, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_overflow_reject_over_its_share_is_429_at_once():
+    h = Harness(overflow_config("reject"))
+    scheduler = h.director.schedulers["p"]
+    before_the_scrape = time.monotonic()
+    scheduler.reserve("a-held", "a", ENDPOINT, 100, before_the_scrape)
+    scheduler.reserve("b-held", "b", ENDPOINT, 200, before_the_scrape)
+    await h.start(usage=0.80)
+    outcome = await asyncio.wait_for(h.admit("b", "batch"), 0.5)
+    assert isinstance(outcome, Reject) and (outcome.status, outcome.reason) == (
+        429, "kv_share_exceeded")
+    assert outcome.retry_after_ms is not None
+    assert await h.director.store.in_flight("b") == 0 and not len(h.flow.queue)
+    await h.flow.stop()
+
+
+async def test_overflow_degrade_applies_the_pools_plan_to_every_class():
+    plan = {"classes": ["batch"], "max_tokens_cap": 20}
+    h = Harness(overflow_config("degrade", plan))
+    await h.start(usage=0.85)  # a ~113-token request no longer fits; a ~33-token one does
+    degraded = await asyncio.wait_for(h.admit("b", "interactive"), 0.5)
+    assert isinstance(degraded, Admission)
+    assert degraded.body_overrides == {"max_tokens": 20}
+    assert degraded.request_class == "interactive"
+    waiting = h.admit("a", "interactive")  # a (queue mode): interactive is not in the plan
+    await settle()
+    assert len(h.flow.queue) == 1 and not waiting.done()
+    await h.director.release(degraded, 10)
+    await h.set_usage(0.1)
+    await h.director.release(await asyncio.wait_for(waiting, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+def test_overflow_degrade_needs_a_degradation_plan():
+    from extproc.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.overflow"):
+        overflow_config("degrade")
+
+
+# --- the shaping stage ----------------------------------------------------------------------
+
+
+def shaping_config(rps: float = 10, backlog: int = 2):
+    data = config().model_dump(exclude_unset=True)
+    data["tenants"][1]["limits"] = {"shaping": {"requests_per_second": rps, "backlog": backlog}}
+    return parse_config(data)
+
+
+async def test_shaping_paces_a_burst_and_refuses_past_its_backlog():
+    h = Harness(shaping_config(rps=10, backlog=2))
+    await h.start(usage=0.1)
+    started = time.monotonic()
+    done_at: list[float] = []
+
+    async def admitted() -> Admission | Reject:
+        outcome = await h.admit("b")
+        done_at.append(time.monotonic() - started)
+        return outcome
+
+    tasks = [asyncio.create_task(admitted()) for _ in range(4)]
+    outcomes = [await asyncio.wait_for(task, 2) for task in tasks]
+    refused = [o for o in outcomes if isinstance(o, Reject)]  # the backlog holds two
+    assert len(refused) == 1
+    assert (refused[0].status, refused[0].reason) == (429, "shaping_backlog_full")
+    assert 0 < refused[0].retry_after_ms <= 100
+    holds = sorted(o.admit.hold_ms for o in outcomes if isinstance(o, Admission))
+    assert holds[0] == 0 and 98 <= holds[1] <= 100 and 198 <= holds[2] <= 200
+    admitted_at = sorted(done_at)[1:]  # (the refusal came first)
+    assert all(at >= hold / 1000 - 0.002 for at, hold in zip(admitted_at, holds, strict=True))
+    for outcome in outcomes:
+        if isinstance(outcome, Admission):
+            await h.director.release(outcome, 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_a_held_client_that_leaves_gives_its_slot_back():
+    h = Harness(shaping_config(rps=5, backlog=1))
+    await h.start(usage=0.1)
+    first = await asyncio.wait_for(h.admit("b"), 0.5)
+    held = h.admit("b")
+    await settle()
+    assert not held.done() and await h.director.store.in_flight("b") == 2
+    assert isinstance(await asyncio.wait_for(h.admit("b"), 0.5), Reject)  # backlog full
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert await h.director.store.in_flight("b") == 1
+    assert not h.director.active.keys() - {first.lease_id}
+    again = h.admit("b")  # takes the slot the one that left gave back
+    admission = await asyncio.wait_for(again, 0.5)
+    assert isinstance(admission, Admission)
+    for done in (first, admission):
+        await h.director.release(done, 10)
+    assert await h.nothing_held() and not h.director.active
+    await h.flow.stop()
+
+
+async def test_a_shaped_request_still_queues_when_the_pool_is_full():
+    h = Harness(shaping_config(rps=10, backlog=2))
+    await h.start(usage=0.99)
+    first, second = h.admit("b"), h.admit("b")
+    await asyncio.sleep(0.3)  # both slots have passed: they wait for KV now
+    assert len(h.flow.queue) == 2
+    await h.set_usage(0.1)
+    for task in (first, second):
+        await h.director.release(await asyncio.wait_for(task, 2), 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_requests_without_a_body_are_paced_too():
+    h = Harness(shaping_config(rps=10, backlog=2))
+    await h.start(usage=0.1)
+    who = h.director.authenticate("Bearer kb")
+    started = time.monotonic()
+    for _ in range(2):
+        admission = await h.director.admit_request_only(who, "/v1/models")
+        assert isinstance(admission, Admission)
+        await h.director.release(admission, 0)
+    assert time.monotonic() - started >= 0.09
+    assert await h.nothing_held()
+    await h.flow.stop()

@@ -45,3 +45,9 @@ def test_each_replica_gets_its_share_of_every_limit():
         3, 50, 2, 4)
     assert half.daily_token_quota is None  # the fleet's usage is unknowable locally
     assert scale_policy(policy, 1).request_burst == 5
+    shaped = TenantPolicy(shaping_rate=Rate.per_second(4), shaping_backlog=5)
+    third = scale_policy(shaped, 3)
+    assert third.shaping_rate.per_ms() == shaped.shaping_rate.per_ms() / 3
+    assert third.shaping_backlog == 2
+    assert scale_policy(TenantPolicy(shaping_rate=Rate(1, 1), shaping_backlog=0),
+                        2).shaping_backlog == 0

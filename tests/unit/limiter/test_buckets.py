@@ -1,10 +1,10 @@
-"""Unit tests for the integer bucket math: rates, durations, token/sliding/leaky buckets."""
+"""Unit tests for the integer bucket math: rates, durations, buckets, window, shaper."""
 
 from __future__ import annotations
 
 import pytest
 
-from limiter import LeakyBucket, Rate, SlidingWindow, TokenBucket, ceil_div, format_duration
+from limiter import Rate, Shaper, SlidingWindow, TokenBucket, ceil_div, format_duration
 
 # --- rates -------------------------------------------------------------------------------
 
@@ -206,25 +206,51 @@ def test_sliding_window_reconfigure_keeps_usage() -> None:
     assert window.wait_ms(1, 10) == 990
 
 
-# --- leaky bucket ------------------------------------------------------------------------
+# --- shaper ------------------------------------------------------------------------------
 
 
-def test_leaky_bucket_spaces_departures_at_the_rate() -> None:
-    shaper = LeakyBucket(Rate(1, 100), capacity=3)  # one unit per 100 ms
-    assert shaper.admit(1, 0) == 0
-    assert shaper.admit(1, 0) == 100
-    assert shaper.admit(1, 0) == 200
-    assert shaper.admit(1, 0) is None  # would overflow
-    assert shaper.wait_ms(1, 0) == 100
-    assert shaper.admit(1, 100) == 200  # departs at 300, right after the one at 200
+def test_shaper_spaces_departures_at_the_rate_and_bounds_its_backlog() -> None:
+    shaper = Shaper(Rate(1, 100), backlog=2)  # one request per 100 ms, two may wait
+    slots = [shaper.take(0) for _ in range(3)]
+    assert [shaper.delay_ms(slot, 0) for slot in slots] == [0, 100, 200]
+    assert shaper.held(0) == 2
+    assert shaper.wait_ms(0) == 100  # full: at 100 ms the first waiting one leaves
+    assert shaper.wait_ms(99) == 1
+    assert shaper.wait_ms(100) == 0
+    assert shaper.delay_ms(shaper.take(100), 100) == 200  # departs at 300
     assert shaper.drain_ms(100) == 300
 
 
-def test_leaky_bucket_oversize_and_fractional_rates() -> None:
-    shaper = LeakyBucket(Rate(3, 1000), capacity=2)
-    assert shaper.admit(3, 0) is None
-    with pytest.raises(ValueError):
-        shaper.wait_ms(3, 0)
-    assert shaper.admit(1, 0) == 0
-    assert shaper.admit(1, 0) == 334  # 1000/3 ms, rounded up: never early
-    assert shaper.level_at(10_000) == 0
+def test_shaper_idle_sends_at_once_and_fractional_rates_round_up() -> None:
+    shaper = Shaper(Rate(3, 1000), backlog=5)
+    assert shaper.delay_ms(shaper.take(0), 0) == 0
+    assert shaper.delay_ms(shaper.take(0), 0) == 334  # 1000/3 ms, rounded up: never early
+    assert shaper.delay_ms(shaper.take(0), 0) == 667
+    assert shaper.delay_ms(shaper.take(5000), 5000) == 0  # idle again
+
+
+def test_shaper_given_back_slot_is_reused_not_doubled() -> None:
+    shaper = Shaper(Rate(1, 100), backlog=2)
+    first, second, _third = (shaper.take(0) for _ in range(3))
+    assert shaper.wait_ms(0) == 100
+    shaper.give_back(second, 50)  # its client left before its send time (100)
+    assert shaper.held(50) == 1 and shaper.wait_ms(50) == 0
+    assert shaper.take(50) == second  # the next arrival departs in the hole, at 100
+    shaper.give_back(first, 50)  # already sent: nothing to give back
+    assert shaper.wait_ms(50) == 50
+
+
+def test_shaper_backlog_zero_only_spaces() -> None:
+    shaper = Shaper(Rate(1, 100), backlog=0)
+    assert shaper.delay_ms(shaper.take(0), 0) == 0
+    assert shaper.wait_ms(0) == 100 and shaper.wait_ms(100) == 0
+
+
+def test_shaper_reconfigure_keeps_the_tail_time() -> None:
+    shaper = Shaper(Rate(1, 100), backlog=5)
+    for _ in range(3):
+        shaper.take(0)
+    shaper.reconfigure(Rate(1, 1000), 5)
+    assert shaper.drain_ms(0) == 300
+    assert shaper.delay_ms(shaper.take(0), 0) == 300
+    assert shaper.drain_ms(0) == 1300

@@ -251,3 +251,49 @@ def test_message_lists_every_dimension_that_said_no() -> None:
     assert rejected.message == (
         "tenant over its request rate, token rate and concurrency limits; retry after 3.010 s"
     )
+
+
+# --- the shaper as a dimension ------------------------------------------------------------
+
+SHAPED = TenantPolicy(shaping_rate=Rate(1, 100), shaping_backlog=1, token_rate=Rate(1, 1),
+                      token_burst=1000)
+
+
+def test_shaping_policy_validation() -> None:
+    with pytest.raises(ValueError, match="set together"):
+        TenantPolicy(shaping_rate=Rate(1, 100))
+    with pytest.raises(ValueError):
+        TenantPolicy(shaping_rate=Rate(1, 100), shaping_backlog=-1)
+    TenantPolicy(shaping_rate=Rate(1, 100), shaping_backlog=0)  # spacing only
+
+
+def test_shaper_holds_then_refuses_with_its_exact_wait_all_or_nothing() -> None:
+    limiter = TenantLimiter(SHAPED, now_ms=0)
+    assert admit_ok(limiter, Cost(10, 10), "a", 0).hold_ms == 0
+    assert admit_ok(limiter, Cost(10, 10), "b", 0).hold_ms == 100
+    tokens = limiter.token_bucket.level_at(0)
+    full = admit_rejected(limiter, Cost(10, 10), "c", 0)
+    assert (full.reason, full.retry_after_ms, full.status) == (Reason.SHAPING, 100, 429)
+    assert "shaping backlog" in full.message
+    assert limiter.token_bucket.level_at(0) == tokens  # the refusal took nothing
+    peek = limiter.check_requests(0)  # the headers-phase peek sees it too, and, as the
+    assert peek is not None and peek.reason is Reason.SHAPING  # next refused client of a
+    assert peek.retry_after_ms == 100 + 100  # herd, gets the slot one interval later
+    assert limiter.check_requests(100) is None
+
+
+def test_release_of_a_held_request_gives_its_slot_back() -> None:
+    limiter = TenantLimiter(SHAPED, now_ms=0)
+    admit_ok(limiter, Cost(10, 10), "a", 0)
+    admit_ok(limiter, Cost(10, 10), "b", 0)  # held until 100
+    assert limiter.release("b", 0, 40)  # its client left at 40
+    assert admit_ok(limiter, Cost(10, 10), "c", 40).hold_ms == 60  # the same slot
+    assert limiter.release("a", 5, 50)  # already sent: nothing to give back
+    assert admit_rejected(limiter, Cost(10, 10), "d", 50).retry_after_ms == 50
+
+
+def test_requests_that_count_no_request_are_not_shaped() -> None:
+    limiter = TenantLimiter(SHAPED, now_ms=0)
+    for n in range(3):
+        assert admit_ok(limiter, Cost(1, 1, requests=0), f"l{n}", 0).hold_ms == 0
+    assert limiter.shaper is not None and limiter.shaper.held(0) == 0

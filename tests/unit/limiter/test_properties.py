@@ -3,12 +3,12 @@
 The central promise: a rejected request retried exactly ``retry_after_ms`` later is admitted,
 and 1 ms earlier it is not (absent other traffic). Plus the classic bounds: a token bucket
 never admits more than ``rate × t + burst`` in any interval, a sliding window never more than
-``limit`` in any window, and a leaky bucket spaces departures at its rate.
+``limit`` in any window, and the shaper sends no faster than its rate and holds at most its
+backlog.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from fractions import Fraction
 from typing import Any
@@ -19,17 +19,17 @@ from hypothesis import strategies as st
 from limiter import (
     Admit,
     Cost,
-    LeakyBucket,
     Rate,
     Reason,
     Reject,
+    Shaper,
     SlidingWindow,
     TenantLimiter,
     TenantPolicy,
     TokenBucket,
     format_duration,
 )
-from tests.limiter_support import policies
+from tests.limiter_support import assert_never_faster, policies
 
 FAST = settings(max_examples=250, deadline=None)
 SLOW = settings(max_examples=150, deadline=None)
@@ -178,62 +178,66 @@ def test_sliding_window_retry_exactness(
         probe.consume(cost, now + wait)
 
 
-# --- leaky bucket ------------------------------------------------------------------------
+# --- shaper ------------------------------------------------------------------------------
+
+shaper_steps = st.lists(
+    st.tuples(gaps, st.booleans(), st.integers(0, 10**6)),  # gap, a held client leaves, which
+    max_size=60,
+)
 
 
 @FAST
-@given(rates, st.integers(1, 30), st.lists(st.tuples(gaps, st.integers(0, 30)), max_size=60))
-def test_leaky_bucket_spacing_and_no_overflow(
-    rate: Rate, capacity: int, arrivals: list[tuple[int | None, int]]
+@given(rates, st.integers(0, 6), shaper_steps)
+def test_shaper_rate_and_backlog_bounds(
+    rate: Rate, backlog: int, steps: list[tuple[int | None, bool, int]]
 ) -> None:
-    shaper, now, departures = LeakyBucket(rate, capacity), 0, []
-    next_free = Fraction(0)  # exact model: when the water ahead of a new arrival has drained
-    for gap, cost in arrivals:
-        if gap is None and cost <= capacity:
-            now += shaper.wait_ms(cost, now)
-        elif gap is not None:
-            now += gap
-        delay = shaper.admit(cost, now)
-        if delay is None:
-            assert cost > capacity or shaper.wait_ms(cost, now) > 0
+    """Whatever arrives and whoever leaves while held: requests are sent no faster than the
+    rate, never more than ``backlog`` wait at once, and a full shaper admits no one."""
+    shaper, now = Shaper(rate, backlog), 0
+    sends: dict[int, int] = {}  # slot → send ms, of the requests that will be sent
+    for gap, leave, pick in steps:
+        now += shaper.wait_ms(now) if gap is None else gap
+        waiting = sorted(slot for slot, at in sends.items() if at > now)
+        if leave and sends:  # a request ends: held (its client left), or sent (finished)
+            slot = sorted(sends)[pick % len(sends)]
+            shaper.give_back(slot, now)
+            if sends[slot] > now:
+                del sends[slot]
             continue
-        assert shaper.level_at(now) <= shaper.full_scaled
-        # Never overflows: the work ahead of it is at most capacity − cost.
-        assert delay * rate.amount < (capacity - cost) * rate.period_ms + rate.amount
-        departure = max(Fraction(now), next_free)
-        assert now + delay == math.ceil(departure)  # never early, never late by a full ms
-        next_free = departure + Fraction(cost * rate.period_ms, rate.amount)
-        departures.append((now + delay, cost))
-    period, amount = rate.period_ms, rate.amount
-    for i, (start, _) in enumerate(departures):
-        total = 0
-        for j in range(i + 1, len(departures)):
-            total += departures[j - 1][1]
-            end = departures[j][0]
-            # In order, and spaced at the rate up to the 1 ms rounding of integer send times.
-            assert start <= end
-            assert total * period < (end - start + 1) * amount
+        assert len(waiting) == shaper.held(now) <= backlog
+        if shaper.wait_ms(now):
+            assert len(waiting) == backlog  # refused only when the backlog is full
+            continue
+        slot = shaper.take(now)
+        sends[slot] = now + shaper.delay_ms(slot, now)
+        assert sum(1 for at in sends.values() if at > now) <= backlog
+    assert_never_faster(list(sends.values()), rate)
 
 
 @FAST
-@given(rates, st.integers(1, 30), st.lists(st.tuples(st.integers(0, 300), st.integers(0, 30))))
-def test_leaky_bucket_retry_exactness(
-    rate: Rate, capacity: int, arrivals: list[tuple[int, int]]
+@given(rates, st.integers(0, 6), shaper_steps)
+def test_shaper_retry_after_is_exact(
+    rate: Rate, backlog: int, steps: list[tuple[int | None, bool, int]]
 ) -> None:
+    """Full with wait w: still full at now + w − 1, room at now + w (absent other traffic)."""
 
-    def replayed() -> tuple[LeakyBucket, int]:
-        shaper, now = LeakyBucket(rate, capacity), 0
-        for gap, cost in arrivals:
-            now += gap
-            shaper.admit(min(cost, capacity), now)
+    def replayed() -> tuple[Shaper, int]:
+        shaper, now, slots = Shaper(rate, backlog), 0, []
+        for gap, leave, pick in steps:
+            now += gap or 0
+            if leave and slots:
+                shaper.give_back(slots.pop(pick % len(slots)), now)
+            elif not shaper.wait_ms(now):
+                slots.append(shaper.take(now))
         return shaper, now
 
     shaper, now = replayed()
-    for cost in range(capacity + 1):
-        wait = shaper.wait_ms(cost, now)
-        if wait > 0:
-            assert replayed()[0].admit(cost, now + wait - 1) is None
-        assert replayed()[0].admit(cost, now + wait) is not None
+    wait = shaper.wait_ms(now)
+    event(f"full: {wait > 0}")
+    if wait:
+        assert replayed()[0].wait_ms(now + wait - 1) > 0
+    assert shaper.wait_ms(now + wait) == 0
+    shaper.take(now + wait)
 
 
 # --- the tenant limiter ------------------------------------------------------------------
@@ -327,7 +331,7 @@ def test_tenant_limiter_invariants(data: st.DataObject, policy: TenantPolicy) ->
         _release(limiter, lease, cost, data.draw(st.one_of(st.none(), st.integers(0, 50))), now)
     assert limiter.in_flight == 0
     blocked = limiter.check_requests(now)
-    assert blocked is None or blocked.reason in {Reason.REQUESTS, Reason.WINDOW}
+    assert blocked is None or blocked.reason in {Reason.REQUESTS, Reason.WINDOW, Reason.SHAPING}
 
 
 @SLOW

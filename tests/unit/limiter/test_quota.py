@@ -262,6 +262,7 @@ def test_usage_snapshot_is_json_friendly() -> None:
     policy = TenantPolicy(
         request_rate=Rate(1, 1000), request_burst=2, token_rate=Rate(1, 10), token_burst=100,
         window_limit=5, window_ms=1000, max_concurrency=3, monthly_token_quota=10_000,
+        shaping_rate=Rate(1, 100), shaping_backlog=4,
     )
     limiter = TenantLimiter(policy, now)
     admit_ok(limiter, Cost(30, 20), "a", now)
@@ -274,7 +275,10 @@ def test_usage_snapshot_is_json_friendly() -> None:
         "quotas": {"monthly": {"limit": 10_000, "used": 50, "remaining": 9950,
                                "reset_ms": _ms(2026, 7, 1) - now,
                                "period_start_ms": _ms(2026, 6, 1)}},
+        "shaping": {"backlog": 4, "held": 0, "drain_ms": 100},
     }
+    admit_ok(limiter, Cost(1, 1), "b", now)
+    assert limiter.usage(now)["shaping"] == {"backlog": 4, "held": 1, "drain_ms": 200}
     assert TenantLimiter(TenantPolicy(), now).usage(now)["tokens"] is None
 
 
