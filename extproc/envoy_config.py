@@ -25,6 +25,7 @@ whatever its length (see ``extproc/reports.py``).
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,14 @@ def _socket_address(host: str, port: int) -> Any:
     from envoy_data_plane.envoy.config.core.v3 import Address, SocketAddress
 
     return Address(socket_address=SocketAddress(address=host, port_value=port))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def idle_timeout_s(config: Config) -> float:
@@ -449,7 +458,10 @@ def _ext_proc_cluster(config: Config) -> Any:
     )
     return Cluster(
         name=EXT_PROC_CLUSTER,
-        type=ClusterDiscoveryType.STATIC,
+        # A hostname (a Kubernetes headless Service of kvgate replicas) is resolved and
+        # re-resolved by Envoy, which then spreads ext_proc streams over every address.
+        type=(ClusterDiscoveryType.STATIC if _is_ip(config.envoy.ext_proc_host)
+              else ClusterDiscoveryType.STRICT_DNS),
         connect_timeout=EXT_PROC_CONNECT_TIMEOUT,
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMsg.pack(http2)

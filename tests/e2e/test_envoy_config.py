@@ -139,6 +139,16 @@ def test_ext_proc_cluster_speaks_http2(example: Config) -> None:
     }
 
 
+
+def test_ext_proc_host_by_name_is_resolved_by_envoy(example: Config) -> None:
+    """A hostname (kvgate's headless Service) makes a STRICT_DNS cluster: Envoy resolves it
+    and spreads streams over every replica; a literal IP stays STATIC."""
+    named = with_settings(example, server={}, envoy={"ext_proc_host": "kvgate-grpc.ns.svc"})
+    ext_proc = cluster(render_bootstrap(named), EXT_PROC_CLUSTER)
+    assert ext_proc["type"] == "STRICT_DNS"
+    (endpoint,) = ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"]["address"] == "kvgate-grpc.ns.svc"
+
 def test_the_meter_reports_to_the_process_its_metadata_names(example: Config) -> None:
     bootstrap = render_bootstrap(example)
     (meter,) = [f for f in hcm_of(bootstrap)["http_filters"]

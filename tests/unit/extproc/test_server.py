@@ -7,6 +7,7 @@ Real servers on ephemeral ports; throwaway certificates from ``tests.pki`` (``op
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -112,6 +113,14 @@ async def test_admin_listens_on_loopback_unless_told_otherwise() -> None:
     async for server in started(config(host="127.0.0.1", admin_host="0.0.0.0")):
         assert admin_host(server) == "0.0.0.0"
 
+
+
+async def test_report_host_auto_names_this_hosts_own_address() -> None:
+    """Gateway mode in Kubernetes: Envoy, in another pod, reports to each replica's pod IP,
+    which is what the pod's hostname resolves to."""
+    own = socket.gethostbyname(socket.gethostname())
+    async for server in started(config(host="0.0.0.0", report_host="auto")):
+        assert server.desk.address.rpartition(":")[0] == own
 
 # -- TLS -----------------------------------------------------------------------------------
 
