@@ -85,14 +85,8 @@ class Pod:
         return found
 
     def ports(self) -> dict[str | int, int]:
-        """Every container port, by name and by number."""
-        found: dict[str | int, int] = {}
-        for container in self.containers():
-            for port in container.get("ports", []):
-                found[port["containerPort"]] = port["containerPort"]
-                if "name" in port:
-                    found[port["name"]] = port["containerPort"]
-        return found
+        """Every container port of the pod, by name and by number."""
+        return {k: v for c in self.containers() for k, v in container_ports(c).items()}
 
     def mounted_file(self, container: Object, path: str) -> str:
         """The text of the ConfigMap key mounted at ``path`` in ``container``."""
@@ -101,6 +95,16 @@ class Pod:
         (volume,) = [v for v in self.spec["volumes"] if v["name"] == mount["name"]]
         config_map = named(self.objects, "ConfigMap")[volume["configMap"]["name"]]
         return config_map["data"][key]
+
+
+def container_ports(container: Object) -> dict[str | int, int]:
+    """A container's ports, by name and by number (what probes and Services may name)."""
+    found: dict[str | int, int] = {}
+    for port in container.get("ports", []):
+        found[port["containerPort"]] = port["containerPort"]
+        if "name" in port:
+            found[port["name"]] = port["containerPort"]
+    return found
 
 
 def pods(objects: tuple[Object, ...]) -> Iterator[Pod]:
