@@ -183,6 +183,22 @@ def test_disruption_budgets_select_a_workload(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+def test_network_policies_open_ports_their_pods_have(folder: Path) -> None:
+    objects = render(folder)
+    for policy in named(objects, "NetworkPolicy").values():
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        matched = [p for p in pods(objects) if selects(selector, p.labels)]
+        assert matched, f"{ident(policy)} selects no pod here"
+        for rule in policy["spec"]["ingress"]:
+            for port in rule["ports"]:
+                assert all(port["port"] in p.ports() for p in matched), (ident(policy), port)
+            for peer in rule.get("from", []):
+                if "podSelector" in peer:
+                    assert any(selects(peer["podSelector"]["matchLabels"], p.labels)
+                               for p in pods(objects)), (ident(policy), peer)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
 def test_pods_reference_what_exists(folder: Path) -> None:
     """ConfigMaps, Secrets, volumes, probe ports and PriorityClasses a pod names exist."""
     objects = render(folder)
