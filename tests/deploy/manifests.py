@@ -30,6 +30,12 @@ def kustomizations() -> list[Path]:
     return sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
 
 
+FOLDERS = kustomizations()
+# @each_folder: a test run once per kustomization, named by its folder under deploy/
+each_folder = pytest.mark.parametrize(
+    "folder", FOLDERS, ids=[str(f.relative_to(DEPLOY)) for f in FOLDERS])
+
+
 def need_kubectl() -> str:
     """The kubectl binary; skipped without it locally, failed under CI (``.ci/run`` installs
     Debian's kubernetes-client, so its absence there is a broken install)."""

@@ -18,18 +18,17 @@ from extproc.envoy_config import render_yaml
 from extproc.envoy_proc import validate
 from tests.deploy.manifests import (
     DEPLOY,
+    FOLDERS,
     Object,
     Pod,
     container_ports,
+    each_folder,
     envoy_containers,
-    kustomizations,
     kvgate_containers,
     named,
     render,
 )
 
-FOLDERS = kustomizations()
-RELATIVE = [str(f.relative_to(DEPLOY)) for f in FOLDERS]
 # Every committed bootstrap, beside the kvgate config it is rendered from.
 BOOTSTRAPS = sorted(DEPLOY.rglob("envoy.yaml"))
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -44,7 +43,7 @@ def config_of(pod: Pod, container: Object, path: str, tmp_path: Path) -> tuple[C
 
 def test_there_are_bootstraps_and_configs() -> None:
     assert BOOTSTRAPS, "no envoy.yaml under deploy/"
-    assert any(any(kvgate_containers(render(f))) for f in kustomizations())
+    assert any(any(kvgate_containers(render(f))) for f in FOLDERS)
 
 
 @pytest.mark.parametrize("bootstrap", BOOTSTRAPS, ids=[str(b.relative_to(DEPLOY))
@@ -59,7 +58,7 @@ def test_committed_bootstrap_is_a_fresh_render(bootstrap: Path) -> None:
         f"{bootstrap} is stale: kvgate render-envoy {source} -o {bootstrap}")
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_kvgate_configs_pass_kvgate_check(folder: Path, tmp_path: Path) -> None:
     for pod, container, path in kvgate_containers(render(folder)):
         file = tmp_path / "kvgate.yaml"
@@ -70,7 +69,7 @@ def test_kvgate_configs_pass_kvgate_check(folder: Path, tmp_path: Path) -> None:
         assert status == 0, f"{folder}: {pod.owner['metadata']['name']}: {err.getvalue()}"
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_each_envoy_runs_the_render_of_its_kvgate_config(folder: Path, tmp_path: Path) -> None:
     objects = render(folder)
     configs = [config_of(*found, tmp_path)[0] for found in kvgate_containers(objects)]
@@ -83,13 +82,13 @@ def test_each_envoy_runs_the_render_of_its_kvgate_config(folder: Path, tmp_path:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_envoy_bootstraps_pass_envoy_validate(folder: Path) -> None:
     for pod, container, path in envoy_containers(render(folder)):
         validate(pod.mounted_file(container, path))
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_kvgate_config_agrees_with_its_pod(folder: Path, tmp_path: Path) -> None:
     objects = render(folder)
     services = named(objects, "Service")

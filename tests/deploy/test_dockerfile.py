@@ -11,9 +11,7 @@ import shlex
 import tomllib
 from pathlib import Path
 
-import pytest
-
-from tests.deploy.manifests import DEPLOY, kustomizations, kvgate_containers, render
+from tests.deploy.manifests import DEPLOY, each_folder, kvgate_containers, render
 from tests.integration.test_image import context_copies
 from tests.paths import REPO
 
@@ -75,7 +73,7 @@ def test_it_compiles_the_hot_path_as_make_native_does() -> None:
     assert "KVGATE_NATIVE" not in env()  # 0 would turn the compiled path off
 
 
-@pytest.mark.parametrize("folder", kustomizations(), ids=lambda f: str(f.relative_to(DEPLOY)))
+@each_folder
 def test_the_manifests_run_the_image_as_it_is_built(folder: Path) -> None:
     (user,) = last("USER")
     entrypoint, command = exec_form("ENTRYPOINT"), exec_form("CMD")

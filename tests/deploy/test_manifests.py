@@ -15,23 +15,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kubernetes import client
 
 from tests.deploy.manifests import (
     DEPLOY,
+    FOLDERS,
     Object,
     container_ports,
+    each_folder,
     ident,
-    kustomizations,
     kvgate_containers,
     named,
     pods,
     render,
 )
 
-FOLDERS = kustomizations()
-RELATIVE = [str(f.relative_to(DEPLOY)) for f in FOLDERS]
 GUARDRAILS = DEPLOY / "guardrails"
 # Objects the operator creates by hand (deploy/README.md says how): referenced, not shipped.
 EXTERNAL_SECRETS = {"kvgate-epp-tls"}
@@ -93,7 +91,7 @@ def test_every_folder_with_manifests_is_a_kustomization() -> None:
             assert (folder.parent / "kustomization.yaml").exists(), manifest
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_it_renders(folder: Path) -> None:
     objects = render(folder)
     assert objects, f"{folder} renders nothing"
@@ -101,7 +99,7 @@ def test_it_renders(folder: Path) -> None:
     assert len(names) == len(set(names)), "two objects of one kind share a name"
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_every_object_parses_against_the_api(folder: Path) -> None:
     api = client.ApiClient()
     for obj in render(folder):
@@ -159,7 +157,7 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and selector.items() <= labels.items()
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_services_select_pods_and_target_their_ports(folder: Path) -> None:
     objects = render(folder)
     workloads = list(pods(objects))
@@ -174,7 +172,7 @@ def test_services_select_pods_and_target_their_ports(folder: Path) -> None:
                     f"{pod.owner['metadata']['name']} has no container port {target!r}")
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_disruption_budgets_select_a_workload(folder: Path) -> None:
     objects = render(folder)
     for budget in named(objects, "PodDisruptionBudget").values():
@@ -182,7 +180,7 @@ def test_disruption_budgets_select_a_workload(folder: Path) -> None:
         assert any(selects(selector, p.labels) for p in pods(objects)), ident(budget)
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_network_policies_open_ports_their_pods_have(folder: Path) -> None:
     objects = render(folder)
     for policy in named(objects, "NetworkPolicy").values():
@@ -198,7 +196,7 @@ def test_network_policies_open_ports_their_pods_have(folder: Path) -> None:
                                for p in pods(objects)), (ident(policy), peer)
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_pods_reference_what_exists(folder: Path) -> None:
     """ConfigMaps, Secrets, volumes, probe ports and PriorityClasses a pod names exist."""
     objects = render(folder)
@@ -228,7 +226,7 @@ def test_pods_reference_what_exists(folder: Path) -> None:
                             f"{owner}/{container['name']} {probe_name}: no port {port!r}")
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=RELATIVE)
+@each_folder
 def test_the_service_monitor_finds_every_kvgate(folder: Path) -> None:
     """Every kvgate's admin port is behind a Service the ServiceMonitor selects, under the
     port name it scrapes."""
