@@ -426,7 +426,11 @@ def _report_cluster() -> Any:
 
 
 def _ext_proc_cluster(config: Config) -> Any:
-    from envoy_data_plane.envoy.config.cluster.v3 import Cluster, ClusterDiscoveryType
+    from envoy_data_plane.envoy.config.cluster.v3 import (
+        Cluster,
+        ClusterDiscoveryType,
+        ClusterDnsLookupFamily,
+    )
     from envoy_data_plane.envoy.config.core.v3 import Http2ProtocolOptions, KeepaliveSettings
     from envoy_data_plane.envoy.config.endpoint.v3 import (
         ClusterLoadAssignment,
@@ -456,12 +460,15 @@ def _ext_proc_cluster(config: Config) -> Any:
             address=_socket_address(config.envoy.ext_proc_host, config.server.grpc_port)
         )
     )
+    by_name = not _is_ip(config.envoy.ext_proc_host)
     return Cluster(
         name=EXT_PROC_CLUSTER,
         # A hostname (a Kubernetes headless Service of kvgate replicas) is resolved and
-        # re-resolved by Envoy, which then spreads ext_proc streams over every address.
-        type=(ClusterDiscoveryType.STATIC if _is_ip(config.envoy.ext_proc_host)
-              else ClusterDiscoveryType.STRICT_DNS),
+        # re-resolved by Envoy, which then spreads ext_proc streams over every address;
+        # IPv4 first, where kvgate's usual 0.0.0.0 listens.
+        type=ClusterDiscoveryType.STRICT_DNS if by_name else ClusterDiscoveryType.STATIC,
+        dns_lookup_family=(ClusterDnsLookupFamily.V4_PREFERRED if by_name
+                           else ClusterDnsLookupFamily.AUTO),
         connect_timeout=EXT_PROC_CONNECT_TIMEOUT,
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMsg.pack(http2)
