@@ -26,6 +26,8 @@ from tests.deploy.manifests import (
     envoy_containers,
     kvgate_containers,
     named,
+    option,
+    pods,
     render,
 )
 
@@ -134,3 +136,59 @@ def assert_service(services: dict[str, Object], host: str | None, port: int,
     service = services[host]
     assert port in [p["port"] for p in service["spec"]["ports"]], f"{where}: {host}:{port}"
     return service
+
+
+@each_folder
+def test_pools_name_the_engines_that_serve_them(folder: Path, tmp_path: Path) -> None:
+    """Where the engines are rendered too: each pool reaches pods whose vLLM serves its
+    models on the pool's port, with priority scheduling when the pool says so."""
+    objects = render(folder)
+    services = named(objects, "Service")
+    for pod, container, path in kvgate_containers(objects):
+        config, _ = config_of(pod, container, path, tmp_path)
+        for pool in config.pools:
+            if pool.dns is not None and pool.dns.hostname in services:
+                service = services[pool.dns.hostname]
+                engines = [p for p in pods(objects)
+                           if service["spec"]["selector"].items() <= p.labels.items()]
+                (port,) = [p for p in service["spec"]["ports"] if p["port"] == pool.dns.port]
+                target = port.get("targetPort", port["port"])
+                ports = {engine.ports()[target] for engine in engines}
+            elif pool.endpoints and all(e.rpartition(":")[0] in LOOPBACK for e in pool.endpoints):
+                engines, ports = [pod], {int(e.rpartition(":")[2]) for e in pool.endpoints}
+            else:
+                continue  # engines outside this kustomization
+            assert engines, f"{folder.name}: pool {pool.name} reaches no pod here"
+            for engine in engines:
+                (vllm,) = [c for c in engine.containers() if c["image"].startswith("vllm/")]
+                served = (option(vllm, "--served-model-name") or option(vllm, "--model") or "")
+                for model in pool.models:
+                    assert model.name in served.split(","), (pool.name, model.name, served)
+                assert {int(option(vllm, "--port") or 8000)} == ports, pool.name
+                if pool.priority_scheduling:
+                    assert option(vllm, "--scheduling-policy") == "priority", pool.name
+
+
+@each_folder
+def test_inference_pools_pick_with_kvgate(folder: Path, tmp_path: Path) -> None:
+    """An InferencePool selects the engines kvgate routes to, on their port, and its
+    endpoint picker is a Service of kvgate's pods on kvgate's gRPC port."""
+    objects = render(folder)
+    services = named(objects, "Service")
+    for pool in named(objects, "InferencePool").values():
+        spec = pool["spec"]
+        engines = [p for p in pods(objects)
+                   if spec["selector"]["matchLabels"].items() <= p.labels.items()]
+        assert engines, "the pool selects no pod"
+        (target,) = spec["targetPorts"]
+        assert all(target["number"] in e.ports().values() for e in engines)
+        picker = spec["endpointPickerRef"]
+        service = services[picker["name"]]
+        (port,) = [p for p in service["spec"]["ports"] if p["port"] == picker["portNumber"]]
+        pickers = [(p, c, path) for p, c, path in kvgate_containers(objects)
+                   if service["spec"]["selector"].items() <= p.labels.items()]
+        assert pickers, "the picker Service selects no kvgate"
+        for pod, container, path in pickers:
+            config, _ = config_of(pod, container, path, tmp_path)
+            assert pod.ports()[port.get("targetPort", port["port"])] == config.server.grpc_port
+            assert config.server.tls is not None, "Inference Extension gateways dial TLS"
