@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -192,6 +193,8 @@ def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> Non
 
 
 def _report_host(settings: ServerSettings) -> str:
+    if settings.report_host == "auto":  # the pod IP: Kubernetes maps the pod's name to it
+        return socket.gethostbyname(socket.gethostname())
     if settings.report_host is not None:
         return settings.report_host
     return "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host

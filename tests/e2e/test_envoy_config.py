@@ -19,11 +19,13 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.config import EXAMPLE_CONFIG, Config, load_config
+from extproc.config import EXAMPLE_CONFIG, Config, hash_api_key, load_config, parse_config
+from extproc.demo import local_stack
 from extproc.envoy_config import (
     EXT_PROC_CLUSTER,
     EXT_PROC_FAILURE_MESSAGE,
@@ -155,6 +157,17 @@ def test_ext_proc_cluster_speaks_http2(example: Config) -> None:
         "port_value": example.server.grpc_port,
     }
 
+
+
+def test_ext_proc_host_by_name_is_resolved_by_envoy(example: Config) -> None:
+    """A hostname (kvgate's headless Service) makes a STRICT_DNS cluster: Envoy resolves it
+    and spreads streams over every replica; a literal IP stays STATIC."""
+    named = with_settings(example, server={}, envoy={"ext_proc_host": "kvgate-grpc.ns.svc"})
+    ext_proc = cluster(render_bootstrap(named), EXT_PROC_CLUSTER)
+    assert ext_proc["type"] == "STRICT_DNS"
+    assert ext_proc["dns_lookup_family"] == "V4_PREFERRED"  # where kvgate's 0.0.0.0 listens
+    (endpoint,) = ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"]["address"] == "kvgate-grpc.ns.svc"
 
 def test_the_meter_reports_to_the_process_its_metadata_names(example: Config) -> None:
     bootstrap = render_bootstrap(example)
@@ -302,6 +315,31 @@ def test_example_bootstrap_passes_envoy_validate(example: Config) -> None:
     validate(COMMITTED)
     validate(example)
 
+
+
+@pytest.mark.e2e
+def test_gateway_mode_networking_through_a_live_envoy() -> None:
+    """deploy/'s gateway mode on one machine: Envoy finds kvgate by host name (as it finds
+    the replicas behind a headless Service), kvgate listens on every address, and the meter
+    reports to the address ``report_host: auto`` advertises."""
+    config = parse_config({
+        "server": {"host": "0.0.0.0", "grpc_port": free_port(), "admin_port": 0,
+                   "report_host": "auto"},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port(),
+                  "ext_proc_host": "localhost"},
+        "tiers": {"t": {}},
+        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key("sk-gw")]}],
+        "pools": [{"name": "p", "models": [{"name": "tiny-llama"}],
+                   "endpoints": [f"127.0.0.1:{free_port()}"]}],
+    })
+    with local_stack(config) as stack:
+        body = {"model": "tiny-llama", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hello"}]}
+        reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30,
+                           headers={"authorization": "Bearer sk-gw"})
+        assert reply.status_code == 200, reply.text
+        reports = stack.kvgate.server.metrics.reports.values
+        assert reports.get(("done",)) == 1, reports  # the meter reached kvgate
 
 @pytest.mark.e2e
 def test_custom_bootstrap_passes_envoy_validate(custom: Config) -> None:

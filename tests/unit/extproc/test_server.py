@@ -7,6 +7,7 @@ Real servers on ephemeral ports; throwaway certificates from ``tests.pki`` (``op
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -153,6 +154,13 @@ async def test_a_stream_cut_at_the_grace_is_released_and_health_flips_first() ->
     assert await server.director.store.in_flight("acme") == 0
     assert server._processor is not None and server._processor.cut == 1
 
+
+async def test_report_host_auto_names_this_hosts_own_address() -> None:
+    """Gateway mode in Kubernetes: Envoy, in another pod, reports to each replica's pod IP,
+    which is what the pod's hostname resolves to."""
+    own = socket.gethostbyname(socket.gethostname())
+    async for server in started(config(host="0.0.0.0", report_host="auto")):
+        assert server.desk.address.rpartition(":")[0] == own
 
 # -- TLS -----------------------------------------------------------------------------------
 

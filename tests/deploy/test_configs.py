@@ -1,0 +1,194 @@
+"""The configs inside deploy/'s ConfigMaps: kvgate's passes ``kvgate check`` and agrees with
+the pod that runs it (ports, Services, Redis, replicas, probes); Envoy's bootstrap is exactly
+what ``kvgate render-envoy`` makes of that config, committed and rendered alike, and passes
+the real ``envoy --mode validate``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from extproc import cli
+from extproc.config import Config, load_config
+from extproc.envoy_config import render_yaml
+from extproc.envoy_proc import validate
+from tests.deploy.manifests import (
+    DEPLOY,
+    FOLDERS,
+    Object,
+    Pod,
+    container_ports,
+    each_folder,
+    envoy_containers,
+    kvgate_containers,
+    named,
+    option,
+    pods,
+    render,
+)
+
+# Every committed bootstrap, beside the kvgate config it is rendered from.
+BOOTSTRAPS = sorted(DEPLOY.rglob("envoy.yaml"))
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def config_of(pod: Pod, container: Object, path: str, tmp_path: Path) -> tuple[Config, Path]:
+    """The kvgate config a container runs, read from its ConfigMap as kvgate reads it."""
+    file = tmp_path / f"{pod.owner['metadata']['name']}-{container['name']}.yaml"
+    file.write_text(pod.mounted_file(container, path))
+    return load_config(file), file
+
+
+def test_there_are_bootstraps_and_configs() -> None:
+    assert BOOTSTRAPS, "no envoy.yaml under deploy/"
+    assert any(any(kvgate_containers(render(f))) for f in FOLDERS)
+
+
+@pytest.mark.parametrize("bootstrap", BOOTSTRAPS, ids=[str(b.relative_to(DEPLOY))
+                                                       for b in BOOTSTRAPS])
+def test_committed_bootstrap_is_a_fresh_render(bootstrap: Path) -> None:
+    """``kvgate render-envoy config/kvgate.yaml -o envoy.yaml`` (or ``kvgate.yaml`` beside
+    it, in an overlay; deploy/README.md) run again gives the committed file byte for
+    byte."""
+    source = next(f for f in (bootstrap.parent / "config" / "kvgate.yaml",
+                              bootstrap.parent / "kvgate.yaml") if f.exists())
+    assert bootstrap.read_text() == render_yaml(load_config(source)), (
+        f"{bootstrap} is stale: kvgate render-envoy {source} -o {bootstrap}")
+
+
+@each_folder
+def test_kvgate_configs_pass_kvgate_check(folder: Path, tmp_path: Path) -> None:
+    for pod, container, path in kvgate_containers(render(folder)):
+        file = tmp_path / "kvgate.yaml"
+        file.write_text(pod.mounted_file(container, path))
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = cli.main(["check", str(file)])
+        assert status == 0, f"{folder}: {pod.owner['metadata']['name']}: {err.getvalue()}"
+
+
+@each_folder
+def test_each_envoy_runs_the_render_of_its_kvgate_config(folder: Path, tmp_path: Path) -> None:
+    objects = render(folder)
+    configs = [config_of(*found, tmp_path)[0] for found in kvgate_containers(objects)]
+    for pod, container, path in envoy_containers(objects):
+        bootstrap = pod.mounted_file(container, path)
+        mine = [c for c in configs if render_yaml(c) == bootstrap]
+        assert mine, (f"{folder}: {pod.owner['metadata']['name']}'s Envoy bootstrap is not "
+                      "the render of a kvgate config beside it")
+        assert mine[0].envoy.listen_port in container_ports(container).values()
+
+
+@pytest.mark.e2e
+@each_folder
+def test_envoy_bootstraps_pass_envoy_validate(folder: Path) -> None:
+    for pod, container, path in envoy_containers(render(folder)):
+        validate(pod.mounted_file(container, path))
+
+
+@each_folder
+def test_kvgate_config_agrees_with_its_pod(folder: Path, tmp_path: Path) -> None:
+    objects = render(folder)
+    services = named(objects, "Service")
+    for pod, container, path in kvgate_containers(objects):
+        config, _ = config_of(pod, container, path, tmp_path)
+        server, where = config.server, f"{folder.name}: {pod.owner['metadata']['name']}"
+        ports = pod.ports()
+        # what must be reachable from outside the pod is a declared container port
+        if server.host not in LOOPBACK:
+            assert ports.get("grpc") == server.grpc_port, where
+        if server.admin_host not in LOOPBACK:
+            admin = [p["containerPort"] for p in container["ports"] if "admin" in p["name"]]
+            assert admin == [server.admin_port], where
+        if server.report_host not in (None, *LOOPBACK):
+            assert ports.get("report") == server.report_port, where
+        probes = {name: container[name]["httpGet"] for name in ("livenessProbe",
+                                                                 "readinessProbe")}
+        assert probes["livenessProbe"]["path"] == "/healthz", where
+        assert probes["readinessProbe"]["path"] == "/readyz", where
+        for probe in probes.values():
+            assert container_ports(container)[probe["port"]] == server.admin_port, where
+        # the replicas sharing Redis are the ones that run this config
+        if config.redis is not None:
+            assert config.redis.replicas == pod.replicas, (
+                f"{where}: redis.replicas {config.redis.replicas}, {pod.replicas} replicas")
+            url = urlsplit(config.redis.url)
+            assert_service(services, url.hostname, url.port or 6379, where)
+        # Envoy reaches kvgate through a headless Service of exactly these pods
+        if config.envoy.ext_proc_host not in LOOPBACK and any(envoy_containers(objects)):
+            service = assert_service(services, config.envoy.ext_proc_host, server.grpc_port,
+                                     where)
+            assert service["spec"].get("clusterIP") == "None", "headless: one address a pod"
+            assert service["spec"]["selector"].items() <= pod.labels.items(), where
+        for pool in config.pools:
+            if pool.dns is not None and pool.dns.hostname in services:
+                assert_service(services, pool.dns.hostname, pool.dns.port, where)
+
+
+def assert_service(services: dict[str, Object], host: str | None, port: int,
+                   where: str) -> Object:
+    """The Service a config names by its short name (same namespace), with that port."""
+    assert host in services, f"{where}: no Service {host!r}"
+    service = services[host]
+    assert port in [p["port"] for p in service["spec"]["ports"]], f"{where}: {host}:{port}"
+    return service
+
+
+@each_folder
+def test_pools_name_the_engines_that_serve_them(folder: Path, tmp_path: Path) -> None:
+    """Where the engines are rendered too: each pool reaches pods whose vLLM serves its
+    models on the pool's port, with priority scheduling when the pool says so."""
+    objects = render(folder)
+    services = named(objects, "Service")
+    for pod, container, path in kvgate_containers(objects):
+        config, _ = config_of(pod, container, path, tmp_path)
+        for pool in config.pools:
+            if pool.dns is not None and pool.dns.hostname in services:
+                service = services[pool.dns.hostname]
+                engines = [p for p in pods(objects)
+                           if service["spec"]["selector"].items() <= p.labels.items()]
+                (port,) = [p for p in service["spec"]["ports"] if p["port"] == pool.dns.port]
+                target = port.get("targetPort", port["port"])
+                ports = {engine.ports()[target] for engine in engines}
+            elif pool.endpoints and all(e.rpartition(":")[0] in LOOPBACK for e in pool.endpoints):
+                engines, ports = [pod], {int(e.rpartition(":")[2]) for e in pool.endpoints}
+            else:
+                continue  # engines outside this kustomization
+            assert engines, f"{folder.name}: pool {pool.name} reaches no pod here"
+            for engine in engines:
+                (vllm,) = [c for c in engine.containers() if c["image"].startswith("vllm/")]
+                served = (option(vllm, "--served-model-name") or option(vllm, "--model") or "")
+                for model in pool.models:
+                    assert model.name in served.split(","), (pool.name, model.name, served)
+                assert {int(option(vllm, "--port") or 8000)} == ports, pool.name
+                if pool.priority_scheduling:
+                    assert option(vllm, "--scheduling-policy") == "priority", pool.name
+
+
+@each_folder
+def test_inference_pools_pick_with_kvgate(folder: Path, tmp_path: Path) -> None:
+    """An InferencePool selects the engines kvgate routes to, on their port, and its
+    endpoint picker is a Service of kvgate's pods on kvgate's gRPC port."""
+    objects = render(folder)
+    services = named(objects, "Service")
+    for pool in named(objects, "InferencePool").values():
+        spec = pool["spec"]
+        engines = [p for p in pods(objects)
+                   if spec["selector"]["matchLabels"].items() <= p.labels.items()]
+        assert engines, "the pool selects no pod"
+        (target,) = spec["targetPorts"]
+        assert all(target["number"] in e.ports().values() for e in engines)
+        picker = spec["endpointPickerRef"]
+        service = services[picker["name"]]
+        (port,) = [p for p in service["spec"]["ports"] if p["port"] == picker["portNumber"]]
+        pickers = [(p, c, path) for p, c, path in kvgate_containers(objects)
+                   if service["spec"]["selector"].items() <= p.labels.items()]
+        assert pickers, "the picker Service selects no kvgate"
+        for pod, container, path in pickers:
+            config, _ = config_of(pod, container, path, tmp_path)
+            assert pod.ports()[port.get("targetPort", port["port"])] == config.server.grpc_port
+            assert config.server.tls is not None, "Inference Extension gateways dial TLS"

@@ -1,0 +1,246 @@
+"""deploy/'s Kubernetes manifests: every kustomization renders with the real ``kubectl
+kustomize``, every object parses against the Kubernetes API models, and names, ports,
+selectors and references agree across files.
+
+Built-in kinds are read by the ``kubernetes`` client's own deserializer (its generated API
+models, with required fields and enums checked) and must come back unchanged when written
+out again: a field the API does not have — a typo — is dropped on the way and fails the
+comparison. Custom resources (no models in that package) are checked against the fields of
+their API listed in ``CRD_FIELDS``, taken from each project's published types.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from tests.deploy.manifests import (
+    DEPLOY,
+    FOLDERS,
+    Object,
+    container_ports,
+    each_folder,
+    ident,
+    kvgate_containers,
+    named,
+    pods,
+    render,
+)
+
+GUARDRAILS = DEPLOY / "guardrails"
+# Objects the operator creates by hand (deploy/README.md says how): referenced, not shipped.
+EXTERNAL_SECRETS = {"kvgate-epp-tls"}
+
+# The fields each custom resource kind may use, as nested dicts; "*" = any key (a map);
+# a list value = a list of such dicts; None = a scalar or a free-form value.
+_LABELS = {"matchLabels": {"*": None}}
+_RESOURCES = {"*": None}
+CRD_FIELDS: dict[tuple[str, str], dict[str, Any]] = {
+    # kubernetes-sigs/gateway-api-inference-extension, api/v1/inferencepool_types.go
+    ("inference.networking.k8s.io/v1", "InferencePool"): {
+        "selector": _LABELS,
+        "targetPorts": [{"number": None}],
+        "endpointPickerRef": {"group": None, "kind": None, "name": None, "portNumber": None,
+                              "failureMode": None},
+    },
+    # gateway.networking.k8s.io/v1 (Gateway API standard channel)
+    ("gateway.networking.k8s.io/v1", "Gateway"): {
+        "gatewayClassName": None,
+        "listeners": [{"name": None, "hostname": None, "port": None, "protocol": None,
+                       "tls": None, "allowedRoutes": None}],
+        "addresses": None, "infrastructure": None,
+    },
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): {
+        "parentRefs": [{"group": None, "kind": None, "namespace": None, "name": None,
+                        "sectionName": None, "port": None}],
+        "hostnames": None,
+        "rules": [{
+            "name": None,
+            "matches": [{"path": {"type": None, "value": None}, "headers": None,
+                         "queryParams": None, "method": None}],
+            "filters": None, "timeouts": {"request": None, "backendRequest": None},
+            "backendRefs": [{"group": None, "kind": None, "name": None, "namespace": None,
+                             "port": None, "weight": None, "filters": None}],
+        }],
+    },
+    # prometheus-operator, monitoring.coreos.com/v1
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): {
+        "selector": _LABELS, "namespaceSelector": {"any": None, "matchNames": None},
+        "jobLabel": None,
+        "endpoints": [{"port": None, "targetPort": None, "path": None, "scheme": None,
+                       "interval": None, "scrapeTimeout": None, "honorLabels": None,
+                       "relabelings": None, "metricRelabelings": None, "tlsConfig": None}],
+    },
+    # volcano-sh, scheduling.volcano.sh/v1beta1
+    ("scheduling.volcano.sh/v1beta1", "Queue"): {
+        "weight": None, "reclaimable": None, "capability": _RESOURCES,
+        "deserved": _RESOURCES, "guarantee": {"resource": _RESOURCES}, "parent": None,
+        "priority": None,
+    },
+}
+
+
+def test_every_folder_with_manifests_is_a_kustomization() -> None:
+    """A manifest folder without a kustomization.yaml would be skipped by every test here."""
+    for manifest in DEPLOY.rglob("*.yaml"):
+        folder = manifest.parent
+        if folder not in FOLDERS:
+            assert (folder.parent / "kustomization.yaml").exists(), manifest
+
+
+@each_folder
+def test_it_renders(folder: Path) -> None:
+    objects = render(folder)
+    assert objects, f"{folder} renders nothing"
+    names = [f"{o.get('metadata', {}).get('namespace', '')}/{ident(o)}" for o in objects]
+    assert len(names) == len(set(names)), "two objects of one kind share a name"
+
+
+@each_folder
+def test_every_object_parses_against_the_api(folder: Path) -> None:
+    api = client.ApiClient()
+    for obj in render(folder):
+        crd = CRD_FIELDS.get((obj["apiVersion"], obj["kind"]))
+        if crd is not None:
+            assert set(obj) <= {"apiVersion", "kind", "metadata", "spec"}, ident(obj)
+            assert obj["metadata"]["name"], ident(obj)
+            check_fields(obj["spec"], crd, f"{ident(obj)}.spec")
+            continue
+        model = model_name(obj)
+        assert hasattr(client.models, model), f"{ident(obj)}: no API model {model}"
+        parsed = api.deserialize(json.dumps(obj), model, "application/json")
+        back = api.sanitize_for_serialization(parsed)
+        assert back == obj, (f"{ident(obj)}: {difference(obj, back)} is not what the {model} "
+                             "API has (an unknown field, or a value of the wrong type)")
+
+
+def model_name(obj: Object) -> str:
+    """``apps/v1`` ``Deployment`` → ``V1Deployment``, the client's class for it."""
+    version = obj["apiVersion"].rpartition("/")[2]
+    return version[0].upper() + version[1:] + obj["kind"]
+
+
+def difference(ours: Any, back: Any, where: str = "") -> str:
+    """The path of the first value that did not survive the API model's round trip."""
+    if isinstance(ours, dict) and isinstance(back, dict):
+        for key in ours:
+            if key not in back or ours[key] != back[key]:
+                return difference(ours[key], back.get(key), f"{where}.{key}")
+    if isinstance(ours, list) and isinstance(back, list) and len(ours) == len(back):
+        for i, (item, returned) in enumerate(zip(ours, back, strict=True)):
+            if item != returned:
+                return difference(item, returned, f"{where}[{i}]")
+    return where.lstrip(".") or "the object"
+
+
+def check_fields(value: Any, allowed: Any, where: str) -> None:
+    if allowed is None:
+        return
+    if isinstance(allowed, list):
+        assert isinstance(value, list), f"{where}: a list expected"
+        for i, item in enumerate(value):
+            check_fields(item, allowed[0], f"{where}[{i}]")
+        return
+    assert isinstance(value, dict), f"{where}: a mapping expected"
+    for key, item in value.items():
+        assert key in allowed or "*" in allowed, f"{where}.{key}: no such field"
+        check_fields(item, allowed.get(key, allowed.get("*")), f"{where}.{key}")
+
+
+# -- names, ports and references agree ----------------------------------------------------
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
+@each_folder
+def test_services_select_pods_and_target_their_ports(folder: Path) -> None:
+    objects = render(folder)
+    workloads = list(pods(objects))
+    for service in named(objects, "Service").values():
+        matched = [p for p in workloads if selects(service["spec"]["selector"], p.labels)]
+        assert matched, f"Service {service['metadata']['name']} selects no pod here"
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for pod in matched:
+                assert target in pod.ports(), (
+                    f"Service {service['metadata']['name']} port {port['name']}: "
+                    f"{pod.owner['metadata']['name']} has no container port {target!r}")
+
+
+@each_folder
+def test_disruption_budgets_select_a_workload(folder: Path) -> None:
+    objects = render(folder)
+    for budget in named(objects, "PodDisruptionBudget").values():
+        selector = budget["spec"]["selector"]["matchLabels"]
+        assert any(selects(selector, p.labels) for p in pods(objects)), ident(budget)
+
+
+@each_folder
+def test_network_policies_open_ports_their_pods_have(folder: Path) -> None:
+    objects = render(folder)
+    for policy in named(objects, "NetworkPolicy").values():
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        matched = [p for p in pods(objects) if selects(selector, p.labels)]
+        assert matched, f"{ident(policy)} selects no pod here"
+        for rule in policy["spec"]["ingress"]:
+            for port in rule["ports"]:
+                assert all(port["port"] in p.ports() for p in matched), (ident(policy), port)
+            for peer in rule.get("from", []):
+                if "podSelector" in peer:
+                    assert any(selects(peer["podSelector"]["matchLabels"], p.labels)
+                               for p in pods(objects)), (ident(policy), peer)
+
+
+@each_folder
+def test_pods_reference_what_exists(folder: Path) -> None:
+    """ConfigMaps, Secrets, volumes, probe ports and PriorityClasses a pod names exist."""
+    objects = render(folder)
+    config_maps, secrets = named(objects, "ConfigMap"), named(objects, "Secret")
+    priority_classes = named(render(GUARDRAILS), "PriorityClass")
+    for pod in pods(objects):
+        owner = pod.owner["metadata"]["name"]
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+        claims = {c["metadata"]["name"] for c in pod.owner["spec"].get("volumeClaimTemplates", [])}
+        for volume in volumes.values():
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in config_maps, (owner, volume)
+            if "secret" in volume:
+                secret = volume["secret"]["secretName"]
+                assert secret in secrets or secret in EXTERNAL_SECRETS, (owner, volume)
+        if "priorityClassName" in pod.spec:
+            assert pod.spec["priorityClassName"] in priority_classes, owner
+        for container in pod.containers():
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes.keys() | claims, (owner, container["name"], mount)
+            for probe_name in ("startupProbe", "livenessProbe", "readinessProbe"):
+                probe = container.get(probe_name, {})
+                for handler in ("httpGet", "tcpSocket", "grpc"):
+                    if handler in probe:
+                        port = probe[handler]["port"]
+                        assert port in container_ports(container), (
+                            f"{owner}/{container['name']} {probe_name}: no port {port!r}")
+
+
+@each_folder
+def test_the_service_monitor_finds_every_kvgate(folder: Path) -> None:
+    """Every kvgate's admin port is behind a Service the ServiceMonitor selects, under the
+    port name it scrapes."""
+    (monitor,) = named(render(DEPLOY / "monitoring"), "ServiceMonitor").values()
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    objects = render(folder)
+    for pod, container, _ in kvgate_containers(objects):
+        admin = [p["containerPort"] for p in container["ports"] if "admin" in p["name"]]
+        scraped = [
+            port for service in named(objects, "Service").values()
+            if selects(selector, service["metadata"].get("labels", {}))
+            and selects(service["spec"]["selector"], pod.labels)
+            for port in service["spec"]["ports"] if port["name"] == endpoint["port"]
+            and pod.ports().get(port.get("targetPort", port["port"])) in admin
+        ]
+        assert scraped, f"{pod.owner['metadata']['name']}: no scraped Service on its admin port"
