@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from extproc.config import RateLimitSettings, _format_loc
+from extproc.config import RateLimitSettings
+from extproc.config_check import format_loc
 
 DROPPED = ("detailed_metric", "value_to_metric", "metadata")
 UNSUPPORTED = ("quota_mode", "share_threshold")
@@ -116,7 +117,7 @@ def _validate(section: dict[str, Any], paths: list[Path]) -> None:
         loc = err["loc"]
         where = paths[loc[1]] if len(loc) > 1 and isinstance(loc[1], int) else paths[0]
         message = err["msg"].removeprefix("Value error, ")
-        raise RatelimitImportError(f"{where}: {_format_loc(loc[2:])}: {message}") from None
+        raise RatelimitImportError(f"{where}: {format_loc(loc[2:])}: {message}") from None
 
 
 def _one_line(text: str) -> str:

@@ -171,7 +171,7 @@ class RequestStream:
         if isinstance(listed, Reject):
             return self._refuse(listed)
         models, admit = listed
-        self.metrics.decisions.add((self.tenant.name, "admitted"))
+        self._count("admitted", "none")
         return self._answer(200, model_list(models, self.director.started_s),
                             admitted_ratelimit_headers(admit.remaining), details="kvgate_models")
 
@@ -271,8 +271,9 @@ class RequestStream:
         self, status: int, body: bytes, headers: dict[str, str], *, details: str
     ) -> pb.ProcessingResponse:
         self.done = True
-        tenant = None if self.tenant is None else self.tenant.name
-        self.director.rejections.add(status, headers.get("x-kvgate-reject", details), tenant)
+        if status >= 400:
+            tenant = None if self.tenant is None else self.tenant.name
+            self.director.rejections.add(status, headers.get("x-kvgate-reject", details), tenant)
         if self.request_id:  # the client can quote it
             headers = {**headers, REQUEST_ID_HEADER: self.request_id}
         return messages.immediate(status, body, headers, details)

@@ -67,7 +67,8 @@ def test_kvgate_configs_pass_kvgate_check(folder: Path, tmp_path: Path) -> None:
         file.write_text(pod.mounted_file(container, path))
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            status = cli.main(["check", str(file)])
+            # the paths it names (TLS files, tokenizers) exist in the pod, not here
+            status = cli.main(["check", "--skip-files", str(file)])
         assert status == 0, f"{folder}: {pod.owner['metadata']['name']}: {err.getvalue()}"
 
 

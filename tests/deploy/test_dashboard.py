@@ -36,7 +36,9 @@ _LABEL_VALUES = re.compile(r"label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*,")
 
 def exported() -> set[str]:
     """Every series name kvgate's /metrics can show."""
-    return {family.name + suffix for family in Metrics().registry.collect()
+    metrics = Metrics()
+    metrics.watch_endpoints(list, {})  # the endpoint families, as a running server has them
+    return {family.name + suffix for family in metrics.registry.collect()
             for suffix in SUFFIXES[family.type]}
 
 

@@ -107,7 +107,8 @@ def test_unknown_keys_get_a_did_you_mean(tmp_path, capsys):
             "did you mean 'tokens_per_minute'?") in found
     assert "pools[0].watermark: unknown key 'watermark': did you mean 'watermarks'?" in found
     assert "server.grpc_prot: unknown key 'grpc_prot': did you mean 'grpc_port'?" in found
-    assert "tiers.gold.zzz: unknown key 'zzz' (known: limits, weight)" in found
+    assert ("tiers.gold.zzz: unknown key 'zzz' (known: limits, long_prompt_tokens, overflow, "
+            "weight)") in found
 
 
 def test_every_bad_endpoint_is_reported(tmp_path, capsys):

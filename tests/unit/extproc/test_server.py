@@ -117,12 +117,12 @@ async def test_admin_listens_on_loopback_unless_told_otherwise() -> None:
 # -- drain -----------------------------------------------------------------------------------
 
 
-def models_request() -> pb.ProcessingRequest:
-    """GET /v1/models: admitted on its headers, then the stream stays open (as it would for
-    the response) until Envoy ends it."""
+def health_request() -> pb.ProcessingRequest:
+    """GET /health: admitted on its headers and routed to an engine, then the stream stays
+    open (as it would for the response) until Envoy ends it."""
     from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 
-    values = {":method": "GET", ":path": "/v1/models", "authorization": "Bearer sk-x"}
+    values = {":method": "GET", ":path": "/health", "authorization": "Bearer sk-x"}
     return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=HeaderMap(headers=[
         HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]),
         end_of_stream=True))
@@ -141,7 +141,7 @@ async def test_a_stream_cut_at_the_grace_is_released_and_health_flips_first() ->
             "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
             request_serializer=pb.ProcessingRequest.SerializeToString,
             response_deserializer=pb.ProcessingResponse.FromString)()
-        await call.write(models_request())
+        await call.write(health_request())
         await call.read()  # routed: the admission is held until the stream ends
         assert len(server.director.active) == 1
         drained = asyncio.create_task(server.drain(grace=0.3, delay=0.3))
