@@ -111,7 +111,8 @@ def test_over_limit_gets_429_with_retry_after_and_x_ratelimit_headers(stack):
     # reported that it used nothing (two answers of 3 prompt + 4 output tokens were charged)
     server = stack.kvgate.server
     assert wait_for(lambda: stack.kvgate.call(server.director.store.in_flight("reqs")) == 0)
-    assert wait_for(lambda: server.metrics.tokens.values.get(("reqs", "used")) == 14)
+    assert wait_for(lambda: sum(value for labels, value in server.metrics.tokens_used.values.items()
+                                if labels[0] == "reqs") == 14)
 
 
 def read_stream(response: httpx.Response) -> dict:
