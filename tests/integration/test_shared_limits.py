@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -84,6 +87,28 @@ async def hammer(target: str, seconds: float, tasks: int = 4) -> list[tuple[floa
     return results
 
 
+HAMMER = """
+import asyncio, json, sys, time
+from tests.integration.test_shared_limits import hammer
+async def both(a, b):
+    start = time.monotonic()
+    runs = await asyncio.gather(hammer(a, 3.0, tasks=8), hammer(b, 3.0, tasks=8))
+    return {"start": start, "runs": runs}
+print(json.dumps(asyncio.run(both(sys.argv[1], sys.argv[2]))))
+"""
+
+
+def hammer_both(a: str, b: str) -> tuple[float, list[list[tuple[float, bool]]]]:
+    """Both replicas hammered from a fresh process: a long pytest process (grpc pollers and
+    loops left by earlier tests) offers far less load than it can alone, which showed as
+    admissions well under the limit in the full suite only. ``time.monotonic`` is the
+    system's monotonic clock, shared with this process."""
+    done = subprocess.run([sys.executable, "-c", HAMMER, a, b], capture_output=True,
+                          text=True, timeout=60, check=True)
+    out = json.loads(done.stdout)
+    return out["start"], out["runs"]
+
+
 async def test_two_replicas_enforce_one_global_limit(redis_url, tmp_path):
     rate, burst = 40, 20
     # a generous Redis budget: on a loaded machine a 50 ms call times out, and its admission
@@ -95,10 +120,9 @@ async def test_two_replicas_enforce_one_global_limit(redis_url, tmp_path):
     # replica b runs two worker processes on one port (SO_REUSEPORT): three processes in all
     with KvgateProcess(shared, tmp_path, "a") as a, \
             KvgateProcess(other, tmp_path, "b", workers=2) as b:
-        start = time.monotonic()
         # each admitted request also reports its usage and ends its stream, as through
         # Envoy: enough tasks that the offered load stays far above the limit
-        runs = await asyncio.gather(hammer(a.target, 3.0, tasks=8), hammer(b.target, 3.0, tasks=8))
+        start, runs = await asyncio.to_thread(hammer_both, a.target, b.target)
     results = runs[0] + runs[1]
     admitted = sum(ok for _, ok in results)
     elapsed = max(t for t, _ in results) - start
@@ -106,8 +130,7 @@ async def test_two_replicas_enforce_one_global_limit(redis_url, tmp_path):
     assert sum(1 for _, ok in runs[0] if ok) and sum(1 for _, ok in runs[1] if ok)
     print(f"admitted {admitted} of {len(results)} offered; ceiling {ceiling:.1f}")
     assert admitted <= ceiling, (admitted, ceiling)
-    # not far under it either; alone this admits 139 of a 142 ceiling, in the whole suite on
-    # 2 cores 112-122 (not understood yet: the burst seems not to be fully used there)
+    # not far under it either (alone: 138 of a 142 ceiling)
     assert admitted >= 0.75 * ceiling, (admitted, ceiling)
 
 
