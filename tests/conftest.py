@@ -3,6 +3,7 @@ check, and which hot path (compiled or pure Python) the run tests."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -17,6 +18,18 @@ __all__ = ["free_port"]
 
 def pytest_report_header() -> str:
     return f"kvgate hot path: {kvgate_native.status()}"
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs the CLI or a server sets up logging for the process (the root
+    logger's handler and level): put them back, so later tests' log capture sees only what
+    they expect and no handler writes to a stream a finished test has closed."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
