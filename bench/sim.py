@@ -322,7 +322,8 @@ class Gated(Policy):
 
     def _place(self, item: QueuedRequest, now: float) -> str | None:
         placed = self.scheduler.place(item.tenant, item.cost, self.snapshot, now, self.rng,
-                                      band=self.queue.effective_band(item, _ms(now)))
+                                      band=self.queue.effective_band(item, _ms(now)),
+                                      waited_s=now - item.enqueued_ms / 1000)
         return placed.endpoints[0] if isinstance(placed, Placement) else None
 
 

@@ -432,6 +432,12 @@ class Pool(_Strict):
         "work once only that many are left without (at least one always takes it); band 0 is "
         "never limited by it"
     )
+    prefill_clear_hold_s: float = Field(
+        3.0, ge=0, description="lower-band work that has waited this long in kvgate's queue "
+        "may use an endpoint kept clear by prefill_clear_share while no band-0 request is "
+        "prefilling anywhere in the pool: keeping endpoints clear then costs no batch "
+        "throughput once batch prefill outgrows the other endpoints"
+    )
     kv_profile: KvProfile | None = Field(None, description="for KV figures in bytes")
     gpu_source: str | None = Field(
         None, description="'local' (NVML in this process) or a kvgate agent URL, {ip} allowed"

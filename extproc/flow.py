@@ -186,7 +186,7 @@ class FlowController:
         its own interactive one on a gate that only batch work meets."""
         return self.scheduler.place(
             item.tenant, item.cost, self.endpoints.snapshot(), self.clock(), self.rng,
-            band=band,
+            band=band, waited_s=max(0, self.clock_ms() - item.enqueued_ms) / 1000,
         )
 
     # -- answers and visibility ------------------------------------------------------------

@@ -149,6 +149,7 @@ class PoolScheduler:
     gate_growth: dict[str, int] = field(default_factory=dict)
     _gated: set[str] = field(default_factory=set, repr=False)
     low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
+    top_prefills: int = 0  # band-0 requests in prefill, pool-wide
     # endpoint → its reservations, oldest first (times come from a monotonic clock), so the
     # ones newer than a scrape are found from the end without walking every reservation
     by_endpoint: dict[str, dict[str, Reservation]] = field(default_factory=dict)
@@ -160,9 +161,10 @@ class PoolScheduler:
 
     def place(
         self, tenant: str, tokens: int, snapshot: StoreSnapshot, now: float, rng: random.Random,
-        *, band: int = 0,
+        *, band: int = 0, waited_s: float = 0.0,
     ) -> Placement | Reject:
-        """``band``: the request's effective band (0 = interactive, or aged into it)."""
+        """``band``: the request's effective band (0 = interactive, or aged into it);
+        ``waited_s``: how long it has waited in kvgate's queue."""
         if not self.config.kv_aware:
             return self._least_in_flight(snapshot, now, tokens, rng, band)
         view = self._view(snapshot)
@@ -179,7 +181,8 @@ class PoolScheduler:
                       if e.takes_work and self._has_slot(e.state.address, limit)
                       and self._has_seq(e.state.address, band)
                       and self._below_unstarted(e.state.address, ahead)]
-        if band and self.config.prefill_clear_share:
+        if band and self.config.prefill_clear_share and (
+                waited_s < self.config.prefill_clear_hold_s or self.top_prefills):
             candidates = self._keep_clear(candidates, usable)
         eligible = [c for c in candidates if c.fits]
         if not eligible:
@@ -220,6 +223,8 @@ class PoolScheduler:
         self.unstarted[endpoint] = self.unstarted.get(endpoint, 0) + 1
         if band:
             self.low_prefills[endpoint] = self.low_prefills.get(endpoint, 0) + 1
+        else:
+            self.top_prefills += 1
 
     def first_token(self, lease_id: str, now: float) -> None:
         """The response's first chunk came back: the engine is done prefilling this request
@@ -255,6 +260,8 @@ class PoolScheduler:
         self.prefill_tokens[endpoint] -= reservation.prefill
         if reservation.band:
             self.low_prefills[endpoint] -= 1
+        else:
+            self.top_prefills -= 1
 
     # -- filters ---------------------------------------------------------------------------
 

@@ -285,6 +285,26 @@ def test_an_endpoint_kept_clear_stays_clear_when_the_busy_ones_are_full():
     assert place_band(sched, snap, 0).endpoints[0] == "e2"  # for interactive work
 
 
+def test_batch_work_that_waited_long_may_use_a_clear_endpoint_while_no_interactive_prefills():
+    """The clear endpoint's cost to batch throughput is bounded: lower-band work that has
+    waited ``prefill_clear_hold_s`` in kvgate's queue goes there, unless band-0 work is
+    prefilling somewhere in the pool (then the clear endpoint is what it may need next)."""
+    snap = snapshot(state("e1", 0.1), state("e2", 0.1))
+    sched = scheduler(prefill_clear_share=0.5, prefill_clear_hold_s=3.0)
+    for lease in ("b1", "b2"):
+        sched.reserve(lease, "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
+
+    def batch(waited_s):
+        return sched.place("a", 10, snap, NOW, random.Random(0), band=1, waited_s=waited_s)
+
+    assert batch(2.9).reason == "pool_saturated"  # not yet: e2 stays clear
+    assert batch(3.0).endpoints == ["e2"]
+    sched.reserve("i1", "a", "e1", 10, NOW, prompt_tokens=300)  # interactive in prefill
+    assert batch(10.0).reason == "pool_saturated"
+    sched.first_token("i1", NOW)
+    assert batch(10.0).endpoints == ["e2"]
+
+
 def test_an_engine_stuck_at_one_running_count_has_its_seq_limit_learned():
     """vLLM --max-num-seqs 4: four running and work waiting, scrape after scrape, KV free."""
     sched = scheduler()
