@@ -244,12 +244,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
-    _ensure_free([p for i in range(args.workers) for p in _kvgate_ports(config, i)
-                  if i == 0 or p[2] == "server.admin_port"])
-    if args.workers == 1:
-        _serve_worker(args.config, 0, args.log_level, args.log_format, reuse_port=False)
-        return 0
-    if config.redis is None:
+    if args.workers > 1 and config.redis is None:  # a config problem: before any port
         print(
             f"--workers {args.workers} needs `redis:` in {args.config}: with in-memory limits "
             "each worker would enforce the whole limit on its own, multiplying every limit by "
@@ -257,6 +252,11 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    _ensure_free([p for i in range(args.workers) for p in _kvgate_ports(config, i)
+                  if i == 0 or p[2] == "server.admin_port"])
+    if args.workers == 1:
+        _serve_worker(args.config, 0, args.log_level, args.log_format, reuse_port=False)
+        return 0
     return _run_workers(args.config, args.workers, args.log_level, args.log_format)
 
 
