@@ -20,12 +20,14 @@ from limiter.buckets import FixedWindow
 PROPERTY = settings(max_examples=200, deadline=None)
 
 
-def _through(limiter: SlidingWindow | TokenBucket, times: list[int]) -> list[int]:
+def _through(limiter: SlidingWindow | TokenBucket | FixedWindow, times: list[int]
+             ) -> list[int]:
     """The arrivals ``limiter`` admits, one request each."""
+    take = limiter.charge if isinstance(limiter, FixedWindow) else limiter.consume
     admitted = []
     for now in times:
         if limiter.wait_ms(1, now) == 0:
-            limiter.consume(1, now)
+            take(1, now)
             admitted.append(now)
     return admitted
 
@@ -41,13 +43,7 @@ def _bucket(limit: int, window_ms: int, times: list[int]) -> list[int]:
 def _fixed(limit: int, window_ms: int, times: list[int]) -> list[int]:
     """kvgate's own fixed window (offered by the Rate Limit Service for configurations
     carried over from envoyproxy/ratelimit), one request each."""
-    window = FixedWindow(limit, window_ms)
-    admitted = []
-    for now in times:
-        if window.wait_ms(1, now) == 0:
-            window.charge(1, now)
-            admitted.append(now)
-    return admitted
+    return _through(FixedWindow(limit, window_ms), times)
 
 
 def _most_within(admitted: list[int], span_ms: int) -> int:
