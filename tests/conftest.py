@@ -32,6 +32,17 @@ def _root_logging_restored() -> Iterator[None]:
     root.setLevel(level)
 
 
+def need_binary(path: str | None, name: str, package: str) -> str:
+    """A system program a test needs: skipped without it locally, failed under CI
+    (``.ci/run`` installs Debian's ``package``, so its absence there is a broken install)."""
+    if path is None:
+        message = f"{name} not installed (apt-get install {package}); .ci/run installs it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``redis`` need the redis-server binary: skipped without it locally, and
     failed under CI (``.ci/run`` installs it, so its absence there is a broken install)."""

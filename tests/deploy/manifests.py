@@ -4,7 +4,6 @@ read out of them: pods, their containers, ports and mounted files."""
 from __future__ import annotations
 
 import functools
-import os
 import posixpath
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import need_binary
 from tests.paths import REPO
 
 DEPLOY = REPO / "deploy"
@@ -37,14 +37,7 @@ each_folder = pytest.mark.parametrize(
 
 
 def need_kubectl() -> str:
-    """The kubectl binary; skipped without it locally, failed under CI (``.ci/run`` installs
-    Debian's kubernetes-client, so its absence there is a broken install)."""
-    if KUBECTL is None:
-        message = "kubectl not installed (apt-get install kubernetes-client); .ci/run installs it"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return KUBECTL
+    return need_binary(KUBECTL, "kubectl", "kubernetes-client")
 
 
 @functools.cache

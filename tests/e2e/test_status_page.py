@@ -23,7 +23,7 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import Stack, local_stack
-from tests.conftest import free_port
+from tests.conftest import free_port, need_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -34,12 +34,7 @@ STREAMS = 8  # acme's long answers: together more KV than the pool lets batch wo
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    if CHROMIUM is None:
-        message = "chromium not installed (apt-get install chromium); .ci/run installs it"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return CHROMIUM
+    return need_binary(CHROMIUM, "chromium", "chromium")
 
 
 def status_config():
