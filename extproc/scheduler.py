@@ -33,7 +33,10 @@ first_token`; the response's first body chunk) or it ends. Per endpoint it keeps
 tokens in prefill (the ``scoring.prefill`` term: interactive work goes where the least
 prefill is ahead of it) and how many lower-band (band > 0) requests are in prefill; with
 ``prefill_clear_share`` lower-band work stacks on endpoints already prefilling such work
-rather than spreading over all of them, so some endpoints stay clear for band 0. Band here is
+rather than spreading over all of them, so some endpoints stay clear for band 0 — except for
+lower-band work that has waited ``prefill_clear_hold_s`` in kvgate's queue while no band-0
+request is in prefill anywhere in the pool (the clear endpoints' cost to batch throughput is
+bounded). Band here is
 the request's *effective* band (aging included), so every request the fair queue ranks
 together sees the same gates. Every update is O(1); placement stays O(endpoints).
 
