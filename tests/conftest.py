@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -30,6 +31,17 @@ def _root_logging_restored() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds: for effects that land after the reply (meter
+    reports, background cancels), which a test must not race."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
 
 
 def need_binary(path: str | None, name: str, package: str) -> str:

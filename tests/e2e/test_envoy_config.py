@@ -47,7 +47,7 @@ from extproc.envoy_proc import (
     validate,
 )
 from extproc.headers import DESTINATION_HEADER
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.paths import REPO
 
 COMMITTED = REPO / "envoy" / "gateway.yaml"
@@ -339,7 +339,7 @@ def test_gateway_mode_networking_through_a_live_envoy() -> None:
                            headers={"authorization": "Bearer sk-gw"})
         assert reply.status_code == 200, reply.text
         reports = stack.kvgate.server.metrics.reports.values
-        assert reports.get(("done",)) == 1, reports  # the meter reached kvgate
+        assert wait_for(lambda: reports.get(("done",)) == 1), reports  # the meter reached kvgate
 
 @pytest.mark.e2e
 def test_custom_bootstrap_passes_envoy_validate(custom: Config) -> None:

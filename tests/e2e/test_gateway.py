@@ -12,7 +12,7 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -72,15 +72,6 @@ def post(stack, tenant, body, path="/v1/chat/completions", **kwargs):
 
 def in_flight(stack, tenant):
     return stack.kvgate.call(stack.kvgate.server.director.store.in_flight(tenant))
-
-
-def wait_for(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_admitted_request_reaches_engine_with_priority_and_content_length(stack):

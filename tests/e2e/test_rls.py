@@ -25,8 +25,7 @@ from extproc.engine.server import EngineProcess
 from extproc.envoy_config import render_bootstrap
 from extproc.envoy_proc import EnvoyProcess
 from extproc.rls_import import import_files
-from tests.conftest import free_port
-from tests.e2e.test_gateway import wait_for
+from tests.conftest import free_port, wait_for
 from tests.rls_support import descriptor
 
 pytestmark = pytest.mark.e2e
