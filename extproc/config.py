@@ -155,6 +155,15 @@ class RequestClass(_Strict):
     )
 
 
+# The shipped classes. A configured class of one of these names keeps the fields it leaves
+# out: batch work tolerates minutes in the queue, interactive work does not.
+BUILT_IN_CLASSES: dict[str, dict[str, Any]] = {
+    "interactive": {"priority": 0, "deadline_s": 30},
+    "batch": {"priority": 1, "deadline_s": 300},
+    "offline": {"priority": 2, "deadline_s": 900},
+}
+
+
 class Classification(_Strict):
     """How a request gets its class (and so its band and vLLM priority)."""
 
@@ -795,14 +804,20 @@ class Config(_Strict):
     ratelimit: RateLimitSettings = RateLimitSettings()
     tiers: dict[str, Tier] = Field(min_length=1)
     classes: dict[str, RequestClass] = Field(
-        default_factory=lambda: {
-            "interactive": RequestClass(priority=0),
-            "batch": RequestClass(priority=1),
-            "offline": RequestClass(priority=2),
-        }
+        default_factory=lambda: {name: RequestClass(**spec)
+                                 for name, spec in BUILT_IN_CLASSES.items()}
     )
     tenants: list[Tenant] = Field(min_length=1)
     pools: list[Pool] = Field(min_length=1)
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _built_in_class_defaults(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        return {name: {**BUILT_IN_CLASSES[name], **(spec or {})}
+                if name in BUILT_IN_CLASSES and isinstance(spec, dict | None) else spec
+                for name, spec in value.items()}
 
     @model_validator(mode="after")
     def _references(self) -> Config:

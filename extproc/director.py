@@ -372,7 +372,8 @@ class Director:
         correct its fair-order charge to what it really used (``output_tokens`` of
         ``used_tokens``; unknown: the estimate stands)."""
         self.leases.closed(admission.lease_id)
-        admission.scheduler.release(admission.lease_id, self.clock())
+        admission.scheduler.release(admission.lease_id, self.clock(),
+                                    output_tokens=output_tokens)
         self.kick(admission.pool)
         tenant = admission.tenant
         await self.store.release(tenant.name, self.tenants.policy(tenant),

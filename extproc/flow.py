@@ -229,4 +229,8 @@ class FlowController:
             "unstarted": dict(self.scheduler.unstarted),  # endpoint → sent, not started
             "unstarted_limit_growth": dict(self.scheduler.gate_growth),
             "seq_limits": dict(self.scheduler.seq_caps),  # endpoint → learned --max-num-seqs
+            # endpoint → KV tokens its requests in flight are expected to grow to, and the
+            # share of reserved output that expectation counts (learned from usage)
+            "committed_kv_tokens": dict(self.scheduler.committed),
+            "expected_output_share": round(self.scheduler.output_ratio, 4),
         }

@@ -24,6 +24,11 @@ halves it. An engine that keeps work waiting never sees it grow.
 Predictive load: reservations admitted since an endpoint's last scrape are added to its
 scraped usage, so a burst spreads across endpoints before the next scrape shows it.
 
+Committed load: what the requests kvgate sent an endpoint are expected to grow to as they
+decode (prompt + :attr:`PoolScheduler.output_ratio` of their reserved output, learned from
+the usage of finished requests) must fit in its KV capacity — a scrape only shows what they
+hold now, and vLLM preempts when running requests outgrow its cache.
+
 Prefill isolation. vLLM V1 schedules its *running* requests before admitting waiting ones,
 and a long prompt is prefilled in chunks that take the whole step budget — so a new
 interactive request on an engine that is prefilling a 5,000-token batch prompt waits for
@@ -59,6 +64,9 @@ FALLBACKS = 2  # endpoints after the chosen one, for Envoy's retries
 SEQ_PLATEAU_SCRAPES = 5  # scrapes in a row at one running count with work waiting: a seq cap
 MAX_GATE_GROWTH = 32  # how far an endpoint's unstarted limit may grow above max_unstarted
 DRAIN_WINDOW_S = 10.0
+# the expected share of reserved output (``PoolScheduler.output_ratio``): how fast it rises
+# toward a longer answer and decays toward a shorter one, and its floor
+OUTPUT_RATIO_RISE, OUTPUT_RATIO_DECAY, MIN_OUTPUT_RATIO = 0.5, 0.02, 0.05
 MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
 
 
@@ -77,10 +85,11 @@ class Reservation:
     tokens: int
     at: float
     band: int = 0
-    prefill: int = 0  # prompt tokens until its first token is seen; then 0
+    prefill: int = 0  # its prompt tokens (in prefill while ``prefilling``)
     prefilling: bool = False
     started: bool = False  # the engine admitted it (first token seen, or its waiting count)
     streamed: bool = True  # a first token will be seen before the end
+    peak: int = 0  # the KV it is expected to grow to: prompt + expected output
 
 
 @dataclass(slots=True)
@@ -157,6 +166,10 @@ class PoolScheduler:
     # ones newer than a scrape are found from the end without walking every reservation
     by_endpoint: dict[str, dict[str, Reservation]] = field(default_factory=dict)
     drain: DrainRate = field(default_factory=DrainRate)
+    # endpoint → the KV its requests in flight are expected to grow to (each reservation's
+    # ``peak``), and the share of their reserved output requests are expected to produce
+    committed: dict[str, int] = field(default_factory=dict)
+    output_ratio: float = 1.0
     retry_slot_ms: int | None = None  # the last retry time promised to a refused client
     _cached_view: _PoolView | None = field(default=None, repr=False, compare=False)
 
@@ -217,9 +230,12 @@ class PoolScheduler:
         """Hold ``tokens`` of KV on ``endpoint``; the request is in prefill (``band`` as it
         was placed, ``prompt_tokens`` to prefill) until :meth:`first_token` or release —
         or, when not ``streamed``, until the engine reports it admitted."""
+        output = max(0, tokens - prompt_tokens)
+        peak = tokens - output + math.ceil(output * self.output_ratio)
         reservation = Reservation(lease_id, tenant, endpoint, tokens, now, band, prompt_tokens,
-                                  True, False, streamed)
+                                  True, False, streamed, peak)
         self.reservations[lease_id] = reservation
+        self.committed[endpoint] = self.committed.get(endpoint, 0) + peak
         self.by_endpoint.setdefault(endpoint, {})[lease_id] = reservation
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
         self.prefill_tokens[endpoint] = self.prefill_tokens.get(endpoint, 0) + prompt_tokens
@@ -237,9 +253,11 @@ class PoolScheduler:
             self._started(reservation)
             self._prefilled(reservation)
 
-    def release(self, lease_id: str, now: float, *, completed: bool = True) -> None:
+    def release(self, lease_id: str, now: float, *, completed: bool = True,
+                output_tokens: int | None = None) -> None:
         """A finished request frees its KV (and counts toward the drain rate); a reservation
-        undone because the tenant's limits said no only disappears."""
+        undone because the tenant's limits said no only disappears. ``output_tokens``: what
+        it really produced, which teaches :attr:`output_ratio`."""
         reservation = self.reservations.pop(lease_id, None)
         if reservation is None:
             return
@@ -247,8 +265,21 @@ class PoolScheduler:
         self._prefilled(reservation)
         del self.by_endpoint[reservation.endpoint][lease_id]
         self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
+        self.committed[reservation.endpoint] -= reservation.peak
         if completed:
             self.drain.add(reservation.tokens, now)
+        reserved_output = reservation.tokens - reservation.prefill
+        if output_tokens is not None and reserved_output > 0:
+            self._learn_output(min(1.0, output_tokens / reserved_output))
+
+    def _learn_output(self, ratio: float) -> None:
+        """An upper envelope of produced ÷ reserved output: a longer answer raises it at
+        once halfway, shorter ones lower it slowly — so requests are expected to grow as far
+        as the long ones recently did, and clients that set a generous ``max_tokens`` and
+        stop early do not leave the KV idle (start: 1, every reserved token)."""
+        rate = OUTPUT_RATIO_RISE if ratio > self.output_ratio else OUTPUT_RATIO_DECAY
+        self.output_ratio = max(MIN_OUTPUT_RATIO,
+                                self.output_ratio + rate * (ratio - self.output_ratio))
 
     def _started(self, reservation: Reservation) -> None:
         if not reservation.started:
@@ -419,6 +450,13 @@ class PoolScheduler:
                 break  # this one and all older ones are in the scraped usage already
             pending += r.tokens
         after = (usage * capacity + pending + tokens) / capacity
+        # The scrape shows what running requests hold now; they keep growing as they decode,
+        # up to the KV committed to them. Past the cache's capacity the engine may run out
+        # of blocks and preempt before they end: that takes nothing, however low the
+        # scraped usage.
+        committed = (self.committed.get(state.address, 0) + tokens) / capacity
+        if committed > 1.0:
+            after = max(after, committed)
         return Candidate(state, after, after <= self.config.watermarks.high)
 
     def _over_share(self, tenant: str, tokens: int) -> bool:

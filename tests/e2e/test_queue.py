@@ -20,8 +20,9 @@ pytestmark = pytest.mark.e2e
 
 KEY = "sk-queue"
 # 16 blocks × 16 tokens = 256 tokens of KV; a request reserves ~104 (0.41) and the
-# watermark is 0.45: the engine takes a new request only while it is idle.
-ENGINE = {"ms_per_token": 8, "kv_blocks": 16, "block_size": 16}
+# watermark is 0.45: the engine takes a new request only while it is idle. Each runs long
+# enough (~2 s) for a loaded machine to queue the others behind it.
+ENGINE = {"ms_per_token": 20, "kv_blocks": 16, "block_size": 16}  # a request runs ~2 s
 
 
 @pytest.fixture(scope="module")

@@ -147,6 +147,36 @@ def test_busy_pool_makes_lower_band_work_over_its_share_wait():
     assert isinstance(place(sched, idle, tenant="b"), Placement)  # idle: borrow
 
 
+def test_requests_in_flight_are_expected_to_grow_to_their_committed_kv():
+    """The scrape sees a running request at its prompt; it will decode up to its reserved
+    output. Two that would outgrow the cache together are not both sent (the engine would
+    preempt), however empty the scrape looks; a small one still fits beside."""
+    sched = scheduler()
+    sched.reserve("long", "a", "e1", 600, NOW - 1, prompt_tokens=50)
+    snap = snapshot(state("e1", 0.05))  # scraped after it started: only its prompt shows
+    assert isinstance(place(sched, snap, tokens=300), Placement)
+    saturated = place(sched, snap, tokens=600)
+    assert (saturated.status, saturated.reason) == (503, "pool_saturated")
+    sched.release("long", NOW)
+    assert isinstance(place(sched, snap, tokens=600), Placement)
+    assert sched.committed["e1"] == 0
+
+
+def test_short_answers_teach_the_scheduler_to_commit_less_output():
+    """Clients that set a generous max_tokens and stop early: the committed KV follows what
+    requests really produce; one long answer raises it again at once."""
+    sched = scheduler()
+    for i in range(200):
+        sched.reserve(f"s{i}", "a", "e1", 600, NOW, prompt_tokens=100)
+        sched.release(f"s{i}", NOW, output_tokens=50)  # a tenth of its reserved 500
+    assert 0.09 < sched.output_ratio < 0.2
+    sched.reserve("next", "a", "e1", 600, NOW, prompt_tokens=100)
+    assert sched.committed["e1"] < 200
+    sched.release("next", NOW, output_tokens=500)
+    assert sched.output_ratio > 0.5
+    assert sched.committed["e1"] == 0
+
+
 def test_release_frees_the_reservation_once():
     sched = scheduler()
     sched.reserve("l", "a", "e1", 100, NOW)
