@@ -97,7 +97,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 ending = None
         except asyncio.CancelledError:
             if not incoming.departed:
-                ending = "cancelled"
+                # after the last reply (Envoy may reset a stream it is done with): normal
+                ending = None if stream.done else "cancelled"
                 raise
             _uncancel()  # the watch cancelled the wait: its client left while it queued
             ending = "client_gone"

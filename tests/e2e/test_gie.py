@@ -6,17 +6,24 @@ and response bodies FULL_DUPLEX_STREAMED, trailers sent, an ORIGINAL_DST upstrea
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
 import orjson
 import pytest
 
-from extproc.config import hash_api_key, parse_config
+from extproc.config import EXAMPLE_CONFIG, hash_api_key, load_config, parse_config
 from extproc.demo import local_stack
 from extproc.duplex import CHUNK_BYTES
-from extproc.envoy_gie import render_gie_bootstrap
+from extproc.envoy_config import ext_proc_filter_config
+from extproc.envoy_gie import render_gie_bootstrap, render_gie_yaml
+from extproc.envoy_proc import validate
 from tests.conftest import free_port, wait_for
+from tests.paths import REPO
+
+COMMITTED = REPO / "envoy" / "gie-picker.yaml"
 
 pytestmark = pytest.mark.e2e
 
@@ -166,8 +173,19 @@ def test_bad_key_and_bad_json_are_refused(stack):
     assert response.json()["error"]["code"] == "invalid_json"
 
 
+def test_completed_requests_end_their_streams_normally(stack):
+    errors = stack.kvgate.server.metrics.stream_errors.values
+    before = dict(errors)
+    assert post(stack, "acme", chat(max_tokens=2)).status_code == 200
+    assert post(stack, "acme", chat(max_tokens=2, stream=True)).status_code == 200
+    time.sleep(0.3)
+    assert errors == before  # neither cut off nor cancelled
+
+
 def test_client_leaving_mid_stream_releases_once(stack):
     before = len(stack.releases.seen)
+    errors = stack.kvgate.server.metrics.stream_errors.values
+    cut = sum(errors.values())
     body = orjson.dumps(chat(max_tokens=2000, stream=True))
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                b"Authorization: Bearer " + KEYS["solo"].encode() + b"\r\n"
@@ -180,6 +198,7 @@ def test_client_leaving_mid_stream_releases_once(stack):
         assert busy.status_code == 429  # the stream holds solo's one slot
     tenant, _, used, _ = one_release(stack, before)
     assert tenant == "solo" and used is not None
+    assert sum(errors.values()) == cut + 1  # counted as a stream cut short
     assert post(stack, "solo", chat(max_tokens=1)).status_code == 200
 
 
@@ -207,3 +226,19 @@ def test_messages_per_request(stack):
     assert plain["response_headers"] == 1 and 1 <= plain["response_body"] <= 2
     assert sum(plain.values()) <= 6
     assert streamed["response_body"] >= 64  # about one per token the engine streams
+
+
+def test_the_committed_gie_bootstrap_is_current_and_valid(tmp_path):
+    example = load_config(EXAMPLE_CONFIG)
+    assert COMMITTED.read_text() == render_gie_yaml(example), (
+        "envoy/gie-picker.yaml is stale: regenerate it with `kvgate render-envoy --gie "
+        "extproc/examples/kvgate.yaml -o envoy/gie-picker.yaml`")
+    validate(COMMITTED)
+    mode = ext_proc_filter_config(render_gie_bootstrap(example))["processing_mode"]
+    assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
+    written = tmp_path / "gie.yaml"
+    subprocess.run([sys.executable, "-m", "extproc.cli", "render-envoy", "--gie",
+                    str(EXAMPLE_CONFIG), "-o", str(written)], cwd=REPO, check=True,
+                   capture_output=True)
+    assert written.read_text() == COMMITTED.read_text()
