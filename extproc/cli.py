@@ -222,6 +222,10 @@ def _render_envoy(args: argparse.Namespace) -> int:
     from extproc.envoy_gie import render_gie_yaml
 
     config = load_config(args.config)
+    if config.server.body_mode == "full_duplex" and not args.gie:
+        raise ConfigError(str(args.config), [
+            "server.body_mode: full_duplex is for a gateway that streams bodies to kvgate; the "
+            "bootstrap kvgate renders sends them whole (use auto, or render --gie)"])
     render = render_gie_yaml if args.gie else render_yaml
     if args.output:
         render_to_file(config, args.output, render)

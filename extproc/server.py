@@ -56,6 +56,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.director = director
         self.metrics = metrics
         self.settings = config.server
+        self.duplex = config.server.body_mode == "full_duplex"  # else: as each stream says
         self.desk = desk
         self.open: set[RequestStream] = set()  # streams whose RPC is running
         self.releasing: set[asyncio.Future[None]] = set()  # releases under way
@@ -71,7 +72,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if message is None:
             return
         # a gateway that streams bodies full duplex (the Inference Extension's): duplex.py
-        kind = DuplexStream if duplex.requested(message) else RequestStream
+        kind = DuplexStream if self.duplex or duplex.requested(message) else RequestStream
         stream = kind(self.director, self.metrics, self.settings, self.desk, incoming.watch)
         self.open.add(stream)
         ending: str | None = "envoy_closed"

@@ -3,6 +3,7 @@ real ext_proc messages but no Envoy."""
 
 from __future__ import annotations
 
+import grpc
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -12,6 +13,7 @@ from extproc import duplex
 from extproc.duplex import CHUNK_BYTES, DuplexStream, streamed_bodies
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk
+from extproc.server import KvgateServer
 from extproc.wiring import build_director
 from limiter.stores import MemoryStore
 from tests.unit.extproc.test_stream import (
@@ -252,3 +254,45 @@ async def test_a_failure_reading_the_response_passes_it_on():
     replies = await stream.exchange(response_body(b"data: x\n\n", end_of_stream=True))
     assert streamed(replies[0], "response_body").body == b"data: x\n\n" and stream.done
     assert stream.metrics.stream_errors.values[("internal",)] == 1
+
+
+# -- through the gRPC server: which streams are full duplex --------------------------------
+
+
+async def exchange_over_grpc(server_config, with_protocol_config: bool):
+    """Headers, then the body in two chunks, to a real server: the replies received."""
+    server = KvgateServer(server_config)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            call = channel.stream_stream(
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                request_serializer=pb.ProcessingRequest.SerializeToString,
+                response_deserializer=pb.ProcessingResponse.FromString)()
+            headers = headers_msg()
+            await call.write(first(headers) if with_protocol_config else headers)
+            raw = orjson.dumps(chat())
+            await call.write(body_msg(raw[:10], end_of_stream=False))
+            await call.write(body_msg(raw[10:], end_of_stream=True))
+            replies = [await call.read() for _ in range(2)]
+            call.cancel()
+        return replies
+    finally:
+        await server.stop(grace=0)
+
+
+async def test_the_server_speaks_full_duplex_when_envoy_says_so_or_when_told():
+    def config(**server):
+        base = make_config(requests_per_second=100)
+        return base.model_copy(update={"server": base.server.model_copy(
+            update={"grpc_port": 0, "admin_port": None, **server})})
+
+    for server_config, said in ((config(), True), (config(body_mode="full_duplex"), False)):
+        headers, body = await exchange_over_grpc(server_config, said)
+        assert "x-gateway-destination-endpoint" in header_dict(
+            headers.request_headers.response.header_mutation)
+        assert orjson.loads(body.request_body.response.body_mutation.streamed_response.body)
+    # not said, not told: kvgate's own (buffered) protocol answers the headers at once
+    headers, body = await exchange_over_grpc(config(), False)
+    assert headers.HasField("mode_override")
+    assert body.HasField("immediate_response")  # a body in two parts is not that protocol
