@@ -225,7 +225,8 @@ def test_messages_per_request(stack):
     assert plain["request_headers"] == 1 and 1 <= plain["request_body"] <= 2
     assert plain["response_headers"] == 1 and 1 <= plain["response_body"] <= 2
     assert sum(plain.values()) <= 6
-    assert streamed["response_body"] >= 64  # about one per token the engine streams
+    # about one per token the engine writes (Envoy coalesces some when busy)
+    assert streamed["response_body"] >= 32
 
 
 def test_the_committed_gie_bootstrap_is_current_and_valid(tmp_path):
