@@ -30,6 +30,7 @@ MODULES = (  # the synchronous request path; no ``async def`` allowed (see above
     "extproc.accounting",
     "extproc.classify",
     "extproc.messages",
+    "extproc.meter",
     "extproc.metrics",
     "extproc.openai",
     "extproc.pricing",

@@ -114,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     render = commands.add_parser("render-envoy", help="write the Envoy bootstrap for a config")
     render.add_argument("config", type=Path)
     render.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    render.add_argument(
+        "--gie", action="store_true",
+        help="the bootstrap an Inference Extension gateway would use instead: kvgate as its "
+        "endpoint picker, bodies FULL_DUPLEX_STREAMED (a reference, not kvgate's own setup)")
     render.set_defaults(func=_render_envoy)
 
     ratelimit = commands.add_parser(
@@ -215,13 +219,19 @@ def _ensure_free(ports: list[tuple[str, int, str]]) -> None:
 
 def _render_envoy(args: argparse.Namespace) -> int:
     from extproc.envoy_config import render_to_file, render_yaml
+    from extproc.envoy_gie import render_gie_yaml
 
     config = load_config(args.config)
+    if config.server.body_mode == "full_duplex" and not args.gie:
+        raise ConfigError(str(args.config), [
+            "server.body_mode: full_duplex is for a gateway that streams bodies to kvgate; the "
+            "bootstrap kvgate renders sends them whole (use auto, or render --gie)"])
+    render = render_gie_yaml if args.gie else render_yaml
     if args.output:
-        render_to_file(config, args.output)
+        render_to_file(config, args.output, render)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
-        sys.stdout.write(render_yaml(config))
+        sys.stdout.write(render(config))
     return 0
 
 

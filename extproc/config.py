@@ -599,6 +599,12 @@ class Server(_Strict):
     max_stream_seconds: PositiveFloat = Field(
         3600, description="Envoy's max_message_timeout: the longest one ext_proc message may wait"
     )
+    body_mode: Literal["auto", "full_duplex"] = Field(
+        "auto", description="how Envoy sends request bodies: 'auto' reads it off each "
+        "stream's first message (Envoy 1.34+ states it there); 'full_duplex' treats every "
+        "stream as FULL_DUPLEX_STREAMED, for a data plane that does not say (an Inference "
+        "Extension gateway on an older Envoy); never with kvgate's own rendered Envoy"
+    )
     cpu_policy: Literal["batch", "normal"] = Field(
         "batch", description="Linux scheduling of the server process: 'batch' (SCHED_BATCH) "
         "keeps gRPC's poller thread from preempting the event loop on every completion"

@@ -81,9 +81,11 @@ class Stack:
 
 
 @contextlib.contextmanager
-def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterator[Stack]:
+def local_stack(config: Config, *, engine_options: dict | None = None,
+                bootstrap: dict | None = None) -> Iterator[Stack]:
     """Engines for every pool endpoint (each speaking its pool's engine's metrics), kvgate,
-    then Envoy; torn down in reverse order."""
+    then Envoy (on ``bootstrap`` when given, else the one rendered from ``config``); torn
+    down in reverse order."""
     from extproc.engine.server import EngineProcess
     from extproc.envoy_proc import EnvoyProcess
 
@@ -102,7 +104,8 @@ def local_stack(config: Config, *, engine_options: dict | None = None) -> Iterat
                     EngineProcess(port=port, host=host, **options))
         kvgate = ServerThread(config).start()
         stack.callback(kvgate.stop)
-        envoy = stack.enter_context(EnvoyProcess(config))
+        envoy = stack.enter_context(
+            EnvoyProcess(config) if bootstrap is None else EnvoyProcess(bootstrap=bootstrap))
         yield Stack(kvgate, envoy, engines)
 
 

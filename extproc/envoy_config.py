@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -813,11 +814,13 @@ def render_yaml(config: Config) -> str:
     return HEADER + body
 
 
-def render_to_file(config: Config, path: str | Path) -> Path:
-    """Write the YAML bootstrap to ``path`` (parent folders created); returns the path."""
+def render_to_file(config: Config, path: str | Path,
+                   render: Callable[[Config], str] = render_yaml) -> Path:
+    """Write the YAML bootstrap (``render``'s) to ``path`` (parent folders created);
+    returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = render_yaml(config)
+    text = render(config)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvgate_native
-from extproc import messages
+from extproc import duplex, messages
 from extproc.config import Config, ConfigError, GrpcTls
 from extproc.config import Server as ServerSettings
 from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
@@ -32,6 +32,7 @@ from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
+from extproc.duplex import DuplexStream
 from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
@@ -55,6 +56,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.director = director
         self.metrics = metrics
         self.settings = config.server
+        self.duplex = config.server.body_mode == "full_duplex"  # else: as each stream says
         self.desk = desk
         self.open: set[RequestStream] = set()  # streams whose RPC is running
         self.releasing: set[asyncio.Future[None]] = set()  # releases under way
@@ -66,24 +68,38 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[messages.Reply]:
         incoming = Incoming(request_iterator)
-        stream = RequestStream(self.director, self.metrics, self.settings, self.desk,
-                               incoming.watch)
-        handle = stream.handle
+        message = await incoming.next()
+        if message is None:
+            return
+        # a gateway that streams bodies full duplex (the Inference Extension's): duplex.py
+        kind = DuplexStream if self.duplex or duplex.requested(message) else RequestStream
+        stream = kind(self.director, self.metrics, self.settings, self.desk, incoming.watch)
         self.open.add(stream)
         ending: str | None = "envoy_closed"
         try:
-            while (message := await incoming.next()) is not None:
+            if isinstance(stream, DuplexStream):
+                while message is not None:
+                    for reply in await stream.exchange(message):
+                        yield reply
+                    if stream.done:
+                        ending = None
+                        return
+                    message = await incoming.next()
+            handle = stream.handle
+            while message is not None:
                 yield await handle(message)
                 if stream.done:
                     ending = None
                     return  # ending the RPC here lets Envoy close the stream gracefully
+                message = await incoming.next()
             # Envoy ended the stream: after the response (reported done), or a headers-only
             # request once routed; otherwise the response was cut off
             if stream.response is None or stream.response.done:
                 ending = None
         except asyncio.CancelledError:
             if not incoming.departed:
-                ending = "cancelled"
+                # after the last reply (Envoy may reset a stream it is done with): normal
+                ending = None if stream.done else "cancelled"
                 raise
             _uncancel()  # the watch cancelled the wait: its client left while it queued
             ending = "client_gone"

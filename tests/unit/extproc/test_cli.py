@@ -182,6 +182,17 @@ def test_render_envoy_to_an_unwritable_place_is_one_line(tmp_path):
     assert line.startswith("kvgate render-envoy: ") and str(tmp_path / "file") in line
 
 
+def test_render_envoy_refuses_full_duplex_for_its_own_bootstrap(tmp_path):
+    data = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    data["server"] = {**data.get("server", {}), "body_mode": "full_duplex"}
+    path = tmp_path / "duplex.yaml"
+    path.write_text(yaml.safe_dump(data))
+    done = kvgate("render-envoy", str(path))
+    assert done.returncode == 2 and "server.body_mode: full_duplex" in done.stderr
+    gie = kvgate("render-envoy", "--gie", str(path))
+    assert gie.returncode == 0 and "FULL_DUPLEX_STREAMED" in gie.stdout
+
+
 def test_agent_on_a_port_in_use_is_one_line(taken):
     line = one_line_error(kvgate("agent", "--host", "127.0.0.1", "--port", str(taken)))
     assert "already in use" in line

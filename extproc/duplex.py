@@ -1,0 +1,241 @@
+"""kvgate as a Gateway API Inference Extension endpoint picker: the full-duplex protocol.
+
+Gateways that implement the Inference Extension (Envoy Gateway, kgateway, Istio, GKE)
+configure the picker's ext_proc filter themselves, and not as kvgate's own bootstrap does:
+request and response bodies ``FULL_DUPLEX_STREAMED``, response headers and trailers sent,
+no Lua meter. kvgate tells the two apart on a stream's first message, where Envoy states
+its body modes (``protocol_config``): ``FULL_DUPLEX_STREAMED`` request bodies get a
+:class:`DuplexStream`, anything else the usual ``stream.RequestStream`` at its usual cost.
+
+In this mode Envoy sends the request headers, then the body in chunks without waiting
+(``end_of_stream`` on the last; trailers may follow instead), and forwards nothing upstream
+until the processor has answered the headers. kvgate reads the whole body, decides as
+usual, and then answers, in order: the headers (the routing header
+``x-gateway-destination-endpoint``, its ``envoy.lb`` metadata, ``clear_route_cache``), the
+possibly rewritten body as ``streamed_response`` chunks of at most :data:`CHUNK_BYTES`
+(the last with ``end_of_stream``), and the trailers if any. A refusal is one
+ImmediateResponse, as in kvgate's own mode. On the way back every response chunk is sent
+back as it came (with kvgate's injected usage event removed), read on the way by
+``meter.ResponseMeter``: the first chunk of a stream, the usage, the end — after which
+kvgate ends the RPC and releases the request (or when Envoy ends the stream first: the
+client left).
+
+It costs more gRPC messages than kvgate's own configuration (2 per request whatever the
+answer's length): a message per request body chunk, the response headers, and one per
+response chunk each way — a streamed answer costs a message per chunk the engine sends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import messages
+from extproc.director import Admission
+from extproc.meter import ResponseMeter
+from extproc.rejections import admitted_ratelimit_headers
+from extproc.stream import RequestStream
+
+log = logging.getLogger(__name__)
+
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+# The Inference Extension's own chunk size: some Envoy builds cap a streamed chunk at 64 KiB.
+CHUNK_BYTES = 62_000
+_RESPONSE_HEADERS = frozenset((":status", "content-type"))
+
+
+def requested(first: pb.ProcessingRequest) -> bool:
+    """Does Envoy stream this request's body full duplex? (It states its body modes on a
+    stream's first message.)"""
+    return first.protocol_config.request_body_mode == FULL_DUPLEX
+
+
+def streamed_bodies(phase: str, body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """``body`` as ``streamed_response`` body mutations of the ``phase`` (``request_body`` or
+    ``response_body``) in chunks of at most CHUNK_BYTES; ``end_of_stream`` on the last.
+    An empty body is one empty chunk: every chunk Envoy sent gets an answer."""
+    replies = []
+    last = max(len(body) - 1, 0) // CHUNK_BYTES * CHUNK_BYTES
+    for at in range(0, last + 1, CHUNK_BYTES):
+        reply = pb.ProcessingResponse()
+        streamed = getattr(reply, phase).response.body_mutation.streamed_response
+        streamed.body = body[at : at + CHUNK_BYTES]
+        streamed.end_of_stream = end_of_stream and at == last
+        replies.append(reply)
+    return replies
+
+
+def _trailers(phase: str) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
+
+
+class DuplexStream(RequestStream):
+    """One ext_proc stream from an Inference Extension gateway. The admission pipeline is
+    ``RequestStream``'s: this class gathers the body for it, holds back its headers answer
+    until the decision, and answers the response chunks. :meth:`exchange` answers each of
+    Envoy's messages with any number of replies (none while the body is still coming)."""
+
+    __slots__ = ("_chunks", "_held", "_meter", "_new_body", "_request_ended",
+                 "_response_mode", "_size", "_strip")
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._held: messages.Reply | None = None  # the headers answer, until the decision
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._new_body: bytes | None = None  # the body to send upstream, once admitted
+        self._request_ended = False  # the request body (and trailers) have all arrived
+        self._meter: ResponseMeter | None = None
+        self._strip = False  # remove the usage event kvgate asked the engine for
+        self._response_mode = FULL_DUPLEX  # how Envoy sends the response body
+
+    async def exchange(self, message: pb.ProcessingRequest) -> list[messages.Reply]:
+        kind = message.WhichOneof("request")
+        if message.HasField("protocol_config"):
+            self._response_mode = message.protocol_config.response_body_mode
+        if kind == "request_headers":
+            return await self._on_headers(message)
+        if kind == "request_body":
+            return await self._on_body_chunk(message.request_body)
+        if kind == "request_trailers":
+            return await self._on_request_trailers()
+        if kind is not None and kind.startswith("response"):
+            self.metrics.messages.add((kind,))
+            try:
+                return self._on_response(kind, message)
+            except Exception:  # never fail a response kvgate already let through
+                log.exception("ext_proc %s failed", kind, extra=self._context())
+                self.metrics.stream_errors.add(("internal",))
+                self._meter = None
+                return self._pass(kind, message)
+        return [await self.handle(message)]  # a message of no phase: the usual 400
+
+    # -- the request ----------------------------------------------------------------------
+
+    async def _on_headers(self, message: pb.ProcessingRequest) -> list[messages.Reply]:
+        reply = await self.handle(message)
+        if self.done or self.admission is not None:  # refused, or decided on headers alone
+            self._request_ended = True
+            return [reply]
+        self._held = reply
+        return []
+
+    async def _on_body_chunk(self, body: pb.HttpBody) -> list[messages.Reply]:
+        if self._held is None or self._request_ended:  # before the headers, or after the end
+            return [await self.handle(pb.ProcessingRequest(request_body=body))]
+        chunk = body.body
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if not body.end_of_stream and self._size <= self.settings.max_body_bytes:
+            self.metrics.messages.add(("request_body",))
+            return []  # answered once the whole body is decided
+        return await self._decide(end_of_stream=True)
+
+    async def _on_request_trailers(self) -> list[messages.Reply]:
+        if self._request_ended:  # the body is answered already
+            self.metrics.messages.add(("request_trailers",))
+            return [_trailers("request_trailers")]
+        if self._held is None:  # trailers before any headers: the usual 400
+            return [await self.handle(pb.ProcessingRequest(
+                request_body=pb.HttpBody(end_of_stream=True)))]
+        # the trailers end the body (counted as its one body message): decide, then
+        # answer them last
+        replies = await self._decide(end_of_stream=False)
+        return replies if self.done else [*replies, _trailers("request_trailers")]
+
+    async def _decide(self, *, end_of_stream: bool) -> list[messages.Reply]:
+        """The whole body is here (or over the limit): the usual admission, as if Envoy
+        had buffered it (counted as the one request_body message of that path)."""
+        self._request_ended = True
+        whole = b"".join(self._chunks)
+        self._chunks = []
+        reply = await self.handle(pb.ProcessingRequest(
+            request_body=pb.HttpBody(body=whole, end_of_stream=True)))
+        if self.done or self._new_body is None:  # refused
+            return [reply]
+        held, self._held = self._held, None
+        headers = pb.ProcessingResponse.FromString(messages.serialize_reply(held or b""))
+        headers.ClearField("mode_override")  # Envoy ignores it in this mode: say nothing
+        body, self._new_body = self._new_body, None
+        return [headers.SerializeToString() + messages.serialize_reply(reply),
+                *streamed_bodies("request_body", body, end_of_stream)]
+
+    def _route(self, admission: Admission, *, body: bytes | None, in_body_phase: bool,
+               meter: str = "") -> bytes:
+        """Routing goes in the headers answer here; the body follows it in chunks; and no
+        Lua meter runs (kvgate reads the response itself). One endpoint, not kvgate's list
+        with fallbacks: the protocol allows a list, but a gateway routing on the header
+        with an ORIGINAL_DST cluster (Envoy Gateway's way) takes only a single address."""
+        self._new_body = body
+        self._strip = meter == "sse-strip"
+        admission.endpoints = admission.endpoints[:1]
+        return super()._route(admission, body=None, in_body_phase=False)
+
+    # -- the response ---------------------------------------------------------------------
+
+    def _on_response(self, kind: str, message: pb.ProcessingRequest) -> list[messages.Reply]:
+        if kind == "response_headers":
+            headers = message.response_headers
+            values, _ = messages.header_map(headers, _RESPONSE_HEADERS)
+            if self.response is not None:
+                sse = "text/event-stream" in values.get("content-type", "")
+                self._meter = ResponseMeter(sse=sse, strip=self._strip)
+            reply = pb.ProcessingResponse()
+            admission = self.admission
+            if admission is not None:  # as kvgate's own route adds them
+                messages.fill_mutation(reply.response_headers.response.header_mutation,
+                                       admitted_ratelimit_headers(admission.admit.remaining))
+            else:
+                reply.response_headers.SetInParent()
+            if headers.end_of_stream:
+                self._finish_response()
+            return [reply]
+        if kind == "response_body":
+            body = message.response_body
+            chunk = body.body
+            meter = self._meter
+            if meter is not None:
+                if chunk and meter.sse:
+                    self.first_reported()
+                chunk = meter.feed(chunk)
+            if body.end_of_stream:
+                chunk += self._finish_response()
+            return self._response_chunk(chunk, body.end_of_stream)
+        # response trailers: the body ended without end_of_stream
+        held = self._finish_response()
+        replies: list[messages.Reply] = []
+        if held:
+            replies += self._response_chunk(held, False)
+        return [*replies, _trailers("response_trailers")]
+
+    def _pass(self, kind: str, message: pb.ProcessingRequest) -> list[messages.Reply]:
+        """The response message answered unread (after a failure reading it)."""
+        if kind == "response_body":
+            body = message.response_body
+            if body.end_of_stream:
+                self._finish_response()
+            return self._response_chunk(body.body, body.end_of_stream)
+        if kind == "response_trailers" or message.response_headers.end_of_stream:
+            self._finish_response()
+        return [pb.ProcessingResponse(**{kind: pb.TrailersResponse() if kind.endswith("trailers")
+                                         else pb.HeadersResponse()})]
+
+    def _response_chunk(self, chunk: bytes, end_of_stream: bool) -> list[messages.Reply]:
+        if self._response_mode == FULL_DUPLEX:
+            return list(streamed_bodies("response_body", chunk, end_of_stream))
+        reply = pb.ProcessingResponse()  # STREAMED or BUFFERED: replace the chunk's bytes
+        reply.response_body.response.body_mutation.body = chunk
+        return [reply]
+
+    def _finish_response(self) -> bytes:
+        """The response has ended: report it (so the release charges the real usage) and
+        end the RPC after this answer. The bytes still held back go on with it."""
+        meter, self._meter = self._meter, None
+        held = b""
+        if meter is not None:
+            held = meter.finish()
+            self.done_reported(meter.usage, meter.events)
+        self.done = True
+        return held

@@ -1,0 +1,136 @@
+"""Reading a response as it passes through kvgate itself: ``meter.lua``'s twin in Python.
+
+In kvgate's own Envoy configuration the response never reaches kvgate (the Lua meter reads
+it inside Envoy). Behind a Gateway API Inference Extension gateway there is no Lua meter:
+the gateway sends kvgate every response chunk (``FULL_DUPLEX_STREAMED``) and kvgate sends
+each one back (``extproc/duplex.py``), reading it on the way with this meter: the first
+chunk of a stream, the engine's usage, the data events, the end. Memory stays bounded (a
+tail of the body, never all of it).
+
+With ``strip`` it also removes the usage-only event kvgate asked the engine for when the
+client did not ask for it. An unfinished event is held back only while stripping, only up to
+its end (what an SSE client waits for anyway), and only while it is short enough to be that
+small usage event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import orjson
+
+from extproc.openai import Usage, usage_from, usage_of
+
+TAIL = 8192  # bytes of an unfinished SSE event, or of a JSON body's end, kept
+HOLD = 4096  # an unfinished event longer than this is no usage event: never held
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
+class ResponseMeter:
+    """Follows one response body: ``feed`` each chunk (it returns the bytes to pass on),
+    then ``finish`` (the bytes still held back). ``usage`` is the engine's own count once
+    it gave one; ``events`` the SSE data events with tokens (the estimate without it)."""
+
+    __slots__ = ("_carry", "_head", "_sent", "events", "sse", "strip", "usage")
+
+    def __init__(self, *, sse: bool, strip: bool = False):
+        self.sse = sse
+        self.strip = sse and strip
+        self.usage: Usage | None = None
+        self.events = 0
+        self._carry = b""  # the unfinished event (SSE), or the body's last TAIL bytes (JSON)
+        self._sent = 0  # leading bytes of the carry already passed on (stripping)
+        self._head = b""  # an unfinished event's first bytes, once its carry was cut
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.sse:
+            self._carry = (self._carry + chunk)[-TAIL:]
+            return chunk
+        text = self._carry + chunk
+        sent = self._sent
+        complete, separator, partial = text.rpartition(b"\n\n")
+        out: list[bytes] = []
+        if separator:
+            pos = 0
+            for at, event in enumerate(complete.split(b"\n\n")):
+                end = pos + len(event) + 2
+                usage_only = self._read_event(event, self._head if at == 0 else b"")
+                if self.strip and not (usage_only and sent <= pos):
+                    out.append(text[max(pos, sent) : end])
+                pos = end
+            self._head = b""
+        if len(partial) > TAIL and not self._head:
+            self._head = partial[:5]
+        if not self.strip:
+            self._carry = partial[-TAIL:]
+            return chunk
+        partial_sent = max(0, sent - (len(text) - len(partial)))
+        if len(partial) > HOLD:  # too long to be the usage event: on at once
+            out.append(partial[partial_sent:])
+            partial_sent = len(partial)
+            if len(partial) > TAIL:
+                partial, partial_sent = partial[-TAIL:], TAIL
+        self._carry, self._sent = partial, partial_sent
+        return b"".join(out)
+
+    def _read_event(self, event: bytes, head: bytes) -> bool:
+        """Note one whole event; True when it is the usage-only event to strip."""
+        usage_only = False
+        if _USAGE.search(event):
+            try:
+                document = orjson.loads(event.partition(b"data:")[2].strip())
+            except orjson.JSONDecodeError:
+                document = None
+            self.usage = usage_from(document) or self.usage
+            usage_only = _NO_CHOICES.search(event) is not None
+        start = head or event[:5]
+        if not usage_only and start.startswith(b"data:") and b"[DONE]" not in event:
+            self.events += 1
+        return usage_only
+
+    def finish(self) -> bytes:
+        """The end of the body: a JSON body's usage is near its end; a held-back event
+        fragment goes on (an SSE client drops half an event, as it would have)."""
+        if not self.sse:
+            if self.usage is None:
+                self.usage = _last_usage(self._carry)
+            return b""
+        held = self._carry[self._sent :] if self.strip else b""
+        self._carry, self._sent = b"", 0
+        return held
+
+
+def _last_usage(text: bytes) -> Usage | None:
+    """The last complete ``"usage": {…}`` object in ``text``."""
+    found = None
+    for match in _USAGE.finditer(text):
+        obj = _object_at(text, match.end() - 1)
+        if obj is not None:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                found = usage_of(orjson.loads(obj)) or found
+    return found
+
+
+def _object_at(text: bytes, start: int) -> bytes | None:
+    """``text[start:]`` up to the brace that closes the one at ``start`` (strings honoured)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c == 0x7B:
+            depth += 1
+        elif c == 0x7D:
+            depth -= 1
+            if depth == 0:
+                return text[start : i + 1]
+    return None

@@ -1,0 +1,298 @@
+"""The full-duplex state machine (an Inference Extension gateway's EPP protocol), driven with
+real ext_proc messages but no Envoy."""
+
+from __future__ import annotations
+
+import grpc
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import duplex
+from extproc.duplex import CHUNK_BYTES, DuplexStream, streamed_bodies
+from extproc.metrics import Metrics
+from extproc.reports import ReportDesk
+from extproc.server import KvgateServer
+from extproc.wiring import build_director
+from limiter.stores import MemoryStore
+from tests.unit.extproc.test_stream import (
+    body_msg,
+    chat,
+    header_dict,
+    headers_msg,
+    make_config,
+    parsed,
+)
+
+USAGE = {"prompt_tokens": 13, "completion_tokens": 4, "total_tokens": 17}
+
+
+def new_stream(config=None):
+    config = config or make_config(requests_per_second=100, max_concurrency=5)
+    director = build_director(config, MemoryStore())
+    return DuplexStream(director, Metrics(), config.server, ReportDesk())
+
+
+def first(message, response_mode=ProcessingMode.FULL_DUPLEX_STREAMED):
+    message.protocol_config.request_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    message.protocol_config.response_body_mode = response_mode
+    return message
+
+
+def response_headers(content_type="application/json", end_of_stream=False):
+    values = {":status": "200", "content-type": content_type}
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(
+        headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
+                                   for k, v in values.items()]),
+        end_of_stream=end_of_stream))
+
+
+def response_body(data: bytes, end_of_stream=False):
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def streamed(reply, phase="request_body"):
+    return getattr(parsed(reply), phase).response.body_mutation.streamed_response
+
+
+def sse(events):
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+async def admitted(stream, body, chunk=7):
+    """Headers, then the body in ``chunk``-byte pieces: the replies to the last piece."""
+    assert await stream.exchange(first(headers_msg())) == []
+    raw = orjson.dumps(body)
+    for at in range(0, len(raw) - chunk, chunk):
+        assert await stream.exchange(body_msg(raw[at : at + chunk], end_of_stream=False)) == []
+    tail = len(raw) - (len(raw) - 1) % chunk - 1
+    return await stream.exchange(body_msg(raw[tail:], end_of_stream=True))
+
+
+def test_requested_reads_the_first_messages_protocol_config():
+    assert duplex.requested(first(headers_msg()))
+    buffered = headers_msg()
+    buffered.protocol_config.request_body_mode = ProcessingMode.BUFFERED
+    assert not duplex.requested(buffered)
+    assert not duplex.requested(headers_msg())  # no protocol_config: not a duplex gateway
+
+
+def test_streamed_bodies_split_at_the_chunk_size():
+    body = b"x" * (2 * CHUNK_BYTES + 5)
+    replies = streamed_bodies("request_body", body, True)
+    parts = [streamed(r) for r in replies]
+    assert [len(p.body) for p in parts] == [CHUNK_BYTES, CHUNK_BYTES, 5]
+    assert [p.end_of_stream for p in parts] == [False, False, True]
+    assert b"".join(p.body for p in parts) == body
+    empty = streamed_bodies("response_body", b"", True)
+    assert len(empty) == 1 and streamed(empty[0], "response_body").end_of_stream
+    exact = streamed_bodies("request_body", b"y" * CHUNK_BYTES, False)
+    assert len(exact) == 1 and not streamed(exact[0]).end_of_stream
+
+
+async def test_headers_are_answered_after_the_body_then_the_body_in_chunks():
+    stream = new_stream()
+    replies = await admitted(stream, chat(priority=-5))
+    headers, *bodies = replies
+    reply = parsed(headers)
+    assert not reply.HasField("mode_override")
+    common = reply.request_headers.response
+    assert common.clear_route_cache
+    set_headers = header_dict(common.header_mutation)
+    endpoint = set_headers["x-gateway-destination-endpoint"]
+    assert endpoint in ("127.0.0.1:7001", "127.0.0.1:7002")  # one endpoint: no fallbacks
+    assert "content-length" not in set_headers  # Envoy streams the body: no length
+    assert "authorization" in common.header_mutation.remove_headers
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == endpoint
+    assert len(bodies) == 1 and streamed(bodies[0]).end_of_stream
+    sent = orjson.loads(streamed(bodies[0]).body)
+    assert sent["priority"] == 0 and sent["messages"] == chat()["messages"]
+    assert stream.holds_admission and not stream.done
+    assert stream.metrics.messages.values[("request_body",)] > 1  # every chunk counted
+
+
+async def test_a_large_body_goes_back_in_several_chunks():
+    stream = new_stream()
+    body = chat(messages=[{"role": "user", "content": "word " * 30_000}])
+    _, *bodies = await admitted(stream, body, chunk=16_384)
+    assert len(bodies) == 3
+    assert [streamed(b).end_of_stream for b in bodies] == [False, False, True]
+    assert orjson.loads(b"".join(streamed(b).body for b in bodies))["messages"] == body["messages"]
+
+
+async def test_trailers_end_the_body_and_are_answered_last():
+    stream = new_stream()
+    assert await stream.exchange(first(headers_msg())) == []
+    assert await stream.exchange(body_msg(orjson.dumps(chat()), end_of_stream=False)) == []
+    replies = await stream.exchange(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    assert parsed(replies[0]).HasField("request_headers")
+    assert not streamed(replies[1]).end_of_stream  # the trailers end the request
+    assert parsed(replies[-1]).HasField("request_trailers")
+
+
+async def test_a_refusal_is_one_immediate_response():
+    stream = new_stream()
+    replies = await admitted(stream, {"model": "nope", "messages": []})
+    assert len(replies) == 1 and parsed(replies[0]).immediate_response.status.code == 400
+    assert stream.done and not stream.holds_admission
+    stream = new_stream()
+    replies = await stream.exchange(first(headers_msg(key="sk-wrong")))
+    assert parsed(replies[0]).immediate_response.status.code == 401 and stream.done
+
+
+async def test_a_body_over_the_limit_is_413_before_its_end():
+    config = make_config(requests_per_second=100)
+    config = config.model_copy(update={
+        "server": config.server.model_copy(update={"max_body_bytes": 1000})})
+    stream = new_stream(config)
+    assert await stream.exchange(first(headers_msg())) == []
+    replies = await stream.exchange(body_msg(b"x" * 1001, end_of_stream=False))
+    assert parsed(replies[0]).immediate_response.status.code == 413 and stream.done
+
+
+async def test_out_of_order_messages_get_a_clear_400():
+    stream = new_stream()  # a body before any headers
+    replies = await stream.exchange(first(body_msg(orjson.dumps(chat()))))
+    reply = parsed(replies[0]).immediate_response
+    assert reply.status.code == 400 and b"protocol_error" in reply.body and stream.done
+    stream = new_stream()  # trailers before any headers
+    replies = await stream.exchange(first(pb.ProcessingRequest(
+        request_trailers=pb.HttpTrailers())))
+    assert parsed(replies[0]).immediate_response.status.code == 400
+    stream = new_stream()  # headers twice
+    await stream.exchange(first(headers_msg()))
+    replies = await stream.exchange(headers_msg())
+    assert parsed(replies[0]).immediate_response.status.code == 400
+    stream = new_stream()  # a message of no phase
+    replies = await stream.exchange(first(pb.ProcessingRequest()))
+    assert parsed(replies[0]).immediate_response.status.code == 400
+    stream = new_stream()  # a second body after the admission
+    await admitted(stream, chat())
+    replies = await stream.exchange(body_msg(b"{}"))
+    assert parsed(replies[0]).immediate_response.status.code == 400
+
+
+async def test_a_streamed_response_is_echoed_metered_and_ends_the_stream():
+    stream = new_stream()
+    await admitted(stream, chat(stream=True))
+    reply = parsed((await stream.exchange(response_headers("text/event-stream")))[0])
+    added = header_dict(reply.response_headers.response.header_mutation)
+    assert "x-ratelimit-remaining-requests" in added
+    events = [{"choices": [{"delta": {"content": f"t{i} "}}]} for i in range(3)]
+    body = sse([*events, {"choices": [], "usage": USAGE}])
+    passed = []
+    for at in range(0, len(body), 11):
+        assert not stream.done
+        piece = body[at : at + 11]
+        replies = await stream.exchange(response_body(piece, end_of_stream=at + 11 >= len(body)))
+        assert len(replies) == 1
+        passed.append(streamed(replies[0], "response_body").body)
+        assert stream.response.started  # the first chunk: prefill is done
+    assert streamed(replies[0], "response_body").end_of_stream and stream.done
+    assert b"".join(passed) == sse(events)  # kvgate's usage event, and only it, removed
+    assert stream.response.usage.total == 17 and stream.response.events == 3
+
+
+async def test_a_client_asking_for_usage_keeps_it_and_json_usage_is_read():
+    stream = new_stream()
+    await admitted(stream, chat(stream=True, stream_options={"include_usage": True}))
+    await stream.exchange(response_headers("text/event-stream"))
+    body = sse([{"choices": [], "usage": USAGE}])
+    replies = await stream.exchange(response_body(body, end_of_stream=True))
+    assert streamed(replies[0], "response_body").body == body
+    stream = new_stream()
+    await admitted(stream, chat())
+    await stream.exchange(response_headers())
+    body = orjson.dumps({"choices": [], "usage": USAGE})
+    replies = await stream.exchange(response_body(body[:20]))
+    replies += await stream.exchange(response_body(body[20:]))
+    replies += await stream.exchange(response_body(b"", end_of_stream=True))
+    assert b"".join(streamed(r, "response_body").body for r in replies) == body
+    assert stream.done and stream.response.usage.total == 17
+
+
+async def test_response_trailers_end_the_response():
+    stream = new_stream()
+    await admitted(stream, chat())
+    await stream.exchange(response_headers())
+    await stream.exchange(response_body(b'{"usage": {"prompt_tokens": 1}}'))
+    replies = await stream.exchange(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    assert parsed(replies[-1]).HasField("response_trailers") and stream.done
+    assert stream.response.usage.total == 1
+
+
+async def test_a_streamed_mode_response_is_answered_with_plain_body_mutations():
+    stream = new_stream()
+    await stream.exchange(first(headers_msg(), response_mode=ProcessingMode.STREAMED))
+    raw = orjson.dumps(chat())
+    await stream.exchange(body_msg(raw, end_of_stream=True))
+    await stream.exchange(response_headers())
+    replies = await stream.exchange(response_body(b"{}", end_of_stream=True))
+    assert parsed(replies[0]).response_body.response.body_mutation.body == b"{}"
+
+
+async def test_a_headers_only_request_is_answered_at_once_and_its_response_echoed():
+    stream = new_stream()
+    replies = await stream.exchange(first(headers_msg(path="/health", end_of_stream=True)))
+    assert len(replies) == 1 and stream.holds_admission
+    await stream.exchange(response_headers())
+    replies = await stream.exchange(response_body(b"ok", end_of_stream=True))
+    assert streamed(replies[0], "response_body").body == b"ok" and stream.done
+
+
+async def test_a_failure_reading_the_response_passes_it_on():
+    stream = new_stream()
+    await admitted(stream, chat(stream=True))
+    await stream.exchange(response_headers("text/event-stream"))
+
+    def broken(chunk):
+        raise RuntimeError("boom")
+
+    stream._meter = type("Broken", (), {"sse": True, "feed": staticmethod(broken)})()
+    replies = await stream.exchange(response_body(b"data: x\n\n", end_of_stream=True))
+    assert streamed(replies[0], "response_body").body == b"data: x\n\n" and stream.done
+    assert stream.metrics.stream_errors.values[("internal",)] == 1
+
+
+# -- through the gRPC server: which streams are full duplex --------------------------------
+
+
+async def exchange_over_grpc(server_config, with_protocol_config: bool):
+    """Headers, then the body in two chunks, to a real server: the replies received."""
+    server = KvgateServer(server_config)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            call = channel.stream_stream(
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                request_serializer=pb.ProcessingRequest.SerializeToString,
+                response_deserializer=pb.ProcessingResponse.FromString)()
+            headers = headers_msg()
+            await call.write(first(headers) if with_protocol_config else headers)
+            raw = orjson.dumps(chat())
+            await call.write(body_msg(raw[:10], end_of_stream=False))
+            await call.write(body_msg(raw[10:], end_of_stream=True))
+            replies = [await call.read() for _ in range(2)]
+            call.cancel()
+        return replies
+    finally:
+        await server.stop(grace=0)
+
+
+async def test_the_server_speaks_full_duplex_when_envoy_says_so_or_when_told():
+    def config(**server):
+        base = make_config(requests_per_second=100)
+        return base.model_copy(update={"server": base.server.model_copy(
+            update={"grpc_port": 0, "admin_port": None, **server})})
+
+    for server_config, said in ((config(), True), (config(body_mode="full_duplex"), False)):
+        headers, body = await exchange_over_grpc(server_config, said)
+        assert "x-gateway-destination-endpoint" in header_dict(
+            headers.request_headers.response.header_mutation)
+        assert orjson.loads(body.request_body.response.body_mutation.streamed_response.body)
+    # not said, not told: kvgate's own (buffered) protocol answers the headers at once
+    headers, body = await exchange_over_grpc(config(), False)
+    assert headers.HasField("mode_override")
+    assert body.HasField("immediate_response")  # a body in two parts is not that protocol

@@ -1,0 +1,98 @@
+"""meter.py: reading usage off responses kvgate passes on itself (full-duplex mode), split
+anywhere, bounded memory, the injected usage event stripped and nothing else."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.meter import HOLD, TAIL, ResponseMeter
+from extproc.openai import Usage
+
+USAGE = {"prompt_tokens": 13, "completion_tokens": 4, "total_tokens": 17}
+
+
+def sse(events: list[dict]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def run(meter: ResponseMeter, body: bytes, cuts: list[int]) -> bytes:
+    out, start = [], 0
+    for cut in [*sorted({min(c, len(body)) for c in cuts}), len(body)]:
+        out.append(meter.feed(body[start:cut]))
+        start = cut
+    out.append(meter.finish())
+    return b"".join(out)
+
+
+EVENTS = [{"choices": [{"delta": {"content": f"t{i} "}}]} for i in range(5)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 600), max_size=10), st.booleans())
+def test_a_stream_split_anywhere_is_read_and_only_the_usage_event_stripped(cuts, strip):
+    body = sse([*EVENTS, {"choices": [], "usage": USAGE}])
+    meter = ResponseMeter(sse=True, strip=strip)
+    passed = run(meter, body, cuts)
+    assert passed == (sse(EVENTS) if strip else body)
+    assert meter.usage == Usage(13, 4) and meter.events == 5
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 3 * TAIL), max_size=6))
+def test_a_long_event_passes_at_once_and_is_never_lost(cuts):
+    long = {"choices": [{"delta": {"content": "y" * (HOLD + TAIL)}}]}
+    body = sse([long, *EVENTS, {"choices": [], "usage": USAGE}])
+    meter = ResponseMeter(sse=True, strip=True)
+    assert run(meter, body, cuts) == sse([long, *EVENTS])
+    assert meter.events == 6 and meter.usage == Usage(13, 4)
+    assert len(meter._carry) <= TAIL
+
+
+def test_an_unfinished_event_is_held_only_while_short():
+    meter = ResponseMeter(sse=True, strip=True)
+    assert meter.feed(b'data: {"choices": []') == b""  # might be the usage event: held
+    assert meter.feed(b', "usage": {"prompt_tokens": 1}}\n\n') == b""
+    assert meter.usage == Usage(1, 0)
+    assert meter.feed(b"data: " + b"z" * HOLD) == b"data: " + b"z" * HOLD  # too long: on
+    assert meter.finish() == b""
+
+
+def test_a_cut_off_stream_passes_its_half_event_on_at_the_end():
+    meter = ResponseMeter(sse=True, strip=True)
+    assert meter.feed(b'data: {"choices": [{"delta"') == b""
+    assert meter.finish() == b'data: {"choices": [{"delta"'
+
+
+def test_json_usage_flat_nested_tail_bounded_and_the_last_one_wins():
+    for usage in (USAGE, {**USAGE, "prompt_tokens_details": {"cached_tokens": 0}}):
+        meter = ResponseMeter(sse=False)
+        body = orjson.dumps({"choices": [{"text": '"usage": {'}], "usage": usage})
+        assert run(meter, body, [7, 30]) == body
+        assert meter.usage == Usage(13, 4)
+    meter = ResponseMeter(sse=False)
+    big = orjson.dumps({"data": [[0.1] * 1000] * 50, "usage": USAGE})
+    run(meter, big, list(range(0, len(big), 4096)))
+    assert meter.usage == Usage(13, 4) and len(meter._carry) <= TAIL
+    meter = ResponseMeter(sse=False)
+    run(meter, b'{"x": {"usage": {"prompt_tokens": 1}}, "usage": {"prompt_tokens": 13, '
+               b'"completion_tokens": 4, "d": {"a": "}"}}}', [])
+    assert meter.usage == Usage(13, 4)
+
+
+def test_json_usage_missing_truncated_or_invalid_is_none():
+    for body in (b'{"choices": []}', b'{"usage": {"prompt_tokens": 13, "completion',
+                 b'{"usage": {"prompt_tokens": "13"}}', b"<html>bad gateway</html>"):
+        meter = ResponseMeter(sse=False)
+        run(meter, body, [])
+        assert meter.usage is None, body
+
+
+def test_continuous_usage_chunks_keep_their_choices():
+    chunks = [{"choices": [{"delta": {"content": f"t{i} "}}],
+               "usage": {"prompt_tokens": 13, "completion_tokens": i + 1}} for i in range(3)]
+    final = {"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 3}}
+    meter = ResponseMeter(sse=True, strip=True)
+    assert run(meter, sse([*chunks, final]), [40]) == sse(chunks)
+    assert meter.usage == Usage(13, 3) and meter.events == 3
