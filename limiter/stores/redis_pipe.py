@@ -19,13 +19,19 @@ redis-py's own client for anything else (TLS, unix sockets, Redis Cluster).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import hiredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+try:
+    import hiredis
+except ImportError:  # (a dependency: redis[hiredis]) without it, redis-py does every call
+    hiredis = None
 
 
 def pack(*parts: bytes) -> bytes:
@@ -129,7 +135,7 @@ class RedisPipe:
         from redis.asyncio.connection import Connection
 
         pool = getattr(client, "connection_pool", None)
-        if pool is None or pool.connection_class is not Connection:
+        if hiredis is None or pool is None or pool.connection_class is not Connection:
             return None
         kw = pool.connection_kwargs
         if kw.get("credential_provider") is not None or kw.get("protocol") not in (None, 2, "2"):
@@ -190,3 +196,49 @@ class RedisPipe:
 
     async def close(self) -> None:
         self.drop()
+
+
+class Scripts:
+    """Lua scripts by name, run with ``EVALSHA`` through a :class:`RedisPipe` when the
+    client allows one (``EVAL`` on ``NOSCRIPT``, which loads the script again), else with
+    redis-py's script objects (which do the same)."""
+
+    def __init__(self, client: Any, sources: Mapping[str, str]) -> None:
+        self.pipe = RedisPipe.from_client(client)
+        self._registered = {name: client.register_script(src) for name, src in sources.items()}
+        self._sources = {name: src.encode() for name, src in sources.items()}
+        self._shas = {name: hashlib.sha1(src).hexdigest().encode()
+                      for name, src in self._sources.items()}
+        self._packed_keys: dict[tuple[str, ...], bytes] = {}
+
+    async def run(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]) -> Any:
+        pipe = self.pipe
+        if pipe is None:
+            return await self._registered[name](keys=keys, args=args)
+        try:
+            return await pipe.call(self._pack(name, keys, args, sha=True))
+        except ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await pipe.call(self._pack(name, keys, args, sha=False))
+
+    def _pack(self, name: str, keys: tuple[str, ...], args: Sequence[int | str],
+              sha: bool) -> bytes:
+        """``EVALSHA sha numkeys keys… args…`` (``EVAL source …``), the keys packed once."""
+        packed = self._packed_keys.get(keys)
+        if packed is None:
+            if len(self._packed_keys) >= 65_536:  # keys name tenants or pools: a bound anyway
+                self._packed_keys.clear()
+            packed = self._packed_keys[keys] = bulk(b"%d" % len(keys)) + b"".join(
+                bulk(key.encode()) for key in keys)
+        parts = [b"*%d\r\n" % (3 + len(keys) + len(args)),
+                 b"$7\r\nEVALSHA\r\n" + bulk(self._shas[name]) if sha
+                 else b"$4\r\nEVAL\r\n" + bulk(self._sources[name]), packed]
+        for arg in args:
+            value = arg.encode() if type(arg) is str else b"%d" % arg  # type: ignore[str-bytes-safe]
+            parts.append(b"$%d\r\n%b\r\n" % (len(value), value))
+        return b"".join(parts)
+
+    async def close(self) -> None:
+        if self.pipe is not None:
+            await self.pipe.close()

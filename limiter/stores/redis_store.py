@@ -18,7 +18,7 @@ connection turns out dead (a restarted Redis leaves every pooled connection dead
 because every script is idempotent per lease id (an ``admit`` resent finds its own lease).
 
 CPU: on a standalone Redis the calls go through :class:`~limiter.stores.redis_pipe.RedisPipe`
-(one pipelined connection, commands packed here with each tenant's keys packed once, replies
+(one pipelined connection, commands packed with each tenant's keys packed once, replies
 parsed in C) rather than redis-py's pool; a cluster, TLS or a unix socket use redis-py. The
 releases of one tenant that arrive while its previous release call is under way go to Redis
 together, in one script call (see :meth:`RedisStore.release`).
@@ -27,14 +27,13 @@ together, in one script call (see :meth:`RedisStore.release`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from limiter.calendar import Period
 from limiter.decision import TenantPolicy, never_fits
@@ -53,12 +52,8 @@ from limiter.outcome import (
 from limiter.quota import QuotaView
 from limiter.rates import Rate, require_int
 from limiter.stores.base import LeasesLost, StoreUnavailable
+from limiter.stores.redis_pipe import Scripts
 from limiter.stores.redis_scripts import SCRIPTS
-
-try:
-    from limiter.stores.redis_pipe import RedisPipe, bulk
-except ImportError:  # no hiredis: redis-py's own client for every call
-    RedisPipe = None  # type: ignore[assignment,misc]
 
 TTL_SLACK_MS = 60_000
 """How long a key outlives the moment it would be back to its default state: covers the
@@ -198,12 +193,9 @@ class RedisStore:
         self._lease_ttl_ms = require_int("lease_ttl_ms", lease_ttl_ms, 1)
         self._clock = clock
         self._slack_ms = require_int("ttl_slack_ms", ttl_slack_ms, 0)
-        # register_script: EVALSHA, reloading the script on NOSCRIPT (restart, SCRIPT FLUSH).
-        self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
-        self._pipe = None if RedisPipe is None else RedisPipe.from_client(client)
-        self._shas = {name: hashlib.sha1(src.encode()).hexdigest().encode()
-                      for name, src in SCRIPTS.items()}
-        self._packed_keys: dict[str, bytes] = {}  # tenant → its keys, packed for the pipe
+        # EVALSHA, reloading a script on NOSCRIPT (restart, SCRIPT FLUSH)
+        self._scripts = Scripts(client, SCRIPTS)
+        self._keys: dict[str, tuple[str, ...]] = {}  # tenant → its keys
         self._senders: set[asyncio.Task[None]] = set()  # release calls under way
         # (tenant, policy) → releases waiting for the call under way (see release)
         self._releases: dict[tuple[str, TenantPolicy], list[tuple[str, int | str,
@@ -218,38 +210,13 @@ class RedisStore:
         now: int | str = "" if self._clock is None else self._clock()
         return [now, self._lease_ttl_ms, self._slack_ms]
 
-    def _keys_packed(self, tenant: str) -> bytes:
-        packed = self._packed_keys.get(tenant)
-        if packed is None:
-            if len(self._packed_keys) > 65_536:  # tenant names come from config: a bound
-                self._packed_keys.clear()
-            keys = [key.encode() for key in self.keys(tenant)]
-            packed = self._packed_keys[tenant] = bulk(b"%d" % len(keys)) + b"".join(map(bulk, keys))
-        return packed
-
-    def _pack(self, name: str, tenant: str, args: Sequence[int | str], sha: bool) -> bytes:
-        """``EVALSHA sha numkeys keys… args…`` (``EVAL source …`` when not ``sha``)."""
-        keys = self._keys_packed(tenant)
-        parts = [b"*%d\r\n" % (3 + len(_KEY_SUFFIXES) + len(args)),
-                 b"$7\r\nEVALSHA\r\n" + bulk(self._shas[name]) if sha
-                 else b"$4\r\nEVAL\r\n" + bulk(SCRIPTS[name].encode()), keys]
-        for arg in args:
-            value = arg.encode() if type(arg) is str else b"%d" % arg  # type: ignore[str-bytes-safe]
-            parts.append(b"$%d\r\n%b\r\n" % (len(value), value))
-        return b"".join(parts)
-
-    async def _call(self, name: str, tenant: str, args: Sequence[int | str]) -> Any:
-        """One script call: through the pipe (EVAL on NOSCRIPT, which loads it), or
-        redis-py's script object (which does the same)."""
-        pipe = self._pipe
-        if pipe is None:
-            return await self._scripts[name](keys=self.keys(tenant), args=args)
-        try:
-            return await pipe.call(self._pack(name, tenant, args, sha=True))
-        except ResponseError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-            return await pipe.call(self._pack(name, tenant, args, sha=False))
+    def _tenant_keys(self, tenant: str) -> tuple[str, ...]:
+        keys = self._keys.get(tenant)
+        if keys is None:
+            if len(self._keys) >= 65_536:  # tenant names come from config: a bound anyway
+                self._keys.clear()
+            keys = self._keys[tenant] = tuple(self.keys(tenant))
+        return keys
 
     async def _run(
         self, name: str, tenant: str, args: Sequence[int | str],
@@ -257,16 +224,17 @@ class RedisStore:
     ) -> Any:
         """Run a script; on a dead connection, once more (with ``resend`` args if given) on
         a fresh one, after dropping the idle pooled connections: they died with it."""
+        run, keys = self._scripts.run, self._tenant_keys(tenant)
         try:
             try:
-                return await self._call(name, tenant, args)
+                return await run(name, keys, args)
             except RedisConnectionError:
-                if self._pipe is not None:
-                    self._pipe.drop()
+                if self._scripts.pipe is not None:
+                    self._scripts.pipe.drop()
                 pool = getattr(self._client, "connection_pool", None)  # a cluster has many
                 if pool is not None:
                     await pool.disconnect(inuse_connections=False)
-                return await self._call(name, tenant, args if resend is None else resend)
+                return await run(name, keys, args if resend is None else resend)
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis {name} failed: {exc}") from exc
 
@@ -375,8 +343,7 @@ class RedisStore:
 
     async def close(self) -> None:
         """Close the client this store was given (the store owns it from then on)."""
-        if self._pipe is not None:
-            await self._pipe.close()
+        await self._scripts.close()
         try:
             await self._client.aclose()
         except (RedisError, OSError) as exc:
