@@ -49,14 +49,24 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
+def _expire(futures: list[asyncio.Future[Any]]) -> None:
+    """The timeout of one write's commands: those still without a reply fail (their late
+    replies are dropped when they come)."""
+    for future in futures:
+        if not future.done():
+            future.set_exception(RedisTimeoutError("redis did not answer in time"))
+
+
 class _Protocol(asyncio.Protocol):
     """Replies in order to the futures of the commands written, one per command."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None) -> None:
         self.reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
+        self.timeout_s = timeout_s
         self.out: list[bytes] = []  # packed this tick, written at its end
+        self.out_futures: list[asyncio.Future[Any]] = []  # their replies
         self.flush_scheduled = False
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
@@ -65,16 +75,22 @@ class _Protocol(asyncio.Protocol):
         future = loop.create_future()
         self.waiting.append(future)
         self.out.append(command)
+        self.out_futures.append(future)
         if not self.flush_scheduled:
             self.flush_scheduled = True
             loop.call_soon(self.flush)
         return future
 
     def flush(self) -> None:
+        """Write the tick's commands; one timer for all of them (not one per call)."""
         self.flush_scheduled = False
         out, self.out = self.out, []
-        if self.transport is not None:  # (lost since: its calls have failed)
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        futures, self.out_futures = self.out_futures, []
+        if self.transport is None:  # (lost since: its calls have failed)
+            return
+        self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if self.timeout_s is not None:
+            asyncio.get_running_loop().call_later(self.timeout_s, _expire, futures)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
@@ -147,18 +163,12 @@ class RedisPipe:
 
     async def call(self, command: bytes) -> Any:
         """Send one packed command (written with the rest of this tick's) and wait for its
-        reply; a Redis error reply is raised as ``ResponseError``."""
+        reply; a Redis error reply is raised as ``ResponseError``, no reply within the
+        timeout as redis-py's ``TimeoutError``."""
         protocol = self._protocol
         if protocol is None or protocol.transport is None:
             protocol = await self._connect()
-        future = protocol.send(command)
-        if self._timeout_s is None:
-            return await future
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await future
-        except TimeoutError:
-            raise RedisTimeoutError("redis did not answer in time") from None
+        return await protocol.send(command)
 
     async def _connect(self) -> _Protocol:
         """Open the connection (one attempt shared by every caller that needs it)."""
@@ -175,7 +185,8 @@ class RedisPipe:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                transport, protocol = await loop.create_connection(_Protocol, *self._address)
+                transport, protocol = await loop.create_connection(
+                    lambda: _Protocol(self._timeout_s), *self._address)
                 try:
                     await asyncio.gather(*(protocol.send(command) for command in self._setup))
                 except BaseException:
