@@ -98,7 +98,14 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         reader, waiting = self.reader, self.waiting
         reader.feed(data)
-        while (reply := reader.gets()) is not False:
+        while True:
+            try:
+                reply = reader.gets()
+            except hiredis.ProtocolError as exc:
+                self._fail(RedisConnectionError(f"redis sent garbage: {exc}"))
+                return
+            if reply is False:
+                return
             if not waiting:  # a reply to nothing: the stream is out of step
                 self._fail(RedisConnectionError("redis sent a reply nobody asked for"))
                 return
@@ -174,12 +181,16 @@ class RedisPipe:
         """Open the connection (one attempt shared by every caller that needs it)."""
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._open())
-        connecting = self._connecting
-        try:
-            return await asyncio.shield(connecting)
-        finally:
-            if connecting.done() and self._connecting is connecting:
-                self._connecting = None
+            self._connecting.add_done_callback(self._opened)
+        return await asyncio.shield(self._connecting)
+
+    def _opened(self, attempt: asyncio.Future[_Protocol]) -> None:
+        """The attempt is over (even if every caller gave up on it): the next call that
+        finds no connection makes a new one."""
+        if self._connecting is attempt:
+            self._connecting = None
+        if not attempt.cancelled():
+            attempt.exception()  # retrieved: no "never retrieved" warning
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()

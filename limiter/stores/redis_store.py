@@ -228,9 +228,7 @@ class RedisStore:
         try:
             try:
                 return await run(name, keys, args)
-            except RedisConnectionError:
-                if self._scripts.pipe is not None:
-                    self._scripts.pipe.drop()
+            except RedisConnectionError:  # (the pipe reconnects by itself)
                 pool = getattr(self._client, "connection_pool", None)  # a cluster has many
                 if pool is not None:
                     await pool.disconnect(inuse_connections=False)
