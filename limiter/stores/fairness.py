@@ -221,6 +221,14 @@ class RedisFairness:
         for offer in offers:
             args += [offer.item.tenant, charge_of(offer.item), rank[offer.item.enqueued_ms],
                      require_int("band", offer.band, 0), int(bool(offer.fits))]
+        if len(offers) == 1 and offers[0].fits:
+            # One offer that fits: the script always picks it (nothing to compare it with:
+            # it is eligible by its own counter), so its charge is only queued on the pipe,
+            # ahead of any later call, and the dispatcher goes on without a round trip. A
+            # charge lost to an outage is like a lost correction: convergence is slower.
+            sent = self._scripts.send("choose", self._keys, args)
+            if sent is not None:
+                return offers[0].item
         index = int(await self._call("choose", args))
         return None if index < 0 else offers[index].item
 

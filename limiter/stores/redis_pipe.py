@@ -49,6 +49,12 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    """A reply nobody waits for: its error, if any, is dropped (no "never retrieved")."""
+    if not done.cancelled():
+        done.exception()
+
+
 def _expire(futures: list[asyncio.Future[Any]]) -> None:
     """The timeout of one write's commands: those still without a reply fail (their late
     replies are dropped when they come)."""
@@ -177,6 +183,15 @@ class RedisPipe:
             protocol = await self._connect()
         return await protocol.send(command)
 
+    def send(self, command: bytes) -> asyncio.Future[Any] | None:
+        """Queue one packed command now, behind every command sent before it, without
+        waiting for its reply; None when there is no open connection (then use
+        :meth:`call`)."""
+        protocol = self._protocol
+        if protocol is None or protocol.transport is None:
+            return None
+        return protocol.send(command)
+
     async def _connect(self) -> _Protocol:
         """Open the connection (one attempt shared by every caller that needs it)."""
         if self._connecting is None:
@@ -243,6 +258,26 @@ class Scripts:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
             return await pipe.call(self._pack(name, keys, args, sha=False))
+
+    def send(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]
+             ) -> asyncio.Future[Any] | None:
+        """Queue a call without waiting (:meth:`RedisPipe.send`): it runs in Redis after
+        every call sent before it. None without an open pipe. A NOSCRIPT answer resends it
+        with ``EVAL`` (then after whatever was sent meanwhile)."""
+        pipe = self.pipe
+        sent = None if pipe is None else pipe.send(self._pack(name, keys, args, sha=True))
+        if sent is not None:
+            sent.add_done_callback(lambda done: self._sent(done, name, keys, args))
+        return sent
+
+    def _sent(self, done: asyncio.Future[Any], name: str, keys: tuple[str, ...],
+              args: Sequence[int | str]) -> None:
+        error = None if done.cancelled() else done.exception()
+        if (isinstance(error, ResponseError) and str(error).startswith("NOSCRIPT")
+                and self.pipe is not None):
+            again = self.pipe.send(self._pack(name, keys, args, sha=False))
+            if again is not None:
+                again.add_done_callback(_retrieve)
 
     def _pack(self, name: str, keys: tuple[str, ...], args: Sequence[int | str],
               sha: bool) -> bytes:
