@@ -8,7 +8,10 @@ offers (``V`` = the smallest offered start); charges computed once in Python
 Redis and memory make the same decisions from the same integers (Lua's doubles are exact
 below 2^53; rebasing keeps every value far below that) and every replica serves a pool's
 tenants in one global weighted order. ``activate``, ``choose`` and ``correct`` are one atomic
-Lua round trip each; a ``choose`` that says "wait" writes nothing.
+Lua script each; a ``choose`` that says "wait" writes nothing. A ``choose`` among a single
+fitting offer has only one answer, so on a standalone Redis (the pipe of
+:mod:`limiter.stores.redis_pipe`) its charge is queued without waiting for the reply: the
+dispatcher of a queue that holds one tenant's requests makes no round trip.
 """
 
 from __future__ import annotations
