@@ -340,7 +340,10 @@ class RedisStore:
         return (await self._run_policy("usage", tenant, policy))[1].usage()
 
     async def close(self) -> None:
-        """Close the client this store was given (the store owns it from then on)."""
+        """Close the client this store was given (the store owns it from then on), once
+        the release calls under way have their answers."""
+        if self._senders:
+            await asyncio.gather(*self._senders, return_exceptions=True)
         await self._scripts.close()
         try:
             await self._client.aclose()
