@@ -618,3 +618,19 @@ async def test_concurrent_releases_are_coalesced_and_each_is_exact(client: aiore
         assert await shared.in_flight(tenant) == 0
     await asyncio.gather(*(shared.cancel("acme", policy, f"a{n}") for n in range(3)))
     assert await shared.usage("acme", policy) == await memory.usage("acme", policy)
+
+
+async def test_the_pipe_authenticates_and_selects_its_database() -> None:
+    """The store's own connection (not redis-py's pool) logs in and uses the URL's db."""
+    with RedisServer() as srv:
+        admin = _client(srv.url)
+        await admin.config_set("requirepass", "s3cret")
+        url = srv.url.replace("redis://", "redis://:s3cret@") + "/3"
+        client = _client(url)
+        store = RedisStore(client, clock=FakeClock())
+        assert store._scripts.pipe is not None
+        assert isinstance(await store.admit("acme", FULL, Cost(1, 1), "a"), Admit)
+        assert await client.exists(*store.keys("acme")) > 0  # in db 3, where client looks
+        assert await admin.dbsize() == 0  # db 0 (admin's connection logged in before)
+        await store.close()
+        await admin.aclose()
