@@ -696,6 +696,35 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     streams = stream_ratios(rows)
     if streams:
         out["streams"] = streams
+    redis = redis_ratios(rows)
+    if redis:
+        out["redis"] = redis
+    return out
+
+
+def redis_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """kvgate with Redis against kvgate in memory, per level: ext_proc CPU per request, the
+    round trips it sent (``EVALSHA``) and the commands Redis ran, and the share of admissions
+    the failure policy served instead (a disturbed run: those cost no Redis call)."""
+    out: dict[str, Any] = {}
+    for level in sorted({r["concurrency"] for r in rows}):
+        memory, redis = _row(rows, "kvgate", level), _row(rows, "kvgate_redis", level)
+        if not (memory and redis):
+            continue
+        counters = redis.get("ext_proc_counters", {})
+        admitted = sum(v for k, v in counters.items()
+                       if k.startswith("kvgate_requests_total") and 'decision="admitted"' in k)
+        fallbacks = sum(v for k, v in counters.items()
+                        if k.startswith("kvgate_store_fallback_admissions_total"))
+        commands = redis.get("redis_commands_by_kind", {})
+        out[str(level)] = {
+            "ext_proc": redis["cpu_us_per_request"]["ext_proc"]
+            / memory["cpu_us_per_request"]["ext_proc"],
+            "sent_per_request": sum(v for k, v in commands.items()
+                                    if k in ("evalsha", "eval")),
+            "run_per_request": redis.get("redis_commands_per_request", 0.0),
+            "fallback_share": fallbacks / admitted if admitted else 0.0,
+        }
     return out
 
 
@@ -914,6 +943,13 @@ def markdown(result: dict[str, Any]) -> str:
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["redis_commands_by_kind"].items())
             lines.append(f"- {label(r)} c={r['concurrency']}: "
                          f"{r['redis_commands_per_request']:.2f} ({kinds})")
+        lines += ["", "## Redis ÷ in-memory", "",
+                  "| conc | ext_proc CPU/request, Redis ÷ in-memory | round trips sent/request "
+                  "| commands run/request | admissions the failure policy served |",
+                  "|---:|---:|---:|---:|---:|"]
+        for level, entry in result["ratios"].get("redis", {}).items():
+            lines.append(f"| {level} | {entry['ext_proc']:.2f} | {entry['sent_per_request']:.2f}"
+                         f" | {entry['run_per_request']:.1f} | {entry['fallback_share']:.1%} |")
     pin_text = LAYOUT_TEXT[result["machine"].get("layout", "shared")]
     lines += ["", "## Method", "", METHOD.format(
         max_tokens=MAX_TOKENS, body=len(BODY), warmup=result["warmup_s"],

@@ -8,7 +8,10 @@ offers (``V`` = the smallest offered start); charges computed once in Python
 Redis and memory make the same decisions from the same integers (Lua's doubles are exact
 below 2^53; rebasing keeps every value far below that) and every replica serves a pool's
 tenants in one global weighted order. ``activate``, ``choose`` and ``correct`` are one atomic
-Lua round trip each; a ``choose`` that says "wait" writes nothing.
+Lua script each; a ``choose`` that says "wait" writes nothing. A ``choose`` among a single
+fitting offer has only one answer, so on a standalone Redis (the pipe of
+:mod:`limiter.stores.redis_pipe`) its charge is queued without waiting for the reply: the
+dispatcher of a queue that holds one tenant's requests makes no round trip.
 """
 
 from __future__ import annotations
@@ -181,6 +184,8 @@ class RedisFairness:
     ) -> None:
         from redis.exceptions import RedisError  # lazily: the memory path needs no client
 
+        from limiter.stores.redis_pipe import Scripts
+
         self._errors: tuple[type[BaseException], ...] = (RedisError, OSError)
         self._client = client
         self._ttl_ms = require_int("ttl_ms", ttl_ms, 1)
@@ -190,23 +195,23 @@ class RedisFairness:
         self._lag = lag_tokens * SCALE
         self._owns_client = owns_client
         base = f"{prefix}:{_hash_tag(prefix, pool)}"
-        self._keys = [f"{base}:c", f"{base}:v", f"{base}:seen", f"{base}:f"]
-        self._activate = client.register_script(_ACTIVATE)
-        self._choose = client.register_script(_CHOOSE)
-        self._correct = client.register_script(_CORRECT)
+        self._keys = (f"{base}:c", f"{base}:v", f"{base}:seen", f"{base}:f")
+        # one pipelined connection on a standalone Redis (see limiter.stores.redis_pipe)
+        self._scripts = Scripts(client, {"activate": _ACTIVATE, "choose": _CHOOSE,
+                                         "correct": _CORRECT})
 
     def keys(self) -> list[str]:
         """The pool's keys: counters hash, virtual time, last-seen zset, band-0 counters."""
         return list(self._keys)
 
-    async def _call(self, what: str, script: Any, args: Sequence[int | str]) -> Any:
+    async def _call(self, what: str, args: Sequence[int | str]) -> Any:
         try:
-            return await script(keys=self._keys, args=args)
+            return await self._scripts.run(what, self._keys, args)
         except self._errors as exc:
             raise StoreUnavailable(f"redis fairness {what} failed: {exc}") from exc
 
     async def activate(self, tenant: str) -> None:
-        await self._call("activate", self._activate, [self._ttl_ms, tenant])
+        await self._call("activate", [self._ttl_ms, tenant])
 
     async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
         """Pick one of ``offers`` and charge its tenant (:func:`limiter.fairness.pick`); None
@@ -219,15 +224,22 @@ class RedisFairness:
         for offer in offers:
             args += [offer.item.tenant, charge_of(offer.item), rank[offer.item.enqueued_ms],
                      require_int("band", offer.band, 0), int(bool(offer.fits))]
-        index = int(await self._call("choose", self._choose, args))
+        if len(offers) == 1 and offers[0].fits:
+            # One offer that fits: the script always picks it (nothing to compare it with:
+            # it is eligible by its own counter), so its charge is only queued on the pipe,
+            # ahead of any later call, and the dispatcher goes on without a round trip. A
+            # charge lost to an outage is like a lost correction: convergence is slower.
+            sent = self._scripts.send("choose", self._keys, args)
+            if sent is not None:
+                return offers[0].item
+        index = int(await self._call("choose", args))
         return None if index < 0 else offers[index].item
 
     async def correct(self, tenant: str, tokens: int, weight: float) -> None:
         """Add ``tokens`` (negative: a refund) to ``tenant``'s counter, floored at 0; nothing
         when it has no counter."""
         if tokens:
-            await self._call("correct", self._correct, [self._ttl_ms, tenant,
-                                                        units(tokens, weight)])
+            await self._call("correct", [self._ttl_ms, tenant, units(tokens, weight)])
 
     async def counters(self) -> dict[str, float]:
         try:
@@ -245,6 +257,7 @@ class RedisFairness:
         return 0.0 if raw is None else int(raw) / SCALE
 
     async def close(self) -> None:
+        await self._scripts.close()
         if not self._owns_client:
             return
         try:

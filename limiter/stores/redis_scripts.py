@@ -129,6 +129,7 @@ local QUOTAS = {{kind = 'd', limit = POL[11], key = KEYS[7]},
                 {kind = 'm', limit = POL[12], key = KEYS[8]}}
 local SHAPE = {a = POL[13], p = POL[14], b = POL[15]}
 local OP = 5
+local DROP = {}  -- keys of dimensions the policy does not configure: one DEL for all
 
 -- token bucket (limiter.buckets.TokenBucket) ------------------------------------------
 local function tb_level(b, t)
@@ -170,7 +171,7 @@ end
 
 local function tb_open(spec, t)
   if spec.a == 0 then
-    redis.call('DEL', spec.key)  -- a dropped dimension starts afresh if it comes back
+    table.insert(DROP, spec.key)  -- a dropped dimension starts afresh if it comes back
     return nil
   end
   local b = {a = spec.a, p = spec.p, c = spec.c, full = spec.c * spec.p, key = spec.key}
@@ -220,7 +221,8 @@ end
 
 local function win_open(t)
   if WIN_MS == 0 then
-    redis.call('DEL', KWIN, KWMETA)
+    table.insert(DROP, KWIN)
+    table.insert(DROP, KWMETA)
     return nil
   end
   local meta = redis.call('HMGET', KWMETA, 'n', 'w')
@@ -439,7 +441,7 @@ end
 
 local function sh_open(t)
   if SHAPE.a == 0 then
-    redis.call('DEL', KSHAPE)  -- a dropped shaper starts afresh if it comes back
+    table.insert(DROP, KSHAPE)  -- a dropped shaper starts afresh if it comes back
     return nil
   end
   local s = {a = SHAPE.a, p = SHAPE.p, b = SHAPE.b, m = t, f = 0, holes = {}}
@@ -542,6 +544,7 @@ local function open_all(t)
   for _, spec in ipairs(QUOTAS) do
     if spec.limit > 0 then st.quotas[spec.kind] = q_open(spec, t) end
   end
+  if #DROP > 0 then redis.call('DEL', unpack(DROP)) end
   st.in_flight = leases_purge(t)
   return st
 end
@@ -674,57 +677,74 @@ st.in_flight = st.in_flight + 1
 return finish(st, NOW, 'ok', {hold})
 """
 
-# ARGV[5..7]: lease id, used tokens ('' = unknown: the reservation counts as used), mode
-# ('c' = cancel: refund everything the admission charged, and refuse it if it comes later).
+# ARGV[5]: mode ('c' = cancel: refund everything each admission charged, and refuse it if it
+# comes later; '' = release), then (lease id, used tokens) pairs: used '' = unknown, the
+# reservation counts as used. Several leases of one tenant in one call (the store coalesces
+# the releases of concurrent requests): the tenant is opened and saved once, each lease is
+# settled exactly as a call of its own would. Returns 1 (released) or 0 (unknown, expired
+# or released already) per lease, in order.
 _RELEASE = r"""
-local lease, cancel = ARGV[OP], ARGV[OP + 2] == 'c'
+local cancel = ARGV[OP] == 'c'
 local st = open_all(NOW)
-if cancel then cancel_mark(lease, NOW) end
-if redis.call('ZREM', KLEASES, lease) == 0 then
-  finish(st, NOW, 'gone', {})
-  return 0
-end
-local meta = redis.call('HGET', KLMETA, lease)
-redis.call('HDEL', KLMETA, lease)
-local started = meta and lease_start(meta)
--- a cancelled admission's time, or a request that used nothing (it left the queue, or it
--- was a GET), says nothing of durations (TenantLimiter.release)
-if started and not cancel and ARGV[OP + 1] ~= '0' then
-  local H = herd()
-  herd_observe(H, NOW - started)
-  herd_save(H, NOW)
-end
-local slot, slot_a, slot_p = lease_slot(meta)
-if slot and st.sh and slot_a == st.sh.a and slot_p == st.sh.p then
-  sh_give_back(st.sh, slot, NOW)  -- not sent yet (its client left): a hole
-end
--- tokens:tb:day:month[:requests:req:win:ts:slot m:f:a:p:start]; a re-asserted lease has none
-local f = {}
-for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
-local reserved, tb, day, month = tonumber(f[1]), f[2], f[3], f[4]
-local used = reserved
-if cancel then used = 0
-elseif ARGV[OP + 1] ~= '' then used = math.max(0, tonumber(ARGV[OP + 1])) end
-if cancel and f[5] then
-  local requests = tonumber(f[5])
-  if f[6] == '1' and st.req then tb_refund(st.req, requests, NOW); tb_save(st.req, NOW) end
-  if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
-end
-if tb == '1' and st.tok then
-  if used < reserved then tb_refund(st.tok, reserved - used, NOW)
-  elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end
-  tb_save(st.tok, NOW)
-end
-for kind, charged in pairs({d = day, m = month}) do
-  local q = st.quotas[kind]
-  if charged == '1' and q then
-    q.used = math.max(0, q.used - (reserved - used))
-    q_save(q, NOW)
+local out, H, any, req_dirty, tok_dirty = {}, nil, false, false, false
+for i = OP + 1, #ARGV, 2 do
+  local lease, used_arg = ARGV[i], ARGV[i + 1]
+  if cancel then cancel_mark(lease, NOW) end
+  if redis.call('ZREM', KLEASES, lease) == 0 then
+    table.insert(out, 0)
+  else
+    table.insert(out, 1)
+    any = true
+    local meta = redis.call('HGET', KLMETA, lease)
+    redis.call('HDEL', KLMETA, lease)
+    local started = meta and lease_start(meta)
+    -- a cancelled admission's time, or a request that used nothing (it left the queue, or
+    -- it was a GET), says nothing of durations (TenantLimiter.release)
+    if started and not cancel and used_arg ~= '0' then
+      H = herd()
+      herd_observe(H, NOW - started)
+    end
+    local slot, slot_a, slot_p = lease_slot(meta)
+    if slot and st.sh and slot_a == st.sh.a and slot_p == st.sh.p then
+      sh_give_back(st.sh, slot, NOW)  -- not sent yet (its client left): a hole
+    end
+    -- tokens:tb:day:month[:requests:req:win:ts:slot m:f:a:p:start]; a re-asserted lease
+    -- has none
+    local f = {}
+    for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
+    local reserved, tb, day, month = tonumber(f[1]), f[2], f[3], f[4]
+    local used = reserved
+    if cancel then used = 0
+    elseif used_arg ~= '' then used = math.max(0, tonumber(used_arg)) end
+    if cancel and f[5] then
+      local requests = tonumber(f[5])
+      if f[6] == '1' and st.req then tb_refund(st.req, requests, NOW); req_dirty = true end
+      if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
+    end
+    if tb == '1' and st.tok then
+      if used < reserved then tb_refund(st.tok, reserved - used, NOW)
+      elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end
+      tok_dirty = true
+    end
+    for kind, charged in pairs({d = day, m = month}) do
+      local q = st.quotas[kind]
+      if charged == '1' and q then
+        q.used = math.max(0, q.used - (reserved - used))
+        q.dirty = true
+      end
+    end
   end
 end
-leases_save(NOW)
+if H then herd_save(H, NOW) end
+if req_dirty then tb_save(st.req, NOW) end
+if tok_dirty then tb_save(st.tok, NOW) end
+for _, kind in ipairs({'d', 'm'}) do
+  local q = st.quotas[kind]
+  if q and q.dirty then q_save(q, NOW) end
+end
+if any then leases_save(NOW) end
 finish(st, NOW, 'released', {})
-return 1
+return out
 """
 
 _CHECK = r"""

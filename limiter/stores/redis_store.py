@@ -1,4 +1,4 @@
-"""Shared limits on Redis: one atomic Lua round trip per admission, one per release.
+"""Shared limits on Redis: one atomic Lua round trip per admission; releases coalesced.
 
 The decisions are the in-memory :class:`~limiter.decision.TenantLimiter`'s, exactly: the
 scripts (:mod:`limiter.redis_scripts`) re-do its integer math and return raw numbers, and
@@ -16,10 +16,17 @@ its own (redis-py's default retries ten times with backoff), or a dead Redis sta
 admissions. This store retries a call once itself, on a fresh connection, when its
 connection turns out dead (a restarted Redis leaves every pooled connection dead): safe,
 because every script is idempotent per lease id (an ``admit`` resent finds its own lease).
+
+CPU: on a standalone Redis the calls go through :class:`~limiter.stores.redis_pipe.RedisPipe`
+(one pipelined connection, commands packed with each tenant's keys packed once, replies
+parsed in C) rather than redis-py's pool; a cluster, TLS or a unix socket use redis-py. The
+releases of one tenant that arrive while its previous release call is under way go to Redis
+together, in one script call (see :meth:`RedisStore.release`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
@@ -45,6 +52,7 @@ from limiter.outcome import (
 from limiter.quota import QuotaView
 from limiter.rates import Rate, require_int
 from limiter.stores.base import LeasesLost, StoreUnavailable
+from limiter.stores.redis_pipe import Scripts
 from limiter.stores.redis_scripts import SCRIPTS
 
 TTL_SLACK_MS = 60_000
@@ -61,6 +69,8 @@ _MAX_PERIOD_MS = 2**26
 _MAX_COUNT = 2**50
 _MAX_BACKLOG = 2**20
 _PERIOD_CODES = {"d": Period.DAY, "m": Period.MONTH}
+RELEASE_BATCH = 256
+"""Most releases sent in one script call."""
 
 
 def _check_bucket(name: str, rate: Rate | None, capacity: int | None) -> list[int]:
@@ -183,8 +193,13 @@ class RedisStore:
         self._lease_ttl_ms = require_int("lease_ttl_ms", lease_ttl_ms, 1)
         self._clock = clock
         self._slack_ms = require_int("ttl_slack_ms", ttl_slack_ms, 0)
-        # register_script: EVALSHA, reloading the script on NOSCRIPT (restart, SCRIPT FLUSH).
-        self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
+        # EVALSHA, reloading a script on NOSCRIPT (restart, SCRIPT FLUSH)
+        self._scripts = Scripts(client, SCRIPTS)
+        self._keys: dict[str, tuple[str, ...]] = {}  # tenant → its keys
+        self._senders: set[asyncio.Task[None]] = set()  # release calls under way
+        # (tenant, policy) → releases waiting for the call under way (see release)
+        self._releases: dict[tuple[str, TenantPolicy], list[tuple[str, int | str,
+                                                                  asyncio.Future[Any]]]] = {}
 
     def keys(self, tenant: str) -> list[str]:
         """The tenant's keys in the scripts' KEYS order (e.g. ``kvgate:{kvgate:acme}:tb:req``)."""
@@ -195,21 +210,29 @@ class RedisStore:
         now: int | str = "" if self._clock is None else self._clock()
         return [now, self._lease_ttl_ms, self._slack_ms]
 
+    def _tenant_keys(self, tenant: str) -> tuple[str, ...]:
+        keys = self._keys.get(tenant)
+        if keys is None:
+            if len(self._keys) >= 65_536:  # tenant names come from config: a bound anyway
+                self._keys.clear()
+            keys = self._keys[tenant] = tuple(self.keys(tenant))
+        return keys
+
     async def _run(
         self, name: str, tenant: str, args: Sequence[int | str],
         resend: Sequence[int | str] | None = None,
     ) -> Any:
         """Run a script; on a dead connection, once more (with ``resend`` args if given) on
         a fresh one, after dropping the idle pooled connections: they died with it."""
-        script, keys = self._scripts[name], self.keys(tenant)
+        run, keys = self._scripts.run, self._tenant_keys(tenant)
         try:
             try:
-                return await script(keys=keys, args=args)
-            except RedisConnectionError:
+                return await run(name, keys, args)
+            except RedisConnectionError:  # (the pipe reconnects by itself)
                 pool = getattr(self._client, "connection_pool", None)  # a cluster has many
                 if pool is not None:
                     await pool.disconnect(inuse_connections=False)
-                return await script(keys=keys, args=args if resend is None else resend)
+                return await run(name, keys, args if resend is None else resend)
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis {name} failed: {exc}") from exc
 
@@ -251,12 +274,59 @@ class RedisStore:
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
-        used = "" if used_tokens is None else min(max(0, used_tokens), _MAX_COUNT)
-        args = [*self._head(), _policy_arg(policy), lease_id, used, ""]
-        return bool(await self._run("release", tenant, args))
+        """Coalesced: the first release of a tenant (and policy) is sent on the next loop
+        tick, with every other that comes meanwhile; those that come while that call is
+        under way are sent together when it returns (at most ``RELEASE_BATCH`` a call).
+        Each lease is still released exactly once (the script drops a lease it no longer
+        has), and a failed call fails each of its releases (the failover store then owes
+        each one to Redis, as for a single call)."""
+        used: int | str = "" if used_tokens is None else min(max(0, used_tokens), _MAX_COUNT)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        key = (tenant, policy)
+        waiting = self._releases.get(key)
+        if waiting is None:
+            waiting = self._releases[key] = []
+            sender = loop.create_task(self._send_releases(key, waiting))
+            self._senders.add(sender)
+            sender.add_done_callback(self._senders.discard)
+        waiting.append((lease_id, used, future))
+        return bool(await future)
+
+    async def _send_releases(
+        self, key: tuple[str, TenantPolicy], waiting: list[tuple[str, int | str,
+                                                                 asyncio.Future[Any]]]
+    ) -> None:
+        """Send ``key``'s waiting releases, batch after batch, until none is left."""
+        tenant, policy = key
+        try:
+            while waiting:
+                batch = waiting[:RELEASE_BATCH]
+                del waiting[:RELEASE_BATCH]
+                args: list[int | str] = [*self._head(), _policy_arg(policy), ""]
+                for lease_id, used, _future in batch:
+                    args += [lease_id, used]
+                try:
+                    replies = await self._run("release", tenant, args)
+                except BaseException as exc:
+                    for _lease, _used, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+                    continue
+                for (_lease, _used, future), reply in zip(batch, replies, strict=True):
+                    if not future.done():
+                        future.set_result(reply)
+        finally:
+            if self._releases.get(key) is waiting:
+                del self._releases[key]
+            for _lease, _used, future in waiting:  # (cancelled: never sent, never freed)
+                if not future.done():
+                    future.set_exception(StoreUnavailable("redis release was cancelled"))
 
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
-        args = [*self._head(), _policy_arg(policy), lease_id, 0, "c"]
+        args = [*self._head(), _policy_arg(policy), "c", lease_id, 0]
         await self._run("release", tenant, args)
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
@@ -270,7 +340,11 @@ class RedisStore:
         return (await self._run_policy("usage", tenant, policy))[1].usage()
 
     async def close(self) -> None:
-        """Close the client this store was given (the store owns it from then on)."""
+        """Close the client this store was given (the store owns it from then on), once
+        the release calls under way have their answers."""
+        if self._senders:
+            await asyncio.gather(*self._senders, return_exceptions=True)
+        await self._scripts.close()
         try:
             await self._client.aclose()
         except (RedisError, OSError) as exc:

@@ -584,3 +584,53 @@ async def test_one_shaper_across_replicas(client: aioredis.Redis) -> None:
     assert await replicas[0].release("acme", policy, "l2", 0)  # held on one replica, left
     moved = await replicas[1].admit("acme", policy, Cost(1, 1), "l4")  # the other takes it
     assert isinstance(moved, Admit) and moved.hold_ms == 170
+
+
+# --- coalesced releases ------------------------------------------------------------------
+
+
+async def test_concurrent_releases_are_coalesced_and_each_is_exact(client: aioredis.Redis) -> None:
+    """Releases that arrive together go to Redis in one script call per tenant, and settle
+    exactly as one call each would: same answers and same usage as the memory store, a lease
+    released twice (or never admitted) answers False, cancels and other tenants apart."""
+    clock = FakeClock()
+    policy = TenantPolicy(token_rate=Rate(1, 1000), token_burst=10_000, max_concurrency=50,
+                          daily_token_quota=10**6)
+    memory, shared = MemoryStore(clock), RedisStore(client, clock=clock)
+    for store in (memory, shared):
+        for n in range(12):
+            assert isinstance(await store.admit("acme", policy, Cost(50, 50), f"a{n}"), Admit)
+        assert isinstance(await store.admit("beta", policy, Cost(50, 50), "b0"), Admit)
+    used = [None, 0, 10, 100, 300, *range(5, 12)]
+    calls = [("acme", f"a{n}", u) for n, u in enumerate(used)]
+    calls += [("acme", "a3", 7), ("acme", "never", 1), ("beta", "b0", 20)]
+    if not isinstance(client, RedisCluster):
+        before = (await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+    answers = await asyncio.gather(*(shared.release(t, policy, lease, u)
+                                     for t, lease, u in calls))
+    expected = [await memory.release(t, policy, lease, u) for t, lease, u in calls]
+    assert answers == expected == [True] * 12 + [False, False, True]
+    if not isinstance(client, RedisCluster):
+        after = (await client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+        assert after - before == 2  # one call per tenant
+    for tenant in ("acme", "beta"):
+        assert await shared.usage(tenant, policy) == await memory.usage(tenant, policy)
+        assert await shared.in_flight(tenant) == 0
+    await asyncio.gather(*(shared.cancel("acme", policy, f"a{n}") for n in range(3)))
+    assert await shared.usage("acme", policy) == await memory.usage("acme", policy)
+
+
+async def test_the_pipe_authenticates_and_selects_its_database() -> None:
+    """The store's own connection (not redis-py's pool) logs in and uses the URL's db."""
+    with RedisServer() as srv:
+        admin = _client(srv.url)
+        await admin.config_set("requirepass", "s3cret")
+        url = srv.url.replace("redis://", "redis://:s3cret@") + "/3"
+        client = _client(url)
+        store = RedisStore(client, clock=FakeClock())
+        assert store._scripts.pipe is not None
+        assert isinstance(await store.admit("acme", FULL, Cost(1, 1), "a"), Admit)
+        assert await client.exists(*store.keys("acme")) > 0  # in db 3, where client looks
+        assert await admin.dbsize() == 0  # db 0 (admin's connection logged in before)
+        await store.close()
+        await admin.aclose()

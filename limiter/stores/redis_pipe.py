@@ -1,0 +1,301 @@
+"""One pipelined connection to a standalone Redis, for the store's hot calls.
+
+redis-py spends most of a call's CPU outside Redis: a pooled connection checked out and back,
+every argument encoded one by one, one socket write and one read per command. The request
+path needs none of that: its commands are ``EVALSHA`` with a tenant's fixed keys, so the
+store packs them itself (the keys once per tenant, see ``redis_store``) and this pipe writes
+every command packed during one event-loop tick in one ``write``, and parses the replies in
+C (``hiredis``), matching them to their callers in order. Concurrent requests share the one
+connection, so no pool is needed.
+
+Failures are redis-py's exceptions, so the store handles both paths alike: a lost
+connection fails every call waiting on it with ``ConnectionError`` (the next call
+reconnects); a call with no answer within ``timeout_s`` raises ``TimeoutError`` and leaves
+the connection open (a paused Redis answers later, in order, and the late reply is dropped).
+Only a plain TCP connection is handled (host, port, db, username/password): the store uses
+redis-py's own client for anything else (TLS, unix sockets, Redis Cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+try:
+    import hiredis
+except ImportError:  # (a dependency: redis[hiredis]) without it, redis-py does every call
+    hiredis = None
+
+
+def pack(*parts: bytes) -> bytes:
+    """One RESP command from already-encoded arguments."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out.append(b"$%d\r\n" % len(part))
+        out.append(part)
+        out.append(b"\r\n")
+    return b"".join(out)
+
+
+def bulk(value: bytes) -> bytes:
+    """One argument in RESP (to splice into a command packed ahead of time)."""
+    return b"$%d\r\n%b\r\n" % (len(value), value)
+
+
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    """A reply nobody waits for: its error, if any, is dropped (no "never retrieved")."""
+    if not done.cancelled():
+        done.exception()
+
+
+def _expire(futures: list[asyncio.Future[Any]]) -> None:
+    """The timeout of one write's commands: those still without a reply fail (their late
+    replies are dropped when they come)."""
+    for future in futures:
+        if not future.done():
+            future.set_exception(RedisTimeoutError("redis did not answer in time"))
+
+
+class _Protocol(asyncio.Protocol):
+    """Replies in order to the futures of the commands written, one per command."""
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self.reader = hiredis.Reader()
+        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.timeout_s = timeout_s
+        self.out: list[bytes] = []  # packed this tick, written at its end
+        self.out_futures: list[asyncio.Future[Any]] = []  # their replies
+        self.flush_scheduled = False
+
+    def send(self, command: bytes) -> asyncio.Future[Any]:
+        """Queue ``command`` for this tick's write; the future gets its reply."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.waiting.append(future)
+        self.out.append(command)
+        self.out_futures.append(future)
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            loop.call_soon(self.flush)
+        return future
+
+    def flush(self) -> None:
+        """Write the tick's commands; one timer for all of them (not one per call)."""
+        self.flush_scheduled = False
+        out, self.out = self.out, []
+        futures, self.out_futures = self.out_futures, []
+        if self.transport is None:  # (lost since: its calls have failed)
+            return
+        self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if self.timeout_s is not None:
+            asyncio.get_running_loop().call_later(self.timeout_s, _expire, futures)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        reader, waiting = self.reader, self.waiting
+        reader.feed(data)
+        while True:
+            try:
+                reply = reader.gets()
+            except hiredis.ProtocolError as exc:
+                self._fail(RedisConnectionError(f"redis sent garbage: {exc}"))
+                return
+            if reply is False:
+                return
+            if not waiting:  # a reply to nothing: the stream is out of step
+                self._fail(RedisConnectionError("redis sent a reply nobody asked for"))
+                return
+            future = waiting.popleft()
+            if future.done():  # its caller gave up (timeout, cancellation)
+                continue
+            if isinstance(reply, hiredis.ReplyError):
+                future.set_exception(ResponseError(str(reply)))
+            else:
+                future.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(RedisConnectionError(f"redis connection lost: {exc or 'closed by server'}"))
+
+    def _fail(self, error: BaseException) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(error)
+
+
+class RedisPipe:
+    """A lazily opened pipelined connection; :meth:`call` sends one packed command."""
+
+    def __init__(
+        self, host: str, port: int, *, db: int = 0, username: str | None = None,
+        password: str | None = None, timeout_s: float | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> None:
+        self._address = (host, port)
+        self._setup: list[bytes] = []  # sent first on every new connection
+        if password is not None:
+            auth = (username.encode(), password.encode()) if username else (password.encode(),)
+            self._setup.append(pack(b"AUTH", *auth))
+        if db:
+            self._setup.append(pack(b"SELECT", str(db).encode()))
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Future[_Protocol] | None = None
+
+    @classmethod
+    def from_client(cls, client: Any) -> RedisPipe | None:
+        """A pipe to where redis-py's standalone ``client`` connects, or None when it
+        connects some other way (TLS, a unix socket, a cluster, a custom class)."""
+        from redis.asyncio.connection import Connection
+
+        pool = getattr(client, "connection_pool", None)
+        if hiredis is None or pool is None or pool.connection_class is not Connection:
+            return None
+        kw = pool.connection_kwargs
+        if kw.get("credential_provider") is not None or kw.get("protocol") not in (None, 2, "2"):
+            return None
+        return cls(kw.get("host", "localhost"), int(kw.get("port", 6379)), db=int(kw.get("db", 0)),
+                   username=kw.get("username"), password=kw.get("password"),
+                   timeout_s=kw.get("socket_timeout"),
+                   connect_timeout_s=kw.get("socket_connect_timeout"))
+
+    async def call(self, command: bytes) -> Any:
+        """Send one packed command (written with the rest of this tick's) and wait for its
+        reply; a Redis error reply is raised as ``ResponseError``, no reply within the
+        timeout as redis-py's ``TimeoutError``."""
+        protocol = self._protocol
+        if protocol is None or protocol.transport is None:
+            protocol = await self._connect()
+        return await protocol.send(command)
+
+    def send(self, command: bytes) -> asyncio.Future[Any] | None:
+        """Queue one packed command now, behind every command sent before it, without
+        waiting for its reply; None when there is no open connection (then use
+        :meth:`call`)."""
+        protocol = self._protocol
+        if protocol is None or protocol.transport is None:
+            return None
+        return protocol.send(command)
+
+    async def _connect(self) -> _Protocol:
+        """Open the connection (one attempt shared by every caller that needs it)."""
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._open())
+            self._connecting.add_done_callback(self._opened)
+        return await asyncio.shield(self._connecting)
+
+    def _opened(self, attempt: asyncio.Future[_Protocol]) -> None:
+        """The attempt is over (even if every caller gave up on it): the next call that
+        finds no connection makes a new one."""
+        if self._connecting is attempt:
+            self._connecting = None
+        if not attempt.cancelled():
+            attempt.exception()  # retrieved: no "never retrieved" warning
+
+    async def _open(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                transport, protocol = await loop.create_connection(
+                    lambda: _Protocol(self._timeout_s), *self._address)
+                try:
+                    await asyncio.gather(*(protocol.send(command) for command in self._setup))
+                except BaseException:
+                    transport.close()
+                    raise
+        except TimeoutError:
+            raise RedisTimeoutError(f"connecting to redis at {self._address} timed out") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"connecting to redis at {self._address}: {exc}") from exc
+        self._protocol = protocol
+        return protocol
+
+    def drop(self) -> None:
+        """Close the connection (the next call opens a new one)."""
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None:
+            protocol._fail(RedisConnectionError("redis connection dropped"))
+
+    async def close(self) -> None:
+        self.drop()
+
+
+class Scripts:
+    """Lua scripts by name, run with ``EVALSHA`` through a :class:`RedisPipe` when the
+    client allows one (``EVAL`` on ``NOSCRIPT``, which loads the script again), else with
+    redis-py's script objects (which do the same)."""
+
+    def __init__(self, client: Any, sources: Mapping[str, str]) -> None:
+        self.pipe = RedisPipe.from_client(client)
+        self._registered = {name: client.register_script(src) for name, src in sources.items()}
+        self._sources = {name: src.encode() for name, src in sources.items()}
+        self._shas = {name: hashlib.sha1(src).hexdigest().encode()
+                      for name, src in self._sources.items()}
+        self._packed_keys: dict[tuple[str, ...], bytes] = {}
+
+    async def run(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]) -> Any:
+        pipe = self.pipe
+        if pipe is None:
+            return await self._registered[name](keys=keys, args=args)
+        try:
+            return await pipe.call(self._pack(name, keys, args, sha=True))
+        except ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await pipe.call(self._pack(name, keys, args, sha=False))
+
+    def send(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]
+             ) -> asyncio.Future[Any] | None:
+        """Queue a call without waiting (:meth:`RedisPipe.send`): it runs in Redis after
+        every call sent before it. None without an open pipe. A NOSCRIPT answer resends it
+        with ``EVAL`` (then after whatever was sent meanwhile)."""
+        pipe = self.pipe
+        sent = None if pipe is None else pipe.send(self._pack(name, keys, args, sha=True))
+        if sent is not None:
+            sent.add_done_callback(lambda done: self._sent(done, name, keys, args))
+        return sent
+
+    def _sent(self, done: asyncio.Future[Any], name: str, keys: tuple[str, ...],
+              args: Sequence[int | str]) -> None:
+        error = None if done.cancelled() else done.exception()
+        if (isinstance(error, ResponseError) and str(error).startswith("NOSCRIPT")
+                and self.pipe is not None):
+            again = self.pipe.send(self._pack(name, keys, args, sha=False))
+            if again is not None:
+                again.add_done_callback(_retrieve)
+
+    def _pack(self, name: str, keys: tuple[str, ...], args: Sequence[int | str],
+              sha: bool) -> bytes:
+        """``EVALSHA sha numkeys keys… args…`` (``EVAL source …``), the keys packed once."""
+        packed = self._packed_keys.get(keys)
+        if packed is None:
+            if len(self._packed_keys) >= 65_536:  # keys name tenants or pools: a bound anyway
+                self._packed_keys.clear()
+            packed = self._packed_keys[keys] = bulk(b"%d" % len(keys)) + b"".join(
+                bulk(key.encode()) for key in keys)
+        parts = [b"*%d\r\n" % (3 + len(keys) + len(args)),
+                 b"$7\r\nEVALSHA\r\n" + bulk(self._shas[name]) if sha
+                 else b"$4\r\nEVAL\r\n" + bulk(self._sources[name]), packed]
+        for arg in args:
+            value = arg.encode() if type(arg) is str else b"%d" % arg  # type: ignore[str-bytes-safe]
+            parts.append(b"$%d\r\n%b\r\n" % (len(value), value))
+        return b"".join(parts)
+
+    async def close(self) -> None:
+        if self.pipe is not None:
+            await self.pipe.close()
