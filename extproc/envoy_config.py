@@ -167,7 +167,8 @@ def _ext_proc_filter(config: Config) -> Any:
         ),
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(
-                untyped=list(RECEIVING_NAMESPACES)
+                untyped=[*RECEIVING_NAMESPACES,
+                         *([UPSTREAM_HEADERS_NAMESPACE] if env.request_attributes else [])]
             )
         ),
         forward_rules=_forwarded_headers(config),

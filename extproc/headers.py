@@ -22,4 +22,4 @@ RATELIMIT_HEADERS = tuple(f"x-ratelimit-{what}-{kind}" for kind in ("requests", 
 # value), and the pool's attributes route sets them (and drops the client's key).
 UPSTREAM_HEADERS_NAMESPACE = "kvgate.headers"
 UPSTREAM_HEADERS = ("x-kvgate-tenant", "x-kvgate-class", "x-kvgate-priority", "authorization")
-RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate", RATELIMIT_NAMESPACE, UPSTREAM_HEADERS_NAMESPACE)
+RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate", RATELIMIT_NAMESPACE)
