@@ -1,12 +1,13 @@
 """One ext_proc stream = one HTTP request: the protocol state machine.
 
 Envoy sends request headers, then the request body (BUFFERED, one message) for the requests
-kvgate meters; each message gets exactly one reply, and any other order (only a hand-edited
-filter config sends one) is a 400. kvgate reads no response over ext_proc — a streamed
-answer would cost one message per chunk — but keeps the stream open (the bootstrap asks for
-response trailers, which an engine never sends, so no message comes) until Envoy ends it
-with the response. Envoy's Lua meter reports the response meanwhile (``reports.py``): the
-first chunk of a stream, then the usage at its end.
+kvgate meters — or, with ``envoy.request_attributes``, the body alone with the headers kvgate
+reads as attributes (``_on_attributes_and_body``); each message gets exactly one reply, and
+any other order (only a hand-edited filter config sends one) is a 400. kvgate reads no
+response over ext_proc — a streamed answer would cost one message per chunk — but keeps the
+stream open (the bootstrap asks for response trailers, which an engine never sends, so no
+message comes) until Envoy ends it with the response. Envoy's Lua meter reports the response
+meanwhile (``reports.py``): the first chunk of a stream, then the usage at its end.
 Whatever ends the stream — completion, an error, the client going away — ``close`` releases
 what the request held, exactly once.
 """
