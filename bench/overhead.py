@@ -76,7 +76,7 @@ from extproc.server import new_event_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
-MODES = ("direct", "minimal", "kvgate", "kvgate_redis")
+MODES = ("direct", "minimal", "kvgate", "kvgate_redis", "kvgate_attrs")
 LEVELS = (1, 16, 64)
 PROCESS_ROLES = ("envoy", "ext_proc", "engine", "redis", "loadgen")
 # Who runs on which core. ``split`` (the default) gives the ext_proc server a core of its
@@ -112,7 +112,7 @@ HEADERS = {"content-type": "application/json", "authorization": f"Bearer {API_KE
 STREAMS = (64, 512)
 STREAM_LEVEL = 16
 STREAM_MS_PER_TOKEN = 2
-STREAM_MODES = ("direct", "minimal", "kvgate")
+STREAM_MODES = ("direct", "minimal", "kvgate", "kvgate_attrs")
 
 
 def request_body(stream_tokens: int) -> bytes:
@@ -227,7 +227,8 @@ class Child:
 
 
 def kvgate_config(engine: str, grpc_port: int, admin_port: int,
-                  redis_url: str | None = None, cpu_policy: str = "batch") -> dict[str, Any]:
+                  redis_url: str | None = None, cpu_policy: str = "batch",
+                  attributes: bool | None = None) -> dict[str, Any]:
     """One tenant, one pool of one engine; the same file for every mode's bootstrap."""
     config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "grpc_port": grpc_port, "admin_port": admin_port,
@@ -240,6 +241,8 @@ def kvgate_config(engine: str, grpc_port: int, admin_port: int,
     }
     if redis_url is not None:
         config["redis"] = {"url": redis_url}
+    if attributes is not None:  # else the default
+        config["envoy"]["request_attributes"] = attributes
     return config
 
 
@@ -287,11 +290,14 @@ def without_ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
 
 
 def bootstrap_for(mode: str, config: dict[str, Any], engine: EngineProcess) -> dict[str, Any]:
-    """kvgate's rendered bootstrap; the floor's is the same with a STATIC upstream and no
-    Lua meter (it meters over ext_proc itself), Envoy direct's without ext_proc too."""
-    rendered = render_bootstrap(parse_config(config))
+    """kvgate's rendered bootstrap; the floor's is the same (headers phase on) with a STATIC
+    upstream and no Lua meter (it meters over ext_proc itself), Envoy direct's without
+    ext_proc too."""
     if mode.startswith("kvgate"):
-        return rendered
+        return render_bootstrap(parse_config(config))
+    # the floor meters over ext_proc from the headers phase on (its reply sets the modes)
+    config = {**config, "envoy": {**config["envoy"], "request_attributes": False}}
+    rendered = render_bootstrap(parse_config(config))
     static = without_meter(static_upstream(rendered, engine.host, engine.port))
     return without_ext_proc(static) if mode == "direct" else static
 
@@ -409,7 +415,8 @@ def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch",
             redis_url = redis_server.url
             gw.pids["redis"] = redis_server.pid
         config = kvgate_config(f"{engine.host}:{engine.port}", free_port(), free_port(),
-                               redis_url, cpu_policy)
+                               redis_url, cpu_policy,
+                               attributes=True if mode == "kvgate_attrs" else None)
         started = _start_ext_proc(mode, config, workdir)
         if started is not None:
             child, gw.counters = started

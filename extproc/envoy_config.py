@@ -40,6 +40,8 @@ from extproc.headers import (
     RATELIMIT_HEADERS,
     RATELIMIT_NAMESPACE,
     RECEIVING_NAMESPACES,
+    UPSTREAM_HEADERS,
+    UPSTREAM_HEADERS_NAMESPACE,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ POOL_CLUSTER_PREFIX = "kvgate_pool_"  # + the pool's name: where kvgate's reques
 RETRY_ON = "connect-failure,reset-before-request"
 REPORT_CLUSTER = "kvgate_report"  # the name meter.lua calls
 METER_FILTER = "envoy.filters.http.lua"
+BUFFER_FILTER = "envoy.filters.http.buffer"
 REPORT_TIMEOUT = dt.timedelta(seconds=1)
 
 # Envoy buffers the whole request body for ext_proc (BUFFERED mode); its limit is the
@@ -165,12 +168,112 @@ def _ext_proc_filter(config: Config) -> Any:
         ),
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(
-                untyped=list(RECEIVING_NAMESPACES)
+                untyped=[*RECEIVING_NAMESPACES,
+                         *([UPSTREAM_HEADERS_NAMESPACE] if env.request_attributes else [])]
             )
         ),
         forward_rules=_forwarded_headers(config),
+        # sent with a stream's first message only (Envoy evaluates them once); Envoy 1.40
+        # ignores them in a route's overrides
+        request_attributes=_attributes(config) if env.request_attributes else [],
     )
     return HttpFilter(name="envoy.filters.http.ext_proc", typed_config=AnyMsg.pack(ext_proc))
+
+
+def _attributes_route(config: Config, action: Any) -> Any:
+    """``envoy.request_attributes``: inference POSTs skip the headers phase; the headers
+    kvgate reads come as attributes with the buffered body (Envoy sends them with the first
+    message of the stream). Only requests with a body: a headers-only request would
+    otherwise reach kvgate in no message at all (and get 503, no host); those, and every
+    other path, keep the headers phase."""
+    from envoy_data_plane.envoy.config.route.v3 import HeaderMatcher, Route, RouteMatch
+    from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer, BufferPerRoute
+    from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+        ExtProcOverrides,
+        ExtProcPerRoute,
+        ProcessingMode,
+        ProcessingModeBodySendMode,
+        ProcessingModeHeaderSendMode,
+    )
+    from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher, StringMatcher
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    from extproc.openai import INFERENCE_PATHS
+
+    skip, send = ProcessingModeHeaderSendMode.SKIP, ProcessingModeHeaderSendMode.SEND
+    per_route = ExtProcPerRoute(overrides=ExtProcOverrides(
+        # as kvgate's headers reply turns on for an inference request (messages.WITH_BODY):
+        # response trailers on keep the stream open until the response ends
+        processing_mode=ProcessingMode(
+            request_header_mode=skip, response_header_mode=skip,
+            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            response_body_mode=ProcessingModeBodySendMode.NONE,
+            request_trailer_mode=skip, response_trailer_mode=send),
+    ))
+    paths = "|".join(p.removeprefix("/v1/") for p in INFERENCE_PATHS)
+    return Route(
+        name="inference",
+        match=RouteMatch(
+            safe_regex=RegexMatcher(regex=f"/v1/({paths})"),
+            headers=[
+                HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST")),
+                # a body follows: a length above 0, or none given (chunked, HTTP/2)
+                HeaderMatcher(name="content-length", string_match=StringMatcher(exact="0"),
+                              invert_match=True),
+            ]),
+        route=action,
+        typed_per_filter_config={
+            "envoy.filters.http.ext_proc": AnyMsg.pack(per_route),
+            BUFFER_FILTER: AnyMsg.pack(BufferPerRoute(buffer=Buffer(
+                max_request_bytes=buffer_limit_bytes(config)))),
+        },
+    )
+
+
+def _attributes(config: Config) -> list[str]:
+    from extproc.messages import attribute_names
+
+    return list(attribute_names(config.classification.header))
+
+
+def _strip_filter() -> Any:
+    """``envoy.request_attributes``: Envoy's header_mutation filter before ext_proc drops
+    every ``x-kvgate-*`` header a client sent (kvgate sees no header list to strip them
+    from when the headers phase is skipped)."""
+    from envoy_data_plane.envoy.config.common.mutation_rules.v3 import (
+        HeaderMutation,
+        HeaderMutationRemoveOnMatch,
+    )
+    from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import (
+        HeaderMutation as HeaderMutationFilter,
+    )
+    from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import Mutations
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpFilter,
+    )
+    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    strip = HeaderMutation(remove_on_match=HeaderMutationRemoveOnMatch(
+        key_matcher=StringMatcher(prefix=KVGATE_HEADER_PREFIX)))
+    return HttpFilter(name="envoy.filters.http.header_mutation", typed_config=AnyMsg.pack(
+        HeaderMutationFilter(mutations=Mutations(request_mutations=[strip]))))
+
+
+def _hold_filter(config: Config) -> Any:
+    """``envoy.request_attributes``: Envoy's buffer filter after ext_proc, off but on the
+    attributes route. With the headers phase skipped, ext_proc lets the request headers go
+    on at once, and the router would pick the upstream before kvgate decided; this holds
+    them until the whole body is in and ext_proc has applied kvgate's reply (route, headers,
+    body)."""
+    from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpFilter,
+    )
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+    return HttpFilter(name=BUFFER_FILTER, disabled=True, typed_config=AnyMsg.pack(
+        Buffer(max_request_bytes=buffer_limit_bytes(config))))
 
 
 def _forwarded_headers(config: Config) -> Any:
@@ -412,6 +515,34 @@ def _pool_match(pool: Pool) -> Any:
         value=ValueMatcher(string_match=StringMatcher(exact=pool.name)))])
 
 
+def _attributes_pool_route(pool: Pool, action: Any) -> Any:
+    """A request kvgate admitted on its body alone (``envoy.request_attributes``): Envoy
+    applied none of the reply's header mutations, so the headers kvgate sets upstream come
+    from its metadata (the endpoint list from ``envoy.lb``, the rest from
+    ``kvgate.headers``), and the client's key is dropped (replaced by the pool's own where
+    it has one). An empty value (a header kvgate did not set) is not added."""
+    from envoy_data_plane.envoy.config.route.v3 import Route
+    from envoy_data_plane.envoy.type.matcher.v3 import (
+        MetadataMatcher,
+        MetadataMatcherPathSegment,
+        ValueMatcher,
+    )
+
+    match = _pool_match(pool)
+    match.dynamic_metadata.append(MetadataMatcher(
+        filter=UPSTREAM_HEADERS_NAMESPACE,
+        path=[MetadataMatcherPathSegment(key=UPSTREAM_HEADERS[0])],
+        value=ValueMatcher(present_match=True)))
+    return Route(
+        name=f"pool:{pool.name}:attributes", match=match, route=action,
+        request_headers_to_remove=["authorization"],
+        request_headers_to_add=[
+            _header_option(DESTINATION_HEADER,
+                           f"%DYNAMIC_METADATA({LB_NAMESPACE}:{DESTINATION_HEADER})%"),
+            *(_header_option(name, f"%DYNAMIC_METADATA({UPSTREAM_HEADERS_NAMESPACE}:{name})%")
+              for name in UPSTREAM_HEADERS)])
+
+
 def _fallback_retries() -> Any:
     """Each retry takes the next endpoint of kvgate's list (the override_host policy), and
     only when nothing reached the engine: the chosen one and its two fallbacks."""
@@ -445,9 +576,15 @@ def _http_connection_manager(config: Config) -> Any:
         return RouteAction(cluster=cluster, timeout=_seconds(env.route_timeout_s),
                            idle_timeout=idle, retry_policy=retry)
 
-    routes = [Route(name=f"pool:{pool.name}", match=_pool_match(pool),
-                    route=action(pool_cluster_name(pool), _fallback_retries()))
-              for pool in config.pools]
+    routes = []
+    for pool in config.pools:
+        if env.request_attributes:
+            routes.append(_attributes_pool_route(
+                pool, action(pool_cluster_name(pool), _fallback_retries())))
+        routes.append(Route(name=f"pool:{pool.name}", match=_pool_match(pool),
+                            route=action(pool_cluster_name(pool), _fallback_retries())))
+    if env.request_attributes:
+        routes.append(_attributes_route(config, action(UPSTREAM_CLUSTER)))
     routes.append(Route(name="all", match=RouteMatch(prefix="/"),
                         route=action(UPSTREAM_CLUSTER)))
     return HttpConnectionManager(
@@ -470,7 +607,10 @@ def _http_connection_manager(config: Config) -> Any:
             virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=routes,
                                        response_headers_to_add=_ratelimit_headers())],
         ),
-        http_filters=[_ext_proc_filter(config), _meter_filter(), *_ratelimit_filters(config),
+        http_filters=[*([_strip_filter()] if env.request_attributes else []),
+                      _ext_proc_filter(config),
+                      *([_hold_filter(config)] if env.request_attributes else []),
+                      _meter_filter(), *_ratelimit_filters(config),
                       _router_filter()],
         local_reply_config=_local_reply_config(),
     )

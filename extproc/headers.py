@@ -17,4 +17,9 @@ LB_NAMESPACE = "envoy.lb"
 RATELIMIT_NAMESPACE = "kvgate.ratelimit"
 RATELIMIT_HEADERS = tuple(f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens")
                           for what in ("limit", "remaining", "reset"))
+# With envoy.request_attributes (no headers phase), Envoy applies no header mutation of
+# kvgate's body-phase reply: the headers kvgate sets upstream go here instead (header name →
+# value), and the pool's attributes route sets them (and drops the client's key).
+UPSTREAM_HEADERS_NAMESPACE = "kvgate.headers"
+UPSTREAM_HEADERS = ("x-kvgate-tenant", "x-kvgate-class", "x-kvgate-priority", "authorization")
 RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate", RATELIMIT_NAMESPACE)

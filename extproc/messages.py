@@ -15,7 +15,14 @@ from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.headers import DESTINATION_HEADER, KVGATE_HEADER_PREFIX, RATELIMIT_NAMESPACE
+from extproc.headers import (
+    DESTINATION_HEADER,
+    EXT_PROC_HEADERS,
+    KVGATE_HEADER_PREFIX,
+    RATELIMIT_NAMESPACE,
+    UPSTREAM_HEADERS,
+    UPSTREAM_HEADERS_NAMESPACE,
+)
 
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -97,6 +104,53 @@ def set_request_header(name: str, value: str) -> bytes:
     """Appended to a serialized headers-phase reply: set one more request header."""
     reply = pb.ProcessingResponse()
     fill_mutation(reply.request_headers.response.header_mutation, {name: value})
+    return reply.SerializeToString()
+
+
+def attribute_names(class_header: str) -> dict[str, str]:
+    """The ext_proc ``request_attributes`` that carry what kvgate reads of a request's
+    headers when the headers phase is skipped, and the header each stands for."""
+    names = {"request.path": ":path", "request.method": ":method"}
+    for header in (*EXT_PROC_HEADERS, class_header):
+        if not header.startswith(":") and header != "content-length":
+            names[f"request.headers['{header}']"] = header
+    return names
+
+
+_attribute_names: dict[str, dict[str, str]] = {}
+
+
+def attribute_map(message: pb.ProcessingRequest, class_header: str) -> dict[str, str]:
+    """The request headers the attributes carry (empty: none came)."""
+    names = _attribute_names.get(class_header)
+    if names is None:
+        names = _attribute_names[class_header] = attribute_names(class_header)
+    attributes = message.attributes.get(ATTRIBUTES_NAMESPACE)
+    if attributes is None:
+        return {}
+    values: dict[str, str] = {}
+    for key, value in attributes.fields.items():
+        header = names.get(key)
+        if header is not None:
+            values[header] = value.string_value
+    return values
+
+
+ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+
+
+@functools.lru_cache(maxsize=1024)
+def upstream_headers(tenant: str, request_class: str, priority: int | None,
+                     authorization: str | None) -> bytes:
+    """Appended to a body-phase routing reply when no headers phase ran (Envoy then applies
+    none of its header mutations): the headers kvgate sets upstream, as dynamic metadata
+    that the pool's attributes route turns into headers (``envoy_config._pool_routes``)."""
+    reply = pb.ProcessingResponse()
+    fields = reply.dynamic_metadata.fields[UPSTREAM_HEADERS_NAMESPACE].struct_value.fields
+    values = (tenant, request_class, None if priority is None else str(priority), authorization)
+    for name, value in zip(UPSTREAM_HEADERS, values, strict=True):
+        if value is not None:
+            fields[name].string_value = value
     return reply.SerializeToString()
 
 

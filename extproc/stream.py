@@ -1,12 +1,13 @@
 """One ext_proc stream = one HTTP request: the protocol state machine.
 
 Envoy sends request headers, then the request body (BUFFERED, one message) for the requests
-kvgate meters; each message gets exactly one reply, and any other order (only a hand-edited
-filter config sends one) is a 400. kvgate reads no response over ext_proc — a streamed
-answer would cost one message per chunk — but keeps the stream open (the bootstrap asks for
-response trailers, which an engine never sends, so no message comes) until Envoy ends it
-with the response. Envoy's Lua meter reports the response meanwhile (``reports.py``): the
-first chunk of a stream, then the usage at its end.
+kvgate meters — or, with ``envoy.request_attributes``, the body alone with the headers kvgate
+reads as attributes (``_on_attributes_and_body``); each message gets exactly one reply, and
+any other order (only a hand-edited filter config sends one) is a 400. kvgate reads no
+response over ext_proc — a streamed answer would cost one message per chunk — but keeps the
+stream open (the bootstrap asks for response trailers, which an engine never sends, so no
+message comes) until Envoy ends it with the response. Envoy's Lua meter reports the response
+meanwhile (``reports.py``): the first chunk of a stream, then the usage at its end.
 Whatever ends the stream — completion, an error, the client going away — ``close`` releases
 what the request held, exactly once.
 """
@@ -94,6 +95,8 @@ class RequestStream:
             if kind == "request_headers":
                 return await self._on_request_headers(message.request_headers)
             if kind == "request_body":
+                if self.tenant is None and self.request is None:  # no headers phase
+                    return await self._on_attributes_and_body(message)
                 return await self._on_request_body(message.request_body)
             return _continue_other(kind)
         except BadRequest as error:
@@ -118,25 +121,31 @@ class RequestStream:
     async def _on_request_headers(self, headers: pb.HttpHeaders) -> messages.Reply:
         if self.tenant is not None:
             raise _out_of_order("request headers a second time")
-        director = self.director
-        class_header = director.config.classification.header
+        class_header = self.director.config.classification.header
         values, spoofed = messages.header_map(headers, _wanted(class_header))
-        request_id = values.get(REQUEST_ID_HEADER) or ""
-        made_id = not usable_request_id(request_id)
-        self.request_id = new_request_id() if made_id else request_id
-        self.requested_class = values.get(class_header)
-        reply = await self._admit_headers(headers, values, spoofed)
+        made_id, metered = self._read_headers(values)
+        reply = await self._admit_headers(headers, values, spoofed, metered)
         if made_id and not self.done:  # the engine gets the id the log lines carry
             return (messages.serialize_reply(reply)
                     + messages.set_request_header(REQUEST_ID_HEADER, self.request_id))
         return reply
 
-    async def _admit_headers(self, headers: pb.HttpHeaders, values: dict[str, str],
-                             spoofed: list[str]) -> messages.Reply:
-        director = self.director
+    def _read_headers(self, values: dict[str, str]) -> tuple[bool, bool]:
+        """The request's id, class, path and tenant from its headers (or the attributes that
+        carry them); whether kvgate made the id, and whether the path is metered."""
+        request_id = values.get(REQUEST_ID_HEADER) or ""
+        made_id = not usable_request_id(request_id)
+        self.request_id = new_request_id() if made_id else request_id
+        self.requested_class = values.get(self.director.config.classification.header)
         self.path = path = route_path(values.get(":path", "/"))
-        self.tenant = tenant = director.authenticate(values.get("authorization"))
-        metered = check_route(values.get(":method", ""), path)
+        self.tenant = self.director.authenticate(values.get("authorization"))
+        return made_id, check_route(values.get(":method", ""), path)
+
+    async def _admit_headers(self, headers: pb.HttpHeaders, values: dict[str, str],
+                             spoofed: list[str], metered: bool) -> messages.Reply:
+        director = self.director
+        path, tenant = self.path, self.tenant
+        assert tenant is not None
         remove = (*STRIPPED_HEADERS, *spoofed) if spoofed else STRIPPED_HEADERS
         length = values.get("content-length")
         if (length is not None and length.isascii() and length.isdigit()
@@ -150,6 +159,29 @@ class RequestStream:
         if headers.end_of_stream:
             raise BadRequest(f"{path} needs a JSON request body")
         return messages.continue_request_headers(remove)
+
+    async def _on_attributes_and_body(self, message: pb.ProcessingRequest) -> messages.Reply:
+        """Headers phase skipped (``envoy.request_attributes``): the request headers kvgate
+        reads came as attributes with the body; then as the two phases would."""
+        director = self.director
+        values = messages.attribute_map(message, director.config.classification.header)
+        if not values:
+            raise _out_of_order("a request body before its headers, or a second one")
+        _made_id, metered = self._read_headers(values)  # Envoy's x-request-id goes upstream
+        if not metered:
+            raise _out_of_order(f"a request body for {self.path}, which is decided on headers")
+        assert self.tenant is not None
+        reject = await director.precheck(self.tenant)  # before the body is parsed
+        if reject is not None:
+            return self._refuse(reject)
+        reply = await self._on_request_body(message.request_body)
+        if self.done:
+            return reply
+        admission = self.admission
+        assert admission is not None
+        return messages.serialize_reply(reply) + messages.upstream_headers(
+            admission.tenant.name, admission.request_class, admission.priority,
+            director.upstream_authorization.get(admission.pool))
 
     async def _admit_without_body(self, remove: tuple[str, ...]) -> messages.Reply:
         """The harmless GETs: one request's worth, decided on headers alone."""

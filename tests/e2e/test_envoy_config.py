@@ -546,3 +546,28 @@ def test_unreachable_kvgate_gives_json_503(example: Config) -> None:
         "type": "server_error",
         "code": 503,
     }
+
+
+@pytest.mark.e2e
+def test_request_attributes_render_a_held_one_message_route_that_envoy_accepts(
+        example: Config) -> None:
+    bootstrap = render_bootstrap(with_settings(example, {}, {"request_attributes": True}))
+    typed = hcm_of(bootstrap)
+    names = [f["name"] for f in typed["http_filters"]]
+    # client x-kvgate-* stripped before ext_proc; headers held after it until kvgate decided
+    assert names[:3] == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+                         "envoy.filters.http.buffer"]
+    assert typed["http_filters"][2]["disabled"]
+    ext_proc = typed["http_filters"][1]["typed_config"]
+    assert "request.headers['authorization']" in ext_proc["request_attributes"]
+    routes = {r["name"]: r for r in typed["route_config"]["virtual_hosts"][0]["routes"]}
+    order = list(routes)
+    pool = example.pools[0].name
+    assert order.index(f"pool:{pool}:attributes") < order.index(f"pool:{pool}")
+    assert order.index("inference") < order.index("all")
+    inference = routes["inference"]["typed_per_filter_config"]
+    mode = inference["envoy.filters.http.ext_proc"]["overrides"]["processing_mode"]
+    assert mode["request_header_mode"] == "SKIP" and mode["response_trailer_mode"] == "SEND"
+    assert "envoy.filters.http.buffer" in inference
+    assert routes[f"pool:{pool}:attributes"]["request_headers_to_remove"] == ["authorization"]
+    validate(bootstrap)

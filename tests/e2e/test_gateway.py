@@ -23,11 +23,12 @@ KEYS = {"acme": "sk-e2e-acme", "slow": "sk-e2e-slow", "solo": "sk-e2e-solo",
 MAX_BODY = 64 * 1024
 
 
-def e2e_config():
+def e2e_config(request_attributes=False):
     engines = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     return parse_config({
         "server": {"grpc_port": free_port(), "admin_port": 0, "max_body_bytes": MAX_BODY},
-        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port(),
+                  "request_attributes": request_attributes},
         "tiers": {
             "big": {"limits": {"requests_per_second": 100, "tokens_per_minute": 1_000_000}},
             "tight": {"limits": {"requests_per_second": 1, "request_burst": 1}},
@@ -48,11 +49,13 @@ def e2e_config():
     })
 
 
-@pytest.fixture(scope="module")
-def stack():
+# every test runs with the headers phase, and with the headers as attributes on the body
+@pytest.fixture(scope="module", params=[False, True], ids=["headers", "attributes"])
+def stack(request):
     with pytest.MonkeyPatch.context() as env:
         env.setenv(UPSTREAM_KEY_ENV, UPSTREAM_KEY)
-        with local_stack(e2e_config(), engine_options={"ms_per_token": 5}) as running:
+        with local_stack(e2e_config(request_attributes=request.param),
+                         engine_options={"ms_per_token": 5}) as running:
             yield running
 
 

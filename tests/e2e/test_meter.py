@@ -114,7 +114,8 @@ def meter_stack() -> Iterator[tuple[Harness, EnvoyProcess]]:
     stamp = copy.deepcopy(next(f for f in filters if f["name"] == "envoy.filters.http.lua"))
     stamp["name"] = "stamp"
     stamp["typed_config"]["default_source_code"] = {"inline_string": STAMP}
-    filters[0] = stamp  # in ext_proc's place
+    at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
+    filters[at] = stamp  # in ext_proc's place
     with EnvoyProcess(bootstrap=bootstrap) as envoy:
         yield harness, envoy
     harness.stop()

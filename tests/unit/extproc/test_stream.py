@@ -511,3 +511,49 @@ async def test_a_request_without_an_id_gets_one_sent_upstream():
     reply = parsed(await stream.handle(headers_msg(key="sk-nope")))
     answer = reply.immediate_response
     assert header_dict(answer.headers)["x-request-id"] == stream.request_id
+
+
+def attributes_msg(body, path="/v1/chat/completions", key=KEY, method="POST", **headers):
+    """A body message carrying the request's headers as ext_proc attributes (the headers
+    phase skipped: ``envoy.request_attributes``)."""
+    message = body_msg(body)
+    fields = message.attributes["envoy.filters.http.ext_proc"].fields
+    fields["request.path"].string_value = path
+    fields["request.method"].string_value = method
+    if key is not None:
+        fields["request.headers['authorization']"].string_value = f"Bearer {key}"
+    for name, value in headers.items():
+        fields[f"request.headers['{name}']"].string_value = value
+    return message
+
+
+async def test_headers_as_attributes_admit_in_one_message_with_upstream_headers_as_metadata():
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(attributes_msg(chat(), **{"x-request-class": "batch"})))
+    assert not stream.done  # routed: the stream stays open for the response
+    sent = orjson.loads(reply.request_body.response.body_mutation.body)
+    upstream = reply.dynamic_metadata.fields["kvgate.headers"].struct_value.fields
+    assert upstream["x-kvgate-tenant"].string_value == "acme"
+    assert upstream["x-kvgate-class"].string_value == "batch"  # the class header was read
+    assert upstream["x-kvgate-priority"].string_value == str(sent["priority"])
+    assert "authorization" not in upstream  # no pool key: the route drops the client's
+    assert reply.dynamic_metadata.fields["kvgate"].struct_value.fields["pool"].string_value == "p"
+    assert await store.in_flight("acme") == 1
+    await stream.close(None)
+    assert await store.in_flight("acme") == 0
+
+
+async def test_headers_as_attributes_refuse_as_the_headers_phase_would():
+    stream, _ = new_stream()
+    assert parsed(await stream.handle(attributes_msg(chat(), key="sk-wrong"))
+                  ).immediate_response.status.code == 401
+    stream, _ = new_stream()
+    assert parsed(await stream.handle(attributes_msg(chat(), method="GET"))
+                  ).immediate_response.status.code == 405
+    stream, _ = new_stream()  # no attributes and no headers before: a broken filter config
+    assert parsed(await stream.handle(body_msg(chat()))).immediate_response.status.code == 400
+    stream, _ = new_stream(make_config(requests_per_second=1, request_burst=1))
+    assert not parsed(await stream.handle(attributes_msg(chat()))).HasField("immediate_response")
+    late = RequestStream(stream.director, Metrics(), stream.settings, ReportDesk())
+    refused = parsed(await late.handle(attributes_msg(b"not json")))  # refused before parsing
+    assert refused.immediate_response.status.code == 429
