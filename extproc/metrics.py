@@ -326,14 +326,19 @@ class Metrics:
 
     def store_error(self, error: BaseException) -> None:
         """A failed shared-store call, by a kind with a fixed set of values (the store wraps
-        Redis's own errors: the cause tells)."""
-        error = error.__cause__ or error
-        if isinstance(error, TimeoutError) or "Timeout" in type(error).__name__:
-            kind = "timeout"
-        elif isinstance(error, OSError | ConnectionError) or "Connection" in type(error).__name__:
-            kind = "connection"
-        else:
-            kind = "other"
+        Redis's own errors: the first timeout or connection error along the chain of causes
+        tells — ``asyncio.timeout``'s ``TimeoutError`` has the cancellation as its cause)."""
+        kind = "other"
+        seen: BaseException | None = error
+        while seen is not None:
+            name = type(seen).__name__
+            if isinstance(seen, TimeoutError) or "Timeout" in name:
+                kind = "timeout"
+                break
+            if isinstance(seen, OSError | ConnectionError) or "Connection" in name:
+                kind = "connection"
+                break
+            seen = seen.__cause__
         self.store_errors.labels(kind).inc()
 
 

@@ -3,6 +3,7 @@ README naming every series kvgate exports (extproc/metrics.py is the one list)."
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from prometheus_client import generate_latest
@@ -70,6 +71,20 @@ def test_store_errors_by_kind() -> None:
             metrics.store_error(wrapped)
     assert values(metrics, "kvgate_store_errors_total") == {
         ("timeout",): 1, ("connection",): 1, ("other",): 1}
+
+
+async def test_a_call_cut_by_asyncio_timeout_counts_as_a_timeout() -> None:
+    """``asyncio.timeout`` raises a ``TimeoutError`` whose cause is the cancellation."""
+    metrics = configured()
+    try:
+        try:
+            async with asyncio.timeout(0.001):
+                await asyncio.sleep(1)
+        except TimeoutError as timed_out:
+            raise RuntimeError("store call failed") from timed_out
+    except RuntimeError as wrapped:
+        metrics.store_error(wrapped)
+    assert values(metrics, "kvgate_store_errors_total") == {("timeout",): 1}
 
 
 def test_endpoint_series_come_from_the_store_when_scraped() -> None:
