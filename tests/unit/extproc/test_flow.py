@@ -335,9 +335,12 @@ async def test_shaping_paces_a_burst_and_refuses_past_its_backlog():
     assert (refused[0].status, refused[0].reason) == (429, "shaping_backlog_full")
     assert 0 < refused[0].retry_after_ms <= 100
     holds = sorted(o.admit.hold_ms for o in outcomes if isinstance(o, Admission))
-    assert holds[0] == 0 and 98 <= holds[1] <= 100 and 198 <= holds[2] <= 200
+    # each hold runs from its request's arrival to its slot (0, 100, 200 ms after the first);
+    # on a loaded machine the later ones arrive a few ms late and wait that much less
+    assert holds[0] == 0 and 85 <= holds[1] <= 100 and 185 <= holds[2] <= 200
     admitted_at = sorted(done_at)[1:]  # (the refusal came first)
-    assert all(at >= hold / 1000 - 0.002 for at, hold in zip(admitted_at, holds, strict=True))
+    assert all(later - earlier >= 0.098  # released no faster than 10 per second
+               for earlier, later in zip(admitted_at, admitted_at[1:]))
     for outcome in outcomes:
         if isinstance(outcome, Admission):
             await h.director.release(outcome, 10)
