@@ -49,8 +49,14 @@ CONFIGS = ("fifo", "priority", "wfq", "kvgate")
 ENGINE = {"ms_per_token": 40, "kv_blocks": 64, "block_size": 16, "max_num_seqs": 32}
 ENGINES = 2
 MAX_IN_FLIGHT = 6  # per endpoint, for the set-ups without KV admission
-CLASSES = {"interactive": {"priority": 0, "deadline_s": 30},
-           "batch": {"priority": 1, "deadline_s": 60}}
+# The workload's classes and their vLLM priorities; (d) ``kvgate`` keeps the shipped queue
+# deadlines (interactive 30 s, batch 300 s), the hand-set ones bound the other set-ups' queues.
+CLASSES = {"interactive": {"priority": 0}, "batch": {"priority": 1}}
+HAND_SET_DEADLINES = {"interactive": 30, "batch": 60}
+# What issue 13 asks of (d) against FIFO (a): interactive P99 at most this share of FIFO's,
+# at most this share of interactive requests past their TTFT SLA, batch throughput at least
+# this share of FIFO's.
+P99_RATIO_MAX, TIMEOUT_RATE_MAX, BATCH_RATIO_MIN = 0.3, 0.01, 0.9
 
 
 def kvgate_config(kind: str, endpoints: list[str]) -> Config:
@@ -59,8 +65,13 @@ def kvgate_config(kind: str, endpoints: list[str]) -> Config:
     pool: dict[str, Any] = {"name": "tiny", "models": [{"name": "tiny-llama",
                                                         "default_max_tokens": 256}],
                             "endpoints": endpoints, "priority_scheduling": kind != "wfq"}
-    classes: dict[str, Any] = CLASSES
-    queue: dict[str, Any] = {} if kind == "kvgate" else {"aging_s": None, "max_size": 4096}
+    shipped = kind == "kvgate"
+    classes: dict[str, Any] = (CLASSES if shipped else
+                               {name: spec | {"deadline_s": HAND_SET_DEADLINES[name]}
+                                for name, spec in CLASSES.items()})
+    queue: dict[str, Any] = {} if shipped else {"aging_s": None, "max_size": 4096}
+    classification: dict[str, Any] = (
+        {} if shipped else {"long_prompt_tokens": None, "path_classes": {}})
     section = kvgate_tenants(scenario, same_weight=kind == "priority")
     if kind in ("priority", "wfq"):
         pool |= {"kv_aware": False, "max_in_flight": MAX_IN_FLIGHT}
@@ -72,23 +83,25 @@ def kvgate_config(kind: str, endpoints: list[str]) -> Config:
     return parse_config({
         "server": {"grpc_port": free_port(), "admin_port": 0},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
-        "scrape": {} if kind == "kvgate" else {"interval_s": 0.05}, "queue": queue,
-        "classes": classes,
-        "classification": {"long_prompt_tokens": None, "path_classes": {}},
+        "scrape": {} if shipped else {"interval_s": 0.05}, "queue": queue,
+        "classes": classes, "classification": classification,
         **section, "pools": [pool],
     })
 
 
 def fifo_bootstrap(config: Config, endpoints: list[str]) -> dict[str, Any]:
-    """kvgate's own bootstrap minus the ext_proc filter, with the upstream cluster made a
-    STATIC round-robin over the engines: the same Envoy, only the policy removed."""
+    """kvgate's own bootstrap minus kvgate's filters (ext_proc, the Lua meter) and its
+    routes on kvgate's metadata: only the catch-all route is left, its cluster made a STATIC
+    round-robin over the engines — the same Envoy, only the policy removed."""
     from extproc.envoy_config import render_bootstrap
 
     bootstrap = render_bootstrap(config)
     resources = bootstrap["static_resources"]
     hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if "ext_proc" not in f["name"]]
-    upstream = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"].endswith(".router")]
+    host = hcm["route_config"]["virtual_hosts"][0]
+    host["routes"] = [r for r in host["routes"] if "dynamic_metadata" not in r["match"]]
+    upstream = host["routes"][0]["route"]["cluster"]
     lb_endpoints = [{"endpoint": {"address": {"socket_address": {
         "address": ep.split(":")[0], "port_value": int(ep.split(":")[1])}}}}
         for ep in endpoints]
@@ -157,22 +170,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The four targets of kvgate (d) against plain FIFO (a)."""
+    """The three targets of kvgate (d) against plain FIFO (a). Weighted shares are not one:
+    every tenant sends the same load and the pool keeps up on average, so each tenant's
+    served share equals its demand under any policy (FIFO's share error is kvgate's); the
+    virtual-time contention scenario, where every tenant is backlogged, measures them."""
     fifo, full = rows.get("fifo"), rows.get("kvgate")
     if fifo is None or full is None:
         return {}
     p99 = _ratio(full["interactive_ttft_p99_s"], fifo["interactive_ttft_p99_s"])
     thr = _ratio(full["batch_tokens_per_s"], fifo["batch_tokens_per_s"])
     checks = {
-        "interactive_p99_ratio": (p99, p99 is not None and p99 <= 0.2, "<= 0.2"),
+        "interactive_p99_ratio": (p99, p99 is not None and p99 <= P99_RATIO_MAX,
+                                  f"<= {P99_RATIO_MAX}"),
         "interactive_timeout_rate": (full["interactive_timeout_rate"],
-                                     full["interactive_timeout_rate"] <= 0.02, "<= 0.02"),
-        "batch_throughput_ratio": (thr, thr is not None and thr >= 0.9, ">= 0.9"),
-        "weighted_share_error": (full["max_share_error"], full["max_share_error"] <= 0.05,
-                                 "<= 0.05"),
-        "weighted_share_error_demand_aware": (full["max_share_error_demand_aware"],
-                                              full["max_share_error_demand_aware"] <= 0.05,
-                                              "<= 0.05"),
+                                     full["interactive_timeout_rate"] <= TIMEOUT_RATE_MAX,
+                                     f"<= {TIMEOUT_RATE_MAX}"),
+        "batch_throughput_ratio": (thr, thr is not None and thr >= BATCH_RATIO_MIN,
+                                   f">= {BATCH_RATIO_MIN}"),
     }
     return {k: {"value": v, "pass": ok, "target": t} for k, (v, ok, t) in checks.items()}
 
