@@ -17,7 +17,10 @@ are measured side by side rather than argued:
 Run it (~6 minutes on a 2-core machine)::
 
     python -m bench.policy_real [--rate 3.0 --duration 40 --seed 1] \\
-        [--configs fifo,priority,wfq,kvgate] [--out bench/results/policy-real.json]
+        [--configs fifo,priority,wfq,kvgate] [--out bench/results/policy-real.json] [--trace]
+
+The targets (:func:`targets`) are issue 13's, of (d) against (a). ``--trace`` records, for
+each kvgate run, its pool's state four times a second: where held-back work was held.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +45,7 @@ from bench.loadgen import (
     write_json,
 )
 from extproc.config import Config, parse_config
+from extproc.director import Director
 from extproc.ports import free_port
 
 CONFIGS = ("fifo", "priority", "wfq", "kvgate")
@@ -57,6 +62,7 @@ HAND_SET_DEADLINES = {"interactive": 30, "batch": 60}
 # at most this share of interactive requests past their TTFT SLA, batch throughput at least
 # this share of FIFO's.
 P99_RATIO_MAX, TIMEOUT_RATE_MAX, BATCH_RATIO_MIN = 0.3, 0.01, 0.9
+TRACE_PERIOD_S = 0.25
 
 
 def kvgate_config(kind: str, endpoints: list[str]) -> Config:
@@ -132,25 +138,73 @@ def fifo_stack(endpoints: list[str], config: Config) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def stack_for(kind: str) -> Iterator[str]:
-    """Engines (+ kvgate) + Envoy for one set-up; yields the gateway URL."""
+def stack_for(kind: str) -> Iterator[tuple[str, Director | None]]:
+    """Engines (+ kvgate) + Envoy for one set-up; yields the gateway URL and kvgate's
+    director (None for FIFO)."""
     from extproc.demo import local_stack
 
     endpoints = [f"127.0.0.1:{free_port()}" for _ in range(ENGINES)]
     config = kvgate_config("kvgate" if kind == "fifo" else kind, endpoints)
     if kind == "fifo":
         with fifo_stack(endpoints, config) as url:
-            yield url
+            yield url, None
     else:
         with local_stack(config, engine_options=ENGINE) as stack:
-            yield stack.url
+            yield stack.url, stack.kvgate.server.director
 
 
-def run_one(kind: str, rate: float, duration_s: float, seed: int) -> LoadResult:
-    with stack_for(kind) as url:
+class Tracer:
+    """Samples kvgate's view of the pool every ``TRACE_PERIOD_S`` on a thread of its own:
+    per endpoint the scraped KV use and what the scheduler holds there (the KV its requests
+    in flight are committed to grow to, how many are in flight and not yet started), and
+    the queue's (band, KV tokens) in dispatch order — where a held-back request was held."""
+
+    def __init__(self, director: Director):
+        self.director = director
+        self.samples: list[dict[str, Any]] = []
+        self._stop, self._start = threading.Event(), time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="trace", daemon=True)
+
+    def _sample(self) -> dict[str, Any]:
+        snapshot = self.director.endpoints.snapshot()
+        pools = {}
+        for name, flow in self.director.flows.items():
+            scheduler = flow.scheduler
+            pools[name] = {
+                "endpoints": [{"address": s.address, "kv_usage": s.kv_cache_usage,
+                               "kv_capacity": s.kv_capacity_tokens,
+                               "committed": scheduler.committed.get(s.address, 0),
+                               "in_flight": scheduler.in_flight.get(s.address, 0),
+                               "unstarted": scheduler.unstarted.get(s.address, 0)}
+                              for s in snapshot.endpoints(name)],
+                "output_ratio": scheduler.output_ratio,
+                "queued": [(i.band, i.cost) for i in flow.queue.items()]}
+        return {"t": time.monotonic() - self._start, "pools": pools}
+
+    def _run(self) -> None:
+        while not self._stop.wait(TRACE_PERIOD_S):
+            self.samples.append(self._sample())  # reads only; a torn read is one sample off
+
+    def __enter__(self) -> Tracer:
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_one(kind: str, rate: float, duration_s: float, seed: int, *, trace: bool = False
+            ) -> tuple[LoadResult, list[dict[str, Any]] | None]:
+    """One set-up's run; ``trace``: with kvgate's pool sampled (:class:`Tracer`)."""
+    with stack_for(kind) as (url, director):
         time.sleep(0.5)  # a few scrape rounds, so kvgate sees the engines as fresh
-        return asyncio.run(run_load(url, "reference", duration_s, rate, seed,
-                                    progress=sys.stderr.isatty(), label=kind))
+        tracer = Tracer(director) if trace and director is not None else None
+        with tracer or contextlib.nullcontext():
+            result = asyncio.run(run_load(url, "reference", duration_s, rate, seed,
+                                          progress=sys.stderr.isatty(), label=kind))
+        return result, None if tracer is None else tracer.samples
 
 
 def row(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -224,6 +278,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default="bench/results/policy-real.json")
     p.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
+    p.add_argument("--trace", action="store_true", help="sample kvgate's pool state every "
+                   f"{TRACE_PERIOD_S} s into each kvgate run's 'trace' (where work was held)")
     return p.parse_args(argv)
 
 
@@ -233,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     runs, rows = [], {}
     for kind in args.configs.split(","):
         started = time.monotonic()
-        result = run_one(kind, args.rate, args.duration, args.seed)
-        data = result.to_json()
+        result, samples = run_one(kind, args.rate, args.duration, args.seed,
+                                  trace=args.trace)
+        data = result.to_json() | ({} if samples is None else {"trace": samples})
         runs.append(data)
         rows[kind] = row(kind, data["summary"])
         print(f"\n== {kind} ({time.monotonic() - started:.0f} s)\n"
