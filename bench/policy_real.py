@@ -31,12 +31,12 @@ import contextlib
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.loadgen import (
-    LoadResult,
     format_summary,
     kvgate_tenants,
     load_scenario,
@@ -138,19 +138,19 @@ def fifo_stack(endpoints: list[str], config: Config) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def stack_for(kind: str) -> Iterator[tuple[str, Director | None]]:
-    """Engines (+ kvgate) + Envoy for one set-up; yields the gateway URL and kvgate's
-    director (None for FIFO)."""
+def stack_for(kind: str) -> Iterator[tuple[str, Director | None, list[str]]]:
+    """Engines (+ kvgate) + Envoy for one set-up; yields the gateway URL, kvgate's
+    director (None for FIFO) and the engines' addresses."""
     from extproc.demo import local_stack
 
     endpoints = [f"127.0.0.1:{free_port()}" for _ in range(ENGINES)]
     config = kvgate_config("kvgate" if kind == "fifo" else kind, endpoints)
     if kind == "fifo":
         with fifo_stack(endpoints, config) as url:
-            yield url, None
+            yield url, None, endpoints
     else:
         with local_stack(config, engine_options=ENGINE) as stack:
-            yield stack.url, stack.kvgate.server.director
+            yield stack.url, stack.kvgate.server.director, endpoints
 
 
 class Tracer:
@@ -195,16 +195,31 @@ class Tracer:
         self._thread.join()
 
 
+def preemptions(endpoints: list[str]) -> int:
+    """The engines' preemptions so far (``vllm:num_preemptions_total``): what running
+    requests outgrowing the KV cache cost, and what admitting by committed KV avoids."""
+    total = 0.0
+    for endpoint in endpoints:
+        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("vllm:num_preemptions_total"):
+                    total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
 def run_one(kind: str, rate: float, duration_s: float, seed: int, *, trace: bool = False
-            ) -> tuple[LoadResult, list[dict[str, Any]] | None]:
-    """One set-up's run; ``trace``: with kvgate's pool sampled (:class:`Tracer`)."""
-    with stack_for(kind) as (url, director):
+            ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    """One set-up's run (its summary gains the engines' ``preemptions``); ``trace``: with
+    kvgate's pool sampled (:class:`Tracer`)."""
+    with stack_for(kind) as (url, director, endpoints):
         time.sleep(0.5)  # a few scrape rounds, so kvgate sees the engines as fresh
         tracer = Tracer(director) if trace and director is not None else None
         with tracer or contextlib.nullcontext():
             result = asyncio.run(run_load(url, "reference", duration_s, rate, seed,
                                           progress=sys.stderr.isatty(), label=kind))
-        return result, None if tracer is None else tracer.samples
+        data = result.to_json()
+        data["summary"]["preemptions"] = preemptions(endpoints)
+        return data, None if tracer is None else tracer.samples
 
 
 def row(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +229,7 @@ def row(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
             "interactive_timeout_rate": inter["timeout_rate"],
             "interactive_reject_rate": inter["reject_rate"],
             "batch_tokens_per_s": batch["tokens_per_s"], "batch_reject_rate": batch["reject_rate"],
+            "preemptions": summary.get("preemptions"),
             "jain": summary["jain"], "max_share_error": summary["max_share_error"],
             "jain_demand_aware": summary["jain_demand_aware"],
             "max_share_error_demand_aware": summary["max_share_error_demand_aware"]}
@@ -251,7 +267,7 @@ def _f(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def format_table(rows: dict[str, dict[str, Any]], checks: dict[str, Any]) -> str:
     lines = ["config     int P50 s  int P99 s  P99/P50  int timeout  int reject  batch tok/s"
-             "  Jain   share err  (demand-aware Jain, err)"]
+             "  preempt  Jain   share err  (demand-aware Jain, err)"]
     for kind, r in rows.items():
         spread = _ratio(r["interactive_ttft_p99_s"], r["interactive_ttft_p50_s"])
         lines.append(
@@ -259,7 +275,7 @@ def format_table(rows: dict[str, dict[str, Any]], checks: dict[str, Any]) -> str
             f"{_f(r['interactive_ttft_p99_s']):>11}"
             f"{_f(spread, 1, 1):>9}{_f(r['interactive_timeout_rate'], 100, 1):>12}%"
             f"{_f(r['interactive_reject_rate'], 100, 1):>11}%"
-            f"{_f(r['batch_tokens_per_s'], 1, 1):>13}"
+            f"{_f(r['batch_tokens_per_s'], 1, 1):>13}{r['preemptions']!s:>9}"
             f"{_f(r['jain'], 1, 3):>7}{_f(r['max_share_error'], 100, 1):>10}%"
             f"   ({_f(r['jain_demand_aware'], 1, 3)}, "
             f"{_f(r['max_share_error_demand_aware'], 100, 1)}%)")
@@ -289,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     runs, rows = [], {}
     for kind in args.configs.split(","):
         started = time.monotonic()
-        result, samples = run_one(kind, args.rate, args.duration, args.seed,
-                                  trace=args.trace)
-        data = result.to_json() | ({} if samples is None else {"trace": samples})
+        data, samples = run_one(kind, args.rate, args.duration, args.seed, trace=args.trace)
+        if samples is not None:
+            data["trace"] = samples
         runs.append(data)
         rows[kind] = row(kind, data["summary"])
         print(f"\n== {kind} ({time.monotonic() - started:.0f} s)\n"
