@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 import threading
 import time
@@ -44,7 +45,7 @@ from bench.loadgen import (
     ttft_cdf_plot,
     write_json,
 )
-from extproc.config import Config, parse_config
+from extproc.config import Config, Watermarks, parse_config
 from extproc.director import Director
 from extproc.ports import free_port
 
@@ -285,6 +286,77 @@ def format_table(rows: dict[str, dict[str, Any]], checks: dict[str, Any]) -> str
     return "\n".join(lines)
 
 
+def tokens_by(run: dict[str, Any], klass: str, until_s: float) -> float:
+    """Completion tokens of ``klass`` delivered by ``until_s`` after the start, each answered
+    request's tokens spread evenly from its first token to its end."""
+    total = 0.0
+    for r in run["records"]:
+        if r["klass"] != klass or r["outcome"] != "ok" or r["ttft_s"] is None:
+            continue
+        first, end = r["sent_at"] + r["ttft_s"], r["sent_at"] + r["e2e_s"]
+        share = 1.0 if end <= until_s else max(0.0, until_s - first) / max(end - first, 1e-9)
+        total += min(1.0, share) * r["completion_tokens"]
+    return total
+
+
+def _held_by(endpoints: list[dict[str, Any]], tokens: int, high: float) -> str:
+    """What keeps a request of ``tokens`` off every endpoint, as the trace saw it: the high
+    watermark on scraped use, the committed-KV bound, both, or neither (another gate, or
+    a sample taken between a finish and the next dispatch)."""
+    def marks(e: dict[str, Any]) -> tuple[bool, bool]:
+        capacity = e["kv_capacity"]
+        return ((e["kv_usage"] or 0.0) * capacity + tokens > high * capacity,
+                e["committed"] + tokens > capacity)
+
+    seen = [marks(e) for e in endpoints if e["kv_capacity"]]
+    mark, bound = all(m for m, _ in seen), all(b for _, b in seen)
+    return {(True, True): "both", (True, False): "watermark", (False, True): "committed"}.get(
+        (mark, bound), "neither")
+
+
+def explain(data: dict[str, Any], slow_s: float = 0.3) -> str:
+    """Where a traced run's kvgate held work back (``--explain``): batch tokens by the end of
+    the arrivals against FIFO's, what held the smallest queued batch request in each sample,
+    and the state each slow interactive request arrived to."""
+    runs = {r["label"]: r for r in data["runs"]}
+    kvgate, fifo = runs["kvgate"], runs.get("fifo")
+    lines = []
+    if fifo is not None:
+        mine, theirs = (tokens_by(r, "batch", data["duration_s"]) for r in (kvgate, fifo))
+        lines.append(f"batch tokens by the end of the arrivals ({data['duration_s']:g} s): "
+                     f"{mine:.0f} vs FIFO's {theirs:.0f} ({mine / theirs:.3f}); wall time "
+                     f"{kvgate['elapsed_s']:.1f} vs {fifo['elapsed_s']:.1f} s")
+    high = Watermarks().high  # (d) runs on the defaults
+    held: dict[str, int] = {}
+    usage, committed = [], []
+    samples = kvgate.get("trace", [])
+    for sample in samples:
+        for pool in sample["pools"].values():
+            queued = [tokens for band, tokens in pool["queued"] if band]
+            if not queued:
+                continue
+            why = _held_by(pool["endpoints"], min(queued), high)
+            held[why] = held.get(why, 0) + 1
+            usage += [e["kv_usage"] or 0.0 for e in pool["endpoints"]]
+            committed += [e["committed"] / e["kv_capacity"] for e in pool["endpoints"]
+                          if e["kv_capacity"]]
+    if usage:
+        lines.append(f"samples with lower-band work queued: {sum(held.values())} of "
+                     f"{len(samples)}; mean scraped KV use {sum(usage) / len(usage):.2f}, "
+                     f"committed {sum(committed) / len(committed):.2f}; the smallest held by "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(held.items())))
+    for r in kvgate["records"]:
+        if r["klass"] != "interactive" or (r["ttft_s"] or 0) <= slow_s or not samples:
+            continue
+        sample = min(samples, key=lambda s: abs(s["t"] - r["sent_at"]))
+        for pool in sample["pools"].values():
+            state = ", ".join(f"use {e['kv_usage'] or 0:.2f} committed {e['committed']}"
+                              f"/{e['kv_capacity']}" for e in pool["endpoints"])
+            lines.append(f"interactive at {r['sent_at']:.1f} s, first token {r['ttft_s']:.2f}"
+                         f" s, needs {r['offered_tokens']}: {state}")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.policy_real", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,6 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default="bench/results/policy-real.json")
     p.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
+    p.add_argument("--explain", metavar="JSON", help="print where a recorded --trace run "
+                   "held work back (see explain()) and exit")
     p.add_argument("--trace", action="store_true", help="sample kvgate's pool state every "
                    f"{TRACE_PERIOD_S} s into each kvgate run's 'trace' (where work was held)")
     return p.parse_args(argv)
@@ -301,6 +375,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.explain:
+        print(explain(json.loads(Path(args.explain).read_text())))
+        return 0
     argv = sys.argv[1:] if argv is None else argv
     runs, rows = [], {}
     for kind in args.configs.split(","):

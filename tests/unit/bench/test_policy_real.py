@@ -55,3 +55,24 @@ def test_targets_are_issue_13s() -> None:
     assert all(check["pass"] for check in passing.values())
     missing = policy_real.targets({"fifo": fifo, "kvgate": _row(0.31, 0.011, 89.0)})
     assert not any(check["pass"] for check in missing.values())
+
+
+def _record(klass: str, sent: float, ttft: float, e2e: float, tokens: int) -> dict[str, Any]:
+    return {"klass": klass, "outcome": "ok", "sent_at": sent, "ttft_s": ttft, "e2e_s": e2e,
+            "completion_tokens": tokens, "offered_tokens": 100}
+
+
+def test_explain_says_what_held_work_back() -> None:
+    endpoint = {"kv_usage": 0.75, "kv_capacity": 1000, "committed": 970}
+    trace = [{"t": 1.0, "pools": {"p": {"endpoints": [endpoint], "queued": [(1, 300)]}}},
+             {"t": 2.0, "pools": {"p": {"endpoints": [endpoint], "queued": [(1, 40)]}}}]
+    kvgate = {"label": "kvgate", "elapsed_s": 12.0, "trace": trace, "records": [
+        _record("batch", 0.0, 1.0, 11.0, 100), _record("interactive", 1.0, 0.5, 1.0, 10)]}
+    fifo = {"label": "fifo", "elapsed_s": 10.0, "records": [
+        _record("batch", 0.0, 0.0, 10.0, 100)]}
+    assert policy_real.tokens_by(kvgate, "batch", 6.0) == 50  # half its decode by then
+    text = policy_real.explain({"duration_s": 6.0, "runs": [fifo, kvgate]})
+    assert "50 vs FIFO's 60 (0.833)" in text
+    # 300 tokens: over the high watermark and the committed bound; 40: the bound only
+    assert "held by both 1, committed 1" in text
+    assert "interactive at 1.0 s, first token 0.50 s" in text
