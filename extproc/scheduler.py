@@ -27,7 +27,9 @@ scraped usage, so a burst spreads across endpoints before the next scrape shows 
 Committed load: what the requests kvgate sent an endpoint are expected to grow to as they
 decode (prompt + :attr:`PoolScheduler.output_ratio` of their reserved output, learned from
 the usage of finished requests) must fit in its KV capacity — a scrape only shows what they
-hold now, and vLLM preempts when running requests outgrow its cache.
+hold now, and vLLM preempts when running requests outgrow its cache. Band 0 on a pool with
+``priority_scheduling`` is exempt: should the cache fill, the engine preempts the lower
+priority, and interactive work never waits for KV that batch work may need later.
 
 Prefill isolation. vLLM V1 schedules its *running* requests before admitting waiting ones,
 and a long prompt is prefilled in chunks that take the whole step budget — so a new
@@ -193,7 +195,8 @@ class PoolScheduler:
             return refuse(Reason.NO_ENDPOINT,
                           f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
         limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
-        candidates = [self._candidate(e.state, tokens) for e in usable
+        committed_bound = bool(band) or not self.config.priority_scheduling
+        candidates = [self._candidate(e.state, tokens, committed_bound) for e in usable
                       if e.takes_work and self._has_slot(e.state.address, limit)
                       and self._has_seq(e.state.address, band)
                       and self._below_unstarted(e.state.address, ahead)]
@@ -439,7 +442,12 @@ class PoolScheduler:
             return candidates
         return [c for c in candidates if self.low_prefills.get(c.state.address, 0)]
 
-    def _candidate(self, state: EndpointState, tokens: int) -> Candidate:
+    def _candidate(self, state: EndpointState, tokens: int, committed_bound: bool = True
+                   ) -> Candidate:
+        """``committed_bound``: the KV committed to requests in flight binds too (not for
+        band 0 on a priority-scheduled engine: if the cache fills before they end, the
+        engine preempts lower-priority work, and an interactive request should not wait for
+        KV a batch request may only need later)."""
         capacity = state.kv_capacity_tokens
         usage = state.kv_cache_usage or 0.0
         if not capacity:
@@ -455,7 +463,7 @@ class PoolScheduler:
         # of blocks and preempt before they end: that takes nothing, however low the
         # scraped usage.
         committed = (self.committed.get(state.address, 0) + tokens) / capacity
-        if committed > 1.0:
+        if committed_bound and committed > 1.0:
             after = max(after, committed)
         return Candidate(state, after, after <= self.config.watermarks.high)
 

@@ -4,6 +4,7 @@ capacity out in band order as it frees, with deadlines and disconnects leaving n
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import orjson
@@ -340,7 +341,7 @@ async def test_shaping_paces_a_burst_and_refuses_past_its_backlog():
     assert holds[0] == 0 and 85 <= holds[1] <= 100 and 185 <= holds[2] <= 200
     admitted_at = sorted(done_at)[1:]  # (the refusal came first)
     assert all(later - earlier >= 0.098  # released no faster than 10 per second
-               for earlier, later in zip(admitted_at, admitted_at[1:]))
+               for earlier, later in itertools.pairwise(admitted_at))
     for outcome in outcomes:
         if isinstance(outcome, Admission):
             await h.director.release(outcome, 10)

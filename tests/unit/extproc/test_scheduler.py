@@ -162,6 +162,18 @@ def test_requests_in_flight_are_expected_to_grow_to_their_committed_kv():
     assert sched.committed["e1"] == 0
 
 
+def test_interactive_work_on_a_priority_engine_does_not_wait_for_committed_kv():
+    """The engine would preempt the batch request, not the interactive one."""
+    for priority, interactive_fits in ((True, True), (False, False)):
+        sched = scheduler(priority_scheduling=priority)
+        sched.reserve("batch", "a", "e1", 900, NOW - 1, band=1, prompt_tokens=50)
+        sched.first_token("batch", NOW - 1)
+        snap = snapshot(state("e1", 0.1))
+        placed = sched.place("a", 200, snap, NOW, random.Random(0), band=0)
+        assert isinstance(placed, Placement) is interactive_fits
+        assert isinstance(sched.place("a", 200, snap, NOW, random.Random(0), band=1), Reject)
+
+
 def test_short_answers_teach_the_scheduler_to_commit_less_output():
     """Clients that set a generous max_tokens and stop early: the committed KV follows what
     requests really produce; one long answer raises it again at once."""
