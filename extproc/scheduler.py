@@ -192,8 +192,7 @@ class PoolScheduler:
                           f"of pool '{self.config.name}' holds {view.largest}", None)
         usable = [e for e in view.endpoints if now <= e.fresh_until]
         if not usable:
-            return refuse(Reason.NO_ENDPOINT,
-                          f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
+            return self._none_ready(view)
         limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
         committed_bound = bool(band) or not self.config.priority_scheduling
         candidates = [self._candidate(e.state, tokens, committed_bound) for e in usable
@@ -512,6 +511,17 @@ class PoolScheduler:
         return Placement(addresses[: 1 + FALLBACKS])
 
     # -- when to come back -----------------------------------------------------------------
+
+    def _none_ready(self, view: _PoolView) -> Reject:
+        """No endpoint is fresh. Reachable ones whose numbers only aged (an engine too busy
+        to answer its ``/metrics`` in time) make the request wait in the queue for the next
+        scrape, like a full pool; none reachable, or none scraped yet, is a 503 at once."""
+        if any(e.fresh_until > -math.inf for e in view.endpoints):
+            return refuse(Reason.SATURATED,
+                          f"pool '{self.config.name}': no endpoint's metrics are fresh "
+                          "(busy engines answer their scrapes late)", MIN_RETRY_MS)
+        return refuse(Reason.NO_ENDPOINT,
+                      f"no endpoint of pool '{self.config.name}' is ready", MIN_RETRY_MS)
 
     def _saturated(self, tokens: int, now: float) -> Reject:
         return refuse(Reason.SATURATED,

@@ -21,6 +21,7 @@ from extproc.engine.server import EngineProcess
 from extproc.envoy_config import EXT_PROC_FAILURE_MESSAGE
 from extproc.envoy_proc import EnvoyProcess
 from extproc.processes import KvgateProcess
+from limiter import Reject
 from tests.conftest import free_port
 from tests.paths import DATA
 
@@ -206,11 +207,25 @@ def test_a_hung_or_garbled_scrape_target_goes_stale_without_piling_up(fault: str
             assert state().healthy  # reachable, so not "down": its numbers aged out
             assert server.scraper.rounds > rounds + 2  # each round bounded by the timeout
             assert target.max_in_flight <= 1  # one scrape at a time, however long they hang
-            decision = kvgate.call(server.director.admit(
-                server.director.authenticate(f"Bearer {KEY}"),
-                _parsed(chat()), None))
-            assert decision.reason.value == "no_ready_endpoint"
+            admit = lambda: server.director.admit(  # noqa: E731
+                server.director.authenticate(f"Bearer {KEY}"), _parsed(chat()), None)
+
+            async def waits() -> bool:
+                try:
+                    await asyncio.wait_for(admit(), 0.5)
+                except TimeoutError:
+                    return True
+                return False
+
+            # reachable but late: the request waits for a fresh scrape instead of a 503
+            assert kvgate.call(waits())
             assert server.scraper.running  # nothing crashed
+            target.mode = "good"
+            wait_until(lambda: state().is_usable(time.monotonic(), 1.0))
+            decision = kvgate.call(admit())
+            assert not isinstance(decision, Reject), decision
+            kvgate.call(server.director.release(decision, 0))
+            assert kvgate.call(server.director.store.in_flight("acme")) == 0
         finally:
             kvgate.stop()
 

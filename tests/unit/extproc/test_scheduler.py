@@ -10,6 +10,7 @@ from extproc.datalayer.metrics import EngineMetrics
 from extproc.datalayer.nvml import GpuReading
 from extproc.scheduler import MIN_RETRY_MS, Placement, PoolScheduler
 from limiter import Reject
+from limiter.outcome import QUEUEABLE
 
 CAPACITY = 1000
 NOW = 100.0
@@ -105,6 +106,15 @@ def test_no_drain_history_falls_back_to_a_one_second_retry():
 def test_nothing_ready_is_503():
     shed = place(scheduler(), snapshot(state("e1", 0.1, healthy=False)))
     assert (shed.status, shed.reason) == (503, "no_ready_endpoint")
+
+
+def test_endpoints_whose_numbers_only_aged_make_requests_wait_not_fail():
+    """A reachable engine too busy to answer its scrape in time: the request may queue for
+    the next scrape (pool_saturated is what the fair queue waits out)."""
+    stale = snapshot(state("e1", 0.1, scraped_at=NOW - 10), state("e2", 0.1, healthy=False))
+    shed = place(scheduler(), stale)
+    assert (shed.status, shed.reason) == (503, "pool_saturated")
+    assert shed.reason in QUEUEABLE
 
 
 def test_larger_than_any_endpoints_kv_is_400_do_not_retry():
