@@ -3,22 +3,47 @@
 from __future__ import annotations
 
 import errno
+import random
 import socket
+from pathlib import Path
 
 _handed_out: set[int] = set()  # ports this process already gave to something it starts
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; bind soon to keep it), and
-    never one this process handed out before: a config asks for several ports before any
-    is bound, and the OS may offer the same free port twice (a CI run failed that way)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in _handed_out:
+    """A TCP port that was free a moment ago (bind soon to keep it), never one this process
+    handed out before (a config asks for several ports before any is bound), and outside
+    the kernel's ephemeral range when it can be: a port picked from that range can be taken
+    by any outgoing connection before its server binds it (CI runs failed both ways)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        wanted = random.randrange(PRIVATE_PORTS_FROM, low) if low > PRIVATE_PORTS_FROM else 0
+        port = _bindable(host, wanted)
+        if port and port not in _handed_out:
             _handed_out.add(port)
             return port
+    raise OSError(errno.EADDRINUSE, "no free port found")
+
+
+PRIVATE_PORTS_FROM = 20000  # below the ephemeral range, above most well-known services
+
+
+def _ephemeral_low() -> int:
+    """Where the ports the kernel gives outgoing connections start."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152  # the IANA dynamic range (macOS, BSD)
+
+
+def _bindable(host: str, port: int) -> int:
+    """``port`` if it can be bound now (0: the one the OS picks), else 0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return 0
+        return sock.getsockname()[1]
 
 
 class PortInUse(Exception):
