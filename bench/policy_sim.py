@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import shlex
 import statistics
 import sys
@@ -238,7 +239,10 @@ def matrix_cell(job: tuple[int, int, int, float, float, float]) -> dict[str, Any
 
 def run_matrix(requests: int, engines: int, jobs: int, seeds: tuple[int, ...],
                loads: tuple[float, ...], mixes: tuple[float, ...]) -> list[dict[str, Any]]:
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # spawned, not forked: a fork of a process with gRPC threads running (a test session)
+    # can spin forever in the child
+    with ProcessPoolExecutor(max_workers=jobs,
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
         knees = {(seed, mix): rate for seed, mix, rate in pool.map(
             matrix_knee, [(requests, engines, s, m) for s in seeds for m in mixes])}
         work = [(requests, engines, s, m, load, knees[(s, m)])
