@@ -97,9 +97,9 @@ def kvgate_config(kind: str, endpoints: list[str]) -> Config:
 
 
 def fifo_bootstrap(config: Config, endpoints: list[str]) -> dict[str, Any]:
-    """kvgate's own bootstrap minus kvgate's filters (ext_proc, the Lua meter) and its
-    routes on kvgate's metadata: only the catch-all route is left, its cluster made a STATIC
-    round-robin over the engines — the same Envoy, only the policy removed."""
+    """kvgate's own bootstrap minus kvgate's filters (ext_proc, the Lua meter, the header
+    strip and hold) and its routes: only the catch-all route is left, its cluster made a
+    STATIC round-robin over the engines — the same Envoy, only the policy removed."""
     from extproc.envoy_config import render_bootstrap
 
     bootstrap = render_bootstrap(config)
@@ -107,7 +107,7 @@ def fifo_bootstrap(config: Config, endpoints: list[str]) -> dict[str, Any]:
     hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"].endswith(".router")]
     host = hcm["route_config"]["virtual_hosts"][0]
-    host["routes"] = [r for r in host["routes"] if "dynamic_metadata" not in r["match"]]
+    host["routes"] = [r for r in host["routes"] if r["name"] == "all"]  # the catch-all
     upstream = host["routes"][0]["route"]["cluster"]
     lb_endpoints = [{"endpoint": {"address": {"socket_address": {
         "address": ep.split(":")[0], "port_value": int(ep.split(":")[1])}}}}
@@ -178,7 +178,7 @@ class Tracer:
                                "in_flight": scheduler.in_flight.get(s.address, 0),
                                "unstarted": scheduler.unstarted.get(s.address, 0)}
                               for s in snapshot.endpoints(name)],
-                "output_ratio": scheduler.output_ratio,
+                "output_ratio": scheduler.output_ratio, "decode_rate": scheduler.decode_rate,
                 "queued": [(i.band, i.cost) for i in flow.queue.items()]}
         return {"t": time.monotonic() - self._start, "pools": pools}
 

@@ -270,7 +270,8 @@ class Gated(Policy):
         self.dispatch(now)
 
     def on_finish(self, job: Job, now: float) -> None:
-        self.scheduler.release(job.id, now)
+        # as the meter reports the engine's usage: every request makes its max_tokens
+        self.scheduler.release(job.id, now, output_tokens=job.max_tokens)
         self.dispatch(now)
 
     def on_first_token(self, job: Job, now: float) -> None:
@@ -323,7 +324,8 @@ class Gated(Policy):
     def _place(self, item: QueuedRequest, now: float) -> str | None:
         placed = self.scheduler.place(item.tenant, item.cost, self.snapshot, now, self.rng,
                                       band=self.queue.effective_band(item, _ms(now)),
-                                      waited_s=now - item.enqueued_ms / 1000)
+                                      waited_s=now - item.enqueued_ms / 1000,
+                                      prompt_tokens=self.jobs[item.id].prompt)
         return placed.endpoints[0] if isinstance(placed, Placement) else None
 
 

@@ -337,7 +337,7 @@ class Director:
     ) -> Placement | Reject:
         return scheduler.place(
             tenant.name, cost.tokens, self.endpoints.snapshot(), self.clock(), self.rng,
-            band=band,
+            band=band, prompt_tokens=cost.prompt_tokens,
         )
 
     def _degrade(

@@ -184,9 +184,11 @@ class FlowController:
         """Placed as the band the queue ranks it in (aging included): everything ranked
         together sees the same gates, so a tenant's aged batch request cannot hold back
         its own interactive one on a gate that only batch work meets."""
+        waiter: Waiter = item.payload  # type: ignore[assignment]
         return self.scheduler.place(
             item.tenant, item.cost, self.endpoints.snapshot(), self.clock(), self.rng,
             band=band, waited_s=max(0, self.clock_ms() - item.enqueued_ms) / 1000,
+            prompt_tokens=waiter.prompt_tokens,
         )
 
     # -- answers and visibility ------------------------------------------------------------
@@ -233,4 +235,6 @@ class FlowController:
             # share of reserved output that expectation counts (learned from usage)
             "committed_kv_tokens": dict(self.scheduler.committed),
             "expected_output_share": round(self.scheduler.output_ratio, 4),
+            # output tokens per second of one running sequence (0: none finished yet)
+            "decode_tokens_per_s": round(self.scheduler.decode_rate, 2),
         }

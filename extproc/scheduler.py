@@ -24,12 +24,17 @@ halves it. An engine that keeps work waiting never sees it grow.
 Predictive load: reservations admitted since an endpoint's last scrape are added to its
 scraped usage, so a burst spreads across endpoints before the next scrape shows it.
 
-Committed load: what the requests kvgate sent an endpoint are expected to grow to as they
-decode (prompt + :attr:`PoolScheduler.output_ratio` of their reserved output, learned from
-the usage of finished requests) must fit in its KV capacity — a scrape only shows what they
-hold now, and vLLM preempts when running requests outgrow its cache. Band 0 on a pool with
-``priority_scheduling`` is exempt: should the cache fill, the engine preempts the lower
-priority, and interactive work never waits for KV that batch work may need later.
+Committed load: a scrape only shows what running requests hold now, and vLLM preempts when
+they outgrow its cache. Each request kvgate sent an endpoint is expected to grow to its
+prompt + :attr:`PoolScheduler.output_ratio` of its reserved output (learned from the usage
+of finished requests), one token per engine step, and to free it all when it ends. So they
+do not all peak at once: the cache must hold their largest total at any moment ahead, which
+is reached just before one of them ends (:func:`future_peak`). Each request's progress is
+estimated from when it started and the pool's decode rate per sequence (learned from
+finished requests; unknown: none made). The peak with a new request must fit the endpoint's
+KV capacity. Band 0 on a pool with ``priority_scheduling`` is exempt: should the cache
+fill, the engine preempts the lower priority, and interactive work never waits for KV that
+batch work may need later.
 
 Prefill isolation. vLLM V1 schedules its *running* requests before admitting waiting ones,
 and a long prompt is prefilled in chunks that take the whole step budget — so a new
@@ -69,6 +74,7 @@ DRAIN_WINDOW_S = 10.0
 # the expected share of reserved output (``PoolScheduler.output_ratio``): how fast it rises
 # toward a longer answer and decays toward a shorter one, and its floor
 OUTPUT_RATIO_RISE, OUTPUT_RATIO_DECAY, MIN_OUTPUT_RATIO = 0.5, 0.02, 0.05
+DECODE_RATE_WEIGHT = 0.2  # of each finished request in the pool's decode-rate average
 MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
 
 
@@ -92,6 +98,7 @@ class Reservation:
     started: bool = False  # the engine admitted it (first token seen, or its waiting count)
     streamed: bool = True  # a first token will be seen before the end
     peak: int = 0  # the KV it is expected to grow to: prompt + expected output
+    started_at: float = 0.0  # when it started (first token, or a scrape saw it admitted)
 
 
 @dataclass(slots=True)
@@ -172,6 +179,9 @@ class PoolScheduler:
     # ``peak``), and the share of their reserved output requests are expected to produce
     committed: dict[str, int] = field(default_factory=dict)
     output_ratio: float = 1.0
+    # output tokens per second of one running sequence (finished requests' average; 0 =
+    # none finished yet): how far a request in flight has got since it started
+    decode_rate: float = 0.0
     retry_slot_ms: int | None = None  # the last retry time promised to a refused client
     _cached_view: _PoolView | None = field(default=None, repr=False, compare=False)
 
@@ -179,10 +189,11 @@ class PoolScheduler:
 
     def place(
         self, tenant: str, tokens: int, snapshot: StoreSnapshot, now: float, rng: random.Random,
-        *, band: int = 0, waited_s: float = 0.0,
+        *, band: int = 0, waited_s: float = 0.0, prompt_tokens: int | None = None,
     ) -> Placement | Reject:
         """``band``: the request's effective band (0 = interactive, or aged into it);
-        ``waited_s``: how long it has waited in kvgate's queue."""
+        ``waited_s``: how long it has waited in kvgate's queue; ``prompt_tokens``: of
+        ``tokens``, the prompt (unknown: it is counted as holding all of them throughout)."""
         if not self.config.kv_aware:
             return self._least_in_flight(snapshot, now, tokens, rng, band)
         view = self._view(snapshot)
@@ -195,7 +206,8 @@ class PoolScheduler:
             return self._none_ready(view)
         limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
         committed_bound = bool(band) or not self.config.priority_scheduling
-        candidates = [self._candidate(e.state, tokens, committed_bound) for e in usable
+        candidates = [self._candidate(e.state, tokens, now, committed_bound, prompt_tokens)
+                      for e in usable
                       if e.takes_work and self._has_slot(e.state.address, limit)
                       and self._has_seq(e.state.address, band)
                       and self._below_unstarted(e.state.address, ahead)]
@@ -252,7 +264,7 @@ class PoolScheduler:
         (for a non-streamed response that is its end). Idempotent; unknown ids are ignored."""
         reservation = self.reservations.get(lease_id)
         if reservation is not None:
-            self._started(reservation)
+            self._started(reservation, now)
             self._prefilled(reservation)
 
     def release(self, lease_id: str, now: float, *, completed: bool = True,
@@ -263,7 +275,9 @@ class PoolScheduler:
         reservation = self.reservations.pop(lease_id, None)
         if reservation is None:
             return
-        self._started(reservation)
+        if reservation.started and output_tokens and now > reservation.started_at:
+            self._learn_decode_rate(output_tokens / (now - reservation.started_at))
+        self._started(reservation, now)
         self._prefilled(reservation)
         del self.by_endpoint[reservation.endpoint][lease_id]
         self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
@@ -283,9 +297,14 @@ class PoolScheduler:
         self.output_ratio = max(MIN_OUTPUT_RATIO,
                                 self.output_ratio + rate * (ratio - self.output_ratio))
 
-    def _started(self, reservation: Reservation) -> None:
+    def _learn_decode_rate(self, rate: float) -> None:
+        weight = DECODE_RATE_WEIGHT if self.decode_rate else 1.0
+        self.decode_rate += weight * (rate - self.decode_rate)
+
+    def _started(self, reservation: Reservation, now: float) -> None:
         if not reservation.started:
             reservation.started = True
+            reservation.started_at = now
             self.unstarted[reservation.endpoint] -= 1
 
     def _prefilled(self, reservation: Reservation) -> None:
@@ -374,7 +393,7 @@ class PoolScheduler:
                 if not r.started and r.at <= state.scraped_at]
         waiting = int(_metric(state, "num_requests_waiting"))
         for reservation in sent[: max(0, len(sent) - waiting)]:
-            self._started(reservation)
+            self._started(reservation, state.scraped_at)
             if not reservation.streamed:
                 self._prefilled(reservation)
 
@@ -441,12 +460,12 @@ class PoolScheduler:
             return candidates
         return [c for c in candidates if self.low_prefills.get(c.state.address, 0)]
 
-    def _candidate(self, state: EndpointState, tokens: int, committed_bound: bool = True
-                   ) -> Candidate:
+    def _candidate(self, state: EndpointState, tokens: int, now: float,
+                   committed_bound: bool = True, prompt: int | None = None) -> Candidate:
         """``committed_bound``: the KV committed to requests in flight binds too (not for
         band 0 on a priority-scheduled engine: if the cache fills before they end, the
         engine preempts lower-priority work, and an interactive request should not wait for
-        KV a batch request may only need later)."""
+        KV a batch request may only need later). ``prompt``: of ``tokens``, if known."""
         capacity = state.kv_capacity_tokens
         usage = state.kv_cache_usage or 0.0
         if not capacity:
@@ -461,10 +480,36 @@ class PoolScheduler:
         # up to the KV committed to them. Past the cache's capacity the engine may run out
         # of blocks and preempt before they end: that takes nothing, however low the
         # scraped usage.
-        committed = (self.committed.get(state.address, 0) + tokens) / capacity
-        if committed_bound and committed > 1.0:
-            after = max(after, committed)
+        if committed_bound and self.committed.get(state.address, 0) + tokens > capacity:
+            committed = self._future_peak(state, now, tokens, prompt) / capacity
+            if committed > 1.0:
+                after = max(after, committed)
         return Candidate(state, after, after <= self.config.watermarks.high)
+
+    def _future_peak(self, state: EndpointState, now: float, tokens: int,
+                     prompt: int | None) -> int:
+        """The most KV the endpoint's requests in flight and a new one of ``tokens``
+        (``prompt`` of them) are expected to hold at once (the sum of their peaks bounds
+        it, and is checked first). A request whose prompt and output are not known apart
+        is counted as holding all its KV until every other one ends."""
+        rate = self.decode_rate
+        block = (state.metrics.kv_block_tokens if state.metrics is not None else None) or 0
+        held: list[tuple[int, int]] = []
+        throughout = 0
+        if prompt is None or prompt >= tokens:
+            throughout += tokens + block
+        else:
+            held.append((tokens - prompt, prompt))
+        for r in self.by_endpoint.get(state.address, {}).values():
+            expected = r.peak - r.prefill
+            if expected <= 0 or not r.prefill:
+                throughout += r.peak + block
+                continue
+            made = 0
+            if r.started and rate:
+                made = min(expected, int(rate * max(0.0, now - r.started_at)))
+            held.append((expected - made, r.prefill + made))
+        return throughout + future_peak(held, block)
 
     def _over_share(self, tenant: str, tokens: int) -> bool:
         held: dict[str, int] = {tenant: tokens}
@@ -547,3 +592,17 @@ class PoolScheduler:
 def _metric(state: EndpointState, name: str) -> float:
     value = getattr(state.metrics, name, None) if state.metrics else None
     return float(value or 0)
+
+
+def future_peak(held: list[tuple[int, int]], block: int = 0) -> int:
+    """The largest total KV of requests that each hold ``now`` tokens and will make
+    ``remaining`` more, one per engine step all together (``held``: ``(remaining, now)``
+    pairs), each freeing all of it when it ends. The total only grows until a request ends,
+    so it peaks just before one does: when the one with ``remaining`` r ends, every request
+    with at least r left holds its ``now`` + r. ``block``: the engine's KV block size; each
+    request may hold up to one block more than its tokens."""
+    peak = total = 0
+    for count, (remaining, now) in enumerate(sorted(held, reverse=True), start=1):
+        total += now + block
+        peak = max(peak, total + remaining * count)
+    return peak

@@ -236,6 +236,7 @@ class EngineMetrics:
     prompt_tokens_total: int | None = None
     generation_tokens_total: int | None = None
     kv_capacity_tokens: int | None = None
+    kv_block_tokens: int | None = None  # tokens per KV block, where the engine says
     kv_usage_source: str | None = None
     models: tuple[str, ...] = ()
     engines: tuple[str, ...] = ()
@@ -276,6 +277,7 @@ def parse_metrics(text: str, names: EngineNames = VLLM) -> EngineMetrics:
         prompt_tokens_total=reading.total(names.prompt_tokens),
         generation_tokens_total=reading.total(names.generation_tokens),
         kv_capacity_tokens=_capacity_total(capacities, engines, problems),
+        kv_block_tokens=reading.block_tokens(),
         kv_usage_source=source if usage is not None else None,
         models=_models(samples, names.model_label),
         engines=tuple(sorted(engines)),
@@ -488,6 +490,19 @@ class _Reading:
         counts = self._positive(blocks[1], str(blocks[0]))
         sizes = self._positive(size[1], str(size[0]))
         return {g: n * sizes[g] for g, n in counts.items() if g in sizes}
+
+    def block_tokens(self) -> int | None:
+        """Tokens per KV block (the largest an engine reports): a request's KV is whole
+        blocks, up to one block more than its tokens."""
+        names = self.names
+        if names.cache_info is not None and names.cache_info.name in self.named:
+            sizes = [_positive_int(s.labels.get(names.cache_info.block_size_label))
+                     for s in self.named[names.cache_info.name]]
+            return max((n for n in sizes if n is not None), default=None)
+        size = self.per_group(names.kv_block_size)
+        if size is None:
+            return None
+        return max((round(v) for v in size[1].values() if 0 < v <= MAX_COUNT), default=None)
 
     def _info_capacities(self, info: CacheInfo) -> dict[str, int]:
         """Newer vLLM exports ``kv_cache_size_tokens``, which is right for hybrid models

@@ -119,7 +119,9 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     bootstrap = render_bootstrap(example)
     hcm = hcm_of(bootstrap)
     assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.header_mutation",  # client x-kvgate-* dropped (attributes route)
         "envoy.filters.http.ext_proc",
+        "envoy.filters.http.buffer",  # holds the headers until kvgate decided (same route)
         "envoy.filters.http.lua",  # the response meter: after ext_proc, sees responses first
         "envoy.filters.http.router",
     ]
@@ -138,7 +140,8 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     assert ext_proc["max_message_timeout"] == "3600s"  # server.max_stream_seconds
     assert ext_proc["allow_mode_override"] is True
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == [
-        "envoy.lb", "kvgate", "kvgate.ratelimit"]  # the last: x-ratelimit-* (route headers)
+        # x-ratelimit-* response headers; the upstream headers of the attributes route
+        "envoy.lb", "kvgate", "kvgate.ratelimit", "kvgate.headers"]
     assert hcm["stat_prefix"] == "kvgate_gateway"
     assert (hcm["normalize_path"], hcm["merge_slashes"]) == (True, True)
     assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
@@ -191,20 +194,23 @@ def test_upstream_cluster_routes_by_metadata(example: Config) -> None:
     assert upstream["connect_timeout"] == "2s"
     (virtual_host,) = hcm_of(bootstrap)["route_config"]["virtual_hosts"]
     assert virtual_host["domains"] == ["*"]
-    *pools, route = virtual_host["routes"]
+    *pools, inference, route = virtual_host["routes"]
+    assert inference["name"] == "inference"  # a body follows: headers phase skipped
     assert route["match"] == {"prefix": "/"}  # nothing kvgate routed: no host, 503
     assert route["route"]["cluster"] == UPSTREAM_CLUSTER
     assert route["route"]["timeout"] == "0s"  # explicit: Envoy's default is 15 s
-    assert [p["route"]["cluster"] for p in pools] == [
-        f"kvgate_pool_{pool.name}" for pool in example.pools]
+    assert [p["route"]["cluster"] for p in pools] == [  # attributes route, then headers'
+        f"kvgate_pool_{pool.name}" for pool in example.pools for _ in range(2)]
 
 
 def test_each_pool_has_a_cluster_that_takes_kvgates_endpoints_in_order(example: Config) -> None:
     """The chosen endpoint, then the fallbacks on connect failures: Envoy's override_host
     policy over the pool's own engines, reached by a route that matches kvgate's metadata."""
     bootstrap = render_bootstrap(example)
-    routes = hcm_of(bootstrap)["route_config"]["virtual_hosts"][0]["routes"]
-    for pool, route in zip(example.pools, routes, strict=False):
+    routes = {r["name"]: r for r in hcm_of(bootstrap)["route_config"]["virtual_hosts"][0]
+              ["routes"]}
+    for pool in example.pools:
+        route = routes[f"pool:{pool.name}"]
         (matcher,) = route["match"]["dynamic_metadata"]
         assert matcher == {"filter": "kvgate", "path": [{"key": "pool"}],
                            "value": {"string_match": {"exact": pool.name}}}
@@ -551,7 +557,8 @@ def test_unreachable_kvgate_gives_json_503(example: Config) -> None:
 @pytest.mark.e2e
 def test_request_attributes_render_a_held_one_message_route_that_envoy_accepts(
         example: Config) -> None:
-    bootstrap = render_bootstrap(with_settings(example, {}, {"request_attributes": True}))
+    """The default: the headers of an inference POST ride with its body."""
+    bootstrap = render_bootstrap(example)
     typed = hcm_of(bootstrap)
     names = [f["name"] for f in typed["http_filters"]]
     # client x-kvgate-* stripped before ext_proc; headers held after it until kvgate decided

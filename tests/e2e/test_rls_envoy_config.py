@@ -28,9 +28,10 @@ def test_the_ratelimit_filter_asks_kvgate_and_charges_usage_when_done() -> None:
     filters = hcm["typed_config"]["http_filters"]
     names = [f["name"] for f in filters]
     # after ext_proc (the tenant is known) and the meter (which sees its 429), before routing
-    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.lua",
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+                     "envoy.filters.http.buffer", "envoy.filters.http.lua",
                      "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
-    ratelimit = filters[2]["typed_config"]
+    ratelimit = filters[4]["typed_config"]
     assert ratelimit["domain"] == "kvgate"
     service = ratelimit["rate_limit_service"]["grpc_service"]["envoy_grpc"]["cluster_name"]
     assert service == "kvgate_ext_proc"

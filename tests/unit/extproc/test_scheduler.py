@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from extproc.config import Pool
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.datalayer.nvml import GpuReading
-from extproc.scheduler import MIN_RETRY_MS, Placement, PoolScheduler
+from extproc.scheduler import MIN_RETRY_MS, Placement, PoolScheduler, future_peak
 from limiter import Reject
 from limiter.outcome import QUEUEABLE
 
@@ -170,6 +173,63 @@ def test_requests_in_flight_are_expected_to_grow_to_their_committed_kv():
     sched.release("long", NOW)
     assert isinstance(place(sched, snap, tokens=600), Placement)
     assert sched.committed["e1"] == 0
+
+
+def stepped_peak(held):
+    """What ``future_peak`` computes, by stepping an engine: every request alive makes one
+    token per step and frees everything at its last."""
+    alive = [[now, remaining] for remaining, now in held]
+    peak = sum(now for now, _ in alive)
+    alive = [r for r in alive if r[1] > 0]
+    while alive:
+        for request in alive:
+            request[0] += 1
+            request[1] -= 1
+        peak = max(peak, sum(now for now, _ in alive))
+        alive = [r for r in alive if r[1] > 0]
+    return peak
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 60)), max_size=8))
+def test_the_future_peak_is_the_fullest_step_of_the_engine(held):
+    assert future_peak(held) == stepped_peak(held)
+
+
+def test_the_future_peak_counts_a_block_per_request_and_only_what_is_alive():
+    # a nearly finished long request and a new one: they never peak together
+    assert future_peak([(10, 990), (500, 100)]) == 1000 + 110
+    assert future_peak([(10, 990), (500, 100)], block=16) == 1000 + 110 + 32
+    assert future_peak([(600, 100), (600, 100)]) == 1400  # together to the end
+
+
+def test_requests_that_end_at_different_times_share_the_cache():
+    """Sent together, two long requests would outgrow the cache; once the first has made
+    enough of its answer, the second is sent: the first ends before they would."""
+    sched = scheduler()  # 1,000 tokens of KV
+    sched.reserve("first", "a", "e1", 600, NOW - 10, prompt_tokens=100)
+    sched.first_token("first", NOW - 10)
+    snap = snapshot(state("e1", 0.1))
+
+    def second():
+        return sched.place("a", 600, snap, NOW, random.Random(0), prompt_tokens=100)
+
+    assert second().reason == "pool_saturated"  # its progress unknown: no decode rate yet
+    sched.decode_rate = 10.0  # tokens per second: the first has made 100 of its 500
+    assert second().reason == "pool_saturated"  # they would hold 1,200 when it ends
+    sched.decode_rate = 35.0  # 350 made, 150 to go: 950 + 250 at most
+    assert isinstance(second(), Placement)
+    assert isinstance(sched.place("a", 600, snap, NOW, random.Random(0)), Reject)  # no split
+
+
+def test_the_decode_rate_is_learned_from_finished_requests():
+    sched = scheduler()
+    sched.reserve("r", "a", "e1", 600, NOW - 12, prompt_tokens=100)
+    sched.first_token("r", NOW - 10)
+    sched.release("r", NOW, output_tokens=200)
+    assert sched.decode_rate == 20.0
+    sched.reserve("unstarted", "a", "e1", 600, NOW, prompt_tokens=100)
+    sched.release("unstarted", NOW, output_tokens=200)  # never started: teaches nothing
+    assert sched.decode_rate == 20.0
 
 
 def test_interactive_work_on_a_priority_engine_does_not_wait_for_committed_kv():

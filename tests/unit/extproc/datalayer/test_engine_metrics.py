@@ -84,6 +84,7 @@ def test_trtllm_triton_sample_reads_the_figure_from_its_label() -> None:
     assert metrics == EngineMetrics(
         kv_cache_usage=0.25, num_requests_running=3, num_requests_waiting=2,
         prompt_tokens_total=1234, generation_tokens_total=5678, kv_capacity_tokens=4096 * 64,
+        kv_block_tokens=64,
         kv_usage_source='nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}',
         models=("tensorrt_llm",), engines=("tensorrt_llm",))
     assert metrics.kv_capacity_tokens == (ref[("nv_trt_llm_kv_cache_block_metrics",

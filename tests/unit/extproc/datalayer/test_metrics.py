@@ -105,8 +105,8 @@ def test_hand_made_v1_sample_values() -> None:
     assert metrics == EngineMetrics(
         kv_cache_usage=0.25, num_requests_running=3, num_requests_waiting=2,
         num_preemptions_total=1, prompt_tokens_total=1234, generation_tokens_total=5678,
-        kv_capacity_tokens=16 * 4096, kv_usage_source=KV_USAGE, models=("tiny-llama",),
-        engines=("0",))
+        kv_capacity_tokens=16 * 4096, kv_block_tokens=16, kv_usage_source=KV_USAGE,
+        models=("tiny-llama",), engines=("0",))
     assert metrics.kv_used_tokens == 16 * 4096 // 4
 
 
