@@ -2,8 +2,9 @@
 
     .venv/bin/python -m bench.attributes_ab MODES LEVEL TOKENS REPEATS [overload|overload,bigbody]
 
-e.g. ``minimal,kvgate,kvgate_attrs 16 0 3`` (admitted, non-streamed), ``... 16 64 2``
-(streamed 64 tokens), ``kvgate,kvgate_attrs 16 0 3 overload`` (the tenant's limit is 5
+e.g. ``minimal,kvgate_headers,kvgate 16 0 3`` (admitted, non-streamed; ``kvgate`` is the
+shipped ``request_attributes: true``), ``... 16 64 2`` (streamed 64 tokens),
+``kvgate_headers,kvgate 16 0 3 overload`` (the tenant's limit is 5
 requests/s: ~99% refused 429), ``overload,bigbody`` (and a 24 KB prompt). Each repeat runs
 every mode once, window by window, as ``bench.overhead`` does (3 windows of 2 s, 2 s
 warm-up). Prints one line per mode and repeat; writes the rows to

@@ -17,6 +17,8 @@ non-streaming chat completion at once) behind its own Envoy (``--concurrency 1``
   API key, body parse, admission against every limit, KV-aware placement on the engine's
   scraped metrics, body mutation, response accounting.
 - ``kvgate_redis``: the same with a ``redis:`` section (a redis-server on a free port).
+- ``kvgate_headers``: in-memory with ``envoy.request_attributes: false``: the headers phase
+  first, two ext_proc messages per request where the shipped default sends one.
 
 All modes run side by side for the whole run. Each concurrency level gives every mode
 ``--duration`` seconds of a closed loop of N aiohttp clients, cut into ``--rounds`` windows
@@ -76,7 +78,7 @@ from extproc.server import new_event_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
-MODES = ("direct", "minimal", "kvgate", "kvgate_redis", "kvgate_attrs")
+MODES = ("direct", "minimal", "kvgate", "kvgate_redis", "kvgate_headers")
 LEVELS = (1, 16, 64)
 PROCESS_ROLES = ("envoy", "ext_proc", "engine", "redis", "loadgen")
 # Who runs on which core. ``split`` (the default) gives the ext_proc server a core of its
@@ -112,7 +114,7 @@ HEADERS = {"content-type": "application/json", "authorization": f"Bearer {API_KE
 STREAMS = (64, 512)
 STREAM_LEVEL = 16
 STREAM_MS_PER_TOKEN = 2
-STREAM_MODES = ("direct", "minimal", "kvgate", "kvgate_attrs")
+STREAM_MODES = ("direct", "minimal", "kvgate", "kvgate_headers")
 
 
 def request_body(stream_tokens: int) -> bytes:
@@ -416,7 +418,7 @@ def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch",
             gw.pids["redis"] = redis_server.pid
         config = kvgate_config(f"{engine.host}:{engine.port}", free_port(), free_port(),
                                redis_url, cpu_policy,
-                               attributes=True if mode == "kvgate_attrs" else None)
+                               attributes=False if mode == "kvgate_headers" else None)
         started = _start_ext_proc(mode, config, workdir)
         if started is not None:
             child, gw.counters = started

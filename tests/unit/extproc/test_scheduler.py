@@ -221,6 +221,23 @@ def test_requests_that_end_at_different_times_share_the_cache():
     assert isinstance(sched.place("a", 600, snap, NOW, random.Random(0)), Reject)  # no split
 
 
+def test_kv_the_scrape_shows_but_kvgate_did_not_send_is_held_throughout():
+    """Another replica's requests: kvgate cannot tell when they end, so the usage its own
+    do not explain counts in full beside their growth."""
+    sched = scheduler()  # 1,000 tokens
+    sched.reserve("own", "a", "e1", 600, NOW - 1, prompt_tokens=100)  # 500 to make
+    sched.first_token("own", NOW - 0.05)  # started as the scrape was taken
+
+    def new(usage):
+        return sched.place("a", 300, snapshot(state("e1", usage)), NOW, random.Random(0),
+                           prompt_tokens=100)
+
+    # the scrape shows only its prompt: with a new one they peak at 600 together
+    assert isinstance(new(0.1), Placement)
+    # 500 more that kvgate did not send: 1,100 at the peak, though 900 fits now
+    assert new(0.6).reason == "pool_saturated"
+
+
 def test_the_decode_rate_is_learned_from_finished_requests():
     sched = scheduler()
     sched.reserve("r", "a", "e1", 600, NOW - 12, prompt_tokens=100)
