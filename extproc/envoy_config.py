@@ -76,8 +76,12 @@ CIRCUIT_BREAKER_LIMIT = 1_000_000
 MAX_DOWNSTREAM_CONNECTIONS = 50_000
 
 RUNTIME_FLAGS = {
-    # Close ext_proc streams with a half-close: Envoy resets every stream otherwise.
-    "envoy.reloadable_features.ext_proc_graceful_grpc_close": True,
+    # Envoy resets each ext_proc stream it is done with (kvgate takes that as the normal end
+    # once the request has settled). Its graceful close (a half-close, then waiting for
+    # kvgate's trailers) crashed Envoy 1.40 (SIGSEGV in the gRPC client, on kvgate's
+    # trailers) in every real-vLLM run where kvgate, in the benchmark's process on two busy
+    # cores, ran long queues; with resets, no crash in the same runs.
+    "envoy.reloadable_features.ext_proc_graceful_grpc_close": False,
 }
 
 # Local replies that Envoy makes itself get an OpenAI-style JSON body. Filters that set a

@@ -241,7 +241,14 @@ def gateway(vllm_port: int) -> Iterator[tuple[Any, str, str]]:
     try:
         with EnvoyProcess(config) as envoy:
             admin = f"http://{config.server.admin_host}:{kvgate.server.admin_port}"
-            yield kvgate, envoy.url, admin
+            try:
+                yield kvgate, envoy.url, admin
+            except httpx.ConnectError:
+                # the gateway stopped answering: say whether Envoy is still there, and why not
+                code = envoy.process.poll() if envoy.process else None
+                print(f"Envoy at {envoy.url}: exit code {code}\n{envoy.log_tail(60)}",
+                      file=sys.stderr, flush=True)
+                raise
     finally:
         kvgate.stop()
 

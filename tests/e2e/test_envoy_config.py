@@ -241,7 +241,7 @@ def test_listener_admin_runtime(example: Config) -> None:
     assert listener["per_connection_buffer_limit_bytes"] >= example.server.max_body_bytes + 64_000
     (layer,) = bootstrap["layered_runtime"]["layers"]
     assert layer["static_layer"] == RUNTIME_FLAGS
-    assert RUNTIME_FLAGS == {"envoy.reloadable_features.ext_proc_graceful_grpc_close": True}
+    assert RUNTIME_FLAGS == {"envoy.reloadable_features.ext_proc_graceful_grpc_close": False}
 
 
 def test_non_default_settings_reach_the_bootstrap(custom: Config) -> None:
