@@ -484,8 +484,8 @@ class PoolScheduler:
         # The scrape shows what running requests hold now; they keep growing as they decode.
         # Past the cache's capacity the engine may run out of blocks and preempt before they
         # end: that takes nothing, however low the scraped usage.
-        blocks = (len(self.by_endpoint.get(state.address, {})) + 1) * (
-            (state.metrics.kv_block_tokens if state.metrics is not None else None) or 0)
+        blocks = (len(self.by_endpoint.get(state.address, {})) + 1) * int(
+            _metric(state, "kv_block_tokens"))
         if committed_bound and (self.committed.get(state.address, 0) + tokens + blocks
                                 + usage * capacity > capacity):
             committed = self._future_peak(state, now, tokens, prompt) / capacity
@@ -499,8 +499,7 @@ class PoolScheduler:
         (``prompt`` of them) are expected to hold at once, with what the scrape shows that
         they do not explain. A request whose prompt and output are not known apart is
         counted as holding all its KV until every other one ends."""
-        rate = self.decode_rate
-        block = (state.metrics.kv_block_tokens if state.metrics is not None else None) or 0
+        block = int(_metric(state, "kv_block_tokens"))
         scraped_at = state.scraped_at or 0.0
         held: list[tuple[int, int]] = []
         # what the scrape shows that kvgate's requests do not explain (another replica's or
@@ -512,19 +511,22 @@ class PoolScheduler:
         else:
             held.append((tokens - prompt, prompt))
         for r in self.by_endpoint.get(state.address, {}).values():
-            expected = r.peak - r.prefill
-            made = 0
-            if r.started and rate:
-                made = min(expected, int(rate * max(0.0, now - r.started_at)))
-            whole = expected <= 0 or not r.prefill  # prompt and output not known apart
+            whole = r.peak <= r.prefill or not r.prefill  # prompt and output not known apart
             if r.started and r.started_at <= scraped_at:  # in the scrape: explained
-                unexplained -= r.peak if whole else r.prefill + (
-                    min(expected, int(rate * (scraped_at - r.started_at))) if rate else 0)
+                unexplained -= r.peak if whole else r.prefill + self._made(r, scraped_at)
             if whole:
                 throughout += r.peak + block
             else:
-                held.append((expected - made, r.prefill + made))
+                made = self._made(r, now)
+                held.append((r.peak - r.prefill - made, r.prefill + made))
         return throughout + max(0, int(unexplained)) + future_peak(held, block)
+
+    def _made(self, r: Reservation, at: float) -> int:
+        """Output tokens a started request is estimated to have made by ``at`` (0 before the
+        pool's decode rate is known), at most its expected output."""
+        if not r.started or not self.decode_rate:
+            return 0
+        return min(r.peak - r.prefill, int(self.decode_rate * max(0.0, at - r.started_at)))
 
     def _over_share(self, tenant: str, tokens: int) -> bool:
         held: dict[str, int] = {tenant: tokens}
