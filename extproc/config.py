@@ -431,6 +431,12 @@ class Pool(_Strict):
         "rest wait in kvgate's queue, where share and class order them, instead of the "
         "engine's; null = no such gate"
     )
+    max_num_seqs: PositiveInt | None = Field(
+        None, description="the engines' own limit on requests running at once (vLLM "
+        "--max-num-seqs), which they do not export: kvgate's starting value for the limit it "
+        "otherwise learns from scrapes, so one sequence is kept free for interactive work "
+        "from the first request; null = learned only"
+    )
     reserved_in_flight: int = Field(
         0, ge=0, description="of max_in_flight, slots only the best band (interactive, or "
         "work aged into it) may use, so it never waits for a slot behind batch work"

@@ -163,6 +163,7 @@ class PoolScheduler:
     unstarted: dict[str, int] = field(default_factory=dict)  # endpoint → sent, not started
     # endpoint → the engine's sequence limit (vLLM --max-num-seqs) as learned from its scrapes
     seq_caps: dict[str, int] = field(default_factory=dict)
+    _seq_seeded: set[str] = field(default_factory=set, repr=False)  # max_num_seqs applied
     _plateaus: dict[str, tuple[int, float | None, int]] = field(default_factory=dict,
                                                                  repr=False)
     # endpoint → how far its unstarted limit has grown, and the endpoints the limit held work
@@ -402,10 +403,15 @@ class PoolScheduler:
         the engine keeps requests waiting at one running count, scrape after scrape, while it
         is prefilling none of kvgate's requests (a long prefill also keeps work waiting) and
         its free KV would hold every prompt kvgate has waiting there (else it is short of KV,
-        not of sequences), that count is its limit. Running more later unlearns it."""
+        not of sequences), that count is its limit. Running more later unlearns it. A
+        configured ``max_num_seqs`` is the limit an endpoint starts with."""
+        address = state.address
+        if address not in self._seq_seeded:
+            self._seq_seeded.add(address)
+            if self.config.max_num_seqs:
+                self.seq_caps[address] = self.config.max_num_seqs
         if state.metrics is None or not self.config.max_unstarted:
             return
-        address = state.address
         running = int(_metric(state, "num_requests_running"))
         cap = self.seq_caps.get(address)
         if cap is not None and running > cap:

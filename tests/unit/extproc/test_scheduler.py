@@ -461,6 +461,18 @@ def test_an_engine_stuck_at_one_running_count_has_its_seq_limit_learned():
     assert isinstance(place_band(sched, more, 1), Placement) and not sched.seq_caps
 
 
+def test_a_configured_seq_limit_holds_from_the_first_request():
+    """max_num_seqs: no saturated scrapes needed before batch leaves a sequence free."""
+    sched = scheduler(max_num_seqs=2)
+    sched.reserve("b1", "a", "e1", 10, NOW - 5, band=1)
+    idle = snapshot(state("e1", 0.1, running=1))
+    assert sched.seq_caps == {} and place_band(sched, idle, 1).reason == "pool_saturated"
+    assert sched.seq_caps == {"e1": 2}
+    assert isinstance(place_band(sched, idle, 0), Placement)  # the free one: interactive
+    more = snapshot(state("e1", 0.1, running=3))  # it runs more than configured: unlearned
+    assert isinstance(place_band(sched, more, 1), Placement) and not sched.seq_caps
+
+
 def test_a_busy_engine_whose_running_count_moves_learns_no_seq_limit():
     sched = scheduler()
     for n, running in enumerate((120, 121, 119, 121, 122, 120)):
