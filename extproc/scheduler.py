@@ -476,12 +476,11 @@ class PoolScheduler:
         usage = state.kv_cache_usage or 0.0
         if not capacity:
             return Candidate(state, usage, usage < self.config.watermarks.high)
-        # Not in the scraped usage: what was sent since the scrape, and what the scrape saw
-        # waiting in the engine's queue (a waiting request holds no KV yet, so a scrape in
-        # that gap shows less than the engine is committed to)
-        scraped_at = state.scraped_at or 0.0
-        pending = sum(r.tokens for r in self.by_endpoint.get(state.address, {}).values()
-                      if not (r.started and r.started_at <= scraped_at))
+        pending, scraped_at = 0, state.scraped_at or 0
+        for r in reversed(self.by_endpoint.get(state.address, {}).values()):
+            if r.at <= scraped_at:
+                break  # this one and all older ones are in the scraped usage already
+            pending += r.tokens
         # Usage after: as if this request and those sent since the scrape held their whole
         # reservations at once. That keeps the engine's own queue and cache from filling
         # faster than kvgate's fair order decides (a bound on what it holds *now* only, with

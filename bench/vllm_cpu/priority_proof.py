@@ -243,7 +243,7 @@ def gateway(vllm_port: int) -> Iterator[tuple[Any, str, str]]:
             admin = f"http://{config.server.admin_host}:{kvgate.server.admin_port}"
             try:
                 yield kvgate, envoy.url, admin
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.ConnectTimeout):
                 # the gateway stopped answering: say whether Envoy is still there, and why not
                 code = envoy.process.poll() if envoy.process else None
                 print(f"Envoy at {envoy.url}: exit code {code}\n{envoy.log_tail(60)}",

@@ -143,17 +143,6 @@ def test_a_newer_scrape_absorbs_older_reservations():
     assert place(sched, snap).endpoints[0] == "e1"
 
 
-def test_a_request_the_scrape_saw_waiting_still_counts():
-    """An engine holds no KV for a request in its own waiting queue: a scrape in that gap
-    shows less than the endpoint is committed to, so the reservation still counts."""
-    sched = scheduler()
-    sched.reserve("old", "a", "e1", 500, NOW - 1)  # admitted before e1's last scrape
-    waiting = snapshot(state("e1", 0.0, waiting=1), state("e2", 0.2))
-    assert place(sched, waiting).endpoints[0] == "e2"
-    full = snapshot(state("e1", 0.0, waiting=1))
-    assert isinstance(place(sched, full, tokens=460), Reject)  # 0.5 + 0.46 > critical
-
-
 def test_busy_pool_makes_lower_band_work_over_its_share_wait():
     sched = scheduler(weights={"a": 3.0, "b": 1.0})
     sched.reserve("a1", "a", "e1", 300, NOW - 1)
