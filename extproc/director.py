@@ -38,7 +38,7 @@ from extproc.scheduler import Placement, PoolScheduler
 from extproc.tenants import Tenants
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
-from limiter.stores import LimiterStore
+from limiter.stores import LimiterStore, MemoryFairness, MemoryStore
 
 Watch = Callable[[], AbstractContextManager[None]]
 """Entered while a request waits in the queue: cancels the wait if its client goes away."""
@@ -105,6 +105,9 @@ class Director:
         self.store = store
         self.schedulers = schedulers
         self.flows = flows
+        # the in-memory stores never wait: a release then runs to its end where it starts
+        self.releases_in_process = isinstance(store, MemoryStore) and all(
+            isinstance(flow.fairness, MemoryFairness) for flow in flows.values())
         self._queueing = config.queue.enabled
         self.endpoints = endpoints
         self.rng = rng

@@ -437,6 +437,28 @@ def test_a_missing_upstream_key_fails_at_startup(monkeypatch):
 # -- kvgate's own failures: unavailable limits are not a bug --------------------------------
 
 
+async def test_an_in_memory_release_runs_to_its_end_without_waiting():
+    """Why the server awaits it in place, without a task or a shield (server._release):
+    with nothing to wait for, nothing can cancel it part way."""
+    stream, store = new_stream()
+    assert stream.director.releases_in_process
+    await stream.handle(headers_msg())
+    await stream.handle(body_msg(chat()))
+    closing = stream.close("cancelled")
+    with pytest.raises(StopIteration):
+        closing.send(None)  # done on its first step
+    assert not stream.holds_admission and await store.in_flight("acme") == 0
+
+
+def test_a_shared_store_is_released_as_a_shielded_task():
+    from extproc.wiring import build_store
+
+    data = make_config().model_dump(mode="json")
+    data["redis"] = {"url": "redis://127.0.0.1:1/0"}
+    config = parse_config(data)
+    assert not build_director(config, build_store(config, Metrics())).releases_in_process
+
+
 async def test_fail_closed_without_redis_is_503_gateway_unavailable():
     from extproc.wiring import build_store
     from tests.conftest import free_port
