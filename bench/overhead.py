@@ -97,6 +97,9 @@ LAYOUT_TEXT = {
               "core 0",
     "none": "none (all processes float on both cores)",
 }
+# The equal-rate rows: every mode paced at this share of the slowest mode's closed-loop rate
+# at c=CPU_RATIO_LEVEL, measured in the same run (slower than any of them can go).
+EQUAL_RATE_SHARE = 0.75
 ROUND_WARMUP_S = 0.5  # before each window after a level's first
 IDLE_S = 3.0  # each gateway's CPU with no load, measured once: its background cost per second
 
@@ -450,19 +453,31 @@ def check(gw: Gateway) -> None:
 
 
 class Load:
-    """Closed loop: each worker sends its next request as soon as the last one answers."""
+    """Closed loop: each worker sends its next request as soon as the last one answers —
+    or, paced at ``rate`` req/s, at the next free slot of one schedule they share (never
+    faster: a gateway behind its pace only loses slots)."""
 
-    def __init__(self, url: str, body: bytes = BODY):
+    def __init__(self, url: str, body: bytes = BODY, rate: float | None = None):
         self.url = url
         self.body = body
+        self.gap_s = 1 / rate if rate else 0.0
+        self.next_slot = 0.0
         self.running = True
         self.recording = False
         self.latencies: list[float] = []  # send → whole response read
         self.first_bytes: list[float] = []  # send → first body chunk (a stream's TTFT)
         self.statuses: Counter[int] = Counter()  # in the window; 0 = connection error
 
+    async def _pace(self) -> None:
+        now = time.perf_counter()
+        slot = self.next_slot = max(self.next_slot + self.gap_s, now)
+        if slot > now:
+            await asyncio.sleep(slot - now)
+
     async def worker(self, session: aiohttp.ClientSession) -> None:
         while self.running:
+            if self.gap_s:
+                await self._pace()
             started = time.perf_counter()
             first = None
             try:
@@ -502,10 +517,10 @@ class Window:
 
 async def measure(gw: Gateway, concurrency: int, warmup_s: float, duration_s: float,
                   window: Callable[[float], Awaitable[object]] = asyncio.sleep,
-                  stream_tokens: int = 0) -> Window:
+                  stream_tokens: int = 0, rate: float | None = None) -> Window:
     """Warm up, then measure for ``duration_s`` (``window`` runs meanwhile)."""
     pids = {**gw.pids, "loadgen": os.getpid()}
-    load = Load(gw.url, request_body(stream_tokens))
+    load = Load(gw.url, request_body(stream_tokens), rate)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -614,7 +629,7 @@ def _own_affinity(cpus: set[int] | None) -> Iterator[None]:
 def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
         warmup_s: float = 2.0, duration_s: float = 10.0, rounds: int = 5,
         layout: str = "split", cpu_policy: str = "batch", streams: Sequence[int] = (),
-        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        equal_rate: bool = True, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every mode × level, one row each (see ``summarize``).
 
     Every mode's stack runs for the whole run, idle but for its turn; each level's
@@ -630,6 +645,10 @@ def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
         idle = idle_cpu(gateways)
         for level in levels:
             rows += _level(runner, gateways, level, 0, warmup_s, duration_s, rounds, log, idle)
+        pace = equal_pace(rows) if equal_rate else None
+        if pace is not None:
+            rows += _level(runner, gateways, CPU_RATIO_LEVEL, 0, warmup_s, duration_s, rounds,
+                           log, idle, rate=pace)
         paced = [stack.enter_context(gateway(mode, layout=layout, cpu_policy=cpu_policy,
                                              ms_per_token=STREAM_MS_PER_TOKEN))
                  for mode in modes if mode in STREAM_MODES] if streams else []
@@ -638,6 +657,18 @@ def run(modes: Sequence[str] = MODES, levels: Sequence[int] = LEVELS, *,
             rows += _level(runner, paced, STREAM_LEVEL, tokens, warmup_s, duration_s, rounds,
                            log, idle)
     return rows
+
+
+def equal_pace(rows: Sequence[dict[str, Any]]) -> float | None:
+    """The request rate every mode is paced at for the equal-rate rows (None: no floor and
+    kvgate rows at c=CPU_RATIO_LEVEL to compare). A process's CPU per request falls as its
+    request rate rises (more work per wake-up, per syscall): in the closed loop the faster
+    gateway looks cheaper per request for that alone."""
+    closed = [r["rps"] for r in rows if r["concurrency"] == CPU_RATIO_LEVEL
+              and not r.get("stream_tokens") and r["mode"] != "direct"]
+    if not (_row(rows, "kvgate", CPU_RATIO_LEVEL) and _row(rows, "minimal", CPU_RATIO_LEVEL)):
+        return None
+    return round(EQUAL_RATE_SHARE * min(closed))
 
 
 def idle_cpu(gateways: Sequence[Gateway]) -> dict[str, dict[str, float]]:
@@ -657,27 +688,31 @@ def idle_cpu(gateways: Sequence[Gateway]) -> dict[str, dict[str, float]]:
 
 def _level(runner: asyncio.Runner, gateways: Sequence[Gateway], level: int, stream_tokens: int,
            warmup_s: float, duration_s: float, rounds: int, log: Callable[[str], None],
-           idle: Mapping[str, Mapping[str, float]] | None = None) -> list[dict[str, Any]]:
-    """One row per gateway at one concurrency level (and output length), measured in
-    ``rounds`` windows that go round the gateways."""
+           idle: Mapping[str, Mapping[str, float]] | None = None, rate: float | None = None,
+           ) -> list[dict[str, Any]]:
+    """One row per gateway at one concurrency level (and output length; paced at ``rate``
+    req/s when given), measured in ``rounds`` windows that go round the gateways."""
     windows: dict[str, list[Window]] = {gw.mode: [] for gw in gateways}
     for turn in range(rounds):
         warmup = warmup_s if turn == 0 else min(warmup_s, ROUND_WARMUP_S)
         for gw in gateways:
             windows[gw.mode].append(runner.run(measure(
-                gw, level, warmup, duration_s / rounds, stream_tokens=stream_tokens)))
+                gw, level, warmup, duration_s / rounds, stream_tokens=stream_tokens,
+                rate=rate)))
     rows = []
     for gw in gateways:
         rows.append(summarize(gw.mode, level, windows[gw.mode], stream_tokens,
-                              (idle or {}).get(gw.mode)) | {"commands": gw.commands})
+                              (idle or {}).get(gw.mode)) | {"commands": gw.commands}
+                    | ({"paced_rps": rate} if rate else {}))
         log(format_row(rows[-1]))
     return rows
 
 
-def _row(rows: Sequence[dict[str, Any]], mode: str, level: int, stream_tokens: int = 0
-         ) -> dict[str, Any] | None:
+def _row(rows: Sequence[dict[str, Any]], mode: str, level: int, stream_tokens: int = 0,
+         *, paced: bool = False) -> dict[str, Any] | None:
     return next((r for r in rows if r["mode"] == mode and r["concurrency"] == level
-                 and r.get("stream_tokens", 0) == stream_tokens), None)
+                 and r.get("stream_tokens", 0) == stream_tokens
+                 and bool(r.get("paced_rps")) == paced), None)
 
 
 def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -697,6 +732,14 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["cpu_ratio"] = {"level": CPU_RATIO_LEVEL, "value": headline["ext_proc"],
                             "target": CPU_RATIO_TARGET,
                             "met": headline["ext_proc"] <= CPU_RATIO_TARGET}
+    kvgate = _row(rows, "kvgate", CPU_RATIO_LEVEL, paced=True)
+    floor = _row(rows, "minimal", CPU_RATIO_LEVEL, paced=True)
+    if kvgate and floor:
+        value = kvgate["cpu_us_per_request"]["ext_proc"] / floor["cpu_us_per_request"]["ext_proc"]
+        out["cpu_ratio_equal_rate"] = {
+            "level": CPU_RATIO_LEVEL, "paced_rps": kvgate["paced_rps"], "value": value,
+            "rps": {"kvgate": kvgate["rps"], "minimal": floor["rps"]},
+            "target": CPU_RATIO_TARGET, "met": value <= CPU_RATIO_TARGET}
     kvgate, direct = _row(rows, "kvgate", 1), _row(rows, "direct", 1)
     if kvgate and direct:
         delta = kvgate["p50_ms"] - direct["p50_ms"]
@@ -791,9 +834,9 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 def label(r: dict[str, Any]) -> str:
-    """The mode, with ``sN`` for a stream of N tokens."""
-    tokens = r.get("stream_tokens", 0)
-    return f"{r['mode']} s{tokens}" if tokens else r["mode"]
+    """The mode, with ``sN`` for a stream of N tokens, ``@R`` when paced at R req/s."""
+    tokens, paced = r.get("stream_tokens", 0), r.get("paced_rps")
+    return r["mode"] + (f" s{tokens}" if tokens else "") + (f" @{paced:.0f}" if paced else "")
 
 
 def _other_cores(r: dict[str, Any]) -> float:
@@ -811,6 +854,13 @@ def format_ratios(result: dict[str, Any]) -> list[str]:
     for level, r in result["cpu_ratio_by_level"].items():
         lines.append(f"  - c={level}: ext_proc {r['ext_proc']:.2f}, "
                      f"envoy+ext_proc {r['envoy_plus_ext_proc']:.2f}")
+    if "cpu_ratio_equal_rate" in result:
+        e = result["cpu_ratio_equal_rate"]
+        lines.append(f"the same at an equal request rate (every mode paced at "
+                     f"{e['paced_rps']:.0f} req/s, c={e['level']}; served: kvgate "
+                     f"{e['rps']['kvgate']:.0f}, floor {e['rps']['minimal']:.0f}): "
+                     f"{e['value']:.2f} (target ≤ {e['target']}: "
+                     f"{'met' if e['met'] else 'MISSED'})")
     if "p50_delta_ms" in result:
         d = result["p50_delta_ms"]
         lines.append(f"kvgate p50 − Envoy-direct p50 at c=1: {d['value']:.2f} ms "
@@ -887,7 +937,14 @@ METHOD = """\
   is mutated with `priority`). `kvgate_redis` adds `redis: {{url}}` to a redis-server started
   on a free port (default timeout 20 ms, failure policy `local`; fallbacks would show in the
   JSON's `ext_proc_counters`).
-- Load: closed loop, N aiohttp workers on one uvloop, keep-alive. All modes' processes run
+- Load: closed loop, N aiohttp workers on one uvloop, keep-alive. The rows marked `@R` are
+  the same N workers paced at R req/s in total (one schedule they share), the same R for
+  every mode: {equal_share:.0%} of the slowest mode's closed-loop rate at c=16 in this run. A
+  process's CPU per request falls as its request rate rises (more work per wake-up and per
+  syscall), so in the closed loop a gateway whose Envoy costs more per request (kvgate's
+  runs the Lua response meter, on the core it shares with the engine and the load
+  generator) serves fewer requests per second and pays more per request for that alone;
+  at an equal rate only the per-request work differs. All modes' processes run
   for the whole run; each level gives every mode {duration:g} s of measurement in {rounds}
   windows taken in turn (mode after mode, round after round; {warmup:g} s warm-up before a
   level's first window, {round_warmup:g} s before the others), so that load from outside the
@@ -963,7 +1020,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "## Method", "", METHOD.format(
         max_tokens=MAX_TOKENS, body=len(BODY), warmup=result["warmup_s"],
         duration=result["duration_s"], rounds=result.get("rounds", 1),
-        round_warmup=ROUND_WARMUP_S, pinning=pin_text,
+        round_warmup=ROUND_WARMUP_S, pinning=pin_text, equal_share=EQUAL_RATE_SHARE,
         cpu_policy=result.get("cpu_policy", "normal"))]
     return "\n".join(lines)
 
@@ -985,7 +1042,7 @@ def main(argv: list[str] | None = None) -> None:
     print(COLUMNS)
     rows = run(args.modes, args.levels, warmup_s=args.warmup, duration_s=args.duration,
                rounds=args.rounds, layout=layout, cpu_policy=args.cpu_policy,
-               streams=args.streams)
+               streams=args.streams, equal_rate=args.equal_rate)
     result = {
         "command": " ".join(["python", "-m", "bench.overhead",
                              *(sys.argv[1:] if argv is None else argv)]),
@@ -1131,6 +1188,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="which processes share a core (none: leave affinity alone)")
     parser.add_argument("--cpu-policy", choices=("batch", "normal"), default="batch",
                         help="server.cpu_policy of kvgate, and the same for the floor")
+    parser.add_argument("--equal-rate", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"also every mode paced at one rate at c={CPU_RATIO_LEVEL} (the "
+                             "@R rows)")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy over the floor and kvgate instead (overhead-profile.md)")

@@ -87,14 +87,18 @@ def test_hot_spots_cut_the_entry_point_and_split_loop_time():
 
 @pytest.fixture(scope="module")
 def rows():
-    return overhead.run(["direct", "minimal", "kvgate"], [2], warmup_s=0.3, duration_s=1.0,
+    return overhead.run(["direct", "minimal", "kvgate"], [16], warmup_s=0.3, duration_s=1.0,
                         rounds=2, layout="none", streams=[32], log=lambda _line: None)
 
 
 @pytest.mark.e2e
 def test_every_mode_serves_requests_without_errors(rows):
-    assert [overhead.label(r) for r in rows] == ["direct", "minimal", "kvgate", "direct s32",
-                                                 "minimal s32", "kvgate s32"]
+    pace = rows[3]["paced_rps"]
+    assert pace == round(overhead.EQUAL_RATE_SHARE * min(r["rps"] for r in rows[1:3]))
+    assert [overhead.label(r) for r in rows] == [
+        "direct", "minimal", "kvgate", *(f"{mode} @{pace:.0f}" for mode in
+                                         ("direct", "minimal", "kvgate")),
+        "direct s32", "minimal s32", "kvgate s32"]
     for row in rows:
         assert row["windows"] == 2
         assert row["requests"] > 0 and row["rps"] > 0, row
@@ -138,10 +142,15 @@ def test_message_counts_per_request(rows):
 @pytest.mark.e2e
 def test_ratios_and_report(rows):
     result = overhead.ratios(rows)
-    assert result["cpu_ratio_by_level"]["2"]["ext_proc"] > 0
+    assert result["cpu_ratio_by_level"]["16"]["ext_proc"] > 0
+    equal = result["cpu_ratio_equal_rate"]
+    assert equal["value"] > 0 and equal["paced_rps"] == rows[3]["paced_rps"]
+    # paced below every gateway's closed-loop rate: each serves about that rate
+    assert equal["rps"]["kvgate"] == pytest.approx(equal["paced_rps"], rel=0.35)
     assert "p50_delta_ms" not in result  # no c=1 row in this run
     text = overhead.markdown({"rows": rows, "ratios": result, "command": "test", "when": "now",
                               "machine": overhead.machine_info("none"), "warmup_s": 0.3,
                               "duration_s": 1.0})
-    assert "| kvgate | 2 |" in text and "| kvgate s32 | 16 |" in text
+    assert "| kvgate | 16 |" in text and "| kvgate s32 | 16 |" in text
+    assert "at an equal request rate" in text
     assert "32" in result["streams"]
