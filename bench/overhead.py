@@ -815,7 +815,7 @@ def stream_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 # -- reporting -----------------------------------------------------------------------------
 
-COLUMNS = (f"{'mode':13} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+COLUMNS = (f"{'mode':19} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
            f"{'envoy':>6} {'extproc':>7} {'engine':>6} {'redis':>6} {'loadgen':>7} "
            f"{'msg/req':>7} {'errors':>6} {'other':>5}")
 
@@ -827,7 +827,7 @@ def format_row(r: dict[str, Any]) -> str:
         return f"{cpu[role]:.0f}" if role in cpu else "-"
 
     msgs = f"{r['messages_per_request']:.2f}" if r["mode"] != "direct" else "0"
-    return (f"{label(r):13} {r['concurrency']:>4} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "
+    return (f"{label(r):19} {r['concurrency']:>4} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "
             f"{r['p99_ms']:>7.2f} {us('envoy'):>6} {us('ext_proc'):>7} {us('engine'):>6} "
             f"{us('redis'):>6} {us('loadgen'):>7} {msgs:>7} {r['errors']:>6} "
             f"{_other_cores(r):>5.2f}")
