@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.overhead [--duration 10] [--warmup 2] [--levels 1,16,64]
         [--modes direct,minimal,kvgate,kvgate_redis] [--layout split|shared|none]
+        [--no-equal-rate]
     .venv/bin/python -m bench.overhead --profile   # py-spy over kvgate and the floor, c=16
 
 One run; per mode, a simulated engine (``extproc.engine``, every step of its loop 0 s: it answers a
