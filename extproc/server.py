@@ -112,7 +112,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _release(self, stream: RequestStream, ending: str | None) -> None:
         """In memory, awaited in place: those stores never wait, so nothing can interrupt
-        the release part way (and a task per request costs ~20 µs of CPU). Otherwise
+        the release part way (and a task and a shield per request cost ~30 µs of CPU). Otherwise
         shielded: a second cancellation must not skip the release; kept in ``releasing`` so
         a shutdown can wait for it before closing the stores."""
         if self.director.releases_in_process:
