@@ -665,10 +665,10 @@ def equal_pace(rows: Sequence[dict[str, Any]]) -> float | None:
     kvgate rows at c=CPU_RATIO_LEVEL to compare). A process's CPU per request falls as its
     request rate rises (more work per wake-up, per syscall): in the closed loop the faster
     gateway looks cheaper per request for that alone."""
-    closed = [r["rps"] for r in rows if r["concurrency"] == CPU_RATIO_LEVEL
-              and not r.get("stream_tokens") and r["mode"] != "direct"]
     if not (_row(rows, "kvgate", CPU_RATIO_LEVEL) and _row(rows, "minimal", CPU_RATIO_LEVEL)):
         return None
+    closed = [r["rps"] for r in rows if r["concurrency"] == CPU_RATIO_LEVEL
+              and not r.get("stream_tokens") and r["mode"] != "direct"]
     return round(EQUAL_RATE_SHARE * min(closed))
 
 
