@@ -16,7 +16,8 @@ The command it runs (the documented vLLM OpenAI server entry point):
 `python -m vllm.entrypoints.openai.api_server --model .vllm-model --served-model-name
 tiny-llama --scheduling-policy {priority|fcfs} --dtype float32 --max-model-len 2048 --port P`
 (+ `--num-gpu-blocks-override`, `--max-num-seqs`, `--enforce-eager` when asked), with
-`VLLM_CPU_KVCACHE_SPACE` (GiB) in its environment. Output goes to a log file.
+`VLLM_CPU_KVCACHE_SPACE` (GiB) in its environment. Output goes to a log file. With `cpus`
+(`--cpus 0`) vLLM and every process it starts run on those cores only (see `VllmServer`).
 """
 
 from __future__ import annotations
@@ -113,6 +114,13 @@ def rebalance_cpu(api_server_pid: int, api_nice: int = -10, engine_nice: int = 1
     return done
 
 
+def parse_cpus(text: str | None) -> set[int] | None:
+    """``"0,2"`` → {0, 2}; None or ``"all"`` → None (every core)."""
+    if text is None or text == "all":
+        return None
+    return {int(c) for c in text.split(",") if c}
+
+
 class VllmServer:
     """A vLLM api_server subprocess as a sync context manager.
 
@@ -120,7 +128,11 @@ class VllmServer:
     it must hold at least one max-model-len request). `kvcache_space_gib` ->
     `VLLM_CPU_KVCACHE_SPACE` (whole GiB; vLLM 0.32 parses it with int()).
     `rebalance_cpu` renices the engine core down / the API server up once healthy (see
-    `rebalance_cpu()`; without it the API server starves on 2 cores). The process runs in
+    `rebalance_cpu()`; without it the API server starves on 2 cores). `cpus`: the cores vLLM
+    and its children may use (its model worker's OMP threads bind to them too); None = all.
+    On this 2-core machine, vLLM spread over both cores stalls *every* other process —
+    Envoy, kvgate, the client, even a `nice -20` top — for 2–3 s at a time while it
+    decodes; confined to core 0 it stalls nothing (`bench/vllm_cpu/README.md`). The process runs in
     its own session; stop() sends SIGTERM to that process group, then SIGKILL after
     `stop_timeout` seconds.
     """
@@ -142,6 +154,7 @@ class VllmServer:
         stop_timeout: float = 30.0,
         env: dict[str, str] | None = None,
         rebalance_cpu: bool = True,
+        cpus: set[int] | None = None,
     ) -> None:
         if policy not in ("priority", "fcfs"):
             raise ValueError(f"policy must be 'priority' or 'fcfs', not {policy!r}")
@@ -159,6 +172,7 @@ class VllmServer:
         self.stop_timeout = stop_timeout
         self.extra_env = dict(env or {})
         self.rebalance_cpu = rebalance_cpu
+        self.cpus = set(cpus) if cpus is not None else None
         self.reniced: dict = {}
         self.proc: subprocess.Popen | None = None
         self.start_seconds: float | None = None
@@ -206,6 +220,8 @@ class VllmServer:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(self.cpus)))
         if self.kvcache_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kvcache_space_gib))  # vLLM parses an int
         env.update(self.extra_env)
@@ -229,6 +245,10 @@ class VllmServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if self.cpus is not None:
+            # before it starts its engine and worker processes (seconds of imports away):
+            # they inherit it
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         try:
             self._wait_healthy(t0)
         except BaseException:
@@ -308,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--log", default=None)
     ap.add_argument("--no-rebalance-cpu", action="store_true")
+    ap.add_argument("--cpus", default=None,
+                    help="comma-separated cores for vLLM and its children (default: all)")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for vLLM's env")
     ap.add_argument("extra", nargs="*", help="extra vLLM args (after --)")
     a = ap.parse_args(argv)
@@ -322,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         log_path=a.log,
         rebalance_cpu=not a.no_rebalance_cpu,
         env=dict(kv.split("=", 1) for kv in a.env),
+        cpus=parse_cpus(a.cpus),
     )
     print("starting:", " ".join(srv.command()), f"(log {srv.log_path})", flush=True)
     stop = False

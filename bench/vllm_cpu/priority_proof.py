@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,7 +47,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.vllm_cpu.launch import SERVED_MODEL_NAME, VllmServer, missing
+from bench.vllm_cpu.launch import SERVED_MODEL_NAME, VllmServer, missing, parse_cpus
 
 CONFIGS = ("vllm-equal", "vllm-priority", "kvgate")
 PRIORITY = {"interactive": 0, "batch": 1}
@@ -350,7 +351,7 @@ def run_setting(name: str, blocks: int, configs: tuple[str, ...], reps: int,
     caps: list[dict[str, int]] = []
     with VllmServer("priority", num_gpu_blocks=blocks, max_num_seqs=MAX_NUM_SEQS,
                     max_model_len=args.max_model_len, log_path=log,
-                    startup_timeout=args.startup_timeout) as srv:
+                    startup_timeout=args.startup_timeout, cpus=args.vllm_cpus) as srv:
         print(f"[{name}] vLLM healthy at {srv.url} after {srv.start_seconds:.1f}s "
               f"({blocks} blocks; log {log})", flush=True)
         with gateway(srv.port, args.known_seqs) as (kvgate, gw_url, admin_url):
@@ -390,6 +391,26 @@ def run_setting(name: str, blocks: int, configs: tuple[str, ...], reps: int,
             "summary": {c: summarize(rs) for c, rs in runs.items()}, "runs": runs}
 
 
+def default_vllm_cpus() -> set[int] | None:
+    """vLLM on the first half of this process's cores, the gateway and the client on the
+    rest: spread over every core of a small machine, vLLM's decoding stalls every other
+    process for seconds at a time (``VllmServer``), and the client's TTFTs measure that
+    stall, not the order requests are served in. A GPU deployment keeps the engine's
+    compute off the gateway's cores the same way."""
+    cores = sorted(os.sched_getaffinity(0))
+    return set(cores[: len(cores) // 2]) if len(cores) >= 2 else None
+
+
+def pin_harness(vllm_cpus: set[int] | None) -> set[int] | None:
+    """This process (and Envoy and kvgate, started from it) off vLLM's cores."""
+    if vllm_cpus is None:
+        return None
+    rest = set(os.sched_getaffinity(0)) - vllm_cpus
+    if rest:
+        os.sched_setaffinity(0, rest)
+    return rest or None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.vllm_cpu.priority_proof",
                                 description=__doc__,
@@ -409,6 +430,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--log-dir", default="/tmp/kvgate-vllm-priority")
     p.add_argument("--out", default="bench/results/vllm-priority.json")
+    p.add_argument("--vllm-cpus", type=parse_cpus, default=default_vllm_cpus(),
+                   help="cores for vLLM (comma-separated, or 'all'); this process, Envoy and "
+                        "kvgate get the others. Default: the first half (core 0 of 2)")
     p.add_argument("--known-seqs", action="store_true",
                    help="tell kvgate's pool vLLM's --max-num-seqs (max_num_seqs) instead of "
                         "leaving it to learn it: not the shipped defaults")
@@ -423,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"real vLLM not available: {why}", file=sys.stderr)
         return 2
+    harness_cpus = pin_harness(args.vllm_cpus)
     out = Path(args.out)
     previous = json.loads(out.read_text()) if out.exists() else {}
     results: dict[str, Any] = dict(previous.get("settings", {}))
@@ -444,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"commands": commands, "schedule": schedule,
                                "max_num_seqs": MAX_NUM_SEQS,
+                               "cpus": {"vllm": sorted(args.vllm_cpus or []) or "all",
+                                        "gateway_and_client": sorted(harness_cpus or [])
+                                        or "all"},
                                "kvgate": ("shipped defaults + pool max_num_seqs"
                                           if args.known_seqs else "shipped defaults"),
                                "targets": checks, "settings": results}, indent=1) + "\n")
@@ -451,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     md.write_text("# kvgate vs vLLM's priority scheduler, one real vLLM (vllm-cpu 0.32)\n\n"
                   + "Commands:\n\n" + "".join(f"    .venv/bin/{c}   # {n}\n"
                                               for n, c in commands.items())
-                  + f"\nSchedule: {json.dumps(schedule)}; --max-num-seqs {MAX_NUM_SEQS}.\n\n"
+                  + f"\nSchedule: {json.dumps(schedule)}; --max-num-seqs {MAX_NUM_SEQS}; "
+                  + f"vLLM on cores {sorted(args.vllm_cpus or []) or 'all'}, the gateway "
+                  + f"and the client on {sorted(harness_cpus or []) or 'all'}.\n\n"
                   + text + "\n")
     for name in settings:
         out.with_suffix(f".partial-{name}.json").unlink(missing_ok=True)
