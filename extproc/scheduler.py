@@ -21,6 +21,13 @@ work back since the one before doubles how far it is raised (1, 2, 4, … up to
 with short non-streamed answers); a scrape that finds more than ``max_unstarted`` waiting
 halves it. An engine that keeps work waiting never sees it grow.
 
+Sequences: vLLM runs at most ``--max-num-seqs`` requests at once and its priority
+scheduler never preempts for a free sequence, so an interactive request arriving when every
+sequence runs a long batch request waits for one of them to end. Once an endpoint's limit is
+known (configured ``max_num_seqs``, or learned from its scrapes), lower-band work leaves one
+sequence free for band 0 — while band-0 work has arrived in the last ``TOP_IDLE_S``; a pool
+that serves only batch work gets every sequence back.
+
 Predictive load: reservations admitted since an endpoint's last scrape are added to its
 scraped usage, so a burst spreads across endpoints before the next scrape shows it.
 
@@ -70,6 +77,9 @@ from limiter.outcome import Reason, Reject, refuse
 FALLBACKS = 2  # endpoints after the chosen one, for Envoy's retries
 SEQ_PLATEAU_SCRAPES = 5  # scrapes in a row at one running count with work waiting: a seq cap
 MAX_GATE_GROWTH = 32  # how far an endpoint's unstarted limit may grow above max_unstarted
+# a pool that has seen no band-0 request for this long lends the sequence it keeps free
+# for band 0 to lower bands (a batch-only pool would otherwise run one sequence short)
+TOP_IDLE_S = 300.0
 DRAIN_WINDOW_S = 10.0
 # the expected share of reserved output (``PoolScheduler.output_ratio``): how fast it rises
 # toward a longer answer and decays toward a shorter one, and its floor
@@ -184,6 +194,9 @@ class PoolScheduler:
     # none finished yet): how far a request in flight has got since it started
     decode_rate: float = 0.0
     retry_slot_ms: int | None = None  # the last retry time promised to a refused client
+    # when a band-0 request last asked for an endpoint (None: no request yet; the first one
+    # of any band starts the clock, so a kvgate just started keeps the sequence free)
+    top_seen_at: float | None = None
     _cached_view: _PoolView | None = field(default=None, repr=False, compare=False)
 
     # -- the decision ----------------------------------------------------------------------
@@ -195,6 +208,8 @@ class PoolScheduler:
         """``band``: the request's effective band (0 = interactive, or aged into it);
         ``waited_s``: how long it has waited in kvgate's queue; ``prompt_tokens``: of
         ``tokens``, the prompt (unknown: it is counted as holding all of them throughout)."""
+        if self.top_seen_at is None or not band:
+            self.top_seen_at = now
         if not self.config.kv_aware:
             return self._least_in_flight(snapshot, now, tokens, rng, band)
         view = self._view(snapshot)
@@ -210,7 +225,7 @@ class PoolScheduler:
         candidates = [self._candidate(e.state, tokens, now, committed_bound, prompt_tokens)
                       for e in usable
                       if e.takes_work and self._has_slot(e.state.address, limit)
-                      and self._has_seq(e.state.address, band)
+                      and self._has_seq(e.state.address, band, now)
                       and self._below_unstarted(e.state.address, ahead)]
         if band and self.config.prefill_clear_share and (
                 waited_s < self.config.prefill_clear_hold_s or self.top_prefills):
@@ -357,11 +372,14 @@ class PoolScheduler:
                                             2 * self.gate_growth.get(address, 0) or 1)
         self._gated.discard(address)
 
-    def _has_seq(self, address: str, band: int) -> bool:
+    def _has_seq(self, address: str, band: int, now: float) -> bool:
         """Lower-band work leaves one of the engine's sequences (when its limit is known)
-        free for band 0, which would otherwise wait for a long request to finish."""
+        free for band 0, which would otherwise wait for a long request to finish — while
+        the pool has placed band-0 work in the last ``TOP_IDLE_S``."""
         cap = self.seq_caps.get(address)
-        return cap is None or not band or self.in_flight.get(address, 0) < max(1, cap - 1)
+        if cap is None or not band or now - (self.top_seen_at or now) > TOP_IDLE_S:
+            return True
+        return self.in_flight.get(address, 0) < max(1, cap - 1)
 
     def _has_slot(self, address: str, limit: int | None) -> bool:
         return limit is None or self.in_flight.get(address, 0) < limit

@@ -11,7 +11,13 @@ from extproc.config import Pool
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.datalayer.nvml import GpuReading
-from extproc.scheduler import MIN_RETRY_MS, Placement, PoolScheduler, future_peak
+from extproc.scheduler import (
+    MIN_RETRY_MS,
+    TOP_IDLE_S,
+    Placement,
+    PoolScheduler,
+    future_peak,
+)
 from limiter import Reject
 from limiter.outcome import QUEUEABLE
 
@@ -487,3 +493,23 @@ def test_a_learned_limit_of_one_still_lets_one_lower_band_request_run():
     sched = scheduler()
     sched.seq_caps["e1"] = 1
     assert isinstance(place_band(sched, snapshot(state("e1", 0.1)), 1), Placement)
+
+
+def test_a_pool_without_interactive_work_lends_the_kept_sequence_to_batch():
+    """The sequence kept free is for band 0: after TOP_IDLE_S without a band-0 request,
+    batch work takes it; the next band-0 request keeps it free again."""
+    sched = scheduler(max_num_seqs=2)
+    sched.reserve("b1", "a", "e1", 10, NOW - 5, band=1)
+
+    def idle(at):
+        return snapshot(state("e1", 0.1, running=1, scraped_at=at - 0.05))
+
+    def batch(at):
+        return sched.place("a", 10, idle(at), at, random.Random(0), band=1)
+
+    assert batch(NOW).reason == "pool_saturated"  # the first request starts the clock
+    assert batch(NOW + TOP_IDLE_S).reason == "pool_saturated"
+    assert isinstance(batch(NOW + TOP_IDLE_S + 1), Placement)  # no interactive work: lent
+    at = NOW + TOP_IDLE_S + 2
+    sched.place("a", 10, idle(at), at, random.Random(0), band=0)
+    assert batch(NOW + TOP_IDLE_S + 3).reason == "pool_saturated"  # kept free again
