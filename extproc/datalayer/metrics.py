@@ -95,12 +95,14 @@ def _f(*names: str) -> Families:
 @dataclass(frozen=True, slots=True)
 class CacheInfo:
     """An info family (value 1) whose labels give the KV capacity: in tokens directly
-    (``tokens_label``), else as block size × block count."""
+    (``tokens_label``), else as block size × block count — less ``reserved_blocks`` that
+    the engine counts but never gives a request (vLLM keeps one "null" block)."""
 
     name: str
     block_size_label: str
     blocks_label: str
     tokens_label: str = ""
+    reserved_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +153,8 @@ VLLM = EngineNames(
     kv_usage=_f(KV_USAGE, KV_USAGE_LEGACY),
     running=_f(RUNNING), waiting=_f(WAITING), preemptions=_f(PREEMPTIONS),
     prompt_tokens=_f(PROMPT_TOKENS), generation_tokens=_f(GENERATION_TOKENS),
-    cache_info=CacheInfo(CACHE_CONFIG, "block_size", "num_gpu_blocks", "kv_cache_size_tokens"),
+    cache_info=CacheInfo(CACHE_CONFIG, "block_size", "num_gpu_blocks", "kv_cache_size_tokens",
+                         reserved_blocks=1),  # vllm/v1/core/block_pool.py: the null block
     group_label="engine", model_label="model_name",
 )
 
@@ -506,13 +509,16 @@ class _Reading:
 
     def _info_capacities(self, info: CacheInfo) -> dict[str, int]:
         """Newer vLLM exports ``kv_cache_size_tokens``, which is right for hybrid models
-        where block_size × num_gpu_blocks is not; older ones only the two factors."""
+        where block_size × num_gpu_blocks is not; older ones only the two factors. Either
+        counts the engine's reserved blocks, which no request can use."""
         capacities: dict[str, int] = {}
         for sample in self.named[info.name]:
             labels = sample.labels
             tokens = _positive_int(labels.get(info.tokens_label)) if info.tokens_label else None
+            block_size = _positive_int(labels.get(info.block_size_label))
+            if tokens is not None and block_size is not None and info.reserved_blocks:
+                tokens = max(block_size, tokens - info.reserved_blocks * block_size)
             if tokens is None:
-                block_size = _positive_int(labels.get(info.block_size_label))
                 blocks = _positive_int(labels.get(info.blocks_label))
                 if block_size is None or blocks is None:
                     self.problems.append(
@@ -520,7 +526,7 @@ class _Reading:
                         f" ({labels.get(info.block_size_label)!r}, "
                         f"{labels.get(info.blocks_label)!r})")
                     continue
-                tokens = block_size * blocks
+                tokens = block_size * max(1, blocks - info.reserved_blocks)
             group = self.group(sample)
             capacities[group] = max(tokens, capacities.get(group, 0))
         return capacities

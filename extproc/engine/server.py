@@ -342,8 +342,9 @@ class EngineMetrics:
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "cache_dtype", "enable_prefix_caching", "engine",
                     "num_gpu_blocks"])
+        # like vLLM, it counts one block more than requests can use (vLLM's null block)
         info.add_metric([str(config.block_size), "auto", "False", self.engine_index,
-                         str(config.kv_blocks)], 1.0)
+                         str(config.kv_blocks + 1)], 1.0)
         families.append(info)
         return families
 

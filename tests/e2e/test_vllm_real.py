@@ -6,8 +6,9 @@
 They pin down the vLLM behaviour kvgate relies on (bench/vllm_cpu/README.md): the body's
 `priority` field is accepted, a streamed request with `stream_options.include_usage` ends
 with a `choices: []` + `usage` chunk, /metrics carries the names kvgate scrapes (parseable
-by prometheus_client), KV capacity = block_size x num_gpu_blocks, and token counts from
-the model's tokenizer.json match vLLM's usage. Self-contained: only `bench.vllm_cpu`.
+by prometheus_client), KV capacity = block_size x (num_gpu_blocks - 1: vLLM's null block),
+and token counts from the model's tokenizer.json match vLLM's usage. Self-contained: only
+`bench.vllm_cpu`.
 """
 
 from __future__ import annotations
@@ -291,7 +292,8 @@ def gateway(vllm):
 def test_kvgate_scrapes_real_vllm_kv_capacity(gateway):
     kvgate, _ = gateway
     (state,) = kvgate.server.endpoints.snapshot().endpoints("real")
-    assert state.healthy and state.kv_capacity_tokens == NUM_GPU_BLOCKS * 128
+    # vLLM counts one block (its null block) that no request is given
+    assert state.healthy and state.kv_capacity_tokens == (NUM_GPU_BLOCKS - 1) * 128
     assert state.kv_cache_usage is not None
 
 

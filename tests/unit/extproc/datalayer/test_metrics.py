@@ -79,8 +79,9 @@ def test_a_real_body_reads_the_same_as_the_full_parser(path: Path) -> None:
     assert metrics.kv_usage_source == usage_name
     assert metrics.kv_cache_usage == reference[usage_name][0][1]
     [(info, _)] = reference["vllm:cache_config_info"]
+    block = int(info["block_size"])
     expected_capacity = int(info.get("kv_cache_size_tokens")
-                            or int(info["block_size"]) * int(info["num_gpu_blocks"]))
+                            or block * int(info["num_gpu_blocks"])) - block  # the null block
     assert metrics.kv_capacity_tokens == expected_capacity
     assert metrics.models == tuple(sorted({labels["model_name"]
                                            for _, samples in reference.items()
@@ -97,7 +98,8 @@ def test_captured_vllm_body_has_one_engine_and_group_aware_capacity() -> None:
     assert metrics.kv_usage_source == KV_USAGE  # a current vLLM has the new name
     assert 0.0 <= metrics.kv_cache_usage <= 1.0
     if "kv_cache_size_tokens" in info:  # newer vLLM says it directly; it wins
-        assert metrics.kv_capacity_tokens == int(info["kv_cache_size_tokens"])
+        assert metrics.kv_capacity_tokens == (int(info["kv_cache_size_tokens"])
+                                              - int(info["block_size"]))
 
 
 def test_hand_made_v1_sample_values() -> None:
@@ -105,16 +107,16 @@ def test_hand_made_v1_sample_values() -> None:
     assert metrics == EngineMetrics(
         kv_cache_usage=0.25, num_requests_running=3, num_requests_waiting=2,
         num_preemptions_total=1, prompt_tokens_total=1234, generation_tokens_total=5678,
-        kv_capacity_tokens=16 * 4096, kv_block_tokens=16, kv_usage_source=KV_USAGE,
+        kv_capacity_tokens=16 * 4095, kv_block_tokens=16, kv_usage_source=KV_USAGE,
         models=("tiny-llama",), engines=("0",))
-    assert metrics.kv_used_tokens == 16 * 4096 // 4
+    assert metrics.kv_used_tokens == 16 * 4095 // 4
 
 
 def test_old_engine_falls_back_to_gpu_cache_usage_perc() -> None:
     metrics = parse_vllm_metrics(LEGACY.read_text())
     assert metrics.kv_usage_source == KV_USAGE_LEGACY
     assert metrics.kv_cache_usage == 0.625
-    assert metrics.kv_capacity_tokens == 16 * 1000
+    assert metrics.kv_capacity_tokens == 16 * 999
     assert metrics.engines == ("",)  # V0 has no engine label
     assert (metrics.num_requests_running, metrics.num_requests_waiting) == (4, 6)
 
@@ -141,11 +143,11 @@ def test_data_parallel_usage_is_weighted_by_capacity_and_counts_are_summed() -> 
             + gauge(KV_USAGE, 0.6, engine="1", model_name="m")
             + gauge("vllm:num_requests_running", 2, engine="0", model_name="m")
             + gauge("vllm:num_requests_running", 5, engine="1", model_name="m")
-            + cache_info("0", num_gpu_blocks="1000") + cache_info("1", num_gpu_blocks="3000"))
+            + cache_info("0", num_gpu_blocks="1001") + cache_info("1", num_gpu_blocks="3001"))
     metrics = parse_vllm_metrics(body)
     assert metrics.kv_cache_usage == pytest.approx((0.2 * 1 + 0.6 * 3) / 4)
     assert metrics.num_requests_running == 7
-    assert metrics.kv_capacity_tokens == 16 * 4000
+    assert metrics.kv_capacity_tokens == 16 * 4000  # without each engine's null block
     assert metrics.engines == ("0", "1")
     assert metrics.problems == ()
 
@@ -163,13 +165,23 @@ def test_capacity_known_for_some_engines_only_says_so() -> None:
             + gauge(KV_USAGE, 0.7, engine="1", model_name="m") + cache_info("0"))
     metrics = parse_vllm_metrics(body)
     assert metrics.kv_cache_usage == 0.7  # unweighted: the max
-    assert metrics.kv_capacity_tokens == 16_000
+    assert metrics.kv_capacity_tokens == 16_000 - 16  # less vLLM's null block
     assert any("engines ['1']" in p for p in metrics.problems)
 
 
 def test_group_aware_kv_cache_size_tokens_wins_over_blocks() -> None:
     body = cache_info("0", num_gpu_blocks="100", kv_cache_size_tokens="1200")
-    assert parse_vllm_metrics(body).kv_capacity_tokens == 1200
+    assert parse_vllm_metrics(body).kv_capacity_tokens == 1200 - 16  # less the null block
+
+
+def test_the_block_vllm_keeps_for_itself_is_not_capacity() -> None:
+    """vLLM counts its "null" block in num_gpu_blocks (and in kv_cache_size_tokens) but
+    never gives it to a request; its usage gauge divides by the other blocks. A plan made
+    to the full count overcommits by a block: on a 20-block cache, 5%."""
+    metrics = parse_vllm_metrics(cache_info("0", num_gpu_blocks="20", block_size="128")
+                                 + gauge(KV_USAGE, 0.5, engine="0", model_name="m"))
+    assert metrics.kv_capacity_tokens == 19 * 128
+    assert metrics.kv_used_tokens == 19 * 128 // 2
 
 
 def test_capacity_before_profiling_is_unknown() -> None:

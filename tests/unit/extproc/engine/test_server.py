@@ -147,7 +147,8 @@ def test_metrics_have_vllm_names(client: httpx.Client) -> None:
                                                           "engine": "0"}
     info = samples["vllm:cache_config_info"]
     assert info.value == 1
-    assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "2048"
+    # 2048 usable + the null block, as vLLM counts
+    assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "2049"
     assert samples["vllm:generation_tokens_total"].value >= 1
 
 
