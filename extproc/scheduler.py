@@ -193,6 +193,8 @@ class PoolScheduler:
     # output tokens per second of one running sequence (finished requests' average; 0 =
     # none finished yet): how far a request in flight has got since it started
     decode_rate: float = 0.0
+    _decode_tokens: float = field(default=0.0, repr=False)  # averages behind decode_rate
+    _decode_seconds: float = field(default=0.0, repr=False)
     retry_slot_ms: int | None = None  # the last retry time promised to a refused client
     # when a band-0 request last asked for an endpoint (None: no request yet; the first one
     # of any band starts the clock, so a kvgate just started keeps the sequence free)
@@ -292,7 +294,7 @@ class PoolScheduler:
         if reservation is None:
             return
         if reservation.started and output_tokens and now > reservation.started_at:
-            self._learn_decode_rate(output_tokens / (now - reservation.started_at))
+            self._learn_decode_rate(output_tokens, now - reservation.started_at)
         self._started(reservation, now)
         self._prefilled(reservation)
         del self.by_endpoint[reservation.endpoint][lease_id]
@@ -313,9 +315,15 @@ class PoolScheduler:
         self.output_ratio = max(MIN_OUTPUT_RATIO,
                                 self.output_ratio + rate * (ratio - self.output_ratio))
 
-    def _learn_decode_rate(self, rate: float) -> None:
-        weight = DECODE_RATE_WEIGHT if self.decode_rate else 1.0
-        self.decode_rate += weight * (rate - self.decode_rate)
+    def _learn_decode_rate(self, tokens: int, seconds: float) -> None:
+        """Recent output tokens over recent decoding seconds — a ratio of averages, not an
+        average of ratios: a short answer whose first and last chunk arrive together (a
+        few tokens in microseconds) would otherwise teach a rate of millions of tokens per
+        second, and every request in flight would count as nearly done."""
+        weight = DECODE_RATE_WEIGHT if self._decode_seconds else 1.0
+        self._decode_tokens += weight * (tokens - self._decode_tokens)
+        self._decode_seconds += weight * (seconds - self._decode_seconds)
+        self.decode_rate = self._decode_tokens / self._decode_seconds
 
     def _started(self, reservation: Reservation, now: float) -> None:
         if not reservation.started:

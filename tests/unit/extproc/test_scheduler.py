@@ -255,6 +255,21 @@ def test_the_decode_rate_is_learned_from_finished_requests():
     assert sched.decode_rate == 20.0
 
 
+def test_a_short_answer_delivered_at_once_does_not_teach_a_huge_decode_rate():
+    """16 tokens whose first and last chunk came 30 µs apart: as a rate, 533,333 tokens per
+    second. Tokens and seconds are averaged apart, so it moves the rate a little."""
+    sched = scheduler()
+    for n in range(5):
+        sched.reserve(f"long{n}", "a", "e1", 2000, NOW - 5, prompt_tokens=100)
+        sched.first_token(f"long{n}", NOW - 4)
+        sched.release(f"long{n}", NOW, output_tokens=1500)  # 375 tokens per second
+    for n in range(4):
+        sched.reserve(f"short{n}", "a", "e1", 200, NOW, prompt_tokens=20)
+        sched.first_token(f"short{n}", NOW)
+        sched.release(f"short{n}", NOW + 30e-6, output_tokens=16)
+    assert 375 < sched.decode_rate < 375 * 1.5
+
+
 def test_interactive_work_on_a_priority_engine_does_not_wait_for_committed_kv():
     """The engine would preempt the batch request, not the interactive one."""
     for priority, interactive_fits in ((True, True), (False, False)):
