@@ -383,7 +383,7 @@ class PoolScheduler:
     def _has_seq(self, address: str, band: int, now: float) -> bool:
         """Lower-band work leaves one of the engine's sequences (when its limit is known)
         free for band 0, which would otherwise wait for a long request to finish — while
-        the pool has placed band-0 work in the last ``TOP_IDLE_S``."""
+        a band-0 request has asked for an endpoint in the last ``TOP_IDLE_S``."""
         cap = self.seq_caps.get(address)
         if cap is None or not band or now - (self.top_seen_at or now) > TOP_IDLE_S:
             return True
