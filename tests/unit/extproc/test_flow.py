@@ -218,6 +218,48 @@ async def test_debug_shows_the_queue_and_what_the_gate_knows(harness):
         await task
 
 
+
+async def test_a_free_tenants_pdf_does_not_hold_up_a_paying_tenants_chat():
+    """README's worked example (per-tier ``long_prompt_tokens``): a ~6,500-token PDF from a
+    free tenant (tier rule 2,048) becomes batch work; a gold tenant's chat that arrives after
+    it, with the pool busy, is dispatched first, and each engine is sent its class priority."""
+    data = config().model_dump(exclude_unset=True)
+    data["classification"]["long_prompt_tokens"] = 8192
+    data["tiers"]["free"]["long_prompt_tokens"] = 2048
+    h = Harness(parse_config(data))
+
+    async def usage(ratio: float) -> None:
+        metrics = EngineMetrics(kv_cache_usage=ratio, kv_capacity_tokens=100_000)
+        await h.endpoints.apply([ScrapeResult(ENDPOINT, time.monotonic(), metrics)])
+        h.director.kick()
+
+    await h.endpoints.set_endpoints("p", [ENDPOINT])
+    await usage(0.99)
+    h.flow.start()
+    order: list[str] = []
+
+    async def ask(tenant: str, text: str) -> Admission | Reject:
+        body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": text}]}
+        request = parse_body("/v1/chat/completions", orjson.dumps(body))
+        outcome = await h.director.admit(h.director.authenticate(f"Bearer k{tenant}"), request)
+        order.append(tenant)
+        return outcome
+
+    pdf = asyncio.create_task(ask("b", "Quarterly report, page after page. " * 750))
+    await settle()
+    chat = asyncio.create_task(ask("a", "What is on my calendar today?"))
+    await settle()
+    assert len(h.flow.queue) == 2 and not order
+    await usage(0.1)  # room for both: the dispatcher hands it out in band order
+    admitted = [await asyncio.wait_for(task, 2) for task in (pdf, chat)]
+    assert order == ["a", "b"]
+    assert [(a.request_class, a.priority) for a in admitted] == [("batch", 1),
+                                                                ("interactive", 0)]
+    for admission in admitted:
+        await h.director.release(admission, 10)
+    assert await h.nothing_held()
+    await h.flow.stop()
+
 # --- per-tenant overflow mode -------------------------------------------------------------
 
 
