@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
@@ -310,3 +311,32 @@ def test_a_zero_hit_check_is_refused_once_nothing_is_left_and_charges_nothing(se
     clock.now += MINUTE // 5
     assert [ask(service, check).overall_code for _ in range(3)] == [OK] * 3
     assert ask(service, descriptor(("user", "ivan"))).overall_code == OK  # the unit is still there
+
+
+def test_an_override_with_a_unit_envoy_does_not_define_is_ignored(service):
+    override = descriptor(("user", "vip"))
+    override.limit.requests_per_unit = 1
+    override.limit.unit = 99  # not in the proto: as UNKNOWN, the rules decide
+    assert codes(service, 2, override) == [OK, OK]
+    assert limit_of(ask(service, override)) == 100
+
+
+class Aborted(Exception):
+    pass
+
+
+class AbortingContext:
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+@pytest.mark.parametrize("request_", [
+    rls_pb2.RateLimitRequest(descriptors=[descriptor(("user", "a"))]),
+    rls_pb2.RateLimitRequest(domain="edge"),
+])
+def test_a_request_without_a_domain_or_descriptors_is_invalid(service, request_):
+    with pytest.raises(Aborted) as caught:
+        asyncio.run(service.ShouldRateLimit(request_, AbortingContext()))  # type: ignore[arg-type]
+    code, details = caught.value.args
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "a rate limit request needs a domain and descriptors"
