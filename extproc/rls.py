@@ -101,7 +101,10 @@ def _override(descriptor: ratelimit_pb2.RateLimitDescriptor) -> Rule | None:
     if not descriptor.HasField("limit"):
         return None
     override = descriptor.limit
-    unit = rls_pb2.RateLimitResponse.RateLimit.Unit.Name(override.unit).lower()
+    units = rls_pb2.RateLimitResponse.RateLimit.Unit
+    if override.unit not in units.values():  # a unit this proto does not know: as UNKNOWN
+        return None
+    unit = units.Name(override.unit).lower()
     if unit not in _UNITS or unit == "unknown":
         return None
     limit = Limit(override.requests_per_unit, unit)

@@ -89,14 +89,23 @@ def import_files(paths: list[Path], algorithm: str = "fixed_window") -> tuple[st
     """The ``ratelimit:`` section for ``paths`` as YAML, and notes on what was dropped.
     Raises :class:`RatelimitImportError` naming the file."""
     domains, notes = [], []
+    seen: dict[str, Path] = {}
     for path in paths:
         try:
-            document = yaml.safe_load(path.read_text())
+            document = yaml.safe_load(path.read_bytes().decode("utf-8"))
             file_notes: list[str] = []
-            domains.append(convert(document, algorithm, file_notes))
+            domain = convert(document, algorithm, file_notes)
+            if domain["domain"] in seen:
+                raise RatelimitImportError(
+                    f"domain {domain['domain']!r} is already in {seen[domain['domain']]}")
+            seen[domain["domain"]] = path
+            domains.append(domain)
             notes += [f"{path}: {note}" for note in file_notes]
         except OSError as exc:
             raise RatelimitImportError(f"{path}: cannot read: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise RatelimitImportError(
+                f"{path}: cannot read: not UTF-8 text (byte {exc.start})") from None
         except yaml.YAMLError as exc:
             raise RatelimitImportError(f"{path}: not valid YAML: {_one_line(str(exc))}") from None
         except RatelimitImportError as exc:
@@ -117,7 +126,9 @@ def _validate(section: dict[str, Any], paths: list[Path]) -> None:
         loc = err["loc"]
         where = paths[loc[1]] if len(loc) > 1 and isinstance(loc[1], int) else paths[0]
         message = err["msg"].removeprefix("Value error, ")
-        raise RatelimitImportError(f"{where}: {format_loc(loc[2:])}: {message}") from None
+        inside = format_loc(loc[2:])
+        raise RatelimitImportError(f"{where}: {inside}: {message}" if inside
+                                   else f"{where}: {message}") from None
 
 
 def _one_line(text: str) -> str:

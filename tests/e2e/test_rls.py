@@ -101,6 +101,7 @@ def test_over_limit_gets_429_with_retry_after_and_x_ratelimit_headers(stack):
     assert refused.headers["x-envoy-ratelimited"] == "true"
     assert refused.headers["x-ratelimit-limit"] == "2"
     assert refused.headers["x-ratelimit-remaining"] == "0"
+    assert 59 <= int(refused.headers["x-ratelimit-reset"]) <= 60  # both requests refilled
     # a token bucket of 2/min refills one request every 30 s
     assert 29_000 <= int(refused.headers["retry-after-ms"]) <= 30_000
     assert refused.headers["retry-after"] == "30"

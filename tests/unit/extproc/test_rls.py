@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
@@ -272,3 +273,70 @@ def test_a_limit_sent_by_envoy_overrides_the_rules(service):
     override.limit.unit = rls_pb2.RateLimitResponse.RateLimit.DAY  # too slow for a bucket
     assert [ask(service, override).overall_code for _ in range(2)] == [OK, OVER_LIMIT]
     assert limit_of(ask(service, override)) == 1
+
+
+def test_statuses_carry_the_limit_what_is_left_and_when_it_resets(service, clock):
+    """duration_until_reset: a token bucket until it is full again, a fixed window until its
+    boundary, a sliding window until it is empty again (its newest entry has left)."""
+    clock.now = clock.now - clock.now % MINUTE + 12_345  # 12.345 s into a minute
+    bucket = ask(service, descriptor(("user", "reset")), hits=2).statuses[0]
+    assert (bucket.code, bucket.limit_remaining) == (OK, 3)
+    assert bucket.current_limit.requests_per_unit == 5
+    assert bucket.current_limit.unit == rls_pb2.RateLimitResponse.RateLimit.MINUTE
+    assert bucket.duration_until_reset.ToMilliseconds() == 2 * MINUTE // 5  # 2 hits to refill
+    fixed = ask(service, descriptor(("fixed", "reset")), hits=2).statuses[0]
+    assert (fixed.code, fixed.limit_remaining) == (OK, 0)
+    assert fixed.duration_until_reset.ToMilliseconds() == MINUTE - 12_345
+    sliding = descriptor(("sliding", "reset"))
+    assert ask(service, sliding).statuses[0].duration_until_reset.ToMilliseconds() == MINUTE
+    clock.now += 1_000
+    status = ask(service, sliding).statuses[0]
+    assert (status.code, status.limit_remaining) == (OK, 0)
+    assert status.duration_until_reset.ToMilliseconds() == MINUTE
+    clock.now += 1_000
+    response = ask(service, sliding)
+    assert response.overall_code == OVER_LIMIT == response.statuses[0].code
+    assert response.statuses[0].duration_until_reset.ToMilliseconds() == MINUTE - 1_000
+    assert headers(response)["retry-after-ms"] == str(MINUTE - 2_000)  # the oldest leaves
+
+
+def test_a_zero_hit_check_is_refused_once_nothing_is_left_and_charges_nothing(service, clock):
+    check = descriptor(("user", "ivan"), hits=0)
+    for left in (5, 5):  # checks do not count
+        assert ask(service, check).statuses[0].limit_remaining == left
+    assert codes(service, 5, descriptor(("user", "ivan"))) == [OK] * 5
+    refused = ask(service, check)
+    assert refused.overall_code == OVER_LIMIT  # not even one unit left
+    assert headers(refused)["retry-after-ms"] == str(MINUTE // 5)
+    clock.now += MINUTE // 5
+    assert [ask(service, check).overall_code for _ in range(3)] == [OK] * 3
+    assert ask(service, descriptor(("user", "ivan"))).overall_code == OK  # the unit is still there
+
+
+def test_an_override_with_a_unit_envoy_does_not_define_is_ignored(service):
+    override = descriptor(("user", "vip"))
+    override.limit.requests_per_unit = 1
+    override.limit.unit = 99  # not in the proto: as UNKNOWN, the rules decide
+    assert codes(service, 2, override) == [OK, OK]
+    assert limit_of(ask(service, override)) == 100
+
+
+class Aborted(Exception):
+    pass
+
+
+class AbortingContext:
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+@pytest.mark.parametrize("request_", [
+    rls_pb2.RateLimitRequest(descriptors=[descriptor(("user", "a"))]),
+    rls_pb2.RateLimitRequest(domain="edge"),
+])
+def test_a_request_without_a_domain_or_descriptors_is_invalid(service, request_):
+    with pytest.raises(Aborted) as caught:
+        asyncio.run(service.ShouldRateLimit(request_, AbortingContext()))  # type: ignore[arg-type]
+    code, details = caught.value.args
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "a rate limit request needs a domain and descriptors"

@@ -63,3 +63,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, text, problem)
 def test_a_missing_file(tmp_path: Path, capsys):
     assert main(["import-ratelimit", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_utf8_is_one_line_and_exit_2(tmp_path: Path, capsys):
+    path = tmp_path / "rl.yaml"
+    path.write_bytes(b"domain: d\n\xff\xfe\n")
+    assert main(["import-ratelimit", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"kvgate import-ratelimit: {path}: cannot read: not UTF-8 text (byte 10)\n"
+
+
+def test_a_domain_in_two_files_names_both(tmp_path: Path, capsys):
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for path in (first, second):
+        path.write_text("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n"
+                        "      unit: hour\n      requests_per_unit: 7\n")
+    assert main(["import-ratelimit", str(first), str(second)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"kvgate import-ratelimit: {second}: domain 'd' is already in {first}\n"
