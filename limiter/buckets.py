@@ -178,12 +178,40 @@ class SlidingWindow:
         excess = self._used + cost - self.limit
         if excess <= 0:
             return 0
+        expiry = self._expiry_of(excess)
+        assert expiry is not None, "the log holds more than the excess"
+        return expiry - now_ms
+
+    def herd_wait_ms(self, cost: int, now_ms: int, promised_ms: int) -> int:
+        """The wait of the next client of a refused herd, the last one having been promised
+        ``promised_ms``. Entries leave the window oldest first, and every promised client
+        takes the place of the one whose leaving it was promised, which leaves in turn one
+        window after it came back: so the slots are the log's expiries, then the same again
+        one window later, and so on. This client gets the first after those promised."""
+        now_ms = self._advance(now_ms)
+        excess = self._used + cost - self.limit
+        if excess <= 0:
+            return 0
+        taken, lap = 0, 0
+        while counted := self._left_by(promised_ms - lap):
+            taken, lap = taken + counted, lap + self.window_ms
+        laps, index = divmod(taken + excess - 1, self._used)
+        expiry = self._expiry_of(index + 1)
+        assert expiry is not None, "the index is within the log"
+        return expiry + laps * self.window_ms - now_ms
+
+    def _left_by(self, at_ms: int) -> int:
+        """Cost in the log that has left the window by ``at_ms``."""
+        return sum(cost for ts, cost in self._log if ts + self.window_ms <= at_ms)
+
+    def _expiry_of(self, units: int) -> int | None:
+        """When the oldest ``units`` of cost in the log have all left the window."""
         freed = 0
         for ts, entry_cost in self._log:
             freed += entry_cost
-            if freed >= excess:
-                return ts + self.window_ms - now_ms
-        raise AssertionError("unreachable: the log holds more than the excess")
+            if freed >= units:
+                return ts + self.window_ms
+        return None
 
     def consume(self, cost: int, now_ms: int) -> None:
         """Log ``cost`` at ``now_ms``; only legal when :meth:`wait_ms` is 0 (else ValueError)."""

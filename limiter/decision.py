@@ -21,7 +21,6 @@ from limiter.herd import (
     herd_wait,
     observe,
     rate_interval,
-    window_interval,
 )
 from limiter.outcome import (
     Admit,
@@ -468,11 +467,15 @@ class TenantLimiter:
     def _schedule(self, waits: list[tuple[Reason, int]], requests: int, tokens: int | None,
                   now_ms: int) -> list[tuple[Reason, int]]:
         """Exact waits → this client's slot in each refusing dimension's schedule, which
-        moves on by one (``limiter.herd``)."""
+        moves on by one (``limiter.herd``); a sliding window reads its slots from its log."""
         scheduled = []
         for reason, wait in waits:
-            slot = herd_wait(now_ms, wait, self._promised.get(reason),
-                             self._interval(reason, requests, tokens or 0))
+            promised = self._promised.get(reason)
+            if reason is Reason.WINDOW and promised is not None and self._window is not None:
+                slot = self._window.herd_wait_ms(requests, now_ms, promised)
+            else:
+                slot = herd_wait(now_ms, wait, promised,
+                                 self._interval(reason, requests, tokens or 0))
             self._promised[reason] = now_ms + slot
             scheduled.append((reason, slot))
         return scheduled
@@ -484,8 +487,6 @@ class TenantLimiter:
             return rate_interval(requests, policy.request_rate)
         if reason is Reason.TOKENS and policy.token_rate is not None:
             return rate_interval(tokens, policy.token_rate)
-        if reason is Reason.WINDOW and policy.window_limit and policy.window_ms:
-            return window_interval(requests, policy.window_limit, policy.window_ms)
         if reason is Reason.SHAPING and policy.shaping_rate is not None:
             return rate_interval(requests, policy.shaping_rate)
         return concurrency_interval(self.mean_duration_ms, policy.max_concurrency or 1)

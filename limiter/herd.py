@@ -5,8 +5,9 @@ to twenty concurrent clients, it makes them all come back in the same millisecon
 wins and nineteen are refused again. So every dimension that refuses keeps one number per
 tenant, the time of the last slot it promised (``tat``, as in GCRA): the next refused client
 gets ``max(now + exact wait, tat + interval)``, where ``interval`` is what one more request
-of this size needs of that dimension — its share of the bucket's refill, of the sliding
-window's limit, or of the concurrency slots' expected completions. Promises expire by
+of this size needs of that dimension — its share of the bucket's refill or of the
+concurrency slots' expected completions. A sliding window knows when each entry leaves:
+its next slot is read from its log (``SlidingWindow.herd_wait_ms``). Promises expire by
 themselves: once ``tat`` is in the past the rule gives back the exact wait, and no state
 grows with the number of clients (one integer per dimension). A single client still gets
 the exact time; nothing is reserved for a promise (admission is unchanged), so a promise is
@@ -41,11 +42,6 @@ def herd_wait(now_ms: int, wait_ms: int, tat: int | None, interval_ms: int) -> i
 def rate_interval(cost: int, rate: Rate) -> int:
     """Ms for a bucket refilling at ``rate`` to refill ``cost`` (rounded up)."""
     return ceil_div(cost * rate.period_ms, rate.amount)
-
-
-def window_interval(cost: int, limit: int, window_ms: int) -> int:
-    """A sliding window frees ``limit`` requests per ``window_ms`` on average."""
-    return ceil_div(cost * window_ms, limit)
 
 
 TRIP_MS = 10

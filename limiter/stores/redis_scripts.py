@@ -241,19 +241,47 @@ local function win_open(t)
   return w
 end
 
-local function win_wait(w, cost)
-  local excess = w.n + cost - w.limit
-  if excess <= 0 then return 0 end
+local function win_expiry_of(w, units)  -- SlidingWindow._expiry_of; nil past the log
   local freed, first = 0, 0
   while true do
     local chunk = redis.call('ZRANGE', KWIN, first, first + 63, 'WITHSCORES')
-    if #chunk == 0 then error('kvgate: window log shorter than its count') end
+    if #chunk == 0 then return nil end
     for i = 1, #chunk, 2 do
       freed = freed + win_cost(chunk[i])
-      if freed >= excess then return tonumber(chunk[i + 1]) + w.ms - w.now end
+      if freed >= units then return tonumber(chunk[i + 1]) + w.ms end
     end
     first = first + 64
   end
+end
+
+local function win_wait(w, cost)
+  local excess = w.n + cost - w.limit
+  if excess <= 0 then return 0 end
+  local expiry = win_expiry_of(w, excess)
+  if not expiry then error('kvgate: window log shorter than its count') end
+  return expiry - w.now
+end
+
+local function win_left_by(w, at)  -- SlidingWindow._left_by
+  local n = 0
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KWIN, '-inf', str(at - w.ms))) do
+    n = n + win_cost(member)
+  end
+  return n
+end
+
+local function win_herd_wait(w, cost, promised)  -- SlidingWindow.herd_wait_ms
+  local excess = w.n + cost - w.limit
+  if excess <= 0 then return 0 end
+  local taken, lap = 0, 0
+  while true do
+    local n = win_left_by(w, promised - lap)
+    if n == 0 then break end
+    taken, lap = taken + n, lap + w.ms
+  end
+  local index = taken + excess - 1
+  local laps = math.floor(index / w.n)
+  return win_expiry_of(w, index - laps * w.n + 1) + laps * w.ms - w.now
 end
 
 local function win_consume(w, cost)
@@ -402,9 +430,6 @@ end
 local function herd_interval(H, reason, requests, tokens)
   if reason == 'requests' and REQ.a > 0 then return cdiv(requests * REQ.p, REQ.a) end
   if reason == 'tokens' and TOK.a > 0 then return cdiv(tokens * TOK.p, TOK.a) end
-  if reason == 'requests_window' and WIN_MS > 0 then
-    return cdiv(requests * WIN_MS, WIN_LIMIT)
-  end
   if reason == 'shaping_backlog_full' and SHAPE.a > 0 then
     return cdiv(requests * SHAPE.p, SHAPE.a)
   end
@@ -412,12 +437,18 @@ local function herd_interval(H, reason, requests, tokens)
 end
 
 -- waits: the flat {reason, exact wait, ...} list; each wait becomes this client's slot
-local function herd_schedule(waits, requests, tokens, t)
+-- (a sliding window reads its slots from its log: ``win``)
+local function herd_schedule(waits, requests, tokens, t, win)
   local H = herd()
   for i = 1, #waits, 2 do
     local reason, wait = waits[i], waits[i + 1]
     local tat = H.tat[reason]
-    if tat then wait = math.max(wait, tat + herd_interval(H, reason, requests, tokens) - t) end
+    local slot = tat and reason == 'requests_window' and win and win_herd_wait(win, requests, tat)
+    if slot then
+      wait = slot
+    elseif tat then
+      wait = math.max(wait, tat + herd_interval(H, reason, requests, tokens) - t)
+    end
     H.tat[reason] = t + wait
     waits[i + 1] = wait
   end
@@ -643,7 +674,7 @@ end
 concurrency_wait(st, waits, NOW)
 shaping_wait(st, requests, NOW, waits)
 if #waits > 0 then
-  herd_schedule(waits, requests, tokens, NOW)
+  herd_schedule(waits, requests, tokens, NOW, st.win)
   return finish(st, NOW, 'wait', waits)
 end
 
@@ -754,7 +785,7 @@ request_waits(st, 1, NOW, waits)
 concurrency_wait(st, waits, NOW)
 shaping_wait(st, 1, NOW, waits)
 if #waits > 0 then
-  herd_schedule(waits, 1, 0, NOW)
+  herd_schedule(waits, 1, 0, NOW, st.win)
   return finish(st, NOW, 'wait', waits)
 end
 return finish(st, NOW, 'ok', {})

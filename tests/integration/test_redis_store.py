@@ -634,3 +634,42 @@ async def test_the_pipe_authenticates_and_selects_its_database() -> None:
         assert await admin.dbsize() == 0  # db 0 (admin's connection logged in before)
         await store.close()
         await admin.aclose()
+
+
+@PARITY
+@given(st.integers(1, 6), st.integers(50, 2000), st.lists(st.integers(0, 1999), max_size=6),
+       st.integers(1, 15), starts)
+async def test_a_window_herd_is_admitted_on_its_first_retry_on_both_stores(
+    client: aioredis.Redis, limit: int, window: int, offsets: list[int], clients: int,
+    start: int,
+) -> None:
+    """A full sliding window with entries bunched anywhere: memory and Redis promise the same
+    slot to each refused client (read from the window's log), and each client that comes
+    back at its slot is admitted."""
+    await client.flushdb()
+    clock = FakeClock(start)
+    policy = TenantPolicy(window_limit=limit, window_ms=window)
+    stores: list[LimiterStore] = [MemoryStore(clock), RedisStore(client, clock=clock)]
+
+    async def admit(lease: str) -> Admit | Reject:
+        memory, shared = [await s.admit("acme", policy, Cost(1, 1), lease) for s in stores]
+        assert memory == shared, (lease, clock.now - start)
+        return memory
+
+    for i, offset in enumerate(sorted(o % window for o in offsets)):
+        clock.now = start + offset
+        if isinstance(await admit(f"a{i}"), Reject):
+            break
+    else:
+        filled = 0
+        while isinstance(await admit(f"fill{filled}"), Admit):
+            filled += 1
+    refused_at = clock.now
+    waits = []
+    for k in range(clients):
+        refused = await admit(f"r{k}")
+        assert isinstance(refused, Reject) and refused.retry_after_ms is not None
+        waits.append(refused.retry_after_ms)
+    for k, wait in enumerate(waits):
+        clock.now = refused_at + wait
+        assert isinstance(await admit(f"retry{k}"), Admit), (k, waits)

@@ -116,3 +116,44 @@ def test_observed_mean_starts_with_the_first_sample() -> None:
     mean, samples = 100, 8
     assert observe(mean, samples, 180) == (110, 8)  # 1/8 of the difference from then on
     assert Reason.CONCURRENCY.value == "concurrency"
+
+
+def test_a_sliding_window_herd_follows_the_entries_leaving() -> None:
+    """Bunched entries: each refused client is sent back when one more entry has left, not
+    at the window's average spacing (which sent the second client back at 350 ms, while
+    the entries of 700 and 800 ms still counted)."""
+    limiter = TenantLimiter(TenantPolicy(window_limit=4, window_ms=1000), now_ms=0)
+    for at in (0, 700, 800, 900):
+        assert isinstance(limiter.admit(Cost(1, 1), f"a{at}", at), Admit)
+    waits = _refuse_all(limiter, 5, 900, Cost(1, 1))
+    assert waits == [100, 800, 900, 1000, 1100]  # the fifth: when the first is back and leaves
+    for k, wait in enumerate(waits):
+        assert isinstance(limiter.admit(Cost(1, 1), f"retry{k}", 900 + wait), Admit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 8), st.integers(10, 2000), st.lists(st.integers(0, 1999), max_size=8),
+       st.integers(1, 30))
+def test_every_client_of_a_window_herd_is_admitted_on_its_first_retry(
+    limit: int, window: int, offsets: list[int], clients: int
+) -> None:
+    """Whatever the entries' spacing and however many clients beyond the limit, each
+    retrying at its own slot is admitted; a newcomer later queues behind them."""
+    limiter = TenantLimiter(TenantPolicy(window_limit=limit, window_ms=window), now_ms=0)
+    now = 0
+    for i, offset in enumerate(sorted(o % window for o in offsets)):
+        result = limiter.admit(Cost(1, 1), f"a{i}", offset)
+        now = offset
+        if isinstance(result, Reject):
+            break
+    else:  # fill what is left of the window at the last entry's time
+        filled = 0
+        while isinstance(limiter.admit(Cost(1, 1), f"fill{filled}", now), Admit):
+            filled += 1
+    waits = _refuse_all(limiter, clients, now, Cost(1, 1))
+    assert waits == sorted(waits)
+    for k, wait in enumerate(waits):
+        assert isinstance(limiter.admit(Cost(1, 1), f"retry{k}", now + wait), Admit)
+    newcomer = limiter.admit(Cost(1, 1), "new", now + waits[-1])
+    if isinstance(newcomer, Reject):
+        assert newcomer.retry_after_ms is not None and newcomer.retry_after_ms > 0
