@@ -133,6 +133,37 @@ def test_files_the_config_names_are_checked(tmp_path, capsys):
     assert main(["check", str(write(tmp_path, data))]) == 0
 
 
+def test_upstream_api_keys_are_checked_as_serve_reads_them(tmp_path, capsys, monkeypatch):
+    # `kvgate check` said OK, then `kvgate serve` refused the config as "<config>"
+    monkeypatch.delenv("KVGATE_TEST_UPSTREAM_KEY", raising=False)
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    data["pools"] += [
+        {"name": f"p{i}", "models": [f"m{i}"], "endpoints": [f"127.0.0.{i + 2}:8000"],
+         "upstream_api_key": secret}
+        for i, secret in enumerate([{"env": "KVGATE_TEST_UPSTREAM_KEY"}, {"file": str(empty)},
+                                    {"file": str(tmp_path / "missing.key")}])]
+    path = write(tmp_path, data)
+    assert check_problems(path, capsys) == [
+        f"pools[3].upstream_api_key.file: cannot read {tmp_path}/missing.key: no such file",
+        "pools[1].upstream_api_key: environment variable KVGATE_TEST_UPSTREAM_KEY is empty "
+        "or not set",
+        f"pools[2].upstream_api_key: {empty} is empty or not set",
+    ]
+    assert main(["check", "--skip-files", str(path)]) == 0
+    data["pools"] = data["pools"][:2]
+    data["server"] = {"grpc_port": 0, "admin_port": None}
+    done = kvgate("serve", "--config", str(write(tmp_path, data)))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"{tmp_path}/kvgate.yaml: 1 problem(s)",
+        "  pools[1].upstream_api_key: environment variable KVGATE_TEST_UPSTREAM_KEY is empty "
+        "or not set"]
+    monkeypatch.setenv("KVGATE_TEST_UPSTREAM_KEY", "sk-engine")
+    assert main(["check", str(path)]) == 0
+
+
 def test_yaml_errors_name_the_file_and_line(tmp_path):
     path = write(tmp_path, "tiers:\n  gold: {}\n bad: 1\n")
     done = kvgate("check", str(path))
