@@ -1006,9 +1006,12 @@ def read_config_data(path: str | Path) -> Any:
     """The YAML of a config file, unvalidated; problems name the file and the line."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:  # was a traceback from check, serve, render-envoy
+        raise ConfigError(str(path), [f"cannot read: not UTF-8 text (byte {exc.start})"]) \
+            from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -206,6 +206,16 @@ def test_serve_and_render_on_a_missing_file_are_one_line(tmp_path):
         assert "cannot read: No such file or directory" in done.stderr
 
 
+def test_a_config_that_is_not_utf8_is_one_problem_not_a_traceback(tmp_path):
+    path = tmp_path / "kvgate.yaml"
+    path.write_bytes(b"tiers: {}\n\xff\xfe\n")
+    for verb in (["check"], ["serve", "--config"], ["render-envoy"]):
+        done = kvgate(*verb, str(path))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines() == [f"{path}: 1 problem(s)",
+                                            "  cannot read: not UTF-8 text (byte 10)"]
+
+
 def test_render_envoy_to_an_unwritable_place_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     line = one_line_error(kvgate("render-envoy", str(EXAMPLE_CONFIG), "-o",
