@@ -81,6 +81,13 @@ def _descriptor(item: Any, where: str, algorithm: str, notes: list[str]) -> dict
     out: dict[str, Any] = {"key": item.get("key")}
     if item.get("value") not in (None, ""):
         out["value"] = str(item["value"])
+        if "*" in out["value"][:-1]:
+            # there a '*' is a wildcard only at the end (a prefix), elsewhere a character;
+            # kvgate reads every '*' as a wildcard and has no literal one
+            raise RatelimitImportError(
+                f"{where}.value: {out['value']!r}: envoyproxy/ratelimit reads a '*' before the "
+                "end as a plain character, which kvgate cannot express (its '*' matches "
+                "anywhere)")
     if item.get("rate_limit") is not None:
         out["rate_limit"] = _limit(item["rate_limit"], f"{where}.rate_limit", algorithm)
     if item.get("shadow_mode"):

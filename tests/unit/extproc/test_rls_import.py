@@ -49,6 +49,10 @@ def test_several_files_and_another_algorithm(tmp_path: Path, capsys):
      "descriptors[0].rate_limit: give unit and requests_per_unit"),
     ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, "
      "requests_per_unit: 1}\n", "descriptors[0].rate_limit.unit"),
+    # there only a trailing '*' is a wildcard: '*.example.com' matches that literal host
+    ("domain: d\ndescriptors:\n  - key: host\n    value: '*.example.com'\n"
+     "    rate_limit: {unit: second, requests_per_unit: 1}\n",
+     "descriptors[0].value: '*.example.com': envoyproxy/ratelimit reads a '*' before the end"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, text, problem):
     path = tmp_path / "rl.yaml"
@@ -83,6 +87,20 @@ def test_a_domain_in_two_files_names_both(tmp_path: Path, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err == f"kvgate import-ratelimit: {second}: domain 'd' is already in {first}\n"
+
+
+def test_a_trailing_wildcard_is_imported(tmp_path: Path, capsys):
+    path = tmp_path / "rl.yaml"
+    path.write_text("domain: d\ndescriptors:\n  - key: path\n    value: /v1/embed*\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1}\n")
+    assert main(["import-ratelimit", str(path)]) == 0
+    [rule] = yaml.safe_load(capsys.readouterr().out)["ratelimit"]["domains"][0]["descriptors"]
+    assert rule["value"] == "/v1/embed*"
+    # there the prefix of '/v1/embed**' is '/v1/embed*', a literal '*' kvgate cannot say
+    path.write_text("domain: d\ndescriptors:\n  - key: path\n    value: /v1/embed**\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1}\n")
+    assert main(["import-ratelimit", str(path)]) == 2
+    assert "descriptors[0].value: '/v1/embed**'" in capsys.readouterr().err
 
 
 def test_requests_per_unit_0_is_kept(tmp_path: Path, capsys):
