@@ -133,6 +133,37 @@ def test_files_the_config_names_are_checked(tmp_path, capsys):
     assert main(["check", str(write(tmp_path, data))]) == 0
 
 
+def test_a_duplicate_rls_descriptor_is_reported_beside_a_broken_sibling(tmp_path, capsys):
+    # pydantic checks a list for duplicates only once every entry is valid: fixing the
+    # unit uncovered the duplicate, one deploy cycle later
+    def rule(key, **limit):
+        return {"key": key, "rate_limit": {"unit": "second", "requests_per_unit": 1, **limit}}
+
+    data = {**GOOD, "ratelimit": {"domains": [
+        {"domain": "d", "descriptors": [
+            rule("a"), rule("b", unit="fortnight"), rule("a"),
+            {"key": "n", "descriptors": [rule("x", burst=0), rule("x")]}]},
+        {"domain": "d"}]}}
+    assert check_problems(write(tmp_path, data), capsys) == [
+        "ratelimit.domains[0].descriptors[1].rate_limit.unit: Input should be 'second', "
+        "'minute', 'hour', 'day', 'week', 'month' or 'year'",
+        "ratelimit.domains[0].descriptors[3].descriptors[0].rate_limit.burst: Input should "
+        "be greater than 0",
+        "ratelimit.domains: duplicate domain 'd'",
+        "ratelimit.domains[0].descriptors: duplicate descriptor: key 'a' with any value",
+        "ratelimit.domains[0].descriptors[3].descriptors: duplicate descriptor: key 'x' with "
+        "any value",
+    ]
+    # with the fields fixed: the same three, those pydantic finds itself not repeated
+    data["ratelimit"]["domains"][0]["descriptors"][1] = rule("b")
+    data["ratelimit"]["domains"][0]["descriptors"][3]["descriptors"][0] = rule("x")
+    assert check_problems(write(tmp_path, data), capsys) == [
+        "ratelimit.domains[0].descriptors[3].descriptors: duplicate descriptor: key 'x' with "
+        "any value",
+        "ratelimit.domains: duplicate domain 'd'",
+        "ratelimit.domains[0].descriptors: duplicate descriptor: key 'a' with any value"]
+
+
 def test_upstream_api_keys_are_checked_as_serve_reads_them(tmp_path, capsys, monkeypatch):
     # `kvgate check` said OK, then `kvgate serve` refused the config as "<config>"
     monkeypatch.delenv("KVGATE_TEST_UPSTREAM_KEY", raising=False)
