@@ -36,6 +36,7 @@ from extproc.pricing import Pricer
 from extproc.rejections import RecentRejections
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tenants import Tenants
+from limiter.decision import never_fits
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
 from limiter.stores import LimiterStore, MemoryFairness, MemoryStore
@@ -155,11 +156,16 @@ class Director:
         )
         request.request_class = klass.name
         scheduler = self.schedulers[pool.name]
+        policy = self.tenants.policy(tenant)
+        if not policy.surely_fits(cost) and never_fits(policy, cost) is not None:
+            # over the tenant's own context or token budget: say so (the store refuses it,
+            # charging nothing), not that it is larger than every endpoint's KV cache
+            return await self.store.admit(tenant.name, policy, cost, self.leases.new_id())
 
         def route_now() -> Route | Reject:
             return self._route(tenant, scheduler, cost, klass)
 
-        if self.tenants.policy(tenant).shaping_rate is not None:
+        if policy.shaping_rate is not None:
             return await self._paced(tenant, klass, cost, route_now, request.stream, watch)
         route = route_now()
         if isinstance(route, Reject):
