@@ -777,7 +777,11 @@ class EngineProcess:
             self._stderr = None
 
     def __enter__(self) -> EngineProcess:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # Ctrl-C or the demo's SIGTERM mid-start: no orphan engine
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

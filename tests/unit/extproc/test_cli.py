@@ -327,6 +327,34 @@ def test_the_demo_on_a_config_of_ones_own(tmp_path):
     assert "starting 1 simulated vLLM engine(s)" in out
 
 
+def test_a_demo_sigtermed_while_starting_leaves_no_engine_behind(tmp_path):
+    """SIGTERM as soon as its engine answers (kvgate and Envoy still starting): the demo
+    stops what it started. Its handler was set only after "Ctrl-C to stop.", so this
+    killed the demo and left the engine holding its port."""
+    path = demo_config(tmp_path)
+    engine = yaml.safe_load(path.read_text())["pools"][0]["endpoints"][0]
+    host, port = engine.rsplit(":", 1)
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def listening() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex((host, int(port))) == 0
+
+    try:
+        deadline = time.monotonic() + 60
+        while not listening() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        assert listening()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while listening() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not listening(), f"an engine still answers on {engine}"
+
+
 def test_smoke_refuses_a_config_without_the_demo_keys(tmp_path):
     line = one_line_error(kvgate("demo", "--smoke", "--config", str(demo_config(tmp_path))))
     assert "--smoke sends the bundled demo keys" in line
