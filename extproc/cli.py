@@ -24,6 +24,7 @@ from extproc.config import (
     load_config,
     parse_config,
     read_config_data,
+    upstream_authorizations,
 )
 from extproc.config_check import file_problems
 from extproc.ports import PortInUse, ensure_free
@@ -171,6 +172,8 @@ def _check(args: argparse.Namespace) -> int:
         config = parse_config(data, str(args.config))
     except ConfigError as error:
         raise ConfigError(error.source, [*error.problems, *missing]) from None
+    if not args.skip_files:
+        missing += _secret_problems(config, missing)
     if missing:
         raise ConfigError(str(args.config), missing)
     print(
@@ -178,6 +181,17 @@ def _check(args: argparse.Namespace) -> int:
         f"{len(config.pools)} pool(s)"
     )
     return 0
+
+
+def _secret_problems(config: Config, reported: list[str]) -> list[str]:
+    """``upstream_api_key`` read as ``kvgate serve`` reads it at start-up: an unset or empty
+    environment variable, an empty key file (an unreadable file is in ``reported``)."""
+    try:
+        upstream_authorizations(config)
+    except ConfigError as error:
+        return [p for p in error.problems
+                if not any(r.startswith(p.partition(":")[0]) for r in reported)]
+    return []
 
 
 def _hash_key(args: argparse.Namespace) -> int:
@@ -287,7 +301,10 @@ def _serve_worker(
             update={"server": config.server.model_copy(update={"admin_port": admin + index})}
         )
     install_uvloop()
-    server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path)
+    try:
+        server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path)
+    except ConfigError as error:  # a secret read at start-up: name the file, not <config>
+        raise ConfigError(str(config_path), error.problems) from None
     asyncio.run(server.serve_forever())
 
 

@@ -480,6 +480,16 @@ class Pool(_Strict):
             raise ValueError("give endpoints (ip:port list) or dns")
         return self
 
+    @field_validator("gpu_source")
+    @classmethod
+    def _gpu_source(cls, value: str | None) -> str | None:
+        # what GpuSource.parse accepts when `kvgate serve` builds its scraper
+        scheme, _, rest = (value or "").partition("://")
+        if value not in (None, "local") and (scheme not in ("http", "https") or not rest):
+            raise ValueError(f"{value!r} is neither 'local' nor an http(s) URL "
+                             "(a kvgate agent's, e.g. 'http://{ip}:9400')")
+        return value
+
     @field_validator("endpoint_gpus", mode="before")
     @classmethod
     def _one_gpu_as_a_list(cls, value: Any) -> Any:
@@ -502,6 +512,8 @@ class Pool(_Strict):
                          "a 'gpu' or 'gpu:mig' index key" for gpu in gpus if not _gpu_id(gpu)]
             if not gpus:
                 problems.append(f"endpoint_gpus.{address}: name at least one GPU")
+        problems += [f"gpus: {gpu!r} is neither a GPU/MIG UUID nor a 'gpu' or 'gpu:mig' index "
+                     "key" for gpu in self.gpus if not _gpu_id(gpu)]
         if self.endpoint_gpus and self.gpu_source is None:
             problems.append("endpoint_gpus: set gpu_source ('local' or a kvgate agent URL) "
                             "to read them from")
@@ -994,9 +1006,12 @@ def read_config_data(path: str | Path) -> Any:
     """The YAML of a config file, unvalidated; problems name the file and the line."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:  # was a traceback from check, serve, render-envoy
+        raise ConfigError(str(path), [f"cannot read: not UTF-8 text (byte {exc.start})"]) \
+            from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

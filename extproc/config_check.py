@@ -35,9 +35,43 @@ STAND_INS: dict[str, Callable[[str], Any]] = {  # valid, unique, and referring t
 def explain(data: Any, error: ValidationError, root: type[BaseModel]) -> list[str]:
     """``error``'s field problems, then the cross-reference problems of ``data``."""
     found = _field_problems(error, root)
-    for problem in _reference_problems(data, error, root):
+    for problem in [*_reference_problems(data, error, root), *_duplicate_descriptors(data)]:
         if problem not in found:
             found.append(problem)
+    return found
+
+
+def _duplicate_descriptors(data: Any) -> list[str]:
+    """The ``ratelimit:`` section's duplicates, read from the file as written: pydantic
+    checks a descriptor list only once each of its entries is valid, so a duplicate beside a
+    broken sibling was reported only after that was fixed."""
+    found: list[str] = []
+    section = data.get("ratelimit") if isinstance(data, dict) else None
+    domains = section.get("domains") if isinstance(section, dict) else None
+    if not isinstance(domains, list):
+        return found
+    names = [d.get("domain") for d in domains if isinstance(d, dict)]
+    for name in dict.fromkeys(n for n in names if isinstance(n, str) and names.count(n) > 1):
+        found.append(f"ratelimit.domains: duplicate domain {name!r}")
+
+    def level(items: Any, where: str) -> None:
+        if not isinstance(items, list):
+            return
+        seen = set()
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                continue
+            key, value = item.get("key"), item.get("value")
+            if isinstance(key, str) and (value is None or isinstance(value, str)):
+                if (key, value) in seen:
+                    what = "any value" if value is None else f"value {value!r}"
+                    found.append(f"{where}: duplicate descriptor: key {key!r} with {what}")
+                seen.add((key, value))
+            level(item.get("descriptors"), f"{where}[{i}].descriptors")
+
+    for d, domain in enumerate(domains):
+        if isinstance(domain, dict):
+            level(domain.get("descriptors"), f"ratelimit.domains[{d}].descriptors")
     return found
 
 

@@ -187,6 +187,23 @@ def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundl
     engines = sum(len(pool.endpoints) for pool in config.pools)
     print(f"starting {engines} simulated vLLM engine(s), kvgate ({_limits_line(config)}) "
           "and Envoy …")
+    # SIGTERM stops everything started, as Ctrl-C does, from the first engine on: with the
+    # handler set only once "Ctrl-C to stop." was printed, a SIGTERM before it killed the
+    # demo and left its engines running, holding their ports
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run_stack(config, keys, smoke, source)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_stack(config: Config, keys: dict[str, str], smoke: bool, source: object) -> int:
     with local_stack(config) as stack:
         kvgate = stack.kvgate
         admin = f"http://{config.server.admin_host}:{kvgate.server.admin_port}"
@@ -203,9 +220,6 @@ def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundl
             print("\nTry:\n  " + curl_line(config, "$KVGATE_API_KEY", quote='"') + "\n")
         if smoke:
             return _smoke(config)
-        print("Ctrl-C to stop.")
-        stopped = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-        with contextlib.suppress(KeyboardInterrupt):
-            stopped.wait()
+        print("Ctrl-C to stop.", flush=True)
+        threading.Event().wait()  # until Ctrl-C or SIGTERM (KeyboardInterrupt)
     return 0

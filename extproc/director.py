@@ -36,6 +36,7 @@ from extproc.pricing import Pricer
 from extproc.rejections import RecentRejections
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tenants import Tenants
+from limiter.decision import never_fits
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
 from limiter.stores import LimiterStore, MemoryFairness, MemoryStore
@@ -155,11 +156,16 @@ class Director:
         )
         request.request_class = klass.name
         scheduler = self.schedulers[pool.name]
+        policy = self.tenants.policy(tenant)
+        if not policy.surely_fits(cost) and never_fits(policy, cost) is not None:
+            # over the tenant's own context or token budget: say so (the store refuses it,
+            # charging nothing), not that it is larger than every endpoint's KV cache
+            return await self.store.admit(tenant.name, policy, cost, self.leases.new_id())
 
         def route_now() -> Route | Reject:
             return self._route(tenant, scheduler, cost, klass)
 
-        if self.tenants.policy(tenant).shaping_rate is not None:
+        if policy.shaping_rate is not None:
             return await self._paced(tenant, klass, cost, route_now, request.stream, watch)
         route = route_now()
         if isinstance(route, Reject):
@@ -186,15 +192,29 @@ class Director:
             return await self._paced(tenant, klass, Cost(0, 0), route_now, watch=watch)
         return await self._take(tenant, klass, route_now())
 
-    async def list_models(self, tenant: Tenant) -> tuple[list[tuple[str, str]], Admit] | Reject:
+    async def list_models(
+        self, tenant: Tenant, *, watch: Watch = contextlib.nullcontext,
+    ) -> tuple[list[tuple[str, str]], Admit] | Reject:
         """``GET /v1/models``, answered here for every pool (no engine serves another pool's
         models): ``(model, pool)`` pairs, after charging the tenant one request (taken and
-        given back at once: nothing is held while nobody runs)."""
+        given back at once: nothing is held while nobody runs). A shaped tenant's waits for
+        its departure slot first, as every request of its does (answered at once, it left
+        its slot unused and gave it back, so it was never paced)."""
         policy = self.tenants.policy(tenant)
         lease_id = self.leases.new_id()
         decision = await self.store.admit(tenant.name, policy, Cost(0, 0), lease_id)
         if isinstance(decision, Reject):
             return decision
+        if decision.hold_ms:
+            self.leases.opened(lease_id, tenant.name)  # renewed in the shared store while held
+            try:
+                with watch():
+                    await asyncio.sleep(decision.hold_ms / 1000)
+            except BaseException:  # the client left: its slot goes back
+                await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
+                raise
+            finally:
+                self.leases.closed(lease_id)
         await self.store.release(tenant.name, policy, lease_id, 0)
         return [(m.name, pool.name) for pool in self.config.pools for m in pool.models], decision
 

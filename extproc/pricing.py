@@ -31,7 +31,7 @@ class Pricer:
         found = self._models.get(model_name)
         if found is None:
             raise BadRequest(
-                f"the model '{model_name}' does not exist "
+                f"the model '{_shown(model_name)}' does not exist "
                 f"(served here: {', '.join(sorted(self._models))})",
                 status=404, code="model_not_found", param="model",
             )
@@ -43,3 +43,8 @@ class Pricer:
         output = model.default_max_tokens if output is None else output
         # n / best_of: the engine generates (and holds KV for) that many answers
         return Cost(prompt, output * request.choices)
+
+
+def _shown(name: str, limit: int = 200) -> str:
+    """A client's model name as an error quotes it: a 1 MB name is not echoed back whole."""
+    return name if len(name) <= limit else f"{name[:limit]}… ({len(name)} characters)"

@@ -24,6 +24,25 @@ DESCRIPTOR_KEYS = ("key", "value", "rate_limit", "descriptors", "shadow_mode")
 LIMIT_KEYS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
 
 
+class _Loader(yaml.SafeLoader):
+    """envoyproxy/ratelimit reads ``domain``, ``key`` and ``value`` into Go strings, which
+    keep a scalar's text as written (``true``, ``010``): so does this loader, where PyYAML
+    would make them ``True`` and ``8`` and an Envoy descriptor value would never match."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        mapping = super().construct_mapping(node, deep)
+        for key_node, value_node in node.value:
+            if (isinstance(key_node, yaml.ScalarNode) and key_node.value in STRING_KEYS
+                    and isinstance(value_node, yaml.ScalarNode)
+                    and value_node.tag != "tag:yaml.org,2002:null"):
+                mapping[key_node.value] = value_node.value
+        return mapping
+
+
+STRING_KEYS = ("domain", "key", "value")
+BOOL_KEYS = ("shadow_mode", "unlimited")
+
+
 class RatelimitImportError(ValueError):
     """A file that cannot be converted; the message is one line."""
 
@@ -51,6 +70,7 @@ def _descriptor(item: Any, where: str, algorithm: str, notes: list[str]) -> dict
     if not isinstance(item, dict):
         raise RatelimitImportError(f"{where}: expected a mapping")
     for key in item:
+        _boolean(item, key, where)
         if key in UNSUPPORTED and item[key]:
             raise RatelimitImportError(
                 f"{where}.{key}: not supported by kvgate (it changes decisions)")
@@ -61,6 +81,13 @@ def _descriptor(item: Any, where: str, algorithm: str, notes: list[str]) -> dict
     out: dict[str, Any] = {"key": item.get("key")}
     if item.get("value") not in (None, ""):
         out["value"] = str(item["value"])
+        if "*" in out["value"][:-1]:
+            # there a '*' is a wildcard only at the end (a prefix), elsewhere a character;
+            # kvgate reads every '*' as a wildcard and has no literal one
+            raise RatelimitImportError(
+                f"{where}.value: {out['value']!r}: envoyproxy/ratelimit reads a '*' before the "
+                "end as a plain character, which kvgate cannot express (its '*' matches "
+                "anywhere)")
     if item.get("rate_limit") is not None:
         out["rate_limit"] = _limit(item["rate_limit"], f"{where}.rate_limit", algorithm)
     if item.get("shadow_mode"):
@@ -77,12 +104,23 @@ def _limit(spec: Any, where: str, algorithm: str) -> dict[str, Any]:
     unknown = set(spec) - set(LIMIT_KEYS)
     if unknown:
         raise RatelimitImportError(f"{where}: unknown key {sorted(unknown)[0]!r}")
-    out = {k: spec[k] for k in LIMIT_KEYS if spec.get(k) not in (None, "", [], False)}
+    for key in spec:
+        _boolean(spec, key, where)
+    # absent and Go's zero values are left out, but requests_per_unit 0 (refuse every hit)
+    # is a limit: `0 in (False, …)` must not drop it
+    out = {k: v for k in LIMIT_KEYS
+           if (v := spec.get(k)) is not None and v is not False and v != "" and v != []}
     if "unit" in out:
         out["unit"] = str(out["unit"]).lower()
     if not out.get("unlimited"):
         out["algorithm"] = algorithm
     return out
+
+
+def _boolean(spec: dict[str, Any], key: str, where: str) -> None:
+    """``shadow_mode: "yes"`` is an error there (a string into a Go bool), not a truthy value."""
+    if key in BOOL_KEYS and spec[key] is not None and not isinstance(spec[key], bool):
+        raise RatelimitImportError(f"{where}.{key}: expected true or false, got {spec[key]!r}")
 
 
 def import_files(paths: list[Path], algorithm: str = "fixed_window") -> tuple[str, list[str]]:
@@ -92,7 +130,7 @@ def import_files(paths: list[Path], algorithm: str = "fixed_window") -> tuple[st
     seen: dict[str, Path] = {}
     for path in paths:
         try:
-            document = yaml.safe_load(path.read_bytes().decode("utf-8"))
+            document = yaml.load(path.read_bytes().decode("utf-8"), Loader=_Loader)
             file_notes: list[str] = []
             domain = convert(document, algorithm, file_notes)
             if domain["domain"] in seen:

@@ -199,7 +199,7 @@ class RequestStream:
     async def _list_models(self) -> messages.Reply:
         """Every pool's models, answered by kvgate (an engine knows only its own pool's)."""
         assert self.tenant is not None
-        listed = await self.director.list_models(self.tenant)
+        listed = await self.director.list_models(self.tenant, watch=self.watch)
         if isinstance(listed, Reject):
             return self._refuse(listed)
         models, admit = listed

@@ -128,8 +128,19 @@ def message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content
-                        if isinstance(part, dict) and part.get("type") == "text")
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise ApiError(400, "each content part must be an object", param="messages")
+            if part.get("type") == "text":
+                if not isinstance(part.get("text"), str):  # vLLM's validation: a 400
+                    raise ApiError(400, "a text content part needs a string 'text'",
+                                   param="messages")
+                texts.append(part["text"])
+        return " ".join(texts)
+    if content is not None:
+        raise ApiError(400, "content must be a string or a list of content parts",
+                       param="messages")
     return ""
 
 
@@ -766,7 +777,11 @@ class EngineProcess:
             self._stderr = None
 
     def __enter__(self) -> EngineProcess:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # Ctrl-C or the demo's SIGTERM mid-start: no orphan engine
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -133,6 +133,68 @@ def test_files_the_config_names_are_checked(tmp_path, capsys):
     assert main(["check", str(write(tmp_path, data))]) == 0
 
 
+def test_a_duplicate_rls_descriptor_is_reported_beside_a_broken_sibling(tmp_path, capsys):
+    # pydantic checks a list for duplicates only once every entry is valid: fixing the
+    # unit uncovered the duplicate, one deploy cycle later
+    def rule(key, **limit):
+        return {"key": key, "rate_limit": {"unit": "second", "requests_per_unit": 1, **limit}}
+
+    data = {**GOOD, "ratelimit": {"domains": [
+        {"domain": "d", "descriptors": [
+            rule("a"), rule("b", unit="fortnight"), rule("a"),
+            {"key": "n", "descriptors": [rule("x", burst=0), rule("x")]}]},
+        {"domain": "d"}]}}
+    assert check_problems(write(tmp_path, data), capsys) == [
+        "ratelimit.domains[0].descriptors[1].rate_limit.unit: Input should be 'second', "
+        "'minute', 'hour', 'day', 'week', 'month' or 'year'",
+        "ratelimit.domains[0].descriptors[3].descriptors[0].rate_limit.burst: Input should "
+        "be greater than 0",
+        "ratelimit.domains: duplicate domain 'd'",
+        "ratelimit.domains[0].descriptors: duplicate descriptor: key 'a' with any value",
+        "ratelimit.domains[0].descriptors[3].descriptors: duplicate descriptor: key 'x' with "
+        "any value",
+    ]
+    # with the fields fixed: the same three, those pydantic finds itself not repeated
+    data["ratelimit"]["domains"][0]["descriptors"][1] = rule("b")
+    data["ratelimit"]["domains"][0]["descriptors"][3]["descriptors"][0] = rule("x")
+    assert check_problems(write(tmp_path, data), capsys) == [
+        "ratelimit.domains[0].descriptors[3].descriptors: duplicate descriptor: key 'x' with "
+        "any value",
+        "ratelimit.domains: duplicate domain 'd'",
+        "ratelimit.domains[0].descriptors: duplicate descriptor: key 'a' with any value"]
+
+
+def test_upstream_api_keys_are_checked_as_serve_reads_them(tmp_path, capsys, monkeypatch):
+    # `kvgate check` said OK, then `kvgate serve` refused the config as "<config>"
+    monkeypatch.delenv("KVGATE_TEST_UPSTREAM_KEY", raising=False)
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    data["pools"] += [
+        {"name": f"p{i}", "models": [f"m{i}"], "endpoints": [f"127.0.0.{i + 2}:8000"],
+         "upstream_api_key": secret}
+        for i, secret in enumerate([{"env": "KVGATE_TEST_UPSTREAM_KEY"}, {"file": str(empty)},
+                                    {"file": str(tmp_path / "missing.key")}])]
+    path = write(tmp_path, data)
+    assert check_problems(path, capsys) == [
+        f"pools[3].upstream_api_key.file: cannot read {tmp_path}/missing.key: no such file",
+        "pools[1].upstream_api_key: environment variable KVGATE_TEST_UPSTREAM_KEY is empty "
+        "or not set",
+        f"pools[2].upstream_api_key: {empty} is empty or not set",
+    ]
+    assert main(["check", "--skip-files", str(path)]) == 0
+    data["pools"] = data["pools"][:2]
+    data["server"] = {"grpc_port": 0, "admin_port": None}
+    done = kvgate("serve", "--config", str(write(tmp_path, data)))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"{tmp_path}/kvgate.yaml: 1 problem(s)",
+        "  pools[1].upstream_api_key: environment variable KVGATE_TEST_UPSTREAM_KEY is empty "
+        "or not set"]
+    monkeypatch.setenv("KVGATE_TEST_UPSTREAM_KEY", "sk-engine")
+    assert main(["check", str(path)]) == 0
+
+
 def test_yaml_errors_name_the_file_and_line(tmp_path):
     path = write(tmp_path, "tiers:\n  gold: {}\n bad: 1\n")
     done = kvgate("check", str(path))
@@ -173,6 +235,16 @@ def test_serve_and_render_on_a_missing_file_are_one_line(tmp_path):
         done = kvgate(*verb, str(tmp_path / "missing.yaml"))
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert "cannot read: No such file or directory" in done.stderr
+
+
+def test_a_config_that_is_not_utf8_is_one_problem_not_a_traceback(tmp_path):
+    path = tmp_path / "kvgate.yaml"
+    path.write_bytes(b"tiers: {}\n\xff\xfe\n")
+    for verb in (["check"], ["serve", "--config"], ["render-envoy"]):
+        done = kvgate(*verb, str(path))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines() == [f"{path}: 1 problem(s)",
+                                            "  cannot read: not UTF-8 text (byte 10)"]
 
 
 def test_render_envoy_to_an_unwritable_place_is_one_line(tmp_path):
@@ -253,6 +325,34 @@ def test_the_demo_on_a_config_of_ones_own(tmp_path):
     assert "stores only hashes" in out and "$KVGATE_API_KEY" in out, out
     assert "sk-demo" not in out and "in-memory limits" in out
     assert "starting 1 simulated vLLM engine(s)" in out
+
+
+def test_a_demo_sigtermed_while_starting_leaves_no_engine_behind(tmp_path):
+    """SIGTERM as soon as its engine answers (kvgate and Envoy still starting): the demo
+    stops what it started. Its handler was set only after "Ctrl-C to stop.", so this
+    killed the demo and left the engine holding its port."""
+    path = demo_config(tmp_path)
+    engine = yaml.safe_load(path.read_text())["pools"][0]["endpoints"][0]
+    host, port = engine.rsplit(":", 1)
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def listening() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex((host, int(port))) == 0
+
+    try:
+        deadline = time.monotonic() + 60
+        while not listening() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        assert listening()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while listening() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not listening(), f"an engine still answers on {engine}"
 
 
 def test_smoke_refuses_a_config_without_the_demo_keys(tmp_path):

@@ -95,6 +95,29 @@ async def test_a_limiter_rejection_undoes_the_kv_reservation():
     assert not director.active
 
 
+@pytest.mark.parametrize(("limits", "reason", "status"), [
+    ({"max_context_tokens": 8}, "context_length_exceeded", 400),
+    ({"tokens_per_minute": 500}, "tokens_exceed_capacity", 429),  # a budget of 500 tokens
+])
+async def test_the_tenants_own_limit_is_named_before_the_kv_cache(limits, reason, status):
+    # a prompt over the tenant's max_context_tokens was a 400 kv_exceeds_capacity as soon as
+    # it was also larger than every endpoint's KV (1000 tokens here), context_length_exceeded
+    # only when it was not
+    director = await director_with_usage(config(limits=limits), big=0.1)
+    tenant = director.authenticate(f"Bearer {KEY}")
+    outcome = await director.admit(tenant, request(max_tokens=2000))
+    assert isinstance(outcome, Reject)
+    assert (outcome.reason, outcome.status) == (reason, status)
+    assert outcome.remaining is not None and not outcome.retryable
+    assert not director.schedulers["big"].reservations and not director.active
+    assert await director.store.in_flight("acme") == 0
+    # within the tenant's limits, the KV cache still refuses what no endpoint can hold
+    director = await director_with_usage(config(), big=0.1)
+    outcome = await director.admit(director.authenticate(f"Bearer {KEY}"),
+                                   request(max_tokens=2000))
+    assert isinstance(outcome, Reject) and outcome.reason == "kv_exceeds_capacity"
+
+
 async def test_release_frees_everything_exactly_once():
     director = await director_with_usage(config(), big=0.1)
     admission = await director.admit(director.authenticate(f"Bearer {KEY}"), request())

@@ -439,3 +439,31 @@ async def test_requests_without_a_body_are_paced_too():
     assert time.monotonic() - started >= 0.09
     assert await h.nothing_held()
     await h.flow.stop()
+
+
+async def test_the_model_list_kvgate_answers_is_paced_too():
+    # GET /v1/models never reaches admit_request_only: kvgate answers it (list_models), which
+    # gave a future slot back unused and answered at once, so a burst of them was not paced
+    h = Harness(shaping_config(rps=10, backlog=2))
+    await h.start(usage=0.1)
+    who = h.director.authenticate("Bearer kb")
+    started = time.monotonic()
+    listed = await asyncio.gather(*(h.director.list_models(who) for _ in range(4)))
+    took = time.monotonic() - started
+    refused = [r for r in listed if isinstance(r, Reject)]
+    assert [(r.status, r.reason) for r in refused] == [(429, "shaping_backlog_full")]
+    assert all(models == [("m", "p")] for models, _ in
+               (r for r in listed if not isinstance(r, Reject)))
+    assert took >= 0.19  # slots at 0, 100 and 200 ms
+    assert await h.nothing_held() and not h.director.leases.open
+    # a client that leaves while held gives its slot back and holds nothing
+    first = await h.director.list_models(who)
+    assert not isinstance(first, Reject)
+    held = asyncio.create_task(h.director.list_models(who))
+    await settle()
+    assert not held.done() and h.director.leases.open
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert await h.nothing_held() and not h.director.leases.open
+    await h.flow.stop()

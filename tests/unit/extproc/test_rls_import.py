@@ -49,6 +49,10 @@ def test_several_files_and_another_algorithm(tmp_path: Path, capsys):
      "descriptors[0].rate_limit: give unit and requests_per_unit"),
     ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, "
      "requests_per_unit: 1}\n", "descriptors[0].rate_limit.unit"),
+    # there only a trailing '*' is a wildcard: '*.example.com' matches that literal host
+    ("domain: d\ndescriptors:\n  - key: host\n    value: '*.example.com'\n"
+     "    rate_limit: {unit: second, requests_per_unit: 1}\n",
+     "descriptors[0].value: '*.example.com': envoyproxy/ratelimit reads a '*' before the end"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, text, problem):
     path = tmp_path / "rl.yaml"
@@ -83,3 +87,62 @@ def test_a_domain_in_two_files_names_both(tmp_path: Path, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err == f"kvgate import-ratelimit: {second}: domain 'd' is already in {first}\n"
+
+
+def test_a_trailing_wildcard_is_imported(tmp_path: Path, capsys):
+    path = tmp_path / "rl.yaml"
+    path.write_text("domain: d\ndescriptors:\n  - key: path\n    value: /v1/embed*\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1}\n")
+    assert main(["import-ratelimit", str(path)]) == 0
+    [rule] = yaml.safe_load(capsys.readouterr().out)["ratelimit"]["domains"][0]["descriptors"]
+    assert rule["value"] == "/v1/embed*"
+    # there the prefix of '/v1/embed**' is '/v1/embed*', a literal '*' kvgate cannot say
+    path.write_text("domain: d\ndescriptors:\n  - key: path\n    value: /v1/embed**\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1}\n")
+    assert main(["import-ratelimit", str(path)]) == 2
+    assert "descriptors[0].value: '/v1/embed**'" in capsys.readouterr().err
+
+
+def test_requests_per_unit_0_is_kept(tmp_path: Path, capsys):
+    # envoyproxy/ratelimit's uint32 0 refuses every hit; `0 in (False, …)` used to drop it
+    # and the import failed with "give unit and requests_per_unit"
+    path = tmp_path / "rl.yaml"
+    path.write_text("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n"
+                    "      unit: SECOND\n      requests_per_unit: 0\n")
+    assert main(["import-ratelimit", str(path)]) == 0
+    [rule] = yaml.safe_load(capsys.readouterr().out)["ratelimit"]["domains"][0]["descriptors"]
+    assert rule["rate_limit"] == {"unit": "second", "requests_per_unit": 0,
+                                  "algorithm": "fixed_window"}
+
+
+def test_keys_and_values_keep_their_text_as_go_reads_it(tmp_path: Path, capsys):
+    # Go strings keep `true` and `010` as written; PyYAML made them "True" and "8", which
+    # no descriptor Envoy sends would ever match
+    path = tmp_path / "rl.yaml"
+    path.write_text("domain: 5\ndescriptors:\n  - key: flag\n    value: true\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1}\n"
+                    "  - key: 7\n    value: 010\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1}\n"
+                    "  - key: e\n    value: ~\n    shadow_mode: yes\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1}\n")
+    assert main(["import-ratelimit", str(path)]) == 0
+    [domain] = RateLimitSettings.model_validate(
+        yaml.safe_load(capsys.readouterr().out)["ratelimit"]).domains
+    assert domain.domain == "5"
+    assert [(d.key, d.value, d.shadow_mode) for d in domain.descriptors] == [
+        ("flag", "true", False), ("7", "010", False), ("e", None, True)]
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("    shadow_mode: 'yes'\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+     "descriptors[0].shadow_mode: expected true or false, got 'yes'"),
+    ("    rate_limit: {unlimited: 'no', unit: second, requests_per_unit: 1}\n",
+     "descriptors[0].rate_limit.unlimited: expected true or false, got 'no'"),
+])
+def test_a_string_where_a_boolean_goes_is_refused(tmp_path: Path, capsys, text, problem):
+    # a Go bool cannot hold a string; here "no" was truthy (no algorithm written) and
+    # pydantic then read it as false: a token bucket, not the fixed window imports get
+    path = tmp_path / "rl.yaml"
+    path.write_text("domain: d\ndescriptors:\n  - key: k\n" + text)
+    assert main(["import-ratelimit", str(path)]) == 2
+    assert capsys.readouterr().err == f"kvgate import-ratelimit: {path}: {problem}\n"

@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
 from extproc.chat_template import conversation
 from extproc.config import ConfigError, hash_api_key, parse_config
-from extproc.openai import CHAT, COMPLETIONS, EMBEDDINGS, parse_body
+from extproc.openai import CHAT, COMPLETIONS, EMBEDDINGS, BadRequest, parse_body
 from extproc.pricing import Pricer
 from extproc.tokens import CharEstimate, HFTokenizer, make_counter
 
@@ -275,6 +275,22 @@ def test_pricer_uses_the_configured_chat_template(tmp_path):
     _, model = pricer.resolve("m")
     assert model.chat_template == override
     assert pricer.price(model, chat(SYSTEM, USER, max_tokens=1)).prompt_tokens == 4
+
+
+def test_an_unknown_model_name_is_quoted_short():
+    config = parse_config({
+        "tiers": {"t": {}},
+        "tenants": [{"name": "a", "tier": "t", "api_keys": [hash_api_key("k")]}],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:8000"]}],
+    })
+    with pytest.raises(BadRequest) as info:
+        Pricer(config).resolve("x" * 100_000)  # was echoed whole in the 404's message
+    assert info.value.message == (f"the model '{'x' * 200}… (100000 characters)' does not "
+                                  "exist (served here: m)")
+    with pytest.raises(BadRequest) as info:
+        Pricer(config).resolve("gpt-9")
+    assert info.value.message == "the model 'gpt-9' does not exist (served here: m)"
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
 
 
 def test_chat_template_needs_a_tokenizer():

@@ -196,3 +196,35 @@ def test_endpoint_gpus_are_checked() -> None:
     assert "endpoint_gpus: '10.0.0.5:8001' is not one of the endpoints" in problem
     assert "'gpu0' is neither a GPU/MIG UUID nor a 'gpu' or 'gpu:mig' index key" in problem
     assert "endpoint_gpus: set gpu_source ('local' or a kvgate agent URL)" in problem
+
+
+@pytest.mark.parametrize("source", ["ftp://10.0.0.5:9400", "http://", "Local", "10.0.0.5:9400"])
+def test_a_gpu_source_serve_cannot_read_is_refused_by_the_config(source: str) -> None:
+    # `kvgate check` passed these and `kvgate serve` then died in GpuSource.parse
+    pool = {"name": "p", "models": ["m"], "endpoints": ["10.0.0.5:8000"],
+            "gpu_source": source}
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": {"t": {}}, "pools": [pool],
+                      "tenants": [{"name": "x", "tier": "t", "api_keys": [hash_api_key("k")]}]})
+    assert info.value.problems == [
+        f"pools[0].gpu_source: {source!r} is neither 'local' nor an http(s) URL "
+        "(a kvgate agent's, e.g. 'http://{ip}:9400')"]
+
+
+def test_pool_gpus_are_checked_like_endpoint_gpus() -> None:
+    # a misspelt key matched no reading: the memory watermark silently never applied
+    pool = {"name": "p", "models": ["m"], "endpoints": ["10.0.0.5:8000"],
+            "gpu_source": "local", "gpus": ["gpu0", "0:1", "MIG-x"]}
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": {"t": {}}, "pools": [pool],
+                      "tenants": [{"name": "x", "tier": "t", "api_keys": [hash_api_key("k")]}]})
+    assert info.value.problems == [
+        "pools[0]: gpus: 'gpu0' is neither a GPU/MIG UUID nor a 'gpu' or 'gpu:mig' index key"]
+
+
+@pytest.mark.parametrize("source", ["local", "http://10.0.0.5:9400", "https://{ip}:9400/m"])
+def test_every_gpu_source_the_config_accepts_serve_reads(source: str) -> None:
+    pool = {"name": "p", "models": ["m"], "endpoints": ["10.0.0.5:8000"], "gpu_source": source}
+    cfg = parse_config({"tiers": {"t": {}}, "pools": [pool],
+                        "tenants": [{"name": "x", "tier": "t", "api_keys": [hash_api_key("k")]}]})
+    assert gpu_sources(cfg)

@@ -188,6 +188,22 @@ def test_bad_requests(client: httpx.Client) -> None:
     assert "maximum context length" in too_long.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("content", [[{"type": "text", "text": 5}], [{"type": "text"}], [5],
+                                     [None], 5, {"text": "a"}])
+def test_malformed_content_is_a_400_not_a_500(client: httpx.Client, content: object) -> None:
+    # kvgate lets odd content parts through (it only counts their text); the engine, like
+    # vLLM, refuses them: a 500 here reached clients through the demo's Envoy
+    r = client.post("/v1/chat/completions",
+                    json={**CHAT, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "BadRequestError"
+    ok = [{"type": "text", "text": "a b"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    r = client.post("/v1/chat/completions",
+                    json={**CHAT, "messages": [{"role": "user", "content": ok},
+                                               {"role": "assistant", "content": None}]})
+    assert r.status_code == 200
+
+
 # -- test hooks ----------------------------------------------------------------------------
 
 
