@@ -15,6 +15,14 @@ from tests.paths import REPO
 IMPORTED = REPO / "tests" / "data" / "envoyproxy-ratelimit.yaml"
 
 
+def imported_rule(path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> dict:
+    """``text`` written to ``path`` and imported: its one descriptor rule, as printed."""
+    path.write_text(text)
+    assert main(["import-ratelimit", str(path)]) == 0
+    [rule] = yaml.safe_load(capsys.readouterr().out)["ratelimit"]["domains"][0]["descriptors"]
+    return rule
+
+
 def test_prints_a_section_kvgate_loads(capsys):
     assert main(["import-ratelimit", str(IMPORTED)]) == 0
     out, err = capsys.readouterr()
@@ -91,10 +99,8 @@ def test_a_domain_in_two_files_names_both(tmp_path: Path, capsys):
 
 def test_a_trailing_wildcard_is_imported(tmp_path: Path, capsys):
     path = tmp_path / "rl.yaml"
-    path.write_text("domain: d\ndescriptors:\n  - key: path\n    value: /v1/embed*\n"
-                    "    rate_limit: {unit: second, requests_per_unit: 1}\n")
-    assert main(["import-ratelimit", str(path)]) == 0
-    [rule] = yaml.safe_load(capsys.readouterr().out)["ratelimit"]["domains"][0]["descriptors"]
+    rule = imported_rule(path, "domain: d\ndescriptors:\n  - key: path\n    value: /v1/embed*\n"
+                         "    rate_limit: {unit: second, requests_per_unit: 1}\n", capsys)
     assert rule["value"] == "/v1/embed*"
     # there the prefix of '/v1/embed**' is '/v1/embed*', a literal '*' kvgate cannot say
     path.write_text("domain: d\ndescriptors:\n  - key: path\n    value: /v1/embed**\n"
@@ -106,11 +112,9 @@ def test_a_trailing_wildcard_is_imported(tmp_path: Path, capsys):
 def test_requests_per_unit_0_is_kept(tmp_path: Path, capsys):
     # envoyproxy/ratelimit's uint32 0 refuses every hit; `0 in (False, …)` used to drop it
     # and the import failed with "give unit and requests_per_unit"
-    path = tmp_path / "rl.yaml"
-    path.write_text("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n"
-                    "      unit: SECOND\n      requests_per_unit: 0\n")
-    assert main(["import-ratelimit", str(path)]) == 0
-    [rule] = yaml.safe_load(capsys.readouterr().out)["ratelimit"]["domains"][0]["descriptors"]
+    rule = imported_rule(tmp_path / "rl.yaml", "domain: d\ndescriptors:\n  - key: k\n"
+                         "    rate_limit:\n      unit: SECOND\n      requests_per_unit: 0\n",
+                         capsys)
     assert rule["rate_limit"] == {"unit": "second", "requests_per_unit": 0,
                                   "algorithm": "fixed_window"}
 
