@@ -113,7 +113,8 @@ def test_client_that_disconnects_while_queued_leaves_nothing_behind(stack, how):
     gone = ("acme", "tiny-llama", "interactive", "cancelled", "client_gone")
     before = counted.get(gone, 0)
     blocker = send(stack, "blocker", "interactive", results)
-    wait_until(lambda: stack.kvgate.server.director.active)
+    wait_until(lambda: len(engine.requests()) == 1)
+    wait_until(lambda: kv_in_use_seen(stack))  # else a leaver may pass the gate (see there)
     raw = orjson.dumps(body("leaver"))
     leavers = [socket.create_connection((stack.envoy.listen_host, stack.envoy.listen_port))
                for _ in range(3)]
