@@ -184,9 +184,7 @@ def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundl
         print(f"--smoke sends the bundled demo keys of acme and hobbyist, which {source} "
               "does not accept; run it without --smoke", file=sys.stderr)
         return 2
-    engines = sum(len(pool.endpoints) for pool in config.pools)
-    print(f"starting {engines} simulated vLLM engine(s), kvgate ({_limits_line(config)}) "
-          "and Envoy …")
+    print(f"starting {_engines_line(config)}, kvgate ({_limits_line(config)}) and Envoy …")
     # SIGTERM stops everything started, as Ctrl-C does, from the first engine on: with the
     # handler set only once "Ctrl-C to stop." was printed, a SIGTERM before it killed the
     # demo and left its engines running, holding their ports
@@ -197,6 +195,19 @@ def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundl
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "trtllm": "TensorRT-LLM"}
+
+
+def _engines_line(config: Config) -> str:
+    """``2 simulated vLLM engine(s)``, each pool's engine kind named (the simulated engine
+    exports the kind's metrics)."""
+    counts: dict[str, int] = {}
+    for pool in config.pools:
+        name = _ENGINE_NAMES.get(pool.engine, pool.engine)
+        counts[name] = counts.get(name, 0) + len(pool.endpoints)
+    return " and ".join(f"{n} simulated {name} engine(s)" for name, n in counts.items())
 
 
 def _interrupt(*_: object) -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from extproc.cli import main
 from extproc.config import EXAMPLE_CONFIG, hash_api_key, load_config, parse_config
-from extproc.demo import DEMO_KEYS, _limits_line, known_keys
+from extproc.demo import DEMO_KEYS, _engines_line, _limits_line, known_keys
 from extproc.engine.server import EngineProcess
 from extproc.ports import PortInUse
 from tests.conftest import free_port
@@ -306,6 +306,15 @@ def test_the_demo_prints_only_keys_its_config_accepts(tmp_path):
     redis = parse_config({**GOOD, "redis": {"url": "redis://:secret@10.1.2.3:6379/0"}})
     assert _limits_line(redis) == "limits in Redis at 10.1.2.3:6379"
     assert _limits_line(parse_config(GOOD)) == "in-memory limits"
+
+
+def test_the_demo_names_each_pools_engine_kind():
+    sglang = {"name": "s", "models": ["n"], "engine": "sglang",
+              "endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}
+    assert _engines_line(parse_config(GOOD)) == "1 simulated vLLM engine(s)"
+    both = parse_config({**GOOD, "pools": [*GOOD["pools"], sglang]})
+    assert _engines_line(both) == ("1 simulated vLLM engine(s) and "
+                                   "2 simulated SGLang engine(s)")
 
 
 def test_the_demo_on_a_config_of_ones_own(tmp_path):
