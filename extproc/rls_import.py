@@ -22,6 +22,8 @@ DROPPED = ("detailed_metric", "value_to_metric", "metadata")
 UNSUPPORTED = ("quota_mode", "share_threshold")
 DESCRIPTOR_KEYS = ("key", "value", "rate_limit", "descriptors", "shadow_mode")
 LIMIT_KEYS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
+STRING_KEYS = ("domain", "key", "value")  # kept as written (see _Loader)
+BOOL_KEYS = ("shadow_mode", "unlimited")  # Go bools: anything else is an error
 
 
 class _Loader(yaml.SafeLoader):
@@ -37,10 +39,6 @@ class _Loader(yaml.SafeLoader):
                     and value_node.tag != "tag:yaml.org,2002:null"):
                 mapping[key_node.value] = value_node.value
         return mapping
-
-
-STRING_KEYS = ("domain", "key", "value")
-BOOL_KEYS = ("shadow_mode", "unlimited")
 
 
 class RatelimitImportError(ValueError):
