@@ -13,6 +13,8 @@ from extproc.datalayer.metrics import EngineMetrics
 from extproc.datalayer.nvml import GpuReading
 from extproc.scheduler import (
     MIN_RETRY_MS,
+    SEQ_LEND_SHARE,
+    SEQ_LEND_WAIT_S,
     TOP_IDLE_S,
     Placement,
     PoolScheduler,
@@ -508,6 +510,47 @@ def test_a_learned_limit_of_one_still_lets_one_lower_band_request_run():
     sched = scheduler()
     sched.seq_caps["e1"] = 1
     assert isinstance(place_band(sched, snapshot(state("e1", 0.1)), 1), Placement)
+
+
+def test_the_kept_sequence_is_lent_once_a_running_request_is_past_half_its_run():
+    """Band 0 waits at most half a request's run (or SEQ_LEND_WAIT_S) for a sequence: the one
+    kept free goes to batch work once a running request is expected to end within that long
+    (its expected output at the pool's decode rate); never while that rate is unknown, never
+    past the limit."""
+    sched = scheduler(max_num_seqs=2)
+    sched.reserve("b1", "a", "e1", 1100, NOW - 2, band=1, prompt_tokens=100)
+    sched.first_token("b1", NOW - 2)
+
+    def batch(at, running=1):
+        snap = snapshot(state("e1", 0.1, running=running, scraped_at=at - 0.05,
+                              capacity=50_000))
+        return sched.place("a", 10, snap, at, random.Random(0), band=1)
+
+    assert batch(NOW + 6).reason == "pool_saturated"  # no decode rate learned yet
+    sched.decode_rate = 100.0  # 1,000 tokens of output from NOW - 2: a 10 s run
+    assert SEQ_LEND_SHARE == 0.5
+    assert batch(NOW + 2.9).reason == "pool_saturated"  # 5.1 s left
+    assert isinstance(batch(NOW + 3), Placement)  # half its run left: lent
+    sched.reserve("b2", "a", "e1", 10, NOW + 3, band=1)  # both sequences now run
+    assert batch(NOW + 4, running=2).reason == "pool_saturated"
+    both = snapshot(state("e1", 0.1, running=2, scraped_at=NOW + 3.95, capacity=50_000))
+    assert isinstance(sched.place("a", 10, both, NOW + 4, random.Random(0)), Placement)
+
+
+def test_a_short_run_lends_the_kept_sequence_for_its_last_second():
+    """A 1.5 s run: SEQ_LEND_WAIT_S (1 s) is more than half of it."""
+    sched = scheduler(max_num_seqs=2)
+    sched.reserve("i1", "a", "e1", 1100, NOW, prompt_tokens=1000)  # 100 tokens of output
+    sched.first_token("i1", NOW)
+    sched.decode_rate = 100 / 1.5
+    snap = snapshot(state("e1", 0.1, running=1, capacity=50_000))
+
+    def batch(at):
+        return sched.place("a", 10, snap, at, random.Random(0), band=1)
+
+    assert SEQ_LEND_WAIT_S == 1.0
+    assert batch(NOW + 0.4).reason == "pool_saturated"
+    assert isinstance(batch(NOW + 0.5), Placement)
 
 
 def test_a_pool_without_interactive_work_lends_the_kept_sequence_to_batch():
