@@ -93,7 +93,15 @@ _EXT_PROC_FAILED = "response.code_details.startsWith('ext_proc_error')"
 # Envoy's own 4xx (400 malformed, 413 body over the buffer, 431 headers too large, …) cannot
 # succeed on a retry; 408 (request timeout) can.
 _CLIENT_FAULT = "response.code >= 400 && response.code < 500 && response.code != 408"
+# response.code_details of Envoy's refusals of a request it cannot parse: the HTTP/1, HTTP/2
+# and HTTP/3 codecs' own, and a path it cannot normalize (an escaped NUL, for one)
+_UNPARSABLE = ("(response.code_details.startsWith('http1.') || "
+               "response.code_details.startsWith('http2.') || "
+               "response.code_details.startsWith('http3.') || "
+               "response.code_details == 'path_normalization_failed')")
 DO_NOT_RETRY = {"x-should-retry": "false"}
+MALFORMED_MESSAGE = ("malformed HTTP request: the gateway could not parse its request line, "
+                     "path or headers")
 EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
 RATE_LIMITED_MESSAGE = "rate limit exceeded; retry after the time in retry-after"
 
@@ -451,6 +459,14 @@ def _local_reply_config() -> Any:
                 filter=_cel_filter(f"{own} && response.code == 429"),
                 body=DataSource(inline_string=RATE_LIMITED_MESSAGE),
                 body_format_override=_json_error_format("rate_limit_error"),
+            ),
+            # Envoy could not parse the request (a header line without a colon, an escaped NUL
+            # in the path, …): its body is empty, so say what happened
+            ResponseMapper(
+                filter=_cel_filter(f"{own} && response.code == 400 && {_UNPARSABLE}"),
+                body=DataSource(inline_string=MALFORMED_MESSAGE),
+                body_format_override=_json_error_format("invalid_request_error"),
+                headers_to_add=[_header_option(k, v) for k, v in DO_NOT_RETRY.items()],
             ),
             ResponseMapper(
                 filter=_cel_filter(f"{own} && {_CLIENT_FAULT}"),

@@ -322,10 +322,12 @@ def test_a_merged_slash_path_is_still_metered(stack):
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
      b"Authorization: Bearer " + KEYS["acme"].encode() + b"\r\n\r\n"
      + b"%x\r\n" % (MAX_BODY + 200_000) + b"x" * (MAX_BODY + 200_000) + b"\r\n0\r\n\r\n", 413),
-], ids=["header-too-large", "malformed-header", "http-1.0", "body-over-buffer"])
+    (b"POST /v1/chat%00completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 400),
+], ids=["header-too-large", "malformed-header", "http-1.0", "body-over-buffer", "nul-in-path"])
 def test_envoys_own_replies_arrive_whole(stack, request_bytes, status):
     got, headers, body = json_reply(raw_exchange(stack, request_bytes))
     assert (got, body["error"]["code"]) == (status, status)
+    assert body["error"]["message"], body  # never an empty message
     assert headers["content-type"] == "application/json"
     assert headers["x-should-retry"] == "false"
 
