@@ -563,6 +563,16 @@ def _attributes_pool_route(pool: Pool, action: Any) -> Any:
               for name in UPSTREAM_HEADERS)])
 
 
+def _canonical_path() -> Any:
+    """The path an engine gets is the one kvgate metered: Envoy already merges slashes and
+    resolves dot segments; this drops a trailing slash, which kvgate ignores when it routes
+    (``openai.route_path``) but an engine's router does not (vLLM answers a redirect)."""
+    from envoy_data_plane.envoy.type.matcher.v3 import RegexMatchAndSubstitute, RegexMatcher
+
+    return RegexMatchAndSubstitute(pattern=RegexMatcher(regex="^(.+?)/+$"),
+                                   substitution="\\1")
+
+
 def _fallback_retries() -> Any:
     """Each retry takes the next endpoint of kvgate's list (the override_host policy), and
     only when nothing reached the engine: the chosen one and its two fallbacks."""
@@ -590,19 +600,21 @@ def _http_connection_manager(config: Config) -> Any:
     env = config.envoy
     idle = _seconds(idle_timeout_s(config))
 
-    def action(cluster: str, retry: Any = None) -> Any:
+    def action(cluster: str, retry: Any = None, rewrite: Any = None) -> Any:
         # 0 s disables the whole-request timeout (Envoy's default is 15 s, far too short
         # for a long generation).
         return RouteAction(cluster=cluster, timeout=_seconds(env.route_timeout_s),
-                           idle_timeout=idle, retry_policy=retry)
+                           idle_timeout=idle, retry_policy=retry, regex_rewrite=rewrite)
+
+    def pool_action(pool: Pool) -> Any:
+        return action(pool_cluster_name(pool), _fallback_retries(), _canonical_path())
 
     routes = []
     for pool in config.pools:
         if env.request_attributes:
-            routes.append(_attributes_pool_route(
-                pool, action(pool_cluster_name(pool), _fallback_retries())))
+            routes.append(_attributes_pool_route(pool, pool_action(pool)))
         routes.append(Route(name=f"pool:{pool.name}", match=_pool_match(pool),
-                            route=action(pool_cluster_name(pool), _fallback_retries())))
+                            route=pool_action(pool)))
     if env.request_attributes:
         routes.append(_attributes_route(config, action(UPSTREAM_CLUSTER)))
     routes.append(Route(name="all", match=RouteMatch(prefix="/"),

@@ -308,11 +308,16 @@ def test_paths_kvgate_cannot_meter_never_reach_an_engine(stack):
     assert wait_for(lambda: in_flight(stack, "acme") == 0)
 
 
-def test_a_merged_slash_path_is_still_metered(stack):
-    response = post(stack, "acme", chat(priority=-100), path="//v1//chat/completions")
+@pytest.mark.parametrize("path", ["//v1//chat/completions", "/v1/chat/completions/",
+                                  "/v1/./chat/completions//?x=1"])
+def test_a_path_the_engine_would_route_elsewhere_is_sent_as_kvgate_metered_it(stack, path):
+    """Merged slashes, dot segments, a trailing slash: metered as chat, and the engine gets
+    the path it routes as chat (vLLM answers a trailing slash with a redirect)."""
+    response = post(stack, "acme", chat(priority=-100), path=path)
     assert response.status_code == 200, response.text
-    served = response.headers["x-bench-engine"]
-    assert stack.engines[served].requests()[-1]["body"]["priority"] == 5
+    served = stack.engines[response.headers["x-bench-engine"]].requests()[-1]
+    assert served["body"]["priority"] == 5
+    assert served["path"] == "/v1/chat/completions"
 
 
 @pytest.mark.parametrize(("request_bytes", "status"), [
