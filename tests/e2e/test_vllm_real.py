@@ -363,6 +363,22 @@ def test_request_through_kvgate_reaches_real_vllm_with_priority_and_usage(gatewa
     assert usage["in_flight"] == 0
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions"])
+def test_a_path_vllm_routes_elsewhere_reaches_it_as_kvgate_metered_it(gateway, path):
+    """Straight to vLLM these get a 307 redirect and a 404; kvgate meters both as chat, and
+    the rendered Envoy sends vLLM the path it metered."""
+    kvgate, envoy = gateway
+    before = _used_tokens(kvgate)
+    response = httpx.post(envoy.url + path, json=chat_body("hello", max_tokens=3), timeout=120,
+                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    deadline = time.monotonic() + 10
+    while _used_tokens(kvgate) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _used_tokens(kvgate) - before == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
 # -- kvgate on its shipped defaults vs vLLM's own priority scheduling -------------------------
 
 
