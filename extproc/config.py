@@ -11,7 +11,7 @@ import hashlib
 import ipaddress
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -760,7 +760,11 @@ class RlsRateLimit(_Strict):
 
     @model_validator(mode="after")
     def _complete(self) -> RlsRateLimit:
+        if self.name and any(r.name == self.name for r in self.replaces):
+            raise ValueError(f"replaces names this limit itself ({self.name!r})")
         if self.unlimited:
+            if self.unit is not None:
+                raise ValueError("unlimited: true takes no unit")
             return self
         if self.unit is None or self.requests_per_unit is None:
             raise ValueError("give unit and requests_per_unit (or unlimited: true)")
@@ -806,6 +810,24 @@ class RlsDomain(_Strict):
     @classmethod
     def _unique(cls, children: list[RlsDescriptor]) -> list[RlsDescriptor]:
         return _unique_descriptors(children)
+
+    @model_validator(mode="after")
+    def _replaces_named_limits(self) -> RlsDomain:
+        """A ``replaces`` naming no limit of the domain would switch nothing off: a typo."""
+        limits = [d.rate_limit for d in _walk(self.descriptors) if d.rate_limit]
+        names = {limit.name for limit in limits if limit.name}
+        for limit in limits:
+            for replaced in limit.replaces:
+                if replaced.name not in names:
+                    raise ValueError(f"replaces names {replaced.name!r}, which no limit of "
+                                     f"domain {self.domain!r} is called")
+        return self
+
+
+def _walk(descriptors: list[RlsDescriptor]) -> Iterator[RlsDescriptor]:
+    for descriptor in descriptors:
+        yield descriptor
+        yield from _walk(descriptor.descriptors)
 
 
 class RateLimitSettings(_Strict):

@@ -61,6 +61,15 @@ def test_several_files_and_another_algorithm(tmp_path: Path, capsys):
     ("domain: d\ndescriptors:\n  - key: host\n    value: '*.example.com'\n"
      "    rate_limit: {unit: second, requests_per_unit: 1}\n",
      "descriptors[0].value: '*.example.com': envoyproxy/ratelimit reads a '*' before the end"),
+    # envoyproxy/ratelimit refuses these two as well
+    ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unlimited: true, unit: second}\n",
+     "descriptors[0].rate_limit: unlimited: true takes no unit"),
+    ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1, "
+     "name: a, replaces: [{name: a}]}\n", "replaces names this limit itself ('a')"),
+    # it would switch nothing off: a typo
+    ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1, "
+     "name: a}\n  - key: j\n    rate_limit: {unit: second, requests_per_unit: 1, "
+     "replaces: [{name: b}]}\n", "replaces names 'b', which no limit of domain 'd' is called"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, text, problem):
     path = tmp_path / "rl.yaml"
