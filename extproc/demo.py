@@ -187,14 +187,17 @@ def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundl
     print(f"starting {_engines_line(config)}, kvgate ({_limits_line(config)}) and Envoy …")
     # SIGTERM stops everything started, as Ctrl-C does, from the first engine on: with the
     # handler set only once "Ctrl-C to stop." was printed, a SIGTERM before it killed the
-    # demo and left its engines running, holding their ports
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # demo and left its engines running, holding their ports. SIGINT is set too: a demo
+    # started in the background of a script inherits it ignored, and then a SIGINT to its
+    # process group stopped the engines and Envoy (they set their own) but not kvgate.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _run_stack(config, keys, smoke, source)
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 _ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "trtllm": "TensorRT-LLM"}

@@ -364,6 +364,27 @@ def test_a_demo_sigtermed_while_starting_leaves_no_engine_behind(tmp_path):
     assert not listening(), f"an engine still answers on {engine}"
 
 
+def test_a_demo_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    """A background job of a shell script starts with SIGINT ignored; a SIGINT to the demo
+    must still stop it (its engines and Envoy stop on one either way)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc.cli", "demo", "--config", str(demo_config(tmp_path))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        out = ""
+        deadline = time.monotonic() + 60
+        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
+            out += proc.stdout.readline()  # type: ignore[union-attr]
+        assert "Ctrl-C" in out, out
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:  # SIGTERM stops what it started (the test above)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
 def test_smoke_refuses_a_config_without_the_demo_keys(tmp_path):
     line = one_line_error(kvgate("demo", "--smoke", "--config", str(demo_config(tmp_path))))
     assert "--smoke sends the bundled demo keys" in line
