@@ -7,9 +7,12 @@
 -- reports to the kvgate process that admitted the request (over the kvgate_report cluster):
 --   * streams only, when the first chunk passes: POST /first/<lease> (fire and forget):
 --     the engine has finished prefilling;
---   * every response, when its last chunk passes: POST /done/<lease> with the engine's
---     usage object. That last chunk goes on once kvgate has answered (a millisecond), so
---     kvgate has settled the request before Envoy ends the request's ext_proc stream.
+--   * every response, when its body has ended: POST /done/<lease> with the engine's usage
+--     object. The body's bytes have gone on already; the response's end waits for kvgate's
+--     answer (a millisecond), so kvgate has settled the request before Envoy ends the
+--     request's ext_proc stream, unless the client hangs up first (it may: it has every
+--     byte), and Envoy cancels the call; a report not yet sent is then lost and kvgate
+--     charges the request its reservation.
 -- At the end it also publishes the usage as dynamic metadata (namespace kvgate.usage:
 -- prompt_tokens, completion_tokens, total_tokens) for what runs when the stream is done: an
 -- Envoy ratelimit action with hits_addend "%DYNAMIC_METADATA(kvgate.usage:total_tokens)%"
