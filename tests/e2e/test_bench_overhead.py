@@ -125,17 +125,21 @@ def test_message_counts_per_request(rows):
     response's end, and one for a stream's first chunk."""
     by_mode = {overhead.label(r): r for r in rows}
     assert by_mode["direct"]["messages_per_request"] == 0
+    # messages are counted as requests start, requests as they end: over windows of half a
+    # second, a stream's start and end can fall in different ones (~20 streams per window,
+    # 41 starts against 37 ends seen once)
+    within = {"minimal": 0.1, "kvgate": 0.1, "minimal s32": 0.2, "kvgate s32": 0.2}
     for mode in ("minimal", "minimal s32"):
-        assert by_mode[mode]["messages_by_kind"]["request_headers"] == pytest.approx(1, abs=0.1)
-    for mode in ("minimal", "kvgate", "minimal s32", "kvgate s32"):
+        assert by_mode[mode]["messages_by_kind"]["request_headers"] == pytest.approx(
+            1, abs=within[mode])
+    for mode, tolerance in within.items():
         kinds = by_mode[mode]["messages_by_kind"]
-        assert kinds["request_body"] == pytest.approx(1, abs=0.1)
+        assert kinds["request_body"] == pytest.approx(1, abs=tolerance)
     assert by_mode["minimal"]["messages_by_kind"]["response_body"] == pytest.approx(2, abs=0.2)
     assert by_mode["minimal s32"]["messages_by_kind"]["response_body"] > 10
     for mode, reports in (("kvgate", {"done": 1}), ("kvgate s32", {"first": 1, "done": 1})):
         assert set(by_mode[mode]["messages_by_kind"]) == {"request_body"}
-        # per request done in 1-second windows: a stream's first report can fall in the
-        # window before its end's
+        # likewise: a stream's first report can fall in the window before its end's
         assert by_mode[mode]["reports_by_kind"] == pytest.approx(reports, abs=0.2)
 
 
