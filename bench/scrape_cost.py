@@ -142,6 +142,45 @@ def run(endpoints: list[int], duration_s: float, warmup_s: float) -> list[dict[s
     return rows
 
 
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of one process, from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_side(rates: list[float], duration_s: float) -> list[dict[str, Any]]:
+    """A real vLLM's API server (idle, on core 0): its CPU per ``/metrics`` answered, with
+    the page fetched ``rate`` times a second (one kvgate process at the default interval:
+    10/s; three replicas: 30/s). Needs ``bench/vllm_cpu/setup.sh``."""
+    import urllib.request
+
+    from bench.vllm_cpu.launch import VllmServer
+
+    rows = []
+    with VllmServer(cpus=SERVER_CORE) as server:
+        assert server.proc is not None
+        pid, url = server.proc.pid, server.url + "/metrics"
+        page = urllib.request.urlopen(url, timeout=10).read()
+        time.sleep(2.0)
+        cpu0, wall0 = _process_cpu_s(pid), time.monotonic()
+        time.sleep(duration_s)
+        idle = (_process_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
+        for rate in rates:
+            fetched, cpu0, wall0 = 0, _process_cpu_s(pid), time.monotonic()
+            while (now := time.monotonic()) - wall0 < duration_s:
+                urllib.request.urlopen(url, timeout=10).read()
+                fetched += 1
+                time.sleep(max(0.0, wall0 + fetched / rate - time.monotonic()))
+            busy = _process_cpu_s(pid) - cpu0 - idle * (now - wall0)
+            rows.append({"rate": rate, "fetched": fetched, "page_bytes": len(page),
+                         "idle_core_share": idle, "ms_per_scrape": 1e3 * busy / fetched,
+                         "core_share": busy / (now - wall0)})
+            print(f"vLLM API server: {rate:4.0f}/s, {fetched} scrapes, "
+                  f"{rows[-1]['ms_per_scrape']:.2f} ms CPU each above idle "
+                  f"({100 * rows[-1]['core_share']:.1f}% of a core)", flush=True)
+    return rows
+
+
 def _line(r: dict[str, Any]) -> str:
     return (f"{r['page']:17} {r['page_bytes']:6} B  endpoints {r['endpoints']:3}  "
             f"scrapes {r['scrapes']:5} ({r['healthy']} healthy)  "
@@ -198,11 +237,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--endpoints", default="1,4,16")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--engine-side", default="",
+                        help="instead: scrapes per second against a real vLLM (e.g. 10,30), "
+                        "its API server's CPU per scrape (bench/vllm_cpu/setup.sh first)")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # the engines' process
     parser.add_argument("--ports", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         serve_main(args.serve, [int(p) for p in args.ports.split(",")])
+        return
+    if args.engine_side:
+        rows = engine_side([float(r) for r in args.engine_side.split(",")], args.duration)
+        RESULTS.joinpath("scrape-cost-vllm.json").write_text(json.dumps(
+            {"command": " ".join(["python -m bench.scrape_cost", *argv]),
+             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows},
+            indent=1))
+        print("wrote bench/results/scrape-cost-vllm.json")
         return
     rows = run([int(n) for n in args.endpoints.split(",")], args.duration, args.warmup)
     write(rows, " ".join(["python -m bench.scrape_cost", *argv]))
