@@ -20,8 +20,11 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -100,46 +103,47 @@ def _parse_us(text: str, repeats: int = 200) -> float:
 
 def _sim_page() -> str:
     """The simulated engine's metrics page, as it serves it."""
-    import urllib.request
-
     with EngineProcess() as engine:
         url = f"http://{engine.host}:{engine.port}/metrics"
         return urllib.request.urlopen(url, timeout=10).read().decode()
 
 
 def run(endpoints: list[int], duration_s: float, warmup_s: float) -> list[dict[str, Any]]:
-    import subprocess
-    import tempfile
-
     rows = []
-    sim = _sim_page()
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(sim)
-        sim_path = Path(f.name)
     os.sched_setaffinity(0, SCRAPER_CORE)
-    for name, page in (("vLLM 0.32", VLLM_PAGE), ("simulated engine", sim_path)):
-        text = page.read_text()
-        parse_us = _parse_us(text)
-        for n in endpoints:
-            ports = [free_port() for _ in range(n)]
-            server = subprocess.Popen(
-                [sys.executable, "-m", "bench.scrape_cost", "--serve", str(page),
-                 "--ports", ",".join(map(str, ports))], cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)})
-            try:
-                time.sleep(1.0)
-                loop = new_event_loop()
-                row = loop.run_until_complete(
-                    _measure([f"127.0.0.1:{p}" for p in ports], warmup_s, duration_s))
-                loop.close()
-            finally:
-                server.terminate()
-                server.wait(10)
-            row |= {"page": name, "page_bytes": len(text.encode()), "parse_us": parse_us}
-            rows.append(row)
-            print(_line(row), flush=True)
-    sim_path.unlink()
+    with tempfile.TemporaryDirectory(prefix="kvgate-scrape-") as workdir:
+        sim_path = Path(workdir, "sim-metrics.txt")
+        sim_path.write_text(_sim_page())
+        for name, page in (("vLLM 0.32", VLLM_PAGE), ("simulated engine", sim_path)):
+            text = page.read_text()
+            parse_us = _parse_us(text)
+            for n in endpoints:
+                row = _measure_against(page, n, duration_s, warmup_s)
+                row |= {"page": name, "page_bytes": len(text.encode()), "parse_us": parse_us}
+                rows.append(row)
+                print(_line(row), flush=True)
     return rows
+
+
+def _measure_against(page: Path, endpoints: int, duration_s: float, warmup_s: float
+                     ) -> dict[str, Any]:
+    """The scraper against ``endpoints`` stand-in engines serving ``page``."""
+    ports = [free_port() for _ in range(endpoints)]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.scrape_cost", "--serve", str(page),
+         "--ports", ",".join(map(str, ports))], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        time.sleep(1.0)
+        loop = new_event_loop()
+        try:
+            return loop.run_until_complete(
+                _measure([f"127.0.0.1:{p}" for p in ports], warmup_s, duration_s))
+        finally:
+            loop.close()
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def _process_cpu_s(pid: int) -> float:
@@ -152,8 +156,6 @@ def engine_side(rates: list[float], duration_s: float) -> list[dict[str, Any]]:
     """A real vLLM's API server (idle, on core 0): its CPU per ``/metrics`` answered, with
     the page fetched ``rate`` times a second (one kvgate process at the default interval:
     10/s; three replicas: 30/s). Needs ``bench/vllm_cpu/setup.sh``."""
-    import urllib.request
-
     from bench.vllm_cpu.launch import VllmServer
 
     rows = []
