@@ -207,6 +207,9 @@ def imported_twins_bootstrap(config) -> dict:
     typed = hcm["typed_config"]
     ratelimit = next(f for f in typed["http_filters"]
                      if f["name"] == "envoy.filters.http.ratelimit")["typed_config"]
+    # the twins must both be decided: past the shipped 100 ms Envoy lets a request through
+    # undecided (a busy CI machine answered one late in plain Python, and the counts parted)
+    ratelimit["timeout"] = "5s"
     ratelimit["rate_limits"] = [
         {"actions": [{"request_headers": {"header_name": h, "descriptor_key": k}}
                      for h, k in actions]} for actions in HEADER_DESCRIPTORS]
