@@ -101,7 +101,8 @@ def variant_bootstrap(mode: str, bootstrap: dict[str, Any], sink_port: int) -> d
     return bootstrap
 
 
-def _sink_counts(port: int) -> list[int]:
+def _sink_counts(port: int) -> list[float]:
+    """The sink's messages, entries, entries with usage, and seconds of Python reading them."""
     with socket.create_connection(("127.0.0.1", port), timeout=2) as connection:
         return [float(n) for n in connection.makefile().readline().split()]
 
