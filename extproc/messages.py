@@ -14,6 +14,7 @@ from typing import Any, TypeAlias
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf.message import DecodeError
 
 from extproc.headers import (
     DESTINATION_HEADER,
@@ -23,10 +24,24 @@ from extproc.headers import (
     UPSTREAM_HEADERS,
     UPSTREAM_HEADERS_NAMESPACE,
 )
+from extproc.protowire import parse_lenient
 
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 Headers = Mapping[str, str]
+
+
+# stands in for a message from Envoy that does not parse even with its text repaired (a
+# truncated or foreign one): the stream answers it as a message of no phase, with a 400
+UNDECODABLE = pb.ProcessingRequest()
+
+
+def parse_request(data: bytes) -> pb.ProcessingRequest:
+    """Envoy's message (text that is not UTF-8 repaired: :func:`protowire.parse_lenient`)."""
+    try:
+        return parse_lenient(pb.ProcessingRequest, data)
+    except (DecodeError, IndexError, ValueError):
+        return UNDECODABLE
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str]) -> tuple[dict[str, str], list[str]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import secrets
@@ -30,6 +31,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from extproc.config import RateLimitSettings, RlsDescriptor
 from extproc.metrics import Metrics
+from extproc.protowire import parse_lenient
 from limiter.buckets import ceil_div
 from limiter.ratelimit import (
     Algorithm,
@@ -45,6 +47,7 @@ from limiter.stores.base import StoreUnavailable
 from limiter.stores.ratelimit import RateCounters
 
 log = logging.getLogger(__name__)
+SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -130,8 +133,16 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         self._cancels: set[asyncio.Task[None]] = set()
 
     def attach(self, server: grpc.aio.Server) -> None:
-        """Serve on ``server`` (kvgate's gRPC port, beside ext_proc)."""
-        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self, server)
+        """Serve on ``server`` (kvgate's gRPC port, beside ext_proc): the generated
+        ``add_RateLimitServiceServicer_to_server``, with descriptor values that are not
+        UTF-8 repaired rather than failing the call (which Envoy would let through)."""
+        handlers = {"ShouldRateLimit": grpc.unary_unary_rpc_method_handler(
+            self.ShouldRateLimit,
+            request_deserializer=functools.partial(parse_lenient, rls_pb2.RateLimitRequest),
+            response_serializer=rls_pb2.RateLimitResponse.SerializeToString,
+        )}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
 
     async def ShouldRateLimit(
         self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext

@@ -36,6 +36,7 @@ from extproc.duplex import DuplexStream
 from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
+from extproc.rls import SERVICE as RLS_SERVICE
 from extproc.rls import RateLimitService
 from extproc.status import add_status_routes
 from extproc.stream import RequestStream
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams counted as cut
 
 
@@ -206,7 +206,7 @@ def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> Non
     service = EXT_PROC_SERVICE
     handlers = {"Process": grpc.stream_stream_rpc_method_handler(
         processor.Process,
-        request_deserializer=pb.ProcessingRequest.FromString,
+        request_deserializer=messages.parse_request,
         response_serializer=messages.serialize_reply,
     )}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

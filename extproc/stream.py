@@ -88,7 +88,9 @@ class RequestStream:
     async def handle(self, message: pb.ProcessingRequest) -> messages.Reply:
         kind = message.WhichOneof("request")
         if kind is None:  # not one of the phases: nothing Envoy sends
-            return self._answer(*client_error(_out_of_order("a message of no phase")),
+            what = ("a message that does not parse" if message is messages.UNDECODABLE
+                    else "a message of no phase")
+            return self._answer(*client_error(_out_of_order(what)),
                                 details="kvgate_protocol_error")
         self.metrics.messages.add((kind,))
         try:

@@ -337,6 +337,35 @@ def test_envoys_own_replies_arrive_whole(stack, request_bytes, status):
     assert headers["x-should-retry"] == "false"
 
 
+def raw_chat(header: bytes, tenant: str | None = "acme") -> bytes:
+    body = orjson.dumps(chat())
+    auth = b"" if tenant is None else b"Authorization: Bearer " + KEYS[tenant].encode() + b"\r\n"
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n" + auth + header + b"\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.parametrize(("header", "tenant", "status", "code"), [
+    (b"X-Request-Class: \xff\xfebatch", "acme", 400, "invalid_request_class"),
+    (b"Authorization: Bearer sk-\xff\xfe", None, 401, "invalid_api_key"),
+    (b"X-Request-Id: r\xe9quest-\xff", "acme", 200, None),
+    (b"X-Unread: \xff\xfe", "acme", 200, None),
+], ids=["class", "api-key", "request-id", "unread"])
+def test_header_bytes_that_are_not_utf8_are_judged_like_any_value(stack, header, tenant,
+                                                                  status, code):
+    """Envoy passes header values that are not UTF-8; as an attribute such a value would not
+    parse as a protobuf string. A header kvgate reads is judged with the bytes replaced (a
+    4xx naming what is wrong), one it does not read changes nothing: never a 503."""
+    reply = raw_exchange(stack, raw_chat(header, tenant))
+    got, headers, body = json_reply(reply)
+    assert got == status, reply
+    if code is None:
+        assert body["choices"][0]["message"]["content"]
+    else:
+        assert body["error"]["code"] == code and headers["x-should-retry"] == "false"
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
 def test_a_large_upload_gets_a_whole_413_not_a_broken_connection(stack):
     response = post(stack, "acme", b"x" * 5_000_000)
     assert response.status_code == 413

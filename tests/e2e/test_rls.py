@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import socket
 import time
 
 import grpc
@@ -269,3 +270,26 @@ def test_an_imported_config_decides_as_its_hand_written_equivalent(twins):
     for a, b in zip(imported, hand, strict=True):
         for name in ("retry-after", "x-ratelimit-reset"):
             assert abs(int(a.headers.get(name, 0)) - int(b.headers.get(name, 0))) <= 1
+
+
+def test_a_header_value_that_is_not_utf8_is_limited_not_let_through(twins):
+    """Envoy copies the header into the descriptor as it came; a value that is not UTF-8
+    must be counted like any other (a call kvgate failed to parse, Envoy would let through)."""
+    left = 3600 - time.time() % 3600
+    if left < 10:  # the four requests must count in the same hour
+        time.sleep(left + 0.5)
+    body = orjson.dumps({"model": "tiny", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": PROMPT}]})
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+               b"Content-Type: application/json\r\nAuthorization: Bearer "
+               + KEYS["reqs"].encode() + b"\r\nX-Remote-Address: 10.7.7.\xff\xfe\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    statuses = []
+    for _ in range(4):
+        with socket.create_connection((twins.listen_host, twins.listen_port), timeout=10) as sock:
+            sock.sendall(request)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        statuses.append(int(reply.split(b" ", 2)[1]))
+    assert statuses == [200, 200, 200, 429]  # remote_address: 3 an hour

@@ -107,3 +107,53 @@ def test_continue_request_headers_strips_and_is_shared():
     removed = reply.request_headers.response.header_mutation.remove_headers
     assert list(removed) == [DESTINATION_HEADER, "x-kvgate-foo"]
     assert messages.continue_request_headers((DESTINATION_HEADER, "x-kvgate-foo")) is reply
+
+
+# -- parsing Envoy's messages -----------------------------------------------------------------
+
+
+def attributes_message(class_value: str, body: bytes = b'{"model": "m"}') -> pb.ProcessingRequest:
+    message = pb.ProcessingRequest()
+    fields = message.attributes[messages.ATTRIBUTES_NAMESPACE].fields
+    fields["request.headers['x-request-class']"].string_value = class_value
+    fields["request.headers['authorization']"].string_value = "Bearer sk-ok"
+    message.request_body.body = body
+    message.request_body.end_of_stream = True
+    message.metadata_context.filter_metadata["kvgate"].fields["n"].number_value = 7
+    return message
+
+
+def with_bad_utf8(message: pb.ProcessingRequest, marker: str) -> bytes:
+    """``message`` serialized with ``marker`` (ASCII, same length) swapped for invalid UTF-8."""
+    data = message.SerializeToString()
+    assert data.count(marker.encode()) == 1
+    return data.replace(marker.encode(), b"\xff\xfe" + b"x" * (len(marker) - 2))
+
+
+def test_a_message_that_parses_is_read_as_it_is():
+    message = attributes_message("batch")
+    assert messages.parse_request(message.SerializeToString()) == message
+
+
+def test_invalid_utf8_in_an_attribute_is_replaced_and_the_rest_kept():
+    message = attributes_message("ZZZZ", body=b"\xff not text is fine in bytes")
+    data = with_bad_utf8(message, "ZZZZ")
+    with pytest.raises(Exception, match="UTF-8"):
+        pb.ProcessingRequest.FromString(data)
+    parsed = messages.parse_request(data)
+    expected = attributes_message("\ufffd\ufffdxx", body=b"\xff not text is fine in bytes")
+    assert parsed == expected
+    assert messages.attribute_map(parsed, "x-request-class")["x-request-class"] == "\ufffd\ufffdxx"
+
+
+def test_invalid_utf8_in_a_header_value_string_is_replaced():
+    message = pb.ProcessingRequest()
+    header = message.request_headers.headers.headers.add()
+    header.key, header.value = "x-request-class", "QQQQQQ"
+    parsed = messages.parse_request(with_bad_utf8(message, "QQQQQQ"))
+    assert parsed.request_headers.headers.headers[0].value == "\ufffd\ufffdxxxx"
+
+
+@pytest.mark.parametrize("data", [b"\x12\xff", b"\x12\x05ab", b"\x12\x02\xff\xff", b"\xff" * 12])
+def test_a_message_that_cannot_be_parsed_at_all_is_undecodable(data):
+    assert messages.parse_request(data) is messages.UNDECODABLE

@@ -340,3 +340,28 @@ def test_a_request_without_a_domain_or_descriptors_is_invalid(service, request_)
     code, details = caught.value.args
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == "a rate limit request needs a domain and descriptors"
+
+
+def test_a_descriptor_value_that_is_not_utf8_is_judged_not_failed(service):
+    """Envoy copies header values into descriptor entries as they came. Bytes that are not
+    UTF-8 would fail the call's parse, and Envoy lets a failed call through: served over
+    gRPC, the value is read with them replaced and limited like any other."""
+    request = rls_pb2.RateLimitRequest(domain="edge", descriptors=[descriptor(("user", "bot-Z"))])
+    data = request.SerializeToString().replace(b"bot-Z", b"bot-\xff")
+
+    async def call_twice() -> list[int]:
+        server = grpc.aio.server()
+        service.attach(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                should = channel.unary_unary(
+                    "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                    request_serializer=lambda raw: raw,
+                    response_deserializer=rls_pb2.RateLimitResponse.FromString)
+                return [(await should(data)).overall_code for _ in range(2)]
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(call_twice()) == [OK, OVER_LIMIT]  # "bot-*": 1 a minute
