@@ -271,11 +271,17 @@ def usage_from(document: Any) -> Usage | None:
 
 
 def usage_of(usage: Any) -> Usage | None:
-    """A parsed ``usage`` object, if it is a valid one."""
+    """A parsed ``usage`` object, if it is a valid one: counts that are whole numbers from
+    0 to ``MAX_COUNT`` (a negative one would refund a tenant more than it was charged, a huge
+    one lock it out; the request is then charged its reservation, as with no usage)."""
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens")
     completion = usage.get("completion_tokens", 0) or 0
-    if not isinstance(prompt, int) or not isinstance(completion, int):
+    if not _is_count(prompt) or not _is_count(completion):
         return None
     return Usage(prompt, completion)
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_COUNT

@@ -172,7 +172,9 @@ def test_large_json_is_read_from_a_bounded_tail(meter_stack):
 
 def test_json_without_a_valid_usage_reports_none(meter_stack):
     for body in (b'{"choices": []}', b'{"usage": {"prompt_tokens": 13, "completion',
-                 b'{"usage": {"prompt_tokens": "13"}}', b"<html>bad gateway</html>"):
+                 b'{"usage": {"prompt_tokens": "13"}}', b"<html>bad gateway</html>",
+                 b'{"usage": {"prompt_tokens": -13, "completion_tokens": 4}}',
+                 b'{"usage": {"prompt_tokens": 13, "completion_tokens": 99999999999999}}'):
         got, recorder = exchange(meter_stack, [body], "json")
         assert got == body and recorder.done == [(None, 0)], body
 

@@ -169,3 +169,14 @@ def test_usage_from():
     assert usage_from({"usage": {"prompt_tokens": "3"}}) is None
     assert usage_from({"usage": []}) is None
     assert usage_from([]) is None
+
+
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": -5, "completion_tokens": 4}, {"prompt_tokens": 3, "completion_tokens": -1},
+    {"prompt_tokens": True, "completion_tokens": 4}, {"prompt_tokens": 3.0},
+    {"prompt_tokens": 3, "completion_tokens": 2**31}, {"prompt_tokens": 10**30},
+])
+def test_usage_an_engine_could_not_have_produced_is_no_usage(usage):
+    """Charged its reservation instead: a negative count would refund the tenant more than
+    it was charged, a huge one lock it out."""
+    assert usage_from({"usage": usage}) is None
