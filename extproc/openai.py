@@ -278,10 +278,9 @@ def usage_of(usage: Any) -> Usage | None:
         return None
     prompt = usage.get("prompt_tokens")
     completion = usage.get("completion_tokens", 0) or 0
-    if not _is_count(prompt) or not _is_count(completion):
+    # JSON integers parse to exact ints: this is "an int, and not a bool"
+    if type(prompt) is not int or type(completion) is not int:
+        return None
+    if not (0 <= prompt <= MAX_COUNT and 0 <= completion <= MAX_COUNT):
         return None
     return Usage(prompt, completion)
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= MAX_COUNT
