@@ -7,7 +7,9 @@ traffic: that CPU grows with the number of endpoints (and every replica scrapes 
 not with requests. This runs kvgate's own ``Scraper`` (its ``aiohttp`` session, parser and
 endpoint store, on uvloop as ``kvgate serve`` does) on one core against N stand-in engines
 on the other, each answering a recorded metrics page: a real vLLM 0.32's
-(``tests/data/vllm-0.32-metrics.txt``, 56 KB) and the simulated engine's. It reports the
+(``tests/data/vllm-0.32-metrics.txt``, 56 KB), the part of it kvgate asks for (``?name[]=``:
+the series it reads, as Prometheus's client library answers the query) and the simulated
+engine's. It reports the
 scraper's CPU per scrape (the process's CPU over the window: fetch, parse, store swap), the
 share of a core each endpoint costs at the default interval, and the parse alone. Writes
 ``bench/results/scrape-cost.{md,json}``.
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.datalayer.endpoints import EndpointStore
-from extproc.datalayer.metrics import parse_metrics
+from extproc.datalayer.metrics import VLLM, parse_metrics
 from extproc.datalayer.scraper import Scraper
 from extproc.engine.server import EngineProcess
 from extproc.ports import free_port
@@ -108,13 +110,31 @@ def _sim_page() -> str:
         return urllib.request.urlopen(url, timeout=10).read().decode()
 
 
+def series_page(text: str, names: frozenset[str]) -> str:
+    """``text`` cut to the ``names`` series and their ``# HELP``/``# TYPE`` lines: what
+    Prometheus's client library answers ``?name[]=…`` with."""
+    kept = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("#"):
+            family = line.split(" ")[2] if line.count(" ") >= 2 else ""
+            keep = family in names or f"{family}_total" in names
+        else:
+            keep = line.split("{")[0].split(" ")[0] in names
+        if keep:
+            kept.append(line)
+    return "".join(kept)
+
+
 def run(endpoints: list[int], duration_s: float, warmup_s: float) -> list[dict[str, Any]]:
     rows = []
     os.sched_setaffinity(0, SCRAPER_CORE)
     with tempfile.TemporaryDirectory(prefix="kvgate-scrape-") as workdir:
         sim_path = Path(workdir, "sim-metrics.txt")
         sim_path.write_text(_sim_page())
-        for name, page in (("vLLM 0.32", VLLM_PAGE), ("simulated engine", sim_path)):
+        asked_path = Path(workdir, "vllm-asked.txt")
+        asked_path.write_text(series_page(VLLM_PAGE.read_text(), VLLM.wanted))
+        for name, page in (("vLLM 0.32", VLLM_PAGE), ("vLLM 0.32, as asked", asked_path),
+                           ("simulated engine", sim_path)):
             text = page.read_text()
             parse_us = _parse_us(text)
             for n in endpoints:
@@ -146,6 +166,18 @@ def _measure_against(page: Path, endpoints: int, duration_s: float, warmup_s: fl
         server.wait(10)
 
 
+async def chosen_page(address: str) -> str:
+    """The URL kvgate's scraper reads ``address``'s figures from, once it has chosen."""
+    store = EndpointStore()
+    await store.set_endpoints(POOL, [address])
+    scraper = Scraper(store)
+    try:
+        await scraper.scrape_once()
+    finally:
+        await scraper.stop()
+    return scraper.pages[address]
+
+
 def _process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of one process, from ``/proc``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -161,25 +193,30 @@ def engine_side(rates: list[float], duration_s: float) -> list[dict[str, Any]]:
     rows = []
     with VllmServer(cpus=SERVER_CORE) as server:
         assert server.proc is not None
-        pid, url = server.proc.pid, server.url + "/metrics"
-        page = urllib.request.urlopen(url, timeout=10).read()
+        pid, whole = server.proc.pid, server.url + "/metrics"
         time.sleep(2.0)
         cpu0, wall0 = _process_cpu_s(pid), time.monotonic()
         time.sleep(duration_s)
         idle = (_process_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
-        for rate in rates:
-            fetched, cpu0, wall0 = 0, _process_cpu_s(pid), time.monotonic()
-            while (now := time.monotonic()) - wall0 < duration_s:
-                urllib.request.urlopen(url, timeout=10).read()
-                fetched += 1
-                time.sleep(max(0.0, wall0 + fetched / rate - time.monotonic()))
-            busy = _process_cpu_s(pid) - cpu0 - idle * (now - wall0)
-            rows.append({"rate": rate, "fetched": fetched, "page_bytes": len(page),
-                         "idle_core_share": idle, "ms_per_scrape": 1e3 * busy / fetched,
-                         "core_share": busy / (now - wall0)})
-            print(f"vLLM API server: {rate:4.0f}/s, {fetched} scrapes, "
-                  f"{rows[-1]['ms_per_scrape']:.2f} ms CPU each above idle "
-                  f"({100 * rows[-1]['core_share']:.1f}% of a core)", flush=True)
+        asked = asyncio.run(chosen_page(server.url.partition("://")[2]))
+        for page, url in (("whole", whole), ("as kvgate asks", asked)):
+            body = urllib.request.urlopen(url, timeout=10).read()  # uncompressed, as kvgate
+            for rate in rates:
+                fetched, cpu0, wall0 = 0, _process_cpu_s(pid), time.monotonic()
+                while (now := time.monotonic()) - wall0 < duration_s:
+                    urllib.request.urlopen(url, timeout=10).read()
+                    fetched += 1
+                    time.sleep(max(0.0, wall0 + fetched / rate - time.monotonic()))
+                busy = _process_cpu_s(pid) - cpu0 - idle * (now - wall0)
+                rows.append({"page": page, "url": url, "rate": rate, "fetched": fetched,
+                             "page_bytes": len(body), "idle_core_share": idle,
+                             "ms_per_scrape": 1e3 * busy / fetched,
+                             "core_share": busy / (now - wall0),
+                             "figures_as_whole": parse_metrics(body.decode()) == parse_metrics(
+                                 urllib.request.urlopen(whole, timeout=10).read().decode())})
+                print(f"vLLM API server, {page} ({len(body)} B): {rate:4.0f}/s, {fetched} "
+                      f"scrapes, {rows[-1]['ms_per_scrape']:.2f} ms CPU each above idle "
+                      f"({100 * rows[-1]['core_share']:.1f}% of a core)", flush=True)
     return rows
 
 

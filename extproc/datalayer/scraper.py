@@ -13,6 +13,18 @@ at once if that one overran). So the age of a healthy endpoint's metrics is boun
 ``max_concurrency`` scrapes (defaults: 0.1 + 0.5 s for up to 16 endpoints, well inside the
 2 s staleness bound). GPU reads, local NVML calls included, get the same timeout.
 
+Each endpoint is asked only for the series kvgate reads (``?name[]=…``, which Prometheus's
+Python client answers with those families alone): a vLLM page is ~450 lines of histograms,
+and rendering it costs the engine's API server milliseconds of CPU on every scrape from
+every kvgate process. vLLM puts another handler, which ignores the query, on ``/metrics``
+itself and the client library's behind it (``/metrics/``), so both are tried. Nothing is
+assumed: the first scrape of an endpoint (and the first after it could not be reached: it
+may have been replaced) fetches the whole page, and a filtered one is used only if it is
+smaller and reads every figure the whole one has (a multiprocess registry can answer a
+filter with part of it); else the whole page is read, as from a server without the filter.
+Bodies are asked for uncompressed: compressing a page costs the engine more than sending it
+over a cluster network.
+
 Only an engine that cannot be reached (refused, reset, its name gone) counts towards
 ``unhealthy_after``: one that is slow or answers with something other than metrics keeps its
 last reading, which ages out after ``staleness_s`` (then the picker stops using it).
@@ -24,11 +36,14 @@ when an endpoint turns unhealthy or recovers, one when a GPU source starts or st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -161,6 +176,9 @@ class Scraper:
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        # address → the URL its figures are read from: a filtered page, or the whole one
+        # (absent: not chosen since it was last reachable)
+        self.pages: dict[str, str] = {}
         self._failing_gpu_targets: set[str] = set()
         self._last_loop_error: str | None = None
         self._last_hook_error: str | None = None
@@ -208,7 +226,8 @@ class Scraper:
 
     def _default_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(limit=self.max_concurrency, keepalive_timeout=30)
-        return aiohttp.ClientSession(connector=connector, headers={"accept": ACCEPT})
+        return aiohttp.ClientSession(connector=connector, headers={
+            "accept": ACCEPT, "accept-encoding": "identity"})
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -223,7 +242,7 @@ class Scraper:
         engines = self._engine_plan(snapshot)
         addresses = sorted(engines)
         plan = self._gpu_plan(snapshot)
-        scrapes = [self._scrape_metrics(*engines[a]) for a in addresses]
+        scrapes = [self._scrape_metrics(a, *engines[a]) for a in addresses]
         if plan:
             metrics, gpu_readings = await asyncio.gather(
                 asyncio.gather(*scrapes),
@@ -261,16 +280,40 @@ class Scraper:
                                        self.engines.get(state.pool, VLLM))
         return plan
 
-    async def _scrape_metrics(self, url: str, names: EngineNames = VLLM) -> Scraped:
+    async def _scrape_metrics(self, address: str, url: str, names: EngineNames = VLLM
+                              ) -> Scraped:
         at = self.clock()  # when asked: anything admitted later is not in these numbers yet
+        page = self.pages.get(address)
         try:
-            body = await self._fetch(url)
+            body = await self._fetch(page or url)
         except Exception as exc:
-            return self.clock(), None, _describe(exc, self.timeout_s), not _unreachable(exc)
+            unreachable = _unreachable(exc)
+            if unreachable:
+                self.pages.pop(address, None)  # what answers next may be another server
+            return self.clock(), None, _describe(exc, self.timeout_s), not unreachable
         metrics = parse_metrics(body, names)
         if not metrics.has_data:
             return at, None, f"no {names.engine} metrics at {url}", True
+        if page is None:
+            page = self.pages[address] = await self._smallest_page(url, names, metrics,
+                                                                   len(body))
+            log.info("endpoint %s: metrics read from %s", address,
+                     "its whole page (no smaller page gave every figure)" if page == url
+                     else page.partition("?")[0] + "?name[]=… (the series kvgate reads)")
         return at, metrics, None, True
+
+    async def _smallest_page(self, url: str, names: EngineNames, whole: EngineMetrics,
+                             size: int) -> str:
+        """The first filtered URL whose page is smaller than the whole one (``size``
+        characters, read as ``whole``) and gives every figure it did; else ``url``."""
+        for candidate in filtered_urls(url, names):
+            try:
+                body = await self._fetch(candidate)
+            except Exception:
+                continue
+            if len(body) < size and _figures(parse_metrics(body, names)) == _figures(whole):
+                return candidate
+        return url
 
     async def _fetch(self, url: str) -> str:
         """GET ``url``'s body, bounded by the semaphore (waiting) and the timeout (not)."""
@@ -338,6 +381,28 @@ class Scraper:
             self._last_hook_error = message
         else:
             self._last_hook_error = None
+
+
+def filtered_urls(url: str, names: EngineNames) -> tuple[str, ...]:
+    """``url`` asking a Prometheus client library for the series in ``names`` alone; and, for
+    a path, the same below it (vLLM's ``/metrics/``: see the module's docstring)."""
+    query = _names_query(names)
+    if "?" in url:
+        return (f"{url}&{query}",)
+    return f"{url}?{query}", f"{url.rstrip('/')}/?{query}"
+
+
+@functools.cache
+def _names_query(names: EngineNames) -> str:
+    return urlencode([("name[]", name) for name in sorted(names.wanted)])
+
+
+def _figures(metrics: EngineMetrics) -> tuple[object, ...]:
+    """What a reading holds, not what it reads: which figures it has, and for which engines
+    and models (values move between two fetches)."""
+    present = tuple(getattr(metrics, f.name) is not None for f in dataclasses.fields(metrics)
+                    if f.name not in ("models", "engines", "problems"))
+    return present, metrics.engines, metrics.models
 
 
 class ScrapeError(Exception):

@@ -2,7 +2,8 @@
 
 It speaks enough of vLLM's OpenAI server for kvgate to treat it as a real pod (chat and text
 completions, streaming with ``stream_options.include_usage`` and ``continuous_usage_stats``,
-embeddings, ``/v1/models``, ``/health``, ``/metrics`` with vLLM's metric names, ``priority``
+embeddings, ``/v1/models``, ``/health``, ``/metrics`` with vLLM's metric names (a
+``?name[]=`` query keeps only those series, as Prometheus's client library does), ``priority``
 with vLLM's semantics, see ``--fcfs-priority``) while staying cheap, deterministic and
 inspectable. The scheduling and KV model lives in ``extproc.engine.model``; this module is
 only the HTTP layer and its lifecycle.
@@ -310,8 +311,15 @@ class EngineMetrics:
             cleaned[name] = float(value)
         self.overrides = cleaned
 
-    def render(self) -> bytes:
-        return render_prometheus(self.registry)
+    def render(self, names: list[str] | None = None) -> bytes:
+        """The page; ``names``: those series alone (a ``?name[]=`` query, as Prometheus's
+        client library behind vLLM's ``/metrics`` answers it)."""
+        return render_prometheus(self.registry.restricted_registry(names) if names
+                                 else self.registry)
+
+    def describe(self) -> list[Metric]:
+        """The families' names, so that a filtered page finds them."""
+        return self.collect()
 
     def collect(self) -> list[Metric]:
         model = self.model
@@ -566,7 +574,7 @@ class EngineServer:
         return web.Response(status=200)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(),
+        return web.Response(body=self.metrics.render(request.query.getall("name[]", [])),
                             headers={"content-type": CONTENT_TYPE_LATEST})
 
     # -- test hooks ------------------------------------------------------------------------

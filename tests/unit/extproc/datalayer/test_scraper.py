@@ -21,7 +21,8 @@ import pytest
 from aiohttp import web
 
 from extproc.datalayer.agent import start_agent
-from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
+from extproc.datalayer.endpoints import EndpointState, EndpointStore, StoreSnapshot
+from extproc.datalayer.metrics import VLLM, parse_metrics
 from extproc.datalayer.scraper import GpuSource, Scraper, ScrapeSettings
 from extproc.engine.server import EngineHandle, start_engine
 from tests.paths import DATA
@@ -67,24 +68,35 @@ class MetricsServers:
     """One aiohttp app on ``count`` ports: ``/metrics`` answers after ``delay_s``."""
 
     def __init__(self, count: int, delay_s: float = 0.0, status: int = 200,
-                 body: str = SAMPLE):
+                 body: str = SAMPLE, filtered: Callable[[str, list[str]], str] | None = None,
+                 filter_on: str = "/metrics"):
+        """``filtered(body, names)``: the answer to a ``?name[]=`` query on ``filter_on``
+        (``/metrics`` or ``/metrics/``; None: the query is ignored)."""
         self.count, self.delay_s, self.status, self.body = count, delay_s, status, body
+        self.filtered, self.filter_on = filtered, filter_on
         self.in_flight = self.max_in_flight = self.requests = 0
+        self.asked: list[tuple[str, list[str], str]] = []  # path, name[], accept-encoding
         self.runner: web.AppRunner | None = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.requests += 1
+        names = request.query.getall("name[]", [])
+        self.asked.append((request.path, names, request.headers.get("accept-encoding", "")))
+        body = self.body
+        if self.filtered is not None and names and request.path == self.filter_on:
+            body = self.filtered(self.body, names)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             await asyncio.sleep(self.delay_s)
         finally:
             self.in_flight -= 1
-        return web.Response(text=self.body, status=self.status)
+        return web.Response(text=body, status=self.status)
 
     async def __aenter__(self) -> list[str]:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics/", self._metrics)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
         for _ in range(self.count):
@@ -138,6 +150,92 @@ async def test_debug_overrides_show_on_the_next_scrape(engine: EngineHandle) -> 
         await scraper.stop()
 
 
+# -- asking for the series kvgate reads ---------------------------------------------------
+
+
+def keep_series(body: str, names: list[str]) -> str:
+    """What Prometheus's client library answers a ``name[]`` query with: those series."""
+    return "".join(line for line in body.splitlines(keepends=True)
+                   if line.split("{")[0].split(" ")[0] in names)
+
+
+async def scrape_rounds(addresses: list[str], rounds: int) -> tuple[Scraper, EndpointState]:
+    store = EndpointStore()
+    await store.set_endpoints("p", addresses)
+    scraper = Scraper(store)
+    try:
+        for _ in range(rounds):
+            state = (await scraper.scrape_once()).get("p", addresses[0])
+    finally:
+        await scraper.stop()
+    return scraper, state
+
+
+WANTED = sorted(VLLM.wanted)
+
+
+async def test_an_engine_is_asked_for_the_series_kvgate_reads_once_that_loses_nothing() -> None:
+    servers = MetricsServers(1, filtered=keep_series)
+    async with servers as [where]:
+        scraper, state = await scrape_rounds([where], 3)
+    # the first round reads the whole page and checks the filtered one against it
+    assert [(path, names) for path, names, _ in servers.asked] == [
+        ("/metrics", []), *[("/metrics", WANTED)] * 3]
+    assert all(encoding == "identity" for *_, encoding in servers.asked)
+    assert scraper.pages[where].startswith(f"http://{where}/metrics?name%5B%5D=")
+    assert state.metrics == parse_metrics(SAMPLE)  # every figure, as from the whole page
+
+
+async def test_a_filter_honoured_only_below_the_path_is_found_there() -> None:
+    """vLLM answers ``/metrics`` with a handler that ignores the query, and routes
+    ``/metrics/`` to Prometheus's client library, which filters."""
+    servers = MetricsServers(1, filtered=keep_series, filter_on="/metrics/")
+    async with servers as [where]:
+        scraper, state = await scrape_rounds([where], 2)
+    assert [(path, names) for path, names, _ in servers.asked] == [
+        ("/metrics", []), ("/metrics", WANTED), ("/metrics/", WANTED), ("/metrics/", WANTED)]
+    assert scraper.pages[where].startswith(f"http://{where}/metrics/?name%5B%5D=")
+    assert state.metrics == parse_metrics(SAMPLE)
+
+
+@pytest.mark.parametrize("drop", ["vllm:cache_config_info", "vllm:num_requests_waiting"])
+async def test_a_filter_that_loses_a_figure_is_not_used(drop: str) -> None:
+    """A multiprocess registry can answer a filter with only part of it: that endpoint is
+    read from its whole page."""
+    def lossy(body: str, names: list[str]) -> str:
+        return keep_series(body, [n for n in names if n != drop])
+
+    servers = MetricsServers(1, filtered=lossy)
+    async with servers as [where]:
+        scraper, state = await scrape_rounds([where], 3)
+    assert [names for _, names, _ in servers.asked][-2:] == [[], []]
+    assert scraper.pages == {where: f"http://{where}/metrics"}
+    assert state.metrics == parse_metrics(SAMPLE)
+
+
+async def test_a_server_without_the_filter_is_read_from_its_whole_page() -> None:
+    servers = MetricsServers(1)
+    async with servers as [where]:
+        scraper, state = await scrape_rounds([where], 2)
+    assert scraper.pages == {where: f"http://{where}/metrics"}
+    assert state.metrics == parse_metrics(SAMPLE)
+
+
+async def test_an_unreachable_endpoint_is_checked_again_when_it_answers(engine: EngineHandle
+                                                                        ) -> None:
+    store = await one_engine_store(engine)
+    scraper = Scraper(store)
+    where = address(engine)
+    try:
+        await scraper.scrape_once()
+        assert "?name%5B%5D=" in scraper.pages[where]  # the simulated engine filters too
+        await engine.stop()
+        await scraper.scrape_once()
+        assert where not in scraper.pages
+    finally:
+        await scraper.stop()
+
+
 # -- failures, health and staleness --------------------------------------------------------
 
 
@@ -169,6 +267,9 @@ async def test_a_stopped_engine_turns_unhealthy_then_stale_and_recovers(
             await scraper.stop()
             await engine.stop()
     messages = [r.getMessage() for r in caplog.records if r.name.endswith("scraper")]
+    pages = [m for m in messages if "metrics read from" in m]
+    assert len(pages) == 2  # chosen when it came up, and again when it came back
+    messages = [m for m in messages if m not in pages]
     assert len(messages) == 3, messages  # up, unhealthy (once, not per failure), recovered
     assert "up" in messages[0] and "unhealthy after 3" in messages[1]
     assert "recovered" in messages[2]
@@ -303,7 +404,8 @@ async def test_concurrency_is_bounded(own_session: bool) -> None:
             await scraper.stop()
         elapsed = time.monotonic() - started
     assert all(state.healthy for state in snapshot.states())
-    assert servers.requests == 20 and servers.max_in_flight == 3
+    # the first round also tries both filtered URLs once (this server ignores the filter)
+    assert servers.requests == 40 and servers.max_in_flight == 3
     assert elapsed >= 2 * 4 * 0.03  # two rounds of ceil(10 / 3) waves
 
 

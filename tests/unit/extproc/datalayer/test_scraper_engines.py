@@ -4,6 +4,7 @@ engines serve metrics on (``metrics_port``: Triton's is not its inference port).
 from __future__ import annotations
 
 from extproc.datalayer.endpoints import EndpointStore
+from extproc.datalayer.metrics import SGLANG, TRTLLM
 from extproc.datalayer.scraper import Scraper
 from tests.conftest import free_port
 from tests.paths import DATA
@@ -30,7 +31,9 @@ async def test_each_pool_is_read_as_its_engine_from_its_metrics_port() -> None:
     assert (trt.kv_cache_usage, trt.kv_capacity_tokens, trt.metrics.num_requests_waiting) == (
         0.25, 4096 * 64, 2)
     assert (sg.kv_cache_usage, sg.kv_capacity_tokens) == (0.25, 8192)
-    assert (triton.requests, sglang.requests) == (1, 1)
+    # each asked, after its whole page, for its own engine's series
+    assert [names for _, names, _ in triton.asked][:2] == [[], sorted(TRTLLM.wanted)]
+    assert [names for _, names, _ in sglang.asked][:2] == [[], sorted(SGLANG.wanted)]
 
 
 async def test_a_pool_read_as_the_wrong_engine_says_so() -> None:
