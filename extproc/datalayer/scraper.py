@@ -20,8 +20,8 @@ every kvgate process. vLLM puts another handler, which ignores the query, on ``/
 itself and the client library's behind it (``/metrics/``), so both are tried. Nothing is
 assumed: the first scrape of an endpoint (and the first after it could not be reached: it
 may have been replaced) fetches the whole page, and a filtered one is used only if it is
-smaller and reads every figure the whole one has (a multiprocess registry can answer a
-filter with part of it); else the whole page is read, as from a server without the filter.
+at most half its size and reads every figure the whole one has (a multiprocess registry can
+answer a filter with part of it); else the whole page is read, as from a server without it.
 Bodies are asked for uncompressed: compressing a page costs the engine more than sending it
 over a cluster network.
 
@@ -304,14 +304,16 @@ class Scraper:
 
     async def _smallest_page(self, url: str, names: EngineNames, whole: EngineMetrics,
                              size: int) -> str:
-        """The first filtered URL whose page is smaller than the whole one (``size``
-        characters, read as ``whole``) and gives every figure it did; else ``url``."""
+        """The first filtered URL whose page is at most half the whole one (``size``
+        characters, read as ``whole``: a page that ignored the filter differs by a few bytes
+        of moving values) and gives every figure it did; else ``url``."""
         for candidate in filtered_urls(url, names):
             try:
                 body = await self._fetch(candidate)
             except Exception:
                 continue
-            if len(body) < size and _figures(parse_metrics(body, names)) == _figures(whole):
+            if 2 * len(body) <= size and _figures(parse_metrics(body, names)) == _figures(
+                    whole):
                 return candidate
         return url
 

@@ -313,6 +313,20 @@ def test_kvgate_scrapes_real_vllm_kv_capacity(gateway):
     assert state.kv_cache_usage is not None
 
 
+def test_kvgate_asks_real_vllm_for_its_series_alone(gateway, client):
+    """vLLM's /metrics handler ignores ``name[]``; the client library's app below it
+    (``/metrics/``) filters: kvgate reads that ~2 KB page, and it gives every figure the
+    whole ~50 KB page does."""
+    from extproc.datalayer.metrics import parse_metrics
+
+    kvgate, _ = gateway
+    (page,) = kvgate.server.scraper.pages.values()
+    assert "/metrics/?name%5B%5D=" in page
+    short, whole = client.get(page).text, client.get("/metrics").text
+    assert len(short) < len(whole) / 10
+    assert parse_metrics(short) == parse_metrics(whole)  # idle: the values agree too
+
+
 def _used_tokens(kvgate) -> float:
     """kvgate's ``kvgate_tokens_used_total{tenant="acme"}``, prompt and completion."""
     from prometheus_client import generate_latest
