@@ -20,8 +20,9 @@ every kvgate process. vLLM puts another handler, which ignores the query, on ``/
 itself and the client library's behind it (``/metrics/``), so both are tried. Nothing is
 assumed: the first scrape of an endpoint (and the first after it could not be reached: it
 may have been replaced) fetches the whole page, and a filtered one is used only if it is
-at most half its size and reads every figure the whole one has (a multiprocess registry can
-answer a filter with part of it); else the whole page is read, as from a server without it.
+at most half its size and reads every figure the whole one has; else the whole page is
+read, as from a server without the filter (TGI, Triton) or with a multiprocess registry
+(SGLang, vLLM with several API server processes), which answers a filter with nothing.
 Bodies are asked for uncompressed: compressing a page costs the engine more than sending it
 over a cluster network.
 
