@@ -16,10 +16,13 @@ least 5× its P50 *and* above the SLA. The **latency scenario** runs at ``--load
 and gives the TTFT, timeout and batch-throughput numbers.
 
 The weighted-share numbers come from a second, **contention scenario**: the same traffic at
-``--contention-factor`` (4) × the latency scenario's rate, so that every tenant's demand (a
-quarter of it) exceeds its weighted share of what the pool can serve — platinum's is half.
-At 2× the knee it did not: half of 2× the knee is below half of the pool's real capacity, so
-platinum was rightly served all it asked and the others split the rest. Tokens are counted
+``--contention-factor`` (4) × the latency scenario's rate, and at least 3.2× the knee (the
+matrix's lowest load × 4), so that every tenant's demand (a quarter of it) exceeds its
+weighted share of what the pool can serve — platinum's is half. At 2× the knee it did not:
+half of 2× the knee is below half of the pool's real capacity, so platinum was rightly
+served all it asked and the others split the rest. (Without the floor, a latency scenario
+at 0.3× the knee measured share errors of 70–210%: platinum got 0.44–0.75 of its weighted
+share under every policy, FIFO's ~0.5 being its demand.) Tokens are counted
 per tenant as requests enter an engine's running batch, priced as kvgate's fair order prices
 them (prompt 1, output 2), only inside the loaded window and only while every tenant has work
 waiting (``bench.sim.weighted_shares``); the table gives each tenant's share over its weight
@@ -65,6 +68,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SWEEP_RATES = tuple(float(r) for r in range(6, 31, 2))
 MAX_IN_FLIGHT = 64  # per engine, for (b) and (c): their only admission gate
 CONTENTION_FACTOR = 4.0  # the contention scenario's load, × the latency scenario's
+# … and at least this × the knee (the matrix's lowest load × the factor), so that every
+# tenant's demand exceeds its weighted share whatever the latency scenario's load
+CONTENTION_MIN_KNEES = 3.2
 CONTENTION_LENGTH = 2  # and its length in requests, × the latency scenario's
 MATRIX_SEEDS = tuple(range(1, 11))
 MATRIX_LOADS = (0.8, 1.0, 1.25)
@@ -112,19 +118,30 @@ def find_load(requests: int, seed: int, engines: int, mix: float = 0.7,
     return rates[-1], sweep
 
 
+def contention_rate(rate: float, knee: float | None,
+                    factor: float = CONTENTION_FACTOR) -> float:
+    """The contention scenario's rate: ``factor`` × the latency scenario's, and at least
+    ``CONTENTION_MIN_KNEES`` × the knee when it is known. Below that (a latency scenario at
+    0.3× the knee gives 1.2× it) the heavy tenants' demand falls short of their weighted
+    share, so their shares measure what they asked for, not the scheduler."""
+    return max(factor * rate, CONTENTION_MIN_KNEES * knee if knee else 0.0)
+
+
 def run_cell(requests: int, rate: float, seed: int, engines: int, mix: float,
-             contention_factor: float = CONTENTION_FACTOR
+             contention: float | None = None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]],
                         dict[str, Simulation]]:
-    """Every policy in the latency scenario and in the contention scenario."""
-    rows, contention, sims = {}, {}, {}
+    """Every policy in the latency scenario (``rate``) and in the contention scenario
+    (``contention`` req/s; default: :func:`contention_rate` without a knee)."""
+    rows, shares, sims = {}, {}, {}
     for policy in policies(seed):
         rows[policy.name], sims[policy.name] = run_policy(policy, requests, rate, seed,
                                                           engines, mix)
+    busy = contention or contention_rate(rate, None)
     for policy in policies(seed):
-        contention[policy.name], _ = run_policy(policy, CONTENTION_LENGTH * requests,
-                                                contention_factor * rate, seed, engines, mix)
-    return rows, contention, sims
+        shares[policy.name], _ = run_policy(policy, CONTENTION_LENGTH * requests, busy, seed,
+                                            engines, mix)
+    return rows, shares, sims
 
 
 def check_cell(rows: dict[str, dict[str, Any]], contention: dict[str, dict[str, Any]]
@@ -231,9 +248,11 @@ def matrix_knee(job: tuple[int, int, int, float]) -> tuple[int, float, float]:
 
 def matrix_cell(job: tuple[int, int, int, float, float, float]) -> dict[str, Any]:
     requests, engines, seed, mix, load, knee = job
-    rows, contention, _ = run_cell(requests, load * knee, seed, engines, mix)
+    busy = contention_rate(load * knee, knee)
+    rows, contention, _ = run_cell(requests, load * knee, seed, engines, mix, busy)
     return {"seed": seed, "mix": mix, "load": load, "knee_req_s": knee,
-            "rate_req_s": load * knee, "check": check_cell(rows, contention),
+            "rate_req_s": load * knee, "contention_req_s": busy,
+            "check": check_cell(rows, contention),
             "policies": rows, "contention": contention}
 
 
@@ -357,7 +376,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=1.0, help="× the FIFO knee")
     p.add_argument("--rate", type=float, default=None, help="skip the sweep, use this req/s")
     p.add_argument("--contention-factor", type=float, default=CONTENTION_FACTOR,
-                   help="the contention scenario's load, × the latency scenario's")
+                   help="the contention scenario's load, × the latency scenario's (and at "
+                   f"least {CONTENTION_MIN_KNEES} × the knee when it is swept)")
     p.add_argument("--matrix", action="store_true",
                    help="every cell: seeds × loads × mixes (see --seeds, --loads, --mixes)")
     p.add_argument("--seeds", default=",".join(map(str, MATRIX_SEEDS)))
@@ -381,15 +401,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"bench.policy_sim: {args.requests} requests, seed {args.seed}, {args.engines} "
           f"engines, {args.mix:.0%} interactive")
     sweep: list[dict[str, float]] = []
-    rate = args.rate
+    rate, knee = args.rate, None
     if rate is None:
         knee, sweep = find_load(args.requests, args.seed, args.engines, args.mix)
         rate = args.load * knee
+    busy = contention_rate(rate, knee, args.contention_factor)
     print(f"latency scenario: {rate:.1f} req/s (Poisson)")
     rows, contention, sims = run_cell(args.requests, rate, args.seed, args.engines, args.mix,
-                                      args.contention_factor)
+                                      busy)
     print(table(rows))
-    print(f"contention scenario: {args.contention_factor * rate:.1f} req/s (Poisson, equal "
+    print(f"contention scenario: {busy:.1f} req/s (Poisson, equal "
           "demand), share of priced tokens / weight share while every tenant is backlogged")
     print(share_table(contention))
     check = check_cell(rows, contention)
@@ -399,8 +420,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": command(argv), "requests": args.requests, "seed": args.seed,
         "engines": args.engines, "mix": args.mix, "rate_req_s": rate, "sweep": sweep,
         "policies": rows,
-        "contention": {"rate_req_s": args.contention_factor * rate,
-                       "factor": args.contention_factor, "policies": contention},
+        "contention": {"rate_req_s": busy, "factor": args.contention_factor,
+                       "min_knees": CONTENTION_MIN_KNEES if knee else None,
+                       "policies": contention},
         "check": check, "seconds": round(time.perf_counter() - started, 1),
     }
     out = args.out or RESULTS / "policy-virtual.json"
@@ -423,7 +445,8 @@ def main_matrix(args: argparse.Namespace, argv: list[str] | None, started: float
     text = matrix_report(cells, summary)
     print(text)
     report = {"command": command(argv), "requests": args.requests, "engines": args.engines,
-              "contention_factor": CONTENTION_FACTOR, "summary": summary, "cells": cells,
+              "contention_factor": CONTENTION_FACTOR,
+              "contention_min_knees": CONTENTION_MIN_KNEES, "summary": summary, "cells": cells,
               "seconds": round(time.perf_counter() - started, 1)}
     out = args.out or RESULTS / "policy-matrix.json"
     write(report, out)

@@ -84,6 +84,16 @@ def test_cli_writes_the_report(tmp_path: Path) -> None:
     assert saved["contention"]["rate_req_s"] == pytest.approx(9 * policy_sim.CONTENTION_FACTOR)
 
 
+def test_the_contention_scenario_stays_contended_at_low_loads() -> None:
+    """A latency scenario far below the knee still measures shares where every tenant asks
+    for more than its weighted share: at least 3.2x the knee."""
+    knee = 12.0
+    assert policy_sim.contention_rate(0.3 * knee, knee) == pytest.approx(3.2 * knee)
+    assert policy_sim.contention_rate(1.0 * knee, knee) == pytest.approx(4 * knee)
+    assert policy_sim.contention_rate(0.8 * knee, knee) == pytest.approx(3.2 * knee)
+    assert policy_sim.contention_rate(3.0, None) == pytest.approx(12.0)  # --rate: no knee
+
+
 def test_the_matrix_reports_every_cell_and_its_bounds(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     report = policy_sim.main(["--matrix", "--requests", "150", "--engines", "2", "--seeds",
@@ -91,6 +101,9 @@ def test_the_matrix_reports_every_cell_and_its_bounds(tmp_path: Path) -> None:
                               "--out", str(out)])
     saved = json.loads(out.read_text())
     assert len(saved["cells"]) == 2 == report["summary"]["cells"]
+    for cell in saved["cells"]:
+        assert cell["contention_req_s"] == pytest.approx(
+            policy_sim.contention_rate(cell["rate_req_s"], cell["knee_req_s"]))
     assert {c["mix"] for c in saved["cells"]} == {0.7, 0.5}
     assert set(saved["cells"][0]["policies"]) == {"fifo", "strict-priority", "wfq", "kvgate"}
     assert "p99_vs_strict_worst" in saved["summary"]["targets"]
