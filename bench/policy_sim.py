@@ -11,9 +11,10 @@ Scenario (see ``bench.sim``): 4 tenants weighted 5/3/1/1 sending equal shares of
 traffic, ``--mix`` of it interactive (prompt U[200, 1000], output U[50, 300] tokens, TTFT SLA
 2 s), the rest batch (prompt U[2000, 8000], output U[200, 1000], SLA 60 s), to 4 engines
 modelling Llama-3-8B on an A100-80GB (``extproc.engine.model``), run with vLLM's priority
-scheduling. **The knee**: the lowest swept rate at which FIFO's interactive P99 TTFT is at
-least 5× its P50 *and* above the SLA. The **latency scenario** runs at ``--load`` × the knee
-and gives the TTFT, timeout and batch-throughput numbers.
+scheduling. **The knee**: the lowest swept rate (1.5–15 req/s per engine, 2 req/s apart) at
+which FIFO's interactive P99 TTFT is at least 5× its P50 *and* above the SLA. The **latency
+scenario** runs at ``--load`` × the knee and gives the TTFT, timeout and batch-throughput
+numbers.
 
 The weighted-share numbers come from a second, **contention scenario**: the same traffic at
 ``--contention-factor`` (4) × the latency scenario's rate, and at least 3.2× the knee (the
@@ -65,7 +66,16 @@ from bench.sim import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SWEEP_RATES = tuple(float(r) for r in range(6, 31, 2))
+# the knee sweep: from 1.5 to 15 req/s per engine, 2 req/s apart (4 engines: 6, 8, …, 60), so
+# that a pool of any size is swept from below its knee (a fixed 6–30 req/s put 2 engines' knee
+# at the top, 5× past it, and 8 engines' below it); finer steps than 2 can miss less of the
+# knee's narrow band (P99 ≥ 5× P50 while above the SLA), coarser ones skipped it at 8 engines
+SWEEP_PER_ENGINE, SWEEP_STEP = (1.5, 15.0), 2.0
+
+
+def sweep_rates(engines: int) -> tuple[float, ...]:
+    low, high = (engines * r for r in SWEEP_PER_ENGINE)
+    return tuple(low + SWEEP_STEP * k for k in range(int((high - low) / SWEEP_STEP) + 1))
 MAX_IN_FLIGHT = 64  # per engine, for (b) and (c): their only admission gate
 CONTENTION_FACTOR = 4.0  # the contention scenario's load, × the latency scenario's
 # … and at least this × the knee (the matrix's lowest load × the factor), so that every
@@ -102,20 +112,25 @@ def run_policy(policy: Policy, requests: int, rate: float, seed: int, engines: i
 
 
 def find_load(requests: int, seed: int, engines: int, mix: float = 0.7,
-              rates: tuple[float, ...] = SWEEP_RATES, quiet: bool = False
+              rates: tuple[float, ...] | None = None, quiet: bool = False
               ) -> tuple[float, list[dict[str, float]]]:
-    """The knee: the lowest swept rate where FIFO's interactive P99 ≥ 5 × P50 and > SLA."""
-    sweep = []
-    for rate in rates:
+    """The knee: the lowest swept rate (default: :func:`sweep_rates`) where FIFO's
+    interactive P99 ≥ 5 × P50 and > SLA. A steep pool can step over that band (8 engines,
+    seed 31: P99 6.3× P50 at 1.86 s, then 4.9× at 2.15 s): then the lowest rate where
+    P99 > SLA, or the top (either way the sweep's last entry has ``knee`` false)."""
+    sweep: list[dict[str, float]] = []
+    for rate in rates or sweep_rates(engines):
         stats, _ = run_policy(Fifo(), requests, rate, seed, engines, mix)
         p50, p99 = stats["interactive_ttft_p50_s"], stats["interactive_ttft_p99_s"]
-        sweep.append({"rate": rate, "p50": p50, "p99": p99, "ratio": p99 / p50})
+        knee = p99 >= 5 * p50 and p99 > CLASSES["interactive"].sla_s
+        sweep.append({"rate": rate, "p50": p50, "p99": p99, "ratio": p99 / p50, "knee": knee})
         if not quiet:
             print(f"  sweep: {rate:5.1f} req/s  FIFO interactive P50 {p50:6.3f} s  "
                   f"P99 {p99:6.3f} s  ({p99 / p50:4.1f}x)", flush=True)
-        if p99 >= 5 * p50 and p99 > CLASSES["interactive"].sla_s:
+        if knee:
             return rate, sweep
-    return rates[-1], sweep
+    late = [s for s in sweep if s["p99"] > CLASSES["interactive"].sla_s]
+    return (late[0] if late else sweep[-1])["rate"], sweep
 
 
 def contention_rate(rate: float, knee: float | None,
@@ -240,17 +255,17 @@ def _pyplot() -> Any:
 # -- the matrix ------------------------------------------------------------------------------
 
 
-def matrix_knee(job: tuple[int, int, int, float]) -> tuple[int, float, float]:
+def matrix_knee(job: tuple[int, int, int, float]) -> tuple[int, float, float, bool]:
     requests, engines, seed, mix = job
-    rate, _ = find_load(requests, seed, engines, mix, quiet=True)
-    return seed, mix, rate
+    rate, sweep = find_load(requests, seed, engines, mix, quiet=True)
+    return seed, mix, rate, bool(sweep[-1]["knee"])
 
 
-def matrix_cell(job: tuple[int, int, int, float, float, float]) -> dict[str, Any]:
-    requests, engines, seed, mix, load, knee = job
+def matrix_cell(job: tuple[int, int, int, float, float, float, bool]) -> dict[str, Any]:
+    requests, engines, seed, mix, load, knee, found = job
     busy = contention_rate(load * knee, knee)
     rows, contention, _ = run_cell(requests, load * knee, seed, engines, mix, busy)
-    return {"seed": seed, "mix": mix, "load": load, "knee_req_s": knee,
+    return {"seed": seed, "mix": mix, "load": load, "knee_req_s": knee, "knee_found": found,
             "rate_req_s": load * knee, "contention_req_s": busy,
             "check": check_cell(rows, contention),
             "policies": rows, "contention": contention}
@@ -262,9 +277,9 @@ def run_matrix(requests: int, engines: int, jobs: int, seeds: tuple[int, ...],
     # can spin forever in the child
     with ProcessPoolExecutor(max_workers=jobs,
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        knees = {(seed, mix): rate for seed, mix, rate in pool.map(
+        knees = {(seed, mix): (rate, found) for seed, mix, rate, found in pool.map(
             matrix_knee, [(requests, engines, s, m) for s in seeds for m in mixes])}
-        work = [(requests, engines, s, m, load, knees[(s, m)])
+        work = [(requests, engines, s, m, load, *knees[(s, m)])
                 for s in seeds for m in mixes for load in loads]
         cells = []
         for cell in pool.map(matrix_cell, work):
@@ -281,6 +296,8 @@ CELL_HEAD = (f"{'seed':>4}{'mix':>5}{'load':>6}{'req/s':>7}{'FIFO':>6}{'P99/FIFO
 def cell_line(cell: dict[str, Any]) -> str:
     c = cell["check"]
     misses = ",".join(k for k, ok in c["pass"].items() if not ok) or "-"
+    if not cell.get("knee_found", True):
+        misses += " (no swept rate met both knee conditions: P99 above the SLA alone)"
     return (f"{cell['seed']:>4}{cell['mix']:>5.0%}{cell['load']:>6.2f}{cell['rate_req_s']:>7.1f}"
             f"{'cont' if c['fifo_contended'] else 'calm':>6}{c['p99_vs_fifo']:>10.3f}"
             f"{c['p99_vs_strict']:>11.3f}{c['interactive_timeout_rate']:>9.1%}"

@@ -94,6 +94,16 @@ def test_the_contention_scenario_stays_contended_at_low_loads() -> None:
     assert policy_sim.contention_rate(3.0, None) == pytest.approx(12.0)  # --rate: no knee
 
 
+def test_the_knee_sweep_scales_with_the_pool() -> None:
+    """The sweep starts at 1.5 req/s per engine and ends at the first rate where FIFO's tail
+    is contended (or at its top, flagged)."""
+    for engines in (2, 8):
+        rate, sweep = policy_sim.find_load(150, 1, engines, quiet=True)
+        assert sweep[0]["rate"] == pytest.approx(1.5 * engines)
+        assert rate in {s["rate"] for s in sweep} and rate <= 15 * engines
+        assert all(not s["knee"] for s in sweep[:-1])
+
+
 def test_the_matrix_reports_every_cell_and_its_bounds(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     report = policy_sim.main(["--matrix", "--requests", "150", "--engines", "2", "--seeds",
