@@ -63,6 +63,9 @@ HAND_SET_DEADLINES = {"interactive": 30, "batch": 60}
 # at most this share of interactive requests past their TTFT SLA, batch throughput at least
 # this share of FIFO's.
 P99_RATIO_MAX, TIMEOUT_RATE_MAX, BATCH_RATIO_MIN = 0.3, 0.01, 0.9
+# Where FIFO is not contended (its interactive P99 under 5× its P50 and within the SLA), the
+# virtual-time benchmark's bound applies instead: no harm, P99 at most this × FIFO's.
+UNCONTENDED_P99_MAX = 1.1
 TRACE_PERIOD_S = 0.25
 
 
@@ -227,6 +230,7 @@ def row(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
     inter, batch = summary["classes"]["interactive"], summary["classes"]["batch"]
     return {"config": kind, "interactive_ttft_p50_s": inter["ttft_p50_s"],
             "interactive_ttft_p99_s": inter["ttft_p99_s"],
+            "interactive_sla_s": inter["sla_ttft_s"],
             "interactive_timeout_rate": inter["timeout_rate"],
             "interactive_reject_rate": inter["reject_rate"],
             "batch_tokens_per_s": batch["tokens_per_s"], "batch_reject_rate": batch["reject_rate"],
@@ -241,7 +245,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The three targets of kvgate (d) against plain FIFO (a). Weighted shares are not one:
+    """The three targets of kvgate (d) against plain FIFO (a). The P99 bound is issue 13's
+    where FIFO is contended, as the virtual-time benchmark defines it (P99 ≥ 5× its P50, or
+    past the SLA); where it is not, 0.3× FIFO's P99 can be below an idle engine's first
+    token, and the bound is the virtual-time one: no harm. Weighted shares are not a target:
     every tenant sends the same load and the pool keeps up on average, so each tenant's
     served share equals its demand under any policy (FIFO's share error is kvgate's); the
     virtual-time contention scenario, where every tenant is backlogged, measures them."""
@@ -250,9 +257,11 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return {}
     p99 = _ratio(full["interactive_ttft_p99_s"], fifo["interactive_ttft_p99_s"])
     thr = _ratio(full["batch_tokens_per_s"], fifo["batch_tokens_per_s"])
+    bound = P99_RATIO_MAX if contended(fifo) else UNCONTENDED_P99_MAX
     checks = {
-        "interactive_p99_ratio": (p99, p99 is not None and p99 <= P99_RATIO_MAX,
-                                  f"<= {P99_RATIO_MAX}"),
+        "interactive_p99_ratio": (p99, p99 is not None and p99 <= bound,
+                                  f"<= {bound}" + ("" if contended(fifo) else
+                                                    " (FIFO not contended)")),
         "interactive_timeout_rate": (full["interactive_timeout_rate"],
                                      full["interactive_timeout_rate"] <= TIMEOUT_RATE_MAX,
                                      f"<= {TIMEOUT_RATE_MAX}"),
@@ -260,6 +269,14 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                    f">= {BATCH_RATIO_MIN}"),
     }
     return {k: {"value": v, "pass": ok, "target": t} for k, (v, ok, t) in checks.items()}
+
+
+def contended(fifo: dict[str, Any]) -> bool:
+    """FIFO's interactive tail is contended: P99 ≥ 5× its P50, or past the SLA."""
+    p50, p99 = fifo["interactive_ttft_p50_s"], fifo["interactive_ttft_p99_s"]
+    if p99 is None:
+        return True
+    return (p50 is not None and p99 >= 5 * p50) or p99 > fifo.get("interactive_sla_s", 2.0)
 
 
 def _f(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
