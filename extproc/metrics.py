@@ -128,6 +128,26 @@ class EndpointCollector(Collector):
         yield from (usage, waiting, running, healthy, age, errors)
 
 
+class PoolCollector(Collector):
+    """Why each pool's placements found no endpoint, read from its scheduler's tally when
+    Prometheus asks (``holds``: pool → reason → count)."""
+
+    def __init__(self, holds: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self.holds = holds
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvgate_pool_holds",
+            "Placements that found no endpoint: one count per endpoint and refused placement, "
+            "under the first check that held the endpoint (stale_metrics, engine_full, "
+            "in_flight_cap, sequence_kept, engine_queue, prefill_clear, tenant_share, "
+            "kv_cache).", labels=["pool", "reason"])
+        for pool, reasons in self.holds().items():
+            for reason, count in reasons.items():
+                family.add_metric([pool, reason], float(count))
+        yield family
+
+
 ENDPOINT_HELP = {
     "usage": "KV cache usage (0-1) each endpoint reported at its last successful scrape.",
     "waiting": "Requests waiting in each endpoint's engine (vllm:num_requests_waiting).",
@@ -283,6 +303,9 @@ class Metrics:
     def watch_endpoints(self, states: Callable[[], Iterable[EndpointState]],
                         errors: Mapping[str, int]) -> None:
         self.registry.register(EndpointCollector(states, errors))
+
+    def watch_pools(self, holds: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self.registry.register(PoolCollector(holds))
 
     # -- the request path ------------------------------------------------------------------
 

@@ -95,6 +95,12 @@ DRAIN_WINDOW_S = 10.0
 OUTPUT_RATIO_RISE, OUTPUT_RATIO_DECAY, MIN_OUTPUT_RATIO = 0.5, 0.02, 0.05
 DECODE_RATE_WEIGHT = 0.2  # of each finished request in the pool's decode-rate average
 MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
+# what held an endpoint when a placement found none (``PoolScheduler.holds``), in the order
+# the checks run: no fresh scrape; the engine itself full (critical KV or GPU memory, or
+# max_waiting); max_in_flight; the sequence kept free for band 0; max_unstarted (the
+# engine's own queue); kept clear of batch prefill; the tenant over its KV share; KV
+HOLD_REASONS = ("stale_metrics", "engine_full", "in_flight_cap", "sequence_kept",
+                "engine_queue", "prefill_clear", "tenant_share", "kv_cache")
 
 
 @dataclass(slots=True)
@@ -208,6 +214,9 @@ class PoolScheduler:
     # when a band-0 request last asked for an endpoint (None: no request yet; the first one
     # of any band starts the clock, so a kvgate just started keeps the sequence free)
     top_seen_at: float | None = None
+    # why placements found no endpoint: for each refused placement, one count per endpoint
+    # under the first check it failed (HOLD_REASONS; kvgate_pool_holds_total)
+    holds: dict[str, int] = field(default_factory=dict)
     _cached_view: _PoolView | None = field(default=None, repr=False, compare=False)
 
     # -- the decision ----------------------------------------------------------------------
@@ -230,6 +239,7 @@ class PoolScheduler:
                           f"of pool '{self.config.name}' holds {view.largest}", None)
         usable = [e for e in view.endpoints if now <= e.fresh_until]
         if not usable:
+            self._held("stale_metrics", max(1, len(view.endpoints)))
             return self._none_ready(view)
         limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
         committed_bound = bool(band) or not self.config.priority_scheduling
@@ -245,8 +255,10 @@ class PoolScheduler:
         if not eligible:
             busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]
             if not busy:
+                self._count_holds(usable, candidates, [], limit, ahead, band, now)
                 return self._saturated(tokens, now)
             if band and self._over_share(tenant, tokens):
+                self._count_holds(usable, candidates, busy, limit, ahead, band, now)
                 return refuse(Reason.KV_SHARE,
                               f"pool '{self.config.name}' is busy and tenant '{tenant}' holds "
                               "more than its weighted share of its KV cache",
@@ -350,6 +362,38 @@ class PoolScheduler:
             self.low_prefills[endpoint] -= 1
         else:
             self.top_prefills -= 1
+
+    # -- why nothing fits --------------------------------------------------------------------
+
+    def _count_holds(self, usable: list[_Scraped], candidates: list[Candidate],
+                     shared: list[Candidate], limit: int | None, ahead: float, band: int,
+                     now: float) -> None:
+        """A placement found no endpoint: count each endpoint under the first check that
+        held it, in the order place() applies them (an operator's answer to "why does work
+        wait?"). ``candidates``: those the KV check saw; ``shared``: those of them under the
+        critical watermark that the tenant's KV share held (the others' KV was full)."""
+        seen = {c.state.address for c in candidates}
+        share_held = {c.state.address for c in shared}
+        for e in usable:
+            address = e.state.address
+            if not e.takes_work:
+                reason = "engine_full"
+            elif not self._has_slot(address, limit):
+                reason = "in_flight_cap"
+            elif not self._has_seq(address, band, now):
+                reason = "sequence_kept"
+            elif not self._below_unstarted(address, ahead):
+                reason = "engine_queue"
+            elif address not in seen:
+                reason = "prefill_clear"
+            elif address in share_held:
+                reason = "tenant_share"
+            else:
+                reason = "kv_cache"
+            self._held(reason)
+
+    def _held(self, reason: str, count: int = 1) -> None:
+        self.holds[reason] = self.holds.get(reason, 0) + count
 
     # -- filters ---------------------------------------------------------------------------
 
@@ -625,9 +669,11 @@ class PoolScheduler:
             return refuse(Reason.NO_ENDPOINT,
                           f"pool '{self.config.name}' has no endpoints", MIN_RETRY_MS)
         limit = self._slot_limit(band)
-        addresses = [a for a in addresses if self._has_slot(a, limit)]
-        if not addresses:
+        free = [a for a in addresses if self._has_slot(a, limit)]
+        if not free:
+            self._held("in_flight_cap", len(addresses))
             return self._saturated(tokens, now)
+        addresses = free
         rng.shuffle(addresses)
         addresses.sort(key=lambda a: self.in_flight.get(a, 0))
         return Placement(addresses[: 1 + FALLBACKS])

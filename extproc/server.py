@@ -262,6 +262,8 @@ class KvgateServer:
         self.desk = ReportDesk(self.metrics)
         self.metrics.watch_endpoints(lambda: self.endpoints.snapshot().states(),
                                      self.scraper.errors)
+        self.metrics.watch_pools(lambda: {name: scheduler.holds for name, scheduler
+                                          in self.director.schedulers.items()})
         self.ratelimit = RateLimitService(
             config.ratelimit, build_rate_counters(config),
             timeout_s=None if config.redis is None else config.redis.timeout_ms / 1000,

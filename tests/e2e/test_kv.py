@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
@@ -102,13 +103,25 @@ def test_saturated_and_stale_engines_get_none(stack):
     set_usage(stack, 0.1, 0.1, 0.1)
 
 
+def held_by(stack, reason: str) -> float:
+    """kvgate_pool_holds_total for the pool and ``reason``, from kvgate's /metrics."""
+    admin = f"http://127.0.0.1:{stack.kvgate.server.admin_port}"
+    text = httpx.get(f"{admin}/metrics").text
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "kvgate_pool_holds_total"
+               and s.labels == {"pool": "kv", "reason": reason})
+
+
 def test_all_saturated_is_503_with_retry_after(stack):
     set_usage(stack, 0.96, 0.99, 0.97)
+    before = held_by(stack, "engine_full")
     response = ask(stack)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "pool_saturated"
     assert int(response.headers["retry-after"]) >= 1
     assert int(response.headers["retry-after-ms"]) >= 1000
+    # while it queued, every placement found each of the three engines past critical
+    assert held_by(stack, "engine_full") >= before + 3
     set_usage(stack, 0.1, 0.1, 0.1)
 
 

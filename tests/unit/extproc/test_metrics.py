@@ -104,9 +104,20 @@ def test_endpoint_series_come_from_the_store_when_scraped() -> None:
     assert set(values(metrics, "kvgate_endpoint_healthy")) == {two}
 
 
+def test_pool_holds_come_from_the_schedulers_tally() -> None:
+    metrics = Metrics()
+    holds = {"p": {"kv_cache": 3, "engine_queue": 1}, "q": {}}
+    metrics.watch_pools(lambda: holds)
+    assert values(metrics, "kvgate_pool_holds_total") == {
+        ("p", "kv_cache"): 3, ("p", "engine_queue"): 1}
+    holds["q"]["prefill_clear"] = 2  # read when Prometheus asks
+    assert values(metrics, "kvgate_pool_holds_total")[("q", "prefill_clear")] == 2
+
+
 def test_the_readme_lists_every_metric() -> None:
     metrics = Metrics()
     metrics.watch_endpoints(lambda: [], {})
+    metrics.watch_pools(lambda: {})
     readme = (REPO / "README.md").read_text()
     section = readme.split("\n## Metrics", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"`(kvgate_[a-z_]+)", section))

@@ -12,6 +12,7 @@ from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.datalayer.nvml import GpuReading
 from extproc.scheduler import (
+    HOLD_REASONS,
     MIN_RETRY_MS,
     SEQ_LEND_SHARE,
     SEQ_LEND_WAIT_S,
@@ -571,3 +572,37 @@ def test_a_pool_without_interactive_work_lends_the_kept_sequence_to_batch():
     at = NOW + TOP_IDLE_S + 2
     sched.place("a", 10, idle(at), at, random.Random(0), band=0)
     assert batch(NOW + TOP_IDLE_S + 3).reason == "pool_saturated"  # kept free again
+
+
+def test_each_refused_placement_counts_what_held_each_endpoint():
+    """``holds`` answers "why does work wait?": per refused placement, one count per endpoint
+    under the first check it failed."""
+    sched = scheduler(prefill_clear_share=0.5)
+    snap = snapshot(state("e1", 0.1), state("e2", 0.1))
+    for lease in ("b1", "b2"):  # e1: its engine queue is full; e2 is kept clear
+        sched.reserve(lease, "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
+    assert place_band(sched, snap, 1).reason == "pool_saturated"
+    assert sched.holds == {"engine_queue": 1, "prefill_clear": 1}
+    full = snapshot(state("e1", 0.97), state("e2", 0.945))  # e1 past critical: takes nothing
+    assert place_band(sched, full, 0).reason == "pool_saturated"
+    assert sched.holds == {"engine_queue": 1, "prefill_clear": 1, "engine_full": 1,
+                           "kv_cache": 1}
+    placed = dict(sched.holds)
+    assert isinstance(place_band(sched, snapshot(state("e2", 0.1)), 0), Placement)
+    assert sched.holds == placed  # a placement counts nothing
+    assert set(sched.holds) <= set(HOLD_REASONS)
+
+
+def test_holds_name_the_tenant_share_and_stale_metrics():
+    sched = scheduler(weights={"a": 3.0, "b": 1.0})
+    sched.reserve("a1", "a", "e1", 300, NOW - 1)
+    sched.reserve("b1", "b", "e1", 300, NOW - 1)  # b holds half; its share is a quarter
+    sched.first_token("a1", NOW - 1)
+    sched.first_token("b1", NOW - 1)
+    busy = snapshot(state("e1", 0.85))
+    assert sched.place("b", 100, busy, NOW, random.Random(0), band=1).reason == (
+        "kv_share_exceeded")
+    assert sched.holds == {"tenant_share": 1}
+    stale = snapshot(state("e1", 0.1, scraped_at=NOW - 60))
+    assert isinstance(place(sched, stale), Reject)
+    assert sched.holds == {"tenant_share": 1, "stale_metrics": 1}
