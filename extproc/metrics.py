@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from extproc.datalayer.endpoints import EndpointState
+from extproc.scheduler import HOLD_REASONS
 
 OTHER = "_other"
 """The label value of a tenant, model or class that is not in the configuration."""
@@ -139,9 +140,8 @@ class PoolCollector(Collector):
         family = CounterMetricFamily(
             "kvgate_pool_holds",
             "Placements that found no endpoint: one count per endpoint and refused placement, "
-            "under the first check that held the endpoint (stale_metrics, engine_full, "
-            "in_flight_cap, sequence_kept, engine_queue, prefill_clear, tenant_share, "
-            "kv_cache).", labels=["pool", "reason"])
+            f"under the first check that held the endpoint ({', '.join(HOLD_REASONS)}).",
+            labels=["pool", "reason"])
         for pool, reasons in self.holds().items():
             for reason, count in reasons.items():
                 family.add_metric([pool, reason], float(count))

@@ -244,10 +244,7 @@ class PoolScheduler:
         limit, ahead = self._slot_limit(band), self._unstarted_limit(band)
         committed_bound = bool(band) or not self.config.priority_scheduling
         candidates = [self._candidate(e.state, tokens, now, committed_bound, prompt_tokens)
-                      for e in usable
-                      if e.takes_work and self._has_slot(e.state.address, limit)
-                      and self._has_seq(e.state.address, band, now)
-                      and self._below_unstarted(e.state.address, ahead)]
+                      for e in usable if self._held_by(e, limit, ahead, band, now) is None]
         if band and self.config.prefill_clear_share and (
                 waited_s < self.config.prefill_clear_hold_s or self.top_prefills):
             candidates = self._keep_clear(candidates, usable)
@@ -376,24 +373,29 @@ class PoolScheduler:
         share_held = {c.state.address for c in shared}
         for e in usable:
             address = e.state.address
-            if not e.takes_work:
-                reason = "engine_full"
-            elif not self._has_slot(address, limit):
-                reason = "in_flight_cap"
-            elif not self._has_seq(address, band, now):
-                reason = "sequence_kept"
-            elif not self._below_unstarted(address, ahead):
-                reason = "engine_queue"
-            elif address not in seen:
-                reason = "prefill_clear"
-            elif address in share_held:
-                reason = "tenant_share"
-            else:
-                reason = "kv_cache"
+            reason = self._held_by(e, limit, ahead, band, now)
+            if reason is None:
+                reason = ("prefill_clear" if address not in seen
+                          else "tenant_share" if address in share_held else "kv_cache")
             self._held(reason)
 
     def _held(self, reason: str, count: int = 1) -> None:
         self.holds[reason] = self.holds.get(reason, 0) + count
+
+    def _held_by(self, e: _Scraped, limit: int | None, ahead: float, band: int,
+                 now: float) -> str | None:
+        """The first of the endpoint checks that holds it back from a request of ``band``
+        (``HOLD_REASONS``), before its KV is looked at; None: it is a candidate."""
+        address = e.state.address
+        if not e.takes_work:
+            return "engine_full"
+        if not self._has_slot(address, limit):
+            return "in_flight_cap"
+        if not self._has_seq(address, band, now):
+            return "sequence_kept"
+        if not self._below_unstarted(address, ahead):
+            return "engine_queue"
+        return None
 
     # -- filters ---------------------------------------------------------------------------
 
