@@ -75,21 +75,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         kind = DuplexStream if self.duplex or duplex.requested(message) else RequestStream
         stream = kind(self.director, self.metrics, self.settings, self.desk, incoming.watch)
         self.open.add(stream)
-        ending: str | None = "envoy_closed"
+        ending: str | None = "envoy_closed"  # unless the stream is done: see finally
         try:
             if isinstance(stream, DuplexStream):
                 while message is not None:
                     for reply in await stream.exchange(message):
                         yield reply
                     if stream.done:
-                        ending = None
                         return
                     message = await incoming.next()
             handle = stream.handle
             while message is not None:
                 yield await handle(message)
                 if stream.done:
-                    ending = None
                     return  # ending the RPC here lets Envoy close the stream gracefully
                 message = await incoming.next()
             # Envoy ended the stream: after the response (reported done), or a headers-only
@@ -98,13 +96,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 ending = None
         except asyncio.CancelledError:
             if not incoming.departed:
-                # after the last reply (Envoy may reset a stream it is done with): normal
-                ending = None if stream.done else "cancelled"
+                ending = "cancelled"
                 raise
             _uncancel()  # the watch cancelled the wait: its client left while it queued
             ending = "client_gone"
             stream.departed()
         finally:
+            if stream.done:
+                # the last reply was produced, so the request ended normally however the RPC
+                # did: Envoy may reset a stream it is done with, and gRPC then cancels the
+                # handler or closes this generator at that reply's yield (GeneratorExit)
+                ending = None
             self.open.discard(stream)
             await incoming.close()
             if stream.holds_admission:

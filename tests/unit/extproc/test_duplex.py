@@ -3,6 +3,8 @@ real ext_proc messages but no Envoy."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
@@ -13,7 +15,7 @@ from extproc import duplex
 from extproc.duplex import CHUNK_BYTES, DuplexStream, streamed_bodies
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk
-from extproc.server import KvgateServer
+from extproc.server import ExternalProcessor, KvgateServer
 from extproc.wiring import build_director
 from limiter.stores import MemoryStore
 from tests.unit.extproc.test_stream import (
@@ -296,3 +298,37 @@ async def test_the_server_speaks_full_duplex_when_envoy_says_so_or_when_told():
     headers, body = await exchange_over_grpc(config(), False)
     assert headers.HasField("mode_override")
     assert body.HasField("immediate_response")  # a body in two parts is not that protocol
+
+
+async def test_a_stream_reset_after_its_last_reply_is_charged_its_usage():
+    """Envoy may reset the stream once it has the last response chunk, before kvgate's
+    handler resumes from that reply; gRPC then drops the handler there (closing it at its
+    yield). The request ended normally and is charged what the engine reported."""
+    config = make_config(requests_per_second=100, max_concurrency=5)
+    config = config.model_copy(update={"server": config.server.model_copy(
+        update={"body_mode": "full_duplex"})})
+    director = build_director(config, MemoryStore())
+    released = []
+    release = director.release
+
+    async def recorded(admission, used, output=None):
+        released.append(used)
+        await release(admission, used, output)
+
+    director.release = recorded
+    metrics = Metrics()
+    incoming: asyncio.Queue = asyncio.Queue()
+    for message in (first(headers_msg()), body_msg(orjson.dumps(chat()), end_of_stream=True),
+                    response_headers(), response_body(orjson.dumps({"usage": USAGE}), True)):
+        incoming.put_nowait(message)
+
+    async def envoy():
+        while True:
+            yield await incoming.get()
+
+    handler = ExternalProcessor(director, metrics, config, ReportDesk()).Process(envoy(), None)
+    replies = [await anext(handler) for _ in range(4)]  # the last: the response's end
+    assert streamed(replies[-1], "response_body").end_of_stream
+    await handler.aclose()
+    assert metrics.stream_errors.values == {} and released == [17]
+    assert director.active == {}
