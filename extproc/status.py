@@ -74,6 +74,10 @@ async def status(director: Director, *, started: float) -> dict[str, Any]:
         "limits": "redis" if config.redis is not None else "in-memory",
         "endpoints": _endpoints(director),
         "queues": [await _queue(flow, config.class_order) for flow in director.flows.values()],
+        # why placements found no endpoint, per pool (kvgate_pool_holds_total): the page
+        # shows what each reason added since its last refresh
+        "holds": {pool: dict(sorted(scheduler.holds.items()))
+                  for pool, scheduler in director.schedulers.items()},
         "tenants": tenants,
         "rejections": {"by_reason": dict(sorted(director.rejections.by_reason.items())),
                        "recent": director.rejections.recent()[:RECENT_SHOWN]},

@@ -1,7 +1,8 @@
 """The admin port's status page in a real browser: headless Chromium (Debian's ``chromium``)
 renders ``GET /`` of a running kvgate — real Envoy in front, two simulated engines behind,
 live traffic through it — and the page must show that traffic: the engines' addresses with
-non-zero KV usage, the tenants, requests waiting in the queue, the rejections.
+non-zero KV usage, the tenants, requests waiting in the queue and what holds them back, the
+rejections.
 
 ``KVGATE_SCREENSHOT=docs/status-page.png pytest tests/e2e/test_status_page.py`` also keeps
 the screenshot (the README's picture is made that way).
@@ -23,6 +24,7 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import Stack, local_stack
+from extproc.scheduler import HOLD_REASONS
 from tests.conftest import free_port, need_binary
 
 pytestmark = pytest.mark.e2e
@@ -122,6 +124,8 @@ def test_chromium_shows_live_data(live, chromium, tmp_path) -> None:
     assert "acme" in tenants and "globex" in tenants and "gold" in tenants
     queues = section(dom, "queues")
     assert "acme" in queues and "batch (1)" in queues, queues
+    holds = section(dom, "holds")  # the queued batch work is held by some check
+    assert any(f"<td>{reason}</td>" in holds for reason in HOLD_REASONS), holds
     rejections = section(dom, "reasons")
     assert "invalid_api_key" in rejections and "requests" in rejections
     assert 'id="state" class="live"' in dom  # the poll reached status.json

@@ -3,6 +3,7 @@ kvgate server on ephemeral ports, read over HTTP. The browser test is tests/e2e.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -13,7 +14,8 @@ from extproc.config import hash_api_key, parse_config
 from extproc.engine.server import start_engine
 from extproc.rejections import RecentRejections
 from extproc.server import KvgateServer
-from extproc.status import render_page
+from extproc.scheduler import HOLD_REASONS
+from extproc.status import PAGE, render_page
 
 KEY = "sk-status-acme"
 
@@ -65,6 +67,16 @@ async def test_status_json_shows_endpoints_tenants_queues_and_rejections(server)
     assert state["queues"] == [{"pool": "p", "queued": 0, "oldest_wait_ms": 0, "depth": []}]
     assert state["rejections"]["by_reason"] == {"invalid_api_key": 1}
     assert state["limits"] == "in-memory"
+    assert state["holds"] == {"p": {}}
+    kvgate.director.schedulers["p"].holds.update(engine_queue=3, kv_cache=1)
+    async with httpx.AsyncClient() as client:
+        state = (await client.get(f"{admin}/status.json")).json()
+    assert state["holds"] == {"p": {"engine_queue": 3, "kv_cache": 1}}
+
+
+def test_the_page_says_what_each_hold_reason_points_at() -> None:
+    script = PAGE.read_text().split("const KNOB = {", 1)[1].split("};", 1)[0]
+    assert sorted(re.findall(r"^\s*(\w+):", script, re.M)) == sorted(HOLD_REASONS)
 
 
 async def test_the_page_is_self_contained_and_never_shows_a_key(server) -> None:
