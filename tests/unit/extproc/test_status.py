@@ -13,8 +13,8 @@ import pytest
 from extproc.config import hash_api_key, parse_config
 from extproc.engine.server import start_engine
 from extproc.rejections import RecentRejections
-from extproc.server import KvgateServer
 from extproc.scheduler import HOLD_REASONS
+from extproc.server import KvgateServer
 from extproc.status import PAGE, render_page
 
 KEY = "sk-status-acme"
