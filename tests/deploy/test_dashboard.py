@@ -37,7 +37,8 @@ _LABEL_VALUES = re.compile(r"label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*,")
 def exported() -> set[str]:
     """Every series name kvgate's /metrics can show."""
     metrics = Metrics()
-    metrics.watch_endpoints(list, {})  # the endpoint families, as a running server has them
+    metrics.watch_endpoints(list, {})  # the endpoint and pool families, as a running
+    metrics.watch_pools(dict)  # server has them
     return {family.name + suffix for family in metrics.registry.collect()
             for suffix in SUFFIXES[family.type]}
 
