@@ -38,8 +38,8 @@ def redis_client(settings: RedisSettings) -> Any:
     """No retries of the client's own: the store retries once on a dead connection, the
     breaker does the rest."""
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.retry import Retry
 
     timeout_s = settings.timeout_ms / 1000
     options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
