@@ -304,9 +304,36 @@ async def test_a_stream_reset_after_its_last_reply_is_charged_its_usage():
     """Envoy may reset the stream once it has the last response chunk, before kvgate's
     handler resumes from that reply; gRPC then drops the handler there (closing it at its
     yield). The request ended normally and is charged what the engine reported."""
+    handler, director, metrics, released = handler_for(
+        first(headers_msg()), body_msg(orjson.dumps(chat()), end_of_stream=True),
+        response_headers(), response_body(orjson.dumps({"usage": USAGE}), True),
+        body_mode="full_duplex")
+    replies = [await anext(handler) for _ in range(4)]  # the last: the response's end
+    assert streamed(replies[-1], "response_body").end_of_stream
+    await handler.aclose()
+    assert metrics.stream_errors.values == {} and released == [17]
+    assert director.active == {}
+
+
+async def test_a_routed_stream_dropped_at_its_reply_releases_its_admission():
+    """kvgate's own protocol: gRPC drops the handler at the routing reply's yield (the
+    client left as it was routed). Nothing stays admitted; the stream counts as cut off."""
+    handler, director, metrics, released = handler_for(
+        headers_msg(), body_msg(orjson.dumps(chat())), body_mode="auto")
+    await anext(handler)  # the headers' answer
+    await anext(handler)  # routed
+    assert len(director.active) == 1
+    await handler.aclose()
+    assert director.active == {} and len(released) == 1
+    assert metrics.stream_errors.values == {("envoy_closed",): 1}
+
+
+def handler_for(*messages, body_mode: str):
+    """``ExternalProcessor.Process`` on Envoy's ``messages`` (then a stream that stays
+    open), with the releases recorded: (handler, director, metrics, tokens released)."""
     config = make_config(requests_per_second=100, max_concurrency=5)
     config = config.model_copy(update={"server": config.server.model_copy(
-        update={"body_mode": "full_duplex"})})
+        update={"body_mode": body_mode})})
     director = build_director(config, MemoryStore())
     released = []
     release = director.release
@@ -316,19 +343,14 @@ async def test_a_stream_reset_after_its_last_reply_is_charged_its_usage():
         await release(admission, used, output)
 
     director.release = recorded
-    metrics = Metrics()
     incoming: asyncio.Queue = asyncio.Queue()
-    for message in (first(headers_msg()), body_msg(orjson.dumps(chat()), end_of_stream=True),
-                    response_headers(), response_body(orjson.dumps({"usage": USAGE}), True)):
+    for message in messages:
         incoming.put_nowait(message)
 
     async def envoy():
         while True:
             yield await incoming.get()
 
+    metrics = Metrics()
     handler = ExternalProcessor(director, metrics, config, ReportDesk()).Process(envoy(), None)
-    replies = [await anext(handler) for _ in range(4)]  # the last: the response's end
-    assert streamed(replies[-1], "response_body").end_of_stream
-    await handler.aclose()
-    assert metrics.stream_errors.values == {} and released == [17]
-    assert director.active == {}
+    return handler, director, metrics, released
