@@ -447,6 +447,13 @@ class Pool(_Strict):
         "work once only that many are left without (at least one always takes it); band 0 is "
         "never limited by it"
     )
+    max_num_batched_tokens: PositiveInt | None = Field(
+        2048, description="the engines' token budget per step (vLLM "
+        "--max-num-batched-tokens), which they do not export. In a pool too small for "
+        "prefill_clear_share to keep an endpoint clear, a lower-band request joins an "
+        "endpoint only while the lower-band prompt tokens in prefill there are below it, so "
+        "interactive work waits behind about one step of batch prefill; null = no such limit"
+    )
     prefill_clear_hold_s: float = Field(
         3.0, ge=0, description="lower-band work that has waited this long in kvgate's queue "
         "may use an endpoint kept clear by prefill_clear_share while no band-0 request is "

@@ -409,7 +409,8 @@ class Director:
 
     def first_token(self, admission: Admission) -> None:
         """The response has started: the engine is done prefilling this request, which
-        may open an endpoint kept clear of lower-band prefill (``prefill_clear_share``)."""
+        may open an endpoint to lower-band work (``prefill_clear_share``,
+        ``max_num_batched_tokens``)."""
         admission.scheduler.first_token(admission.lease_id, self.clock())
         self.kick(admission.pool)
 

@@ -61,7 +61,11 @@ prefill is ahead of it) and how many lower-band (band > 0) requests are in prefi
 rather than spreading over all of them, so some endpoints stay clear for band 0 — except for
 lower-band work that has waited ``prefill_clear_hold_s`` in kvgate's queue while no band-0
 request is in prefill anywhere in the pool (the clear endpoints' cost to batch throughput is
-bounded). Band here is
+bounded). A pool too small for that share to keep an endpoint clear (2 or 3 endpoints at the
+default) limits each endpoint instead to lower-band prompts in prefill below the engines'
+step budget (``max_num_batched_tokens``): a new interactive request then waits behind about
+one step of batch prefill rather than behind every batch prompt sent there, and short batch
+prompts still share a step. Band here is
 the request's *effective* band (aging included), so every request the fair queue ranks
 together sees the same gates. Every update is O(1); placement stays O(endpoints).
 
@@ -98,7 +102,8 @@ MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
 # what held an endpoint when a placement found none (``PoolScheduler.holds``), in the order
 # the checks run: no fresh scrape; the engine itself full (critical KV or GPU memory, or
 # max_waiting); max_in_flight; the sequence kept free for band 0; max_unstarted (the
-# engine's own queue); kept clear of batch prefill; the tenant over its KV share; KV
+# engine's own queue); kept clear of batch prefill (or holding a step of it); the tenant
+# over its KV share; KV
 HOLD_REASONS = ("stale_metrics", "engine_full", "in_flight_cap", "sequence_kept",
                 "engine_queue", "prefill_clear", "tenant_share", "kv_cache")
 
@@ -196,6 +201,7 @@ class PoolScheduler:
     gate_growth: dict[str, int] = field(default_factory=dict)
     _gated: set[str] = field(default_factory=set, repr=False)
     low_prefills: dict[str, int] = field(default_factory=dict)  # endpoint → band > 0 ones
+    low_prefill_tokens: dict[str, int] = field(default_factory=dict)  # … and their prompts
     top_prefills: int = 0  # band-0 requests in prefill, pool-wide
     # endpoint → its reservations, oldest first (times come from a monotonic clock), so the
     # ones newer than a scrape are found from the end without walking every reservation
@@ -292,6 +298,8 @@ class PoolScheduler:
         self.unstarted[endpoint] = self.unstarted.get(endpoint, 0) + 1
         if band:
             self.low_prefills[endpoint] = self.low_prefills.get(endpoint, 0) + 1
+            self.low_prefill_tokens[endpoint] = (self.low_prefill_tokens.get(endpoint, 0)
+                                                 + prompt_tokens)
         else:
             self.top_prefills += 1
 
@@ -357,6 +365,7 @@ class PoolScheduler:
         self.prefill_tokens[endpoint] -= reservation.prefill
         if reservation.band:
             self.low_prefills[endpoint] -= 1
+            self.low_prefill_tokens[endpoint] -= reservation.prefill
         else:
             self.top_prefills -= 1
 
@@ -559,8 +568,17 @@ class PoolScheduler:
                     ) -> list[Candidate]:
         """Lower-band work: once only ``prefill_clear_share`` of the usable endpoints are left
         with no lower-band prefill, only endpoints already prefilling such work take more —
-        or none, and it waits (an endpoint kept clear stays clear)."""
+        or none, and it waits (an endpoint kept clear stays clear). A pool too small to keep
+        one clear limits each endpoint to about one step of lower-band prefill instead
+        (``max_num_batched_tokens``): band 0 then waits behind that much, not behind every
+        batch prompt sent there."""
         keep = int(self.config.prefill_clear_share * len(usable))
+        if not keep:
+            budget = self.config.max_num_batched_tokens
+            if budget is None:
+                return candidates
+            return [c for c in candidates
+                    if self.low_prefill_tokens.get(c.state.address, 0) < budget]
         clear = sum(1 for e in usable if not self.low_prefills.get(e.state.address, 0))
         if clear > keep:
             return candidates

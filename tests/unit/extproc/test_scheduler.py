@@ -458,6 +458,42 @@ def test_batch_work_that_waited_long_may_use_a_clear_endpoint_while_no_interacti
     assert batch(10.0).endpoints == ["e2"]
 
 
+def test_a_pool_too_small_to_keep_one_clear_holds_each_endpoint_to_one_step_of_batch_prefill():
+    """Two endpoints at the default share keep none clear: lower-band work joins an endpoint
+    only while the lower-band prompt tokens in prefill there are under the engines' step
+    budget, so interactive work waits behind about one step of batch prefill."""
+    snap = snapshot(state("e1", 0.1), state("e2", 0.1))
+    sched = scheduler(max_unstarted=None)  # prefill_clear_share 0.25 of 2: none kept clear
+    assert sched.config.max_num_batched_tokens == 2048
+    sched.reserve("b1", "a", "e1", 10, NOW, band=1, prompt_tokens=3000)
+    assert place_band(sched, snap, 1).endpoints == ["e2"]
+    sched.reserve("b2", "a", "e2", 10, NOW, band=1, prompt_tokens=500)
+    assert place_band(sched, snap, 1).endpoints == ["e2"]  # short prompts stack: 500 < 2048
+    sched.reserve("b3", "a", "e2", 10, NOW, band=1, prompt_tokens=1600)
+    assert place_band(sched, snap, 1).reason == "pool_saturated"  # batch waits in kvgate
+    assert sched.holds == {"prefill_clear": 2}
+    assert len(place_band(sched, snap, 0).endpoints) == 2  # band 0 is never limited
+    sched.first_token("b1", NOW)  # e1's batch prompt is prefilled
+    assert place_band(sched, snap, 1).endpoints == ["e1"]
+    sched.release("b2", NOW)
+    sched.release("b3", NOW)
+    assert sched.low_prefill_tokens == {"e1": 0, "e2": 0}
+
+
+def test_batch_prefill_beyond_one_step_waits_at_most_the_hold_and_null_lifts_the_limit():
+    snap = snapshot(state("e1", 0.1), state("e2", 0.1))
+    sched = scheduler(max_unstarted=None)
+    for lease, endpoint in (("b1", "e1"), ("b2", "e2")):
+        sched.reserve(lease, "a", endpoint, 10, NOW, band=1, prompt_tokens=4000)
+    assert place_band(sched, snap, 1).reason == "pool_saturated"
+    waited = sched.place("a", 10, snap, NOW, random.Random(0), band=1, waited_s=3.0)
+    assert isinstance(waited, Placement)  # no band-0 prefill anywhere: the hold ends it
+    unlimited = scheduler(max_unstarted=None, max_num_batched_tokens=None)
+    for lease, endpoint in (("b1", "e1"), ("b2", "e2")):
+        unlimited.reserve(lease, "a", endpoint, 10, NOW, band=1, prompt_tokens=4000)
+    assert len(place_band(unlimited, snap, 1).endpoints) == 2
+
+
 def test_an_engine_stuck_at_one_running_count_has_its_seq_limit_learned():
     """vLLM --max-num-seqs 4: four running and work waiting, scrape after scrape, KV free."""
     sched = scheduler()
