@@ -61,11 +61,11 @@ prefill is ahead of it) and how many lower-band (band > 0) requests are in prefi
 rather than spreading over all of them, so some endpoints stay clear for band 0 — except for
 lower-band work that has waited ``prefill_clear_hold_s`` in kvgate's queue while no band-0
 request is in prefill anywhere in the pool (the clear endpoints' cost to batch throughput is
-bounded). A pool too small for that share to keep an endpoint clear (2 or 3 endpoints at the
-default) limits each endpoint instead to lower-band prompts in prefill below the engines'
-step budget (``max_num_batched_tokens``): a new interactive request then waits behind about
-one step of batch prefill rather than behind every batch prompt sent there, and short batch
-prompts still share a step. Band here is
+bounded). A pool too small for that share to keep an endpoint clear (fewer than four
+endpoints at the default) limits each endpoint instead to lower-band prompts in prefill
+below the engines' step budget (``max_num_batched_tokens``): a new interactive request
+then waits behind about one step of batch prefill rather than behind every batch prompt
+sent there, and short batch prompts still share a step. Band here is
 the request's *effective* band (aging included), so every request the fair queue ranks
 together sees the same gates. Every update is O(1); placement stays O(endpoints).
 
