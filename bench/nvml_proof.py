@@ -3,7 +3,8 @@
 Everything else tests NVML through a fake reader at one seam (``GpuReader``); this script
 is for a machine with a GPU and its driver. It
 
-1. reads the GPUs in-process (``open_gpu_reader()``, what ``gpu_source: local`` uses);
+1. reads the GPUs in-process (``open_gpu_reader()``, what ``gpu_source: local`` uses), and
+   times 200 such reads;
 2. starts the real ``kvgate agent`` CLI as a subprocess and reads its Prometheus page;
 3. points a scraper at a simulated engine with that agent as its GPU source, and asks the
    scheduler to place a request: it must be placed;
@@ -66,6 +67,19 @@ class TorchLoad:
         self.torch.cuda.empty_cache()
 
 
+def read_times_ms(reader: Any, reads: int = 200) -> dict[str, float]:
+    """What one in-process read costs (NVML calls block: the agent and ``gpu_source: local``
+    run them in a worker thread)."""
+    times = []
+    for _ in range(reads):
+        started = time.perf_counter()
+        reader.read()
+        times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+    return {"reads": reads, "p50": times[reads // 2], "p99": times[int(reads * 0.99)],
+            "max": times[-1]}
+
+
 def agent_page(port: int, timeout_s: float = 20.0) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -98,7 +112,8 @@ async def prove(dry_run: bool, agent_port: int) -> dict[str, Any]:
     reader = synthetic or open_gpu_reader()
     if reader is None:
         raise SystemExit("no NVML here: run with --dry-run, or on a machine with a GPU")
-    result: dict[str, Any] = {"in_process": [_reading(g) for g in reader.read()]}
+    result: dict[str, Any] = {"in_process": [_reading(g) for g in reader.read()],
+                              "read_ms": read_times_ms(reader)}
     agent = None
     if dry_run:
         from extproc.datalayer.agent import start_agent
@@ -160,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{step:7} GPU memory used {r['gpu_memory_used_ratio']:.4f}  "
               f"placed {r['placed']}  ({r['answer']}; holds {r['holds']})")
     print("in-process:", result["in_process"])
+    print("in-process read, ms:", result["read_ms"])
     print("proved:", result["proved"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
