@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -97,14 +98,10 @@ async def decide(scraper: Scraper, scheduler: PoolScheduler, endpoint: str) -> d
     state = snapshot.get("chat", endpoint)
     placed = scheduler.place("t", 100, snapshot, time.monotonic(), random.Random(0), band=1)
     return {"gpu_memory_used_ratio": state.gpu_memory_used_ratio,
-            "gpus": [_reading(g) for g in state.gpus],
+            "gpus": [asdict(g) for g in state.gpus],
             "placed": isinstance(placed, Placement),
             "answer": placed.endpoints if isinstance(placed, Placement) else placed.reason,
             "holds": dict(scheduler.holds)}
-
-
-def _reading(g: GpuReading) -> dict[str, Any]:
-    return {f: getattr(g, f) for f in GpuReading.__dataclass_fields__}
 
 
 async def prove(dry_run: bool, agent_port: int) -> dict[str, Any]:
@@ -112,7 +109,7 @@ async def prove(dry_run: bool, agent_port: int) -> dict[str, Any]:
     reader = synthetic or open_gpu_reader()
     if reader is None:
         raise SystemExit("no NVML here: run with --dry-run, or on a machine with a GPU")
-    result: dict[str, Any] = {"in_process": [_reading(g) for g in reader.read()],
+    result: dict[str, Any] = {"in_process": [asdict(g) for g in reader.read()],
                               "read_ms": read_times_ms(reader)}
     agent = None
     if dry_run:
@@ -134,7 +131,7 @@ async def prove(dry_run: bool, agent_port: int) -> dict[str, Any]:
     try:
         page = await asyncio.to_thread(agent_page, agent_port)
         result["agent_page"] = page
-        result["agent_readings"] = [_reading(g) for g in parse_gpu_metrics(page)]
+        result["agent_readings"] = [asdict(g) for g in parse_gpu_metrics(page)]
         result["idle"] = await decide(scraper, scheduler, endpoint)
         target = pool.watermarks.gpu_memory_critical + 0.005
         if synthetic is not None:
