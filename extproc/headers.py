@@ -7,7 +7,10 @@ so the rendered filter forwards exactly the headers the stream reads.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # The request headers kvgate reads (plus the class header and any x-kvgate-* a client sent,
 # which kvgate strips): Envoy forwards only these to it.
-EXT_PROC_HEADERS = (":method", ":path", "authorization", "content-length", "x-request-id")
+# content-encoding: kvgate meters the body it reads, so an encoded one (which the engine would
+# decode, or fail on) is refused rather than passed through unmetered.
+EXT_PROC_HEADERS = (":method", ":path", "authorization", "content-length", "content-encoding",
+                    "x-request-id")
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: in kvgate's log lines, and upstream
 KVGATE_HEADER_PREFIX = "x-kvgate-"
 # Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.

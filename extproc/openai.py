@@ -105,6 +105,16 @@ def check_route(method: str, path: str) -> bool:
     return path in _METERED
 
 
+def check_encoding(encoding: str | None) -> None:
+    """A metered body must be what kvgate reads: 415 for any ``content-encoding`` but
+    identity (vLLM's server does not decode request bodies, other engines might: either way
+    kvgate would meter bytes other than the request the engine runs)."""
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise BadRequest(f"request bodies must not be encoded (content-encoding: "
+                         f"{encoding[:40]}); send plain JSON", status=415,
+                         code="unsupported_content_encoding")
+
+
 def _normalise(raw: str) -> str:
     segments: list[str] = []
     for segment in unquote(raw).split("/"):

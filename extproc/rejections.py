@@ -93,7 +93,7 @@ def rejection(reject: Reject) -> tuple[int, bytes, dict[str, str]]:
 
 def client_error(error: BadRequest) -> tuple[int, bytes, dict[str, str]]:
     headers = {"x-kvgate-reject": error.code or "invalid_request", **(error.headers or {})}
-    if error.status in (400, 401, 404, 405, 413):
+    if error.status in (400, 401, 404, 405, 413, 415):
         headers["x-should-retry"] = "false"
     return error.status, error_body(error), headers
 

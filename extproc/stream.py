@@ -34,6 +34,7 @@ from extproc.openai import (
     BadRequest,
     InferenceRequest,
     Usage,
+    check_encoding,
     check_route,
     model_list,
     mutate_body,
@@ -141,7 +142,10 @@ class RequestStream:
         self.requested_class = values.get(self.director.config.classification.header)
         self.path = path = route_path(values.get(":path", "/"))
         self.tenant = self.director.authenticate(values.get("authorization"))
-        return made_id, check_route(values.get(":method", ""), path)
+        metered = check_route(values.get(":method", ""), path)
+        if metered:
+            check_encoding(values.get("content-encoding"))
+        return made_id, metered
 
     async def _admit_headers(self, headers: pb.HttpHeaders, values: dict[str, str],
                              spoofed: list[str], metered: bool) -> messages.Reply:

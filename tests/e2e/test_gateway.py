@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import socket
 import time
 
@@ -174,6 +175,20 @@ def test_missing_fields_and_unknown_model(stack):
     response = post(stack, "acme", chat() | {"model": "gpt-9"})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["gzipped", "plain-but-labelled"])
+def test_an_encoded_request_body_is_415_and_never_reaches_an_engine(stack, compress):
+    """kvgate meters the body it reads: one the engine would decode first is refused."""
+    body = orjson.dumps(chat())
+    sent = sum(len(engine.requests()) for engine in stack.engines.values())
+    response = post(stack, "acme", gzip.compress(body) if compress else body,
+                    headers={"content-encoding": "gzip"})
+    assert response.status_code == 415
+    assert response.json()["error"]["code"] == "unsupported_content_encoding"
+    assert sum(len(engine.requests()) for engine in stack.engines.values()) == sent
+    assert in_flight(stack, "acme") == 0
+    assert post(stack, "acme", chat(), headers={"content-encoding": "identity"}).status_code == 200
 
 
 def test_oversized_body_is_413(stack):

@@ -579,3 +579,25 @@ async def test_headers_as_attributes_refuse_as_the_headers_phase_would():
     late = RequestStream(stream.director, Metrics(), stream.settings, ReportDesk())
     refused = parsed(await late.handle(attributes_msg(b"not json")))  # refused before parsing
     assert refused.immediate_response.status.code == 429
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip", " GZIP "])
+async def test_an_encoded_request_body_is_415_in_either_mode(encoding):
+    """kvgate meters the body it reads; an engine that decoded it would run another one."""
+    stream, store = new_stream()
+    reply = parsed(await stream.handle(headers_msg(**{"content-encoding": encoding})))
+    assert reply.immediate_response.status.code == 415
+    error = orjson.loads(reply.immediate_response.body)["error"]
+    assert error["code"] == "unsupported_content_encoding"
+    assert header_dict(reply.immediate_response.headers)["x-should-retry"] == "false"
+    stream, _ = new_stream()
+    reply = parsed(await stream.handle(attributes_msg(chat(), **{"content-encoding": encoding})))
+    assert reply.immediate_response.status.code == 415
+    assert await store.in_flight("acme") == 0
+
+
+@pytest.mark.parametrize("encoding", ["identity", "Identity", ""])
+async def test_an_identity_encoded_request_body_is_metered(encoding):
+    stream, _ = new_stream()
+    reply = parsed(await stream.handle(attributes_msg(chat(), **{"content-encoding": encoding})))
+    assert not reply.HasField("immediate_response")
