@@ -105,6 +105,19 @@ def check_route(method: str, path: str) -> bool:
     return path in _METERED
 
 
+def _check_stream_options(options: object) -> None:
+    """kvgate adds ``include_usage`` when the client did not ask for it, and strips the usage
+    chunk it asked for itself: whether the client asked must not be open to reading."""
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    include = options.get("include_usage")
+    if include is not None and include is not True and include is not False:
+        raise BadRequest("'stream_options.include_usage' must be a boolean",
+                         param="stream_options.include_usage")
+
+
 def check_encoding(encoding: str | None) -> None:
     """A metered body must be what kvgate reads: 415 for any ``content-encoding`` but
     identity (vLLM's server does not decode request bodies, other engines might: either way
@@ -147,6 +160,8 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
         stream = False
     elif stream is not True and stream is not False:
         raise BadRequest("'stream' must be a boolean", param="stream")
+    elif stream:
+        _check_stream_options(body.get("stream_options"))
     choices = 1 if path == EMBEDDINGS else max(_count(body, "n"), _count(body, "best_of"))
     # positional: matching eight keyword arguments costs as much as the rest of the call
     return InferenceRequest(path, body, model, texts, messages, output, stream, choices)

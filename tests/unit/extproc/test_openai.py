@@ -85,6 +85,11 @@ def test_output_cap_prefers_max_completion_tokens():
          "invalid_request_error", "max_completion_tokens"),
         ({"model": "m", "messages": [{"content": "a"}], "stream": 1},
          "invalid_request_error", "stream"),
+        ({"model": "m", "messages": [{"content": "a"}], "stream": True, "stream_options": "x"},
+         "invalid_request_error", "stream_options"),
+        ({"model": "m", "messages": [{"content": "a"}], "stream": True,
+          "stream_options": {"include_usage": "yes"}},  # vLLM would read it as true
+         "invalid_request_error", "stream_options.include_usage"),
         ({"model": "m", "messages": [{"content": "a"}], "n": 0}, "invalid_request_error", "n"),
         ({"model": "m", "messages": [{"content": "a"}], "n": -3}, "invalid_request_error", "n"),
         ({"model": "m", "messages": [{"content": "a"}], "n": 1.5},
@@ -135,6 +140,9 @@ def test_null_is_the_default_where_the_spec_allows_it():
     request = parse({"model": "m", "messages": [{"content": "a"}], "stream": None, "n": None,
                      "best_of": None, "max_tokens": None, "stream_options": None})
     assert (request.stream, request.choices, request.max_output_tokens) == (False, 1, None)
+    streamed = parse({"model": "m", "messages": [{"content": "a"}], "stream": True,
+                      "stream_options": {"include_usage": None}})
+    assert streamed.stream and not streamed.wants_usage_chunk
 
 
 def test_n_and_best_of_multiply_the_output_reservation():
