@@ -8,8 +8,9 @@ window by window (3 windows of 2 s after a 2 s warm-up). Modes (default: all):
 
 - ``minimal``: the do-nothing Python ext_proc and no Lua filter (the floor);
 - ``kvgate``: as shipped — the Lua meter reads the response and calls kvgate
-  (``POST /done/<lease>``) before the response ends;
-- ``kvgate_async``: the same call, fire and forget;
+  (``POST /done/<lease>``), fire and forget, as the response ends;
+- ``kvgate_sync``: the same call with the response's end held for kvgate's answer (the
+  meter before 2026-12-04);
 - ``kvgate_als``: no call; the meter only publishes the usage as dynamic metadata, and
   Envoy's gRPC access log sends every metered request's entry in batches (flushed every
   5 ms or at 16 KiB) to a stand-in receiver (``bench.als_sink``, pinned with the ext_proc:
@@ -38,10 +39,12 @@ from typing import Any
 from bench import overhead as o
 from extproc.ports import free_port
 
-VARIANTS = ("kvgate_async", "kvgate_als", "kvgate_nodone", "kvgate_nopublish", "kvgate_noop")
+VARIANTS = ("kvgate_sync", "kvgate_als", "kvgate_nodone", "kvgate_nopublish", "kvgate_noop")
 ALL_MODES = ("minimal", "kvgate", *VARIANTS)
 DONE_CALL = ("  report(handle, meta, \"done\",\n         '{\"usage\":' .. (state.usage or "
-             "\"null\") .. ',\"events\":' .. state.events .. '}', false)\n")
+             "\"null\") .. ',\"events\":' .. state.events .. '}')\n")
+ASYNC_CALL = 'handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true)'
+SYNC_DONE_CALL = 'handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, what == "first")'
 ENTRY = "function envoy_on_response(handle)\n"
 ALS_CLUSTER = "als_sink"
 
@@ -88,8 +91,8 @@ def _access_log(bootstrap: dict[str, Any], port: int) -> None:
 def variant_bootstrap(mode: str, bootstrap: dict[str, Any], sink_port: int) -> dict[str, Any]:
     bootstrap = copy.deepcopy(bootstrap)
     source = _lua(bootstrap)
-    if mode == "kvgate_async":
-        _edit(source, "'}', false)\n", "'}', true)\n")
+    if mode == "kvgate_sync":
+        _edit(source, ASYNC_CALL, SYNC_DONE_CALL)
     elif mode in ("kvgate_als", "kvgate_nodone"):
         _edit(source, DONE_CALL, "")
         if mode == "kvgate_als":

@@ -77,6 +77,8 @@ class DuplexStream(RequestStream):
     until the decision, and answers the response chunks. :meth:`exchange` answers each of
     Envoy's messages with any number of replies (none while the body is still coming)."""
 
+    METERED_BY_LUA = False  # kvgate reads the response itself
+
     __slots__ = ("_chunks", "_held", "_meter", "_new_body", "_request_ended",
                  "_response_mode", "_size", "_strip")
 

@@ -8,11 +8,12 @@
 --   * streams only, when the first chunk passes: POST /first/<lease> (fire and forget):
 --     the engine has finished prefilling;
 --   * every response, when its body has ended: POST /done/<lease> with the engine's usage
---     object. The body's bytes have gone on already; the response's end waits for kvgate's
---     answer (a millisecond), so kvgate has settled the request before Envoy ends the
---     request's ext_proc stream, unless the client hangs up first (it may: it has every
---     byte), and Envoy cancels the call; a report not yet sent is then lost and kvgate
---     charges the request its reservation.
+--     object, also fire and forget. The response's end never waits for kvgate, and the call
+--     outlives the request: a client that hangs up as soon as it has the last byte cancels
+--     nothing (a call Envoy cancels costs its HTTP/1.1 connection). The report may reach
+--     kvgate just after Envoy ends the request's ext_proc stream: kvgate waits for it a
+--     moment before it releases the request (server.REPORT_WAIT_S), and charges the
+--     reservation when none comes.
 -- At the end it also publishes the usage as dynamic metadata (namespace kvgate.usage:
 -- prompt_tokens, completion_tokens, total_tokens) for what runs when the stream is done: an
 -- Envoy ratelimit action with hits_addend "%DYNAMIC_METADATA(kvgate.usage:total_tokens)%"
@@ -25,8 +26,7 @@
 
 local TAIL = 8192 -- bytes of an unfinished SSE event, or of a JSON body's end, kept
 local HOLD = 4096 -- an unfinished event longer than this is no usage event: never held
-local TIMEOUT_MS = 1000 -- a report kvgate has not answered by then is given up (the
-                        -- request is then charged its reservation)
+local TIMEOUT_MS = 1000 -- a report kvgate has not answered by then is given up
 
 -- The JSON object that starts at `from` (a "{"), strings honoured; nil when unfinished.
 local function object_at(text, from)
@@ -58,7 +58,7 @@ local function last_usage(text)
   end
 end
 
-local function report(handle, meta, what, body, asynchronous)
+local function report(handle, meta, what, body)
   local headers = {
     [":method"] = "POST",
     [":path"] = "/" .. what .. "/" .. meta.lease,
@@ -67,11 +67,7 @@ local function report(handle, meta, what, body, asynchronous)
     ["x-kvgate-report-key"] = meta.key,
     ["content-type"] = "application/json",
   }
-  if asynchronous then
-    handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true)
-  else
-    handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS)
-  end
+  handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true) -- asynchronous
 end
 
 -- One streamed chunk: note usage, count data events, and with `strip` drop the usage-only
@@ -151,7 +147,7 @@ function envoy_on_response(handle)
       if stream then
         if first then
           first = false
-          report(handle, meta, "first", "", true)
+          report(handle, meta, "first", "")
         end
         read_events(state, chunk, bytes)
       else
@@ -162,6 +158,6 @@ function envoy_on_response(handle)
   if not stream then state.usage = last_usage(state.carry) end
   if limited then state.usage = NOTHING end
   report(handle, meta, "done",
-         '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events .. '}', false)
+         '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events .. '}')
   publish(handle, state.usage)
 end

@@ -4,12 +4,13 @@ kvgate reads no response body over ext_proc: at one gRPC message per chunk, a st
 answer would cost Python time in proportion to its length. The Lua filter reads the response
 inside Envoy instead and sends this process at most two small HTTP/1.1 calls per request:
 ``POST /first/<lease>`` when a stream's first chunk passes (the engine has prefilled) and
-``POST /done/<lease>`` with the engine's usage when the response's body has ended. The body's
-bytes have gone on by then, but the response's end waits for this process's answer, so the
-report arrives before Envoy ends the request's ext_proc stream, which is where kvgate
-releases the request. A client that hangs up as soon as it has the last byte makes Envoy
-cancel the call: a report already sent is still read; one not yet sent (its connection
-still opening) is lost, and the request is charged its reservation.
+``POST /done/<lease>`` with the engine's usage when the response's body has ended. Both are
+sent without waiting for the answer: the response's end never waits for this process, and a
+client that hangs up at once cancels no call (a cancelled HTTP/1.1 call costs Envoy its
+connection). The done report usually arrives just before Envoy ends the request's ext_proc
+stream, which is where kvgate releases the request; when it comes just after, the release
+waits for it (``server.REPORT_WAIT_S``), and a request whose report never comes is charged
+its reservation.
 
 Each kvgate process listens on its own port (``--workers`` share the gRPC port, not this
 one) and names its address in every admission's dynamic metadata, so the report reaches the

@@ -13,8 +13,9 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# How long a release waits for a response's meter report once Envoy has ended its stream:
+# the report leaves Envoy just before the stream's end, on another connection.
+REPORT_WAIT_S = 0.5
 CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams counted as cut
 
 
@@ -102,10 +106,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ending = "client_gone"
             stream.departed()
         finally:
-            if stream.done:
-                # the last reply was produced, so the request ended normally however the RPC
-                # did: Envoy may reset a stream it is done with, and gRPC then cancels the
-                # handler or closes this generator at that reply's yield (GeneratorExit)
+            if stream.done or (stream.response is not None and stream.response.done):
+                # the last reply was produced, or the response was reported whole, so the
+                # request ended normally however the RPC did: Envoy may reset a stream it is
+                # done with, and gRPC then cancels the handler or closes this generator at
+                # that reply's yield (GeneratorExit)
                 ending = None
             self.open.discard(stream)
             await incoming.close()
@@ -116,14 +121,29 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """In memory, awaited in place: those stores never wait, so nothing can interrupt
         the release part way (and a task and a shield per request cost ~30 µs of CPU). Otherwise
         shielded: a second cancellation must not skip the release; kept in ``releasing`` so
-        a shutdown can wait for it before closing the stores."""
+        a shutdown can wait for it before closing the stores. A response whose meter report
+        has not come yet is released by a task that waits for it first (the RPC ends now)."""
+        if ending != "shutdown" and stream.report_pending:
+            self._track(self._release_after_report(stream, ending))
+            return
         if self.director.releases_in_process:
             await stream.close(ending)
             return
-        release = asyncio.ensure_future(stream.close(ending))
-        self.releasing.add(release)
-        release.add_done_callback(self.releasing.discard)
-        await asyncio.shield(release)
+        await asyncio.shield(self._track(stream.close(ending)))
+
+    def _track(self, release: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(release)
+        self.releasing.add(task)
+        task.add_done_callback(self.releasing.discard)
+        return task
+
+    async def _release_after_report(self, stream: RequestStream, ending: str | None) -> None:
+        """Envoy ended the stream first; the meter's done report (sent without waiting for
+        an answer, after the response's last byte) is usually a moment behind: the request
+        is charged its usage if it comes within ``REPORT_WAIT_S``, else as cut off."""
+        if await stream.wait_for_report(REPORT_WAIT_S):
+            ending = None
+        await stream.close(ending)
 
     async def settle(self) -> None:
         """After the gRPC server stopped (cutting the streams still open at the grace):

@@ -14,6 +14,7 @@ what the request held, exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -65,7 +66,10 @@ def _wanted(class_header: str) -> frozenset[str]:
 
 
 class RequestStream:
-    __slots__ = ("_released", "admission", "desk", "director", "done", "metrics", "path",
+    # Envoy's Lua meter reports this stream's response (DuplexStream reads its own)
+    METERED_BY_LUA = True
+
+    __slots__ = ("_released", "_report", "admission", "desk", "director", "done", "metrics", "path",
                  "request", "request_id", "requested_class", "response", "settings", "tenant",
                  "watch")
 
@@ -85,6 +89,7 @@ class RequestStream:
         self.response: ResponseRecord | None = None  # a metered response, once admitted
         self.request_id = ""  # Envoy's x-request-id, or one kvgate made (log lines)
         self._released = False
+        self._report: asyncio.Future[None] | None = None  # set by the done report, if awaited
 
     async def handle(self, message: pb.ProcessingRequest) -> messages.Reply:
         kind = message.WhichOneof("request")
@@ -268,6 +273,25 @@ class RequestStream:
             return
         record.finish(usage, events)
         self.first_reported()
+        if self._report is not None and not self._report.done():
+            self._report.set_result(None)
+
+    @property
+    def report_pending(self) -> bool:
+        """Envoy ended the stream before the meter's done report came: the meter sends it
+        without waiting for an answer, so it may still be on its way (``wait_for_report``)."""
+        record = self.response
+        return (self.METERED_BY_LUA and record is not None and not record.done
+                and not self._released)
+
+    async def wait_for_report(self, timeout_s: float) -> bool:
+        """Whether the done report arrived within ``timeout_s``."""
+        if not self.report_pending:
+            return True
+        self._report = report = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(report, timeout_s)
+        return report.done() and not report.cancelled()
 
     # -- endings ---------------------------------------------------------------------------
 

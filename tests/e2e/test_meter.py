@@ -25,7 +25,7 @@ from extproc.envoy_config import render_bootstrap
 from extproc.envoy_proc import EnvoyProcess
 from extproc.openai import Usage
 from extproc.reports import ReportDesk
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -140,6 +140,10 @@ def exchange(meter_stack, pieces: list[bytes], meter: str,
                  "x-test-meter": meter, "x-test-report": harness.desk.address,
                  "x-test-key": harness.desk.key}, timeout=10)
     assert response.status_code == 200
+    # the meter does not wait for kvgate's answer: its report may be a moment behind
+    assert wait_for(lambda: recorder.done, timeout=5), "no done report"
+    if meter.startswith("sse") and content_type == b"text/event-stream":  # and first
+        assert wait_for(lambda: recorder.first, timeout=5), "no first report"
     return response.content, recorder
 
 

@@ -36,10 +36,11 @@ def test_each_variant_edits_a_copy_of_the_shipped_meter(mode):
     assert _source(variant) != before
 
 
-def test_the_report_goes_async_or_away():
+def test_the_report_goes_sync_or_away():
     shipped = _shipped()
-    assert DONE in _source(shipped) and "'}', false)" in _source(shipped)
-    assert "'}', true)" in _source(ab.variant_bootstrap("kvgate_async", shipped, 1))
+    assert DONE in _source(shipped) and ab.ASYNC_CALL in _source(shipped)
+    sync = _source(ab.variant_bootstrap("kvgate_sync", shipped, 1))
+    assert ab.SYNC_DONE_CALL in sync and ab.ASYNC_CALL not in sync
     for mode in ("kvgate_als", "kvgate_nodone"):
         source = _source(ab.variant_bootstrap(mode, shipped, 1))
         assert DONE not in source and "publish(handle, state.usage)" in source

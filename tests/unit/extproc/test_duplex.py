@@ -7,11 +7,12 @@ import asyncio
 
 import grpc
 import orjson
+import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import duplex
+from extproc import duplex, server
 from extproc.duplex import CHUNK_BYTES, DuplexStream, streamed_bodies
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk
@@ -315,20 +316,54 @@ async def test_a_stream_reset_after_its_last_reply_is_charged_its_usage():
     assert director.active == {}
 
 
-async def test_a_routed_stream_dropped_at_its_reply_releases_its_admission():
+async def test_a_routed_stream_dropped_at_its_reply_releases_its_admission(monkeypatch):
     """kvgate's own protocol: gRPC drops the handler at the routing reply's yield (the
-    client left as it was routed). Nothing stays admitted; the stream counts as cut off."""
+    client left as it was routed). Nothing stays admitted once the wait for a meter report
+    is over; the stream counts as cut off and is charged its reservation."""
+    monkeypatch.setattr(server, "REPORT_WAIT_S", 0.05)
     handler, director, metrics, released = handler_for(
         headers_msg(), body_msg(orjson.dumps(chat())), body_mode="auto")
     await anext(handler)  # the headers' answer
     await anext(handler)  # routed
     assert len(director.active) == 1
     await handler.aclose()
+    assert len(director.active) == 1  # the meter's report may still come
+    await asyncio.sleep(0.1)
     assert director.active == {} and len(released) == 1
     assert metrics.stream_errors.values == {("envoy_closed",): 1}
 
 
-def handler_for(*messages, body_mode: str):
+@pytest.mark.parametrize("ended", ["closed", "reset"])
+async def test_a_meter_report_just_after_the_streams_end_is_charged_as_reported(ended):
+    """The meter sends its done report without waiting for the answer: it may reach kvgate
+    just after Envoy ended the request's stream (closed it, or reset it: gRPC cancels the
+    handler). The release waits for it and charges the engine's usage, not the
+    reservation, and the stream ended normally."""
+    desk = ReportDesk()
+    end = asyncio.Event()
+    handler, director, metrics, released = handler_for(
+        headers_msg(), body_msg(orjson.dumps(chat())), body_mode="auto", desk=desk, end=end)
+    await anext(handler)
+    await anext(handler)  # routed: the stream waits for Envoy
+    (lease,) = director.active
+    if ended == "closed":
+        end.set()
+        with pytest.raises(StopAsyncIteration):
+            await anext(handler)
+    else:
+        await handler.aclose()
+    assert len(director.active) == 1 and not released
+    body = orjson.dumps({"usage": USAGE, "events": 0})
+    assert desk.receive(f"/done/{lease}".encode(), desk.key.encode(), body).startswith(
+        b"HTTP/1.1 204")
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert director.active == {} and released == [USAGE["total_tokens"]]
+    assert metrics.stream_errors.values == {}
+
+
+def handler_for(*messages, body_mode: str, desk: ReportDesk | None = None,
+                end: asyncio.Event | None = None):
     """``ExternalProcessor.Process`` on Envoy's ``messages`` (then a stream that stays
     open), with the releases recorded: (handler, director, metrics, tokens released)."""
     config = make_config(requests_per_second=100, max_concurrency=5)
@@ -347,10 +382,20 @@ def handler_for(*messages, body_mode: str):
     for message in messages:
         incoming.put_nowait(message)
 
-    async def envoy():
-        while True:
-            yield await incoming.get()
+    async def envoy():  # with ``end`` set and nothing left: Envoy ends the stream
+        while not (end is not None and end.is_set() and incoming.empty()):
+            waiting = asyncio.ensure_future(incoming.get())
+            ending = asyncio.ensure_future(end.wait()) if end is not None else None
+            await asyncio.wait([w for w in (waiting, ending) if w is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if ending is not None:
+                ending.cancel()
+            if not waiting.done():
+                waiting.cancel()
+                return
+            yield waiting.result()
 
     metrics = Metrics()
-    handler = ExternalProcessor(director, metrics, config, ReportDesk()).Process(envoy(), None)
+    handler = ExternalProcessor(director, metrics, config, desk or ReportDesk()).Process(
+        envoy(), None)
     return handler, director, metrics, released
