@@ -340,14 +340,13 @@ async def test_a_meter_report_just_after_the_streams_end_is_charged_as_reported(
     handler). The release waits for it and charges the engine's usage, not the
     reservation, and the stream ended normally."""
     desk = ReportDesk()
-    end = asyncio.Event()
     handler, director, metrics, released = handler_for(
-        headers_msg(), body_msg(orjson.dumps(chat())), body_mode="auto", desk=desk, end=end)
+        headers_msg(), body_msg(orjson.dumps(chat())), body_mode="auto", desk=desk,
+        then_end=ended == "closed")
     await anext(handler)
     await anext(handler)  # routed: the stream waits for Envoy
     (lease,) = director.active
     if ended == "closed":
-        end.set()
         with pytest.raises(StopAsyncIteration):
             await anext(handler)
     else:
@@ -363,9 +362,10 @@ async def test_a_meter_report_just_after_the_streams_end_is_charged_as_reported(
 
 
 def handler_for(*messages, body_mode: str, desk: ReportDesk | None = None,
-                end: asyncio.Event | None = None):
+                then_end: bool = False):
     """``ExternalProcessor.Process`` on Envoy's ``messages`` (then a stream that stays
-    open), with the releases recorded: (handler, director, metrics, tokens released)."""
+    open, or with ``then_end`` that Envoy ends), with the releases recorded: (handler,
+    director, metrics, tokens released)."""
     config = make_config(requests_per_second=100, max_concurrency=5)
     config = config.model_copy(update={"server": config.server.model_copy(
         update={"body_mode": body_mode})})
@@ -382,18 +382,12 @@ def handler_for(*messages, body_mode: str, desk: ReportDesk | None = None,
     for message in messages:
         incoming.put_nowait(message)
 
-    async def envoy():  # with ``end`` set and nothing left: Envoy ends the stream
-        while not (end is not None and end.is_set() and incoming.empty()):
-            waiting = asyncio.ensure_future(incoming.get())
-            ending = asyncio.ensure_future(end.wait()) if end is not None else None
-            await asyncio.wait([w for w in (waiting, ending) if w is not None],
-                               return_when=asyncio.FIRST_COMPLETED)
-            if ending is not None:
-                ending.cancel()
-            if not waiting.done():
-                waiting.cancel()
-                return
-            yield waiting.result()
+    if then_end:
+        incoming.put_nowait(None)
+
+    async def envoy():
+        while (message := await incoming.get()) is not None:
+            yield message
 
     metrics = Metrics()
     handler = ExternalProcessor(director, metrics, config, desk or ReportDesk()).Process(
