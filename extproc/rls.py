@@ -52,6 +52,9 @@ SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 OK = rls_pb2.RateLimitResponse.OK
 OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
 MAX_UINT32 = 2**32 - 1
+# The most a proto Duration may hold (10,000 years, google/protobuf/duration.proto): a reset
+# further away (a debt rule charged an absurd usage) is answered as this.
+MAX_DURATION_MS = 315_576_000_000 * 1000
 CANCEL_TRIES = 20
 CANCEL_PAUSE_S = 0.25
 _UNITS = {name.lower(): number for name, number in rls_pb2.RateLimitResponse.RateLimit.Unit.items()}
@@ -92,9 +95,11 @@ class _Entry:
 
 def _cost(descriptor: ratelimit_pb2.RateLimitDescriptor, request_hits: int) -> int:
     """The descriptor's ``hits_addend`` (a wrapper: an explicit 0 is a check), else the
-    request's."""
+    request's. A descriptor's is a uint64 and is capped at the request's range (uint32):
+    no limit can hold more, and a larger charge would lose exactness in Redis's Lua
+    numbers."""
     if descriptor.HasField("hits_addend"):
-        return int(descriptor.hits_addend.value)
+        return min(int(descriptor.hits_addend.value), MAX_UINT32)
     return request_hits
 
 
@@ -263,6 +268,7 @@ def _status(entry: _Entry) -> rls_pb2.RateLimitResponse.DescriptorStatus:
 
 
 def _duration(ms: int) -> Duration:
+    ms = min(max(ms, 0), MAX_DURATION_MS)
     return Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
 
 

@@ -193,6 +193,25 @@ async def test_redis_counters_decide_as_memory_does(shared, request):
     assert {a[0] for a in runs[0]} == {OK, OVER_LIMIT}
 
 
+@pytest.mark.parametrize("hits", [2**32, 2**53 + 1, 2**64 - 1])
+async def test_absurd_hits_are_answered_alike_in_redis_and_memory(hits, redis):
+    """A descriptor's hits_addend is a uint64: past the request's uint32 range it is capped,
+    so Redis's Lua numbers stay exact and every answer (a debt's reset too) is valid."""
+    settings = RateLimitSettings.model_validate(ALGORITHMS)
+    runs = []
+    for kind in ("memory", "redis"):
+        clock = Clock()
+        service = RateLimitService(settings, counters(kind, redis, clock), timeout_s=1)
+        answers = []
+        for key in ("tb", "sw", "fw", "debt", "fwdebt", "debt"):
+            answers.append(summary(await ask(service, descriptor((key, "v"), hits=hits),
+                                             descriptor((key, "w"), hits=1), domain="d")))
+            clock.now += 250
+        runs.append(answers)
+        await service.close()
+    assert runs[0] == runs[1]
+
+
 async def test_a_call_timed_out_on_a_paused_redis_charges_nothing(redis):
     # hour-long windows: no window may roll over while Redis is paused, or "unchanged" is moot
     settings = RateLimitSettings.model_validate(json.loads(json.dumps(ALGORITHMS).replace(

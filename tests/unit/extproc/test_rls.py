@@ -365,3 +365,15 @@ def test_a_descriptor_value_that_is_not_utf8_is_judged_not_failed(service):
             await server.stop(None)
 
     assert asyncio.run(call_twice()) == [OK, OVER_LIMIT]  # "bot-*": 1 a minute
+
+
+def test_an_absurd_debt_is_capped_and_answered_with_a_valid_reset(service):
+    """A debt rule charged a uint64 hits_addend far beyond any limit: the charge is capped at
+    the request's uint32 range, and the reset, however far, fits a proto Duration."""
+    huge = ask(service, descriptor(("tokens", "a"), hits=2**64 - 1))
+    status = huge.statuses[0]
+    assert huge.overall_code == OVER_LIMIT
+    assert 0 < status.duration_until_reset.ToMilliseconds() <= 315_576_000_000 * 1000
+    assert headers(huge)["x-ratelimit-remaining"] == "0"
+    capped = ask(service, descriptor(("tokens", "b"), hits=2**32 - 1))
+    assert capped.statuses[0].duration_until_reset == status.duration_until_reset
