@@ -10,6 +10,8 @@ import asyncio
 import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.config import ConfigError, RateLimitSettings, parse_config
 from extproc.metrics import Metrics
@@ -377,3 +379,41 @@ def test_an_absurd_debt_is_capped_and_answered_with_a_valid_reset(service):
     assert headers(huge)["x-ratelimit-remaining"] == "0"
     capped = ask(service, descriptor(("tokens", "b"), hits=2**32 - 1))
     assert capped.statuses[0].duration_until_reset == status.duration_until_reset
+
+
+_keys = st.sampled_from(["user", "org", "path", "plan", "shadow", "banned", "tokens", "fixed",
+                         "sliding", "bursty", "", "nope"])
+_values = st.one_of(st.sampled_from(["vip", "bot-1", "free", "acme", "/v1/chat", "gold", "*"]),
+                    st.text(max_size=20))
+_hits = st.one_of(st.none(), st.integers(0, 3), st.integers(0, 2**64 - 1),
+                  st.sampled_from([2**32 - 1, 2**32, 2**53 + 1, 2**64 - 1]))
+_units = st.integers(-1, 9)
+
+
+@st.composite
+def _descriptors(draw):
+    d = descriptor(*draw(st.lists(st.tuples(_keys, _values), max_size=4)), hits=draw(_hits))
+    if draw(st.booleans()):
+        d.limit.requests_per_unit = draw(st.integers(0, 2**32 - 1))
+        d.limit.unit = draw(_units)
+    return d
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["edge", "other"]),
+                          st.lists(_descriptors(), min_size=1, max_size=4),
+                          st.integers(0, 2**32 - 1), st.integers(0, 3_600_000)),
+                min_size=1, max_size=8))
+def test_any_request_sequence_is_answered_with_valid_statuses(calls):
+    """Hostile descriptors (unknown keys, odd values, absurd hits, overrides with any unit):
+    each call answers one status per descriptor, and every reset fits a proto Duration."""
+    clock = Clock()
+    service = RateLimitService(RateLimitSettings.model_validate(RULES),
+                               MemoryRateCounters(clock), timeout_s=None)
+    for domain, descriptors, hits, advance in calls:
+        clock.now += advance
+        response = ask(service, *descriptors, domain=domain, hits=hits)
+        assert len(response.statuses) == len(descriptors)
+        assert response.overall_code in (OK, OVER_LIMIT)
+        for status in response.statuses:
+            assert 0 <= status.duration_until_reset.ToMilliseconds() <= 315_576_000_000_000
