@@ -146,8 +146,10 @@ class _ReportProtocol(asyncio.Protocol):
         parts = lines[0].split(b" ")
         headers = dict(_header(line) for line in lines[1:])
         length = headers.get(b"content-length", b"0")
+        # a length of more digits than the limit's is refused before int() reads it
         if (len(parts) != 3 or parts[0] != b"POST" or not length.isdigit()
-                or int(length) > MAX_REPORT_BYTES or b"transfer-encoding" in headers):
+                or len(length) > len(str(MAX_REPORT_BYTES)) or int(length) > MAX_REPORT_BYTES
+                or b"transfer-encoding" in headers):
             self._fail()
             return False
         end = head_end + 4 + int(length)

@@ -1,0 +1,113 @@
+"""The meter's report port (``extproc.reports``) over a real socket: what Envoy sends is
+answered, anything else is refused without an error escaping into the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extproc.reports import ReportDesk
+
+STATUS = re.compile(rb"HTTP/1\.1 (\d{3}) ")
+
+
+class Stream:
+    """What a request's stream records of its reports."""
+
+    def __init__(self) -> None:
+        self.first = 0
+        self.done: list[tuple[object, int]] = []
+
+    def first_reported(self) -> None:
+        self.first += 1
+
+    def done_reported(self, usage: object, events: int) -> None:
+        self.done.append((usage, events))
+
+
+def report(path: str, key: str, body: bytes = b"", extra: bytes = b"") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: kvgate\r\nx-kvgate-report-key: {key}\r\n"
+            f"content-length: {len(body)}\r\n").encode() + extra + b"\r\n" + body
+
+
+async def exchange(raw: bytes, *, lease_stream: Stream | None = None, wait_s: float = 0.3
+                   ) -> tuple[list[int], bool, list[dict]]:
+    """Send ``raw`` to a fresh desk: the statuses answered within ``wait_s`` of the last,
+    whether the desk hung up, and any error that reached the event loop."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    desk = ReportDesk()
+    await desk.start("127.0.0.1", 0, "127.0.0.1")
+    if lease_stream is not None:
+        desk.expect("lease-1", lease_stream)
+    reader, writer = await asyncio.open_connection(*desk.address.split(":"))
+    writer.write(raw.replace(b"{key}", desk.key.encode()))
+    await writer.drain()
+    answered = b""
+    closed = False
+    try:
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), wait_s)
+            if not chunk:
+                closed = True
+                break
+            answered += chunk
+    except TimeoutError:
+        pass
+    writer.close()
+    await desk.stop()
+    return [int(code) for code in STATUS.findall(answered)], closed, errors
+
+
+async def test_reports_pipelined_on_one_connection_are_each_answered():
+    stream = Stream()
+    raw = (report("/first/lease-1", "{key}")
+           + report("/done/lease-1", "{key}", b'{"usage":{"prompt_tokens":3,'
+                    b'"completion_tokens":2,"total_tokens":5},"events":2}')
+           + report("/done/unknown-lease", "{key}", b"{}"))
+    codes, closed, errors = await exchange(raw, lease_stream=stream)
+    assert codes == [204, 204, 204] and not closed and not errors
+    assert stream.first == 1 and len(stream.done) == 1 and stream.done[0][1] == 2
+
+
+async def test_a_wrong_key_is_forbidden_and_the_connection_kept():
+    stream = Stream()
+    codes, closed, errors = await exchange(report("/done/lease-1", "nope", b"{}")
+                                           + report("/first/lease-1", "{key}"),
+                                           lease_stream=stream)
+    assert codes == [403, 204] and not closed and not errors
+    assert stream.done == [] and stream.first == 1
+
+
+HOSTILE = {
+    "not POST": b"GET /done/lease-1 HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
+    "request line": b"POST /done/lease-1\r\ncontent-length: 0\r\n\r\n",
+    "chunked": report("/done/lease-1", "{key}", extra=b"transfer-encoding: chunked\r\n"),
+    "length not a number": b"POST /done/x HTTP/1.1\r\ncontent-length: -1\r\n\r\n",
+    "length of 5,000 digits": b"POST /done/x HTTP/1.1\r\ncontent-length: "
+                              + b"9" * 5000 + b"\r\n\r\n",
+    "length over the limit": b"POST /done/x HTTP/1.1\r\ncontent-length: 65537\r\n\r\n",
+    "head never ends": b"POST /done/x HTTP/1.1\r\n" + b"x-pad: y\r\n" * 1000,
+    "unknown kind": report("/gone/lease-1", "{key}"),
+}
+
+
+async def test_malformed_requests_are_refused_with_400_and_a_hang_up():
+    for name, raw in HOSTILE.items():
+        codes, closed, errors = await exchange(raw)
+        assert (codes, closed, errors) == ([400], True, []), name
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(st.binary(max_size=300),
+                          st.sampled_from([report("/done/lease-1", "{key}", b"{}"),
+                                           report("/first/lease-1", "{key}"), b"\r\n\r\n",
+                                           b"content-length: 99999999999999999999\r\n"])),
+                max_size=5))
+def test_any_bytes_get_only_known_answers_and_no_error_escapes(parts):
+    codes, _, errors = asyncio.run(exchange(b"".join(parts), lease_stream=Stream(), wait_s=0.05))
+    assert set(codes) <= {204, 400, 403} and not errors
