@@ -7,6 +7,11 @@ deterministic: the same arguments print the same numbers. Writes
 ``bench/results/policy-virtual.json`` (or ``policy-matrix.json``, with every cell), the command
 that produced it, and a PNG when matplotlib is installed.
 
+``--variant '{"prefill_clear_hold_s": 2}' --against bench/results/policy-matrix.json`` reruns
+only kvgate, with those pool settings on top of its defaults (not what ships), on every cell
+of a recorded matrix, against that record's FIFO and strict-priority rows, knees and rates:
+a change to the scheduler is measured on the same cells in a quarter of the time.
+
 Scenario (see ``bench.sim``): 4 tenants weighted 5/3/1/1 sending equal shares of Poisson
 traffic, ``--mix`` of it interactive (prompt U[200, 1000], output U[50, 300] tokens, TTFT SLA
 2 s), the rest batch (prompt U[2000, 8000], output U[200, 1000], SLA 60 s), to 4 engines
@@ -410,8 +415,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loads", default=",".join(map(str, MATRIX_LOADS)))
     p.add_argument("--mixes", default=",".join(map(str, MATRIX_MIXES)))
     p.add_argument("--jobs", type=int, default=2, help="processes for --matrix")
+    p.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
+                   help="pool settings for kvgate (on top of its defaults); needs --against")
+    p.add_argument("--against", type=Path, default=None,
+                   help="a recorded --matrix JSON whose cells --variant reruns")
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.variant is None) != (args.against is None):
+        p.error("--variant and --against go together")
+    return args
 
 
 def command(argv: list[str] | None) -> str:
@@ -422,6 +434,8 @@ def command(argv: list[str] | None) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     started = time.perf_counter()
+    if args.variant is not None:
+        return main_variant(args, argv, started)
     if args.matrix:
         return main_matrix(args, argv, started)
     print(f"bench.policy_sim: {args.requests} requests, seed {args.seed}, {args.engines} "
@@ -481,6 +495,49 @@ def main_matrix(args: argparse.Namespace, argv: list[str] | None, started: float
     print(f"wrote {out}, {out.with_suffix('.md')}"
           + (f" and {png}" if plot_matrix(cells, png) else " (no matplotlib)"))
     print(f"done in {report['seconds']} s")
+    return report
+
+
+def variant_cell(job: tuple[dict[str, Any], int, int, dict[str, Any]]) -> dict[str, Any]:
+    """A recorded cell with kvgate rerun under ``pool`` settings (both scenarios)."""
+    cell, requests, engines, pool = job
+    seed, mix, rate = cell["seed"], cell["mix"], cell["rate_req_s"]
+    row, _ = run_policy(Gated(defaults(**pool), seed), requests, rate, seed, engines, mix)
+    busy = cell.get("contention_req_s") or contention_rate(rate, cell["knee_req_s"])
+    share, _ = run_policy(Gated(defaults(**pool), seed), CONTENTION_LENGTH * requests, busy,
+                          seed, engines, mix)
+    rows = {**cell["policies"], "kvgate": row}
+    return {**cell, "policies": rows, "contention": {**cell["contention"], "kvgate": share},
+            "check": check_cell(rows, {"kvgate": share}), "recorded_check": cell["check"]}
+
+
+def main_variant(args: argparse.Namespace, argv: list[str] | None, started: float
+                 ) -> dict[str, Any]:
+    recorded = json.loads(args.against.read_text())
+    requests, engines = recorded["requests"], recorded["engines"]
+    print(f"bench.policy_sim --variant {json.dumps(args.variant)}: kvgate on the "
+          f"{len(recorded['cells'])} cells of {args.against} ({recorded['command']}), "
+          f"{args.jobs} processes")
+    print(CELL_HEAD)
+    with ProcessPoolExecutor(max_workers=args.jobs,
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        cells = []
+        for cell in pool.map(variant_cell, [(c, requests, engines, args.variant)
+                                            for c in recorded["cells"]]):
+            print(cell_line(cell), flush=True)
+            cells.append(cell)
+    summary = summarize_matrix(cells)
+    text = matrix_report(cells, summary)
+    before = summarize_matrix(recorded["cells"])["cells_missing"]
+    text += f"\n  recorded ({args.against}): cells missing a bound: {before}"
+    print(text)
+    report = {"command": command(argv), "variant": args.variant, "against": str(args.against),
+              "requests": requests, "engines": engines, "summary": summary, "cells": cells,
+              "seconds": round(time.perf_counter() - started, 1)}
+    out = args.out or RESULTS / "policy-variant.json"
+    write(report, out)
+    out.with_suffix(".md").write_text(f"# {report['command']}\n\n```\n{text}\n```\n")
+    print(f"wrote {out} and {out.with_suffix('.md')} in {report['seconds']} s")
     return report
 
 

@@ -118,3 +118,19 @@ def test_the_matrix_reports_every_cell_and_its_bounds(tmp_path: Path) -> None:
     assert set(saved["cells"][0]["policies"]) == {"fifo", "strict-priority", "wfq", "kvgate"}
     assert "p99_vs_strict_worst" in saved["summary"]["targets"]
     assert out.with_suffix(".md").read_text().startswith("# python -m bench.policy_sim --matrix")
+
+    # a variant with no settings reruns kvgate as shipped: the recorded checks, exactly
+    rerun = policy_sim.main(["--variant", "{}", "--against", str(out), "--jobs", "1",
+                             "--out", str(tmp_path / "v.json")])
+    assert [c["check"] for c in rerun["cells"]] == [c["check"] for c in saved["cells"]]
+    changed = policy_sim.main(["--variant", '{"prefill_clear_share": 0.5}', "--against",
+                               str(out), "--jobs", "1", "--out", str(tmp_path / "v2.json")])
+    assert changed["variant"] == {"prefill_clear_share": 0.5}
+    assert [c["policies"]["fifo"] for c in changed["cells"]] == [
+        c["policies"]["fifo"] for c in saved["cells"]]  # only kvgate runs again
+    assert (tmp_path / "v2.md").read_text().startswith("# python -m bench.policy_sim --variant")
+
+
+def test_a_variant_needs_a_recorded_matrix() -> None:
+    with pytest.raises(SystemExit):
+        policy_sim.main(["--variant", '{"prefill_clear_hold_s": 1}'])
