@@ -312,8 +312,9 @@ class Scoring(_Strict):
     running: float = Field(0.2, ge=0, description="requests the engine is running")
     prefill: float = Field(
         2.0, ge=0, description="prompt tokens kvgate sent the engine whose first token has "
-        "not come back: vLLM finishes running prefills before new ones, so this is what a "
-        "new request waits behind"
+        "not come back (in a pool that keeps no endpoint clear, less what the oldest has "
+        "prefilled since it began, at the rate learned from first tokens): vLLM finishes "
+        "running prefills before new ones, so this is what a new request waits behind"
     )
 
 

@@ -237,4 +237,9 @@ class FlowController:
             "expected_output_share": round(self.scheduler.output_ratio, 4),
             # output tokens per second of one running sequence (0: none finished yet)
             "decode_tokens_per_s": round(self.scheduler.decode_rate, 2),
+            # prompt tokens per second one endpoint prefills (0: no first token seen yet),
+            # and endpoint → the prompt tokens a request sent there now would wait behind
+            "prefill_tokens_per_s": round(self.scheduler.prefill_rate, 2),
+            "prefill_ahead_tokens": {e: round(self.scheduler.prefill_ahead(e, self.clock()))
+                                     for e in self.scheduler.prefill_tokens},
         }

@@ -56,7 +56,10 @@ every remaining chunk, whatever its priority. kvgate knows what it sent where: a
 *in prefill* from its reservation until its first token is seen (:meth:`PoolScheduler.
 first_token`; the response's first body chunk) or it ends. Per endpoint it keeps the prompt
 tokens in prefill (the ``scoring.prefill`` term: interactive work goes where the least
-prefill is ahead of it) and how many lower-band (band > 0) requests are in prefill; with
+prefill is ahead of it; in a pool too small to keep an endpoint clear, less what the one at
+the head has done since it began, at the pool's learned prefill rate:
+:meth:`PoolScheduler.prefill_ahead`), and how many lower-band (band > 0) requests are in
+prefill; with
 ``prefill_clear_share`` lower-band work stacks on endpoints already prefilling such work
 rather than spreading over all of them, so some endpoints stay clear for band 0 — except for
 lower-band work that has waited ``prefill_clear_hold_s`` in kvgate's queue while no band-0
@@ -190,6 +193,14 @@ class PoolScheduler:
     reservations: dict[str, Reservation] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # endpoint → in prefill
+    # endpoint → when the prefill now at the head of its queue began (the last first token
+    # there, or the request that found nothing in prefill): how far it has got
+    prefill_marks: dict[str, float] = field(default_factory=dict)
+    # prompt tokens per second one endpoint prefills (streamed requests' first tokens;
+    # 0 = none seen yet): what is left of the prefill a new request waits behind
+    prefill_rate: float = 0.0
+    _prefill_sample_tokens: float = field(default=0.0, repr=False)
+    _prefill_sample_seconds: float = field(default=0.0, repr=False)
     unstarted: dict[str, int] = field(default_factory=dict)  # endpoint → sent, not started
     # endpoint → the engine's sequence limit (vLLM --max-num-seqs) as learned from its scrapes
     seq_caps: dict[str, int] = field(default_factory=dict)
@@ -269,7 +280,12 @@ class PoolScheduler:
             eligible = busy
         if len(eligible) == 1:
             return Placement([eligible[0].state.address])
-        return Placement([c.state.address for c in self._ranked(eligible, rng)][: 1 + FALLBACKS])
+        # where no endpoint is kept clear, every one may be prefilling batch work: what is
+        # left of it decides (see prefill_ahead)
+        progress = not int(self.config.prefill_clear_share * len(usable))
+        return Placement([c.state.address for c in self._ranked(eligible, now if progress
+                                                                 else None, rng)]
+                         [: 1 + FALLBACKS])
 
     def place_light(self, snapshot: StoreSnapshot, now: float, rng: random.Random) -> Placement:
         """For requests that take no KV (``GET /v1/models``, …): any live endpoint, the
@@ -294,6 +310,8 @@ class PoolScheduler:
         self.committed[endpoint] = self.committed.get(endpoint, 0) + peak
         self.by_endpoint.setdefault(endpoint, {})[lease_id] = reservation
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
+        if prompt_tokens and not self.prefill_tokens.get(endpoint):
+            self.prefill_marks[endpoint] = now
         self.prefill_tokens[endpoint] = self.prefill_tokens.get(endpoint, 0) + prompt_tokens
         self.unstarted[endpoint] = self.unstarted.get(endpoint, 0) + 1
         if band:
@@ -309,7 +327,11 @@ class PoolScheduler:
         reservation = self.reservations.get(lease_id)
         if reservation is not None:
             self._started(reservation, now)
-            self._prefilled(reservation)
+            if reservation.prefilling and reservation.streamed:
+                mark = self.prefill_marks.get(reservation.endpoint, reservation.at)
+                self._learn_prefill_rate(reservation.prefill,
+                                         now - max(mark, reservation.at))
+            self._prefilled(reservation, now)
 
     def release(self, lease_id: str, now: float, *, completed: bool = True,
                 output_tokens: int | None = None) -> None:
@@ -322,7 +344,7 @@ class PoolScheduler:
         if reservation.started and output_tokens and now > reservation.started_at:
             self._learn_decode_rate(output_tokens, now - reservation.started_at)
         self._started(reservation, now)
-        self._prefilled(reservation)
+        self._prefilled(reservation, now)
         del self.by_endpoint[reservation.endpoint][lease_id]
         self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
         self.committed[reservation.endpoint] -= reservation.peak
@@ -351,18 +373,48 @@ class PoolScheduler:
         self._decode_seconds += weight * (seconds - self._decode_seconds)
         self.decode_rate = self._decode_tokens / self._decode_seconds
 
+    def _learn_prefill_rate(self, tokens: int, seconds: float) -> None:
+        """Recent prompt tokens over recent prefill seconds (a ratio of averages, as for
+        the decode rate: prompts finished in one step together count their tokens, not an
+        infinite rate). Each sample is the time from the previous prefill's end there (or
+        the request's own start) to this first token: the engine prefills its running
+        requests in admission order."""
+        weight = DECODE_RATE_WEIGHT if self._prefill_sample_seconds else 1.0
+        self._prefill_sample_tokens += weight * (tokens - self._prefill_sample_tokens)
+        self._prefill_sample_seconds += weight * (max(0.0, seconds)
+                                                  - self._prefill_sample_seconds)
+        if self._prefill_sample_seconds > 0:
+            self.prefill_rate = self._prefill_sample_tokens / self._prefill_sample_seconds
+
+    def prefill_ahead(self, endpoint: str, now: float) -> float:
+        """Prompt tokens a request sent to ``endpoint`` now would wait behind: those in
+        prefill there, less what has been prefilled since the head began (at the learned
+        rate). The picker counts it so only in a pool that keeps no endpoint clear of batch
+        prefill: where one is kept clear, interactive work belongs there, and an estimate
+        that sends it behind a batch prompt thought nearly done measured worse (four more
+        of the sixty matrix cells missed a bound; bench/README.md)."""
+        tokens = self.prefill_tokens.get(endpoint, 0)
+        if not tokens or not self.prefill_rate:
+            return tokens
+        done = self.prefill_rate * (now - self.prefill_marks.get(endpoint, now))
+        return max(0.0, tokens - done)
+
     def _started(self, reservation: Reservation, now: float) -> None:
         if not reservation.started:
             reservation.started = True
             reservation.started_at = now
             self.unstarted[reservation.endpoint] -= 1
 
-    def _prefilled(self, reservation: Reservation) -> None:
+    def _prefilled(self, reservation: Reservation, now: float) -> None:
         if not reservation.prefilling:
             return
         reservation.prefilling = False
         endpoint = reservation.endpoint
         self.prefill_tokens[endpoint] -= reservation.prefill
+        if self.prefill_tokens[endpoint]:
+            self.prefill_marks[endpoint] = now  # the next one in line begins
+        else:
+            self.prefill_marks.pop(endpoint, None)
         if reservation.band:
             self.low_prefills[endpoint] -= 1
             self.low_prefill_tokens[endpoint] -= reservation.prefill
@@ -505,7 +557,7 @@ class PoolScheduler:
         for reservation in sent[: max(0, len(sent) - waiting)]:
             self._started(reservation, state.scraped_at)
             if not reservation.streamed:
-                self._prefilled(reservation)
+                self._prefilled(reservation, state.scraped_at)
 
     def _learn_seq_cap(self, state: EndpointState) -> None:
         """vLLM runs at most ``--max-num-seqs`` requests at once and does not export it. When
@@ -664,11 +716,14 @@ class PoolScheduler:
 
     # -- scorers and picker ----------------------------------------------------------------
 
-    def _ranked(self, candidates: list[Candidate], rng: random.Random) -> list[Candidate]:
+    def _ranked(self, candidates: list[Candidate], now: float | None, rng: random.Random
+                ) -> list[Candidate]:
+        """``now``: count only what is left of the prefill under way (else all of it)."""
         weights = self.config.scoring
         waiting = [_metric(c.state, "num_requests_waiting") for c in candidates]
         running = [_metric(c.state, "num_requests_running") for c in candidates]
-        prefill = [self.prefill_tokens.get(c.state.address, 0) for c in candidates]
+        prefill = [float(self.prefill_tokens.get(c.state.address, 0)) if now is None
+                   else self.prefill_ahead(c.state.address, now) for c in candidates]
         most_waiting, most_running = max(waiting) + 1, max(running) + 1
         most_prefill = max(prefill) + 1
         scored = [

@@ -213,6 +213,7 @@ async def test_debug_shows_the_queue_and_what_the_gate_knows(harness):
     view = await harness.flow.debug()
     assert view["queued"] == 1 and view["items"][0]["tenant"] == "b"
     assert view["unstarted"] == {} and view["seq_limits"] == {}
+    assert view["prefill_tokens_per_s"] == 0 and view["prefill_ahead_tokens"] == {}
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -363,6 +363,39 @@ def test_prefill_scoring_sends_work_where_least_prefill_is_ahead():
     assert place(scheduler(), snap).endpoints[0] == "e1"  # off by default
 
 
+def test_the_prefill_rate_is_learned_from_first_tokens_in_admission_order():
+    sched = scheduler()
+    sched.reserve("solo", "a", "e1", 1100, NOW, prompt_tokens=1000)
+    assert sched.prefill_ahead("e1", NOW + 0.2) == 1000  # no rate yet: all of it
+    sched.first_token("solo", NOW + 0.5)
+    assert sched.prefill_rate == 2000  # 1000 tokens in 0.5 s
+    sched.reserve("long", "a", "e1", 4100, NOW + 1, band=1, prompt_tokens=4000)
+    sched.reserve("short", "a", "e1", 1100, NOW + 1.5, prompt_tokens=1000)
+    # the head began at NOW + 1: 2000 tokens done by NOW + 2, the rest still ahead
+    assert sched.prefill_ahead("e1", NOW + 2) == 3000
+    sched.first_token("long", NOW + 3)  # the next one in line begins now
+    assert sched.prefill_ahead("e1", NOW + 3.25) == 500
+    assert sched.prefill_ahead("e1", NOW + 9) == 0
+    sched.first_token("short", NOW + 3.5)  # 1000 tokens in 0.5 s once its turn came
+    assert sched.prefill_ahead("e1", NOW + 4) == 0 and "e1" not in sched.prefill_marks
+
+
+def test_prefill_scoring_counts_what_is_left_of_a_prefill_under_way():
+    """A long prompt that has prefilled for a while leaves less ahead than a shorter one
+    just sent: interactive work goes behind the one about to finish."""
+    snap = snapshot(state("e1", 0.1, capacity=100_000), state("e2", 0.1, capacity=100_000))
+    sched = scheduler(scoring={"prefill": 2.0, "kv_usage": 0.0})
+    sched.reserve("learn", "a", "e2", 1100, NOW - 10, prompt_tokens=1000)
+    sched.first_token("learn", NOW - 9.5)  # 2000 tokens per second
+    sched.reserve("old", "b", "e1", 6100, NOW - 2.5, band=1, prompt_tokens=6000)
+    sched.reserve("new", "b", "e2", 3100, NOW, band=1, prompt_tokens=3000)
+    assert sched.prefill_ahead("e1", NOW) == 1000
+    assert place(sched, snap).endpoints[0] == "e1"
+    # a pool that keeps an endpoint clear counts every prompt token in prefill
+    sched.config = sched.config.model_copy(update={"prefill_clear_share": 0.5})
+    assert place(sched, snap).endpoints[0] == "e2"
+
+
 def test_reserved_slots_are_for_band_zero_only():
     sched = scheduler(kv_aware=False, max_in_flight=2, reserved_in_flight=1)
     sched.reserve("l1", "a", "127.0.0.1:1", 0, NOW, band=1)
