@@ -391,7 +391,7 @@ class PoolScheduler:
         prefill there, less what has been prefilled since the head began (at the learned
         rate). The picker counts it so only in a pool that keeps no endpoint clear of batch
         prefill: where one is kept clear, interactive work belongs there, and an estimate
-        that sends it behind a batch prompt thought nearly done measured worse (four more
+        that sends it behind a batch prompt thought nearly done measured worse (three more
         of the sixty matrix cells missed a bound; bench/README.md)."""
         tokens = self.prefill_tokens.get(endpoint, 0)
         if not tokens or not self.prefill_rate:
