@@ -489,8 +489,7 @@ def main_matrix(args: argparse.Namespace, argv: list[str] | None, started: float
               "contention_min_knees": CONTENTION_MIN_KNEES, "summary": summary, "cells": cells,
               "seconds": round(time.perf_counter() - started, 1)}
     out = args.out or RESULTS / "policy-matrix.json"
-    write(report, out)
-    out.with_suffix(".md").write_text(f"# {report['command']}\n\n```\n{text}\n```\n")
+    write_with_table(report, text, out)
     png = out.with_suffix(".png")
     print(f"wrote {out}, {out.with_suffix('.md')}"
           + (f" and {png}" if plot_matrix(cells, png) else " (no matplotlib)"))
@@ -535,10 +534,15 @@ def main_variant(args: argparse.Namespace, argv: list[str] | None, started: floa
               "requests": requests, "engines": engines, "summary": summary, "cells": cells,
               "seconds": round(time.perf_counter() - started, 1)}
     out = args.out or RESULTS / "policy-variant.json"
-    write(report, out)
-    out.with_suffix(".md").write_text(f"# {report['command']}\n\n```\n{text}\n```\n")
+    write_with_table(report, text, out)
     print(f"wrote {out} and {out.with_suffix('.md')} in {report['seconds']} s")
     return report
+
+
+def write_with_table(report: dict[str, Any], text: str, path: Path) -> None:
+    """The JSON report, and beside it (``.md``) its command over the printed table."""
+    write(report, path)
+    path.with_suffix(".md").write_text(f"# {report['command']}\n\n```\n{text}\n```\n")
 
 
 def write(report: dict[str, Any], path: Path) -> None:

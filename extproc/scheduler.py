@@ -282,7 +282,7 @@ class PoolScheduler:
             return Placement([eligible[0].state.address])
         # where no endpoint is kept clear, every one may be prefilling batch work: what is
         # left of it decides (see prefill_ahead)
-        progress = not int(self.config.prefill_clear_share * len(usable))
+        progress = not self._kept_clear(usable)
         return Placement([c.state.address for c in self._ranked(eligible, now if progress
                                                                  else None, rng)]
                          [: 1 + FALLBACKS])
@@ -616,6 +616,11 @@ class PoolScheduler:
         return marks.max_waiting is None or _metric(state, "num_requests_waiting") <= (
             marks.max_waiting)
 
+    def _kept_clear(self, usable: list[_Scraped]) -> int:
+        """How many endpoints ``prefill_clear_share`` keeps clear of lower-band prefill
+        (none in a pool too small for it)."""
+        return int(self.config.prefill_clear_share * len(usable))
+
     def _keep_clear(self, candidates: list[Candidate], usable: list[_Scraped]
                     ) -> list[Candidate]:
         """Lower-band work: once only ``prefill_clear_share`` of the usable endpoints are left
@@ -624,7 +629,7 @@ class PoolScheduler:
         one clear limits each endpoint to about one step of lower-band prefill instead
         (``max_num_batched_tokens``): band 0 then waits behind that much, not behind every
         batch prompt sent there."""
-        keep = int(self.config.prefill_clear_share * len(usable))
+        keep = self._kept_clear(usable)
         if not keep:
             budget = self.config.max_num_batched_tokens
             if budget is None:
