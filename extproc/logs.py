@@ -14,6 +14,7 @@ import os
 import re
 
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 
 FORMATS = ("plain", "json")
 CONTEXT = ("request_id", "tenant")  # the ``extra`` fields a line may carry
@@ -62,6 +63,32 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             document["exc"] = redact(self.formatException(record.exc_info))
         return orjson.dumps(document).decode()
+
+
+class _ClientErrorsQuiet(logging.Filter):
+    """aiohttp logs a request it cannot parse (an over-long request line or header, a bad
+    chunk) at ERROR with a traceback: the client's fault, and a hostile client could fill the
+    log with them. Such a record becomes one DEBUG line, dropped unless kvgate logs DEBUG; an
+    error in kvgate's own handlers is logged as before."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, HttpProcessingError):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.msg = f"{record.getMessage()}: {type(error).__name__} {error.code}"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def http_server_log(name: str) -> logging.Logger:
+    """The logger to give an aiohttp server kvgate runs (``AppRunner(logger=...)``)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _ClientErrorsQuiet) for f in logger.filters):
+        logger.addFilter(_ClientErrorsQuiet())
+    return logger
 
 
 def setup_logging(level: str, fmt: str = "plain") -> None:

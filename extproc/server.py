@@ -34,6 +34,7 @@ from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.duplex import DuplexStream
+from extproc.logs import http_server_log
 from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
@@ -360,7 +361,7 @@ class KvgateServer:
         app.router.add_get("/admin/tenants/{tenant}/usage", self._usage)
         app.router.add_get("/debug/queues", self._queues)
         add_status_routes(app, lambda: self.director)  # GET / and /status.json
-        self._admin = web.AppRunner(app, access_log=None)
+        self._admin = web.AppRunner(app, access_log=None, logger=http_server_log("kvgate.admin"))
         await self._admin.setup()
         site = web.TCPSite(self._admin, host, port)
         await site.start()

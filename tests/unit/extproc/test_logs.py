@@ -1,11 +1,15 @@
-"""Log lines: JSON or text, with the request's context, never a Bearer credential."""
+"""Log lines: JSON or text, with the request's context, never a Bearer credential; a
+client's unparsable request to one of kvgate's HTTP ports is no error line."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import orjson
+import pytest
 
+from extproc.datalayer.agent import start_agent
 from extproc.logs import (
     JsonFormatter,
     PlainFormatter,
@@ -58,3 +62,38 @@ def test_request_ids_that_may_go_into_log_lines() -> None:
     assert not usable_request_id("x" * 129)
     made = new_request_id()
     assert usable_request_id(made) and made != new_request_id()
+
+
+# -- requests aiohttp cannot parse -----------------------------------------------------------
+
+UNPARSABLE = [b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+              b"GET / HTTP/1.1\r\nHost: " + b"h" * 9000 + b"\r\n\r\n",
+              b"GET / HTTP/1.1\r\nbad header\r\n\r\n"]
+
+
+async def raw_reply(host: str, port: int, request: bytes) -> bytes:
+    """What a server answers to raw bytes, up to its hang-up."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(request)
+    await writer.drain()
+    reply = await reader.read()
+    writer.close()
+    return reply
+
+
+async def test_an_unparsable_request_is_one_debug_line_without_a_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    agent = await start_agent()  # the NVML agent: listens on every address by default
+    try:
+        with caplog.at_level(logging.INFO):
+            for request in UNPARSABLE:
+                reply = await raw_reply("127.0.0.1", agent.port, request)
+                assert reply.split(b" ", 2)[1] == b"400"
+        assert not caplog.records
+        with caplog.at_level(logging.DEBUG, logger="kvgate.agent"):
+            await raw_reply("127.0.0.1", agent.port, UNPARSABLE[0])
+        lines = [(r.levelno, r.exc_info, r.getMessage()) for r in caplog.records]
+        assert lines == [(logging.DEBUG, None,
+                          "Error handling request from 127.0.0.1: LineTooLong 400")]
+    finally:
+        await agent.stop()

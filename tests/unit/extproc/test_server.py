@@ -7,6 +7,7 @@ Real servers on ephemeral ports; throwaway certificates from ``tests.pki`` (``op
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from extproc.config import Config, ConfigError, hash_api_key, parse_config
 from extproc.server import Incoming, KvgateServer
 from tests.conftest import free_port
 from tests.pki import make_pki
+from tests.unit.extproc.test_logs import UNPARSABLE, raw_reply
 
 
 def config(**server: object) -> Config:
@@ -112,6 +114,16 @@ async def test_admin_listens_on_loopback_unless_told_otherwise() -> None:
         assert admin_host(server) == "127.0.0.1"  # /admin and /debug are unauthenticated
     async for server in started(config(host="127.0.0.1", admin_host="0.0.0.0")):
         assert admin_host(server) == "0.0.0.0"
+
+
+async def test_a_request_the_admin_port_cannot_parse_is_a_400_and_no_error_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async for server in started(config()):
+        with caplog.at_level(logging.INFO):
+            for request in UNPARSABLE:
+                reply = await raw_reply(admin_host(server), server.admin_port, request)
+                assert reply.split(b" ", 2)[1] == b"400"
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 # -- drain -----------------------------------------------------------------------------------
