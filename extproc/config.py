@@ -672,6 +672,10 @@ class EnvoySettings(_Strict):
         0, ge=0, description="whole upstream request; 0 = none (long generations)"
     )
     connect_timeout_s: PositiveFloat = 2.0
+    request_headers_timeout_s: PositiveFloat = Field(
+        10, description="a client must send its request headers within this, or Envoy "
+        "answers 408 and closes: a client trickling headers cannot hold a connection open"
+    )
     request_attributes: bool = Field(
         True, description="inference POSTs with a body skip the ext_proc headers phase: the "
         "headers kvgate reads ride with the body as request_attributes, one gRPC message "

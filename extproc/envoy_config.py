@@ -624,6 +624,11 @@ def _http_connection_manager(config: Config) -> Any:
         codec_type=HttpConnectionManagerCodecType.AUTO,
         # Also covers replies produced before a route is chosen.
         stream_idle_timeout=idle,
+        # A client that trickles its request: headers within this, the whole request (body
+        # included, queueing in kvgate too: up to the ext_proc message timeout) within the
+        # idle timeout, which outlasts any queueing; a response under way disarms it.
+        request_headers_timeout=_seconds(env.request_headers_timeout_s),
+        request_timeout=idle,
         use_remote_address=True,
         # The engine decodes the path before routing, so a path must mean one thing to
         # Envoy, kvgate and the engine (kvgate normalises again, for hand-written configs).

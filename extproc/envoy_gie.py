@@ -94,6 +94,8 @@ def _http_connection_manager(config: Config) -> Any:
     return HttpConnectionManager(
         stat_prefix=GATEWAY_LISTENER,
         stream_idle_timeout=idle,
+        request_headers_timeout=_seconds(config.envoy.request_headers_timeout_s),
+        request_timeout=idle,  # as kvgate's own gateway (envoy_config.py)
         route_config=RouteConfiguration(name="gie_routes", virtual_hosts=[
             VirtualHost(name="gie", domains=["*"], routes=[route])]),
         http_filters=[_ext_proc_filter(config), _router_filter()],

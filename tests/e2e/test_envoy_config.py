@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -82,6 +83,7 @@ def custom(example: Config) -> Config:
             "message_timeout_s": 2.5,
             "route_timeout_s": 600,
             "connect_timeout_s": 0.25,
+            "request_headers_timeout_s": 3,
         },
     )
 
@@ -258,6 +260,8 @@ def test_non_default_settings_reach_the_bootstrap(custom: Config) -> None:
     assert route["timeout"] == "600s"
     assert route["idle_timeout"] == "630s"  # outlasts the route timeout
     assert cluster(bootstrap, UPSTREAM_CLUSTER)["connect_timeout"] == "0.250s"
+    hcm = hcm_of(bootstrap)
+    assert (hcm["request_headers_timeout"], hcm["request_timeout"]) == ("3s", "630s")
     endpoint = cluster(bootstrap, EXT_PROC_CLUSTER)["load_assignment"]["endpoints"][0]
     assert endpoint["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
         "address": "10.1.2.3",
@@ -539,6 +543,24 @@ def test_local_replies_through_a_live_envoy(example: Config, upstream_server: st
             }
     finally:
         processor.stop(grace=None)
+
+
+@pytest.mark.e2e
+def test_a_client_trickling_its_headers_gets_a_json_408_and_the_connection_closes(
+        example: Config) -> None:
+    assert hcm_of(render_bootstrap(example))["request_headers_timeout"] == "10s"  # default
+    config = local_config(example, grpc_port=free_port(), request_headers_timeout_s=0.5)
+    with EnvoyProcess(config) as envoy, socket.create_connection(
+            ("127.0.0.1", envoy.listen_port), timeout=10) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and stalls
+        started, reply = time.monotonic(), b""
+        while chunk := client.recv(4096):  # until Envoy hangs up
+            reply += chunk
+        waited = time.monotonic() - started
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    assert json.loads(body)["error"]["code"] == 408
+    assert 0.4 < waited < 5
 
 
 @pytest.mark.e2e
