@@ -457,8 +457,8 @@ def weighted_shares(result: SimResult, tenants: dict[str, float] = TENANTS) -> d
     where the tenant starts getting GPU time) made inside the loaded window (25–75% of the
     arrival period) while **every** tenant had at least one request waiting (arrived, not
     yet admitted: in the gateway queue or an engine's waiting queue) — "busy: share by
-    weight". Each admission adds its KV tokens (prompt + max output, what WFQ charges) to
-    its tenant. ``ratio`` is a tenant's share of those tokens over its weight share; the
+    weight". Each admission adds its price (prompt and max output at kvgate's default
+    queue prices, what the fair order charges) to its tenant. ``ratio`` is a tenant's share of those tokens over its weight share; the
     error is ``max |ratio − 1|``
     and Jain's index is over the ratios (1 = exactly weighted).
     """
