@@ -458,9 +458,9 @@ def weighted_shares(result: SimResult, tenants: dict[str, float] = TENANTS) -> d
     arrival period) while **every** tenant had at least one request waiting (arrived, not
     yet admitted: in the gateway queue or an engine's waiting queue) — "busy: share by
     weight". Each admission adds its price (prompt and max output at kvgate's default
-    queue prices, what the fair order charges) to its tenant. ``ratio`` is a tenant's share of those tokens over its weight share; the
-    error is ``max |ratio − 1|``
-    and Jain's index is over the ratios (1 = exactly weighted).
+    queue prices, what the fair order charges) to its tenant. ``ratio`` is a tenant's share
+    of those priced tokens over its weight share; the error is ``max |ratio − 1|`` and Jain's
+    index is over the ratios (1 = exactly weighted).
     """
     total = sum(result.contended.values())
     weight = sum(tenants.values())
