@@ -139,6 +139,11 @@ def _normalise(raw: str) -> str:
     return "/" + "/".join(segments)
 
 
+def prompt_field(path: str) -> str:
+    """The body field that carries ``path``'s prompt (an error about its length names it)."""
+    return "messages" if path == CHAT else "prompt" if path == COMPLETIONS else "input"
+
+
 def parse_body(path: str, raw: bytes) -> InferenceRequest:
     try:
         body = orjson.loads(raw)
@@ -149,10 +154,10 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
+    field = prompt_field(path)
     if path == CHAT:
-        texts, messages = _chat_texts(body.get("messages"))
+        texts, messages = _chat_texts(body.get(field))
     else:
-        field = "prompt" if path == COMPLETIONS else "input"
         texts, messages = _plain_texts(body.get(field), field), 0
     output = _max_output_tokens(path, body)
     stream = body.get("stream")

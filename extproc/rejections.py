@@ -71,13 +71,15 @@ def retry_headers(retry_after_ms: int) -> dict[str, str]:
     }
 
 
-def rejection(reject: Reject) -> tuple[int, bytes, dict[str, str]]:
+def rejection(reject: Reject, prompt_param: str = "messages"
+              ) -> tuple[int, bytes, dict[str, str]]:
     """(status, body, headers) for a refusal: the status is the refusal's own (400 never
-    fits, 429 tenant over its limits or share, 503 pool saturated or without endpoints)."""
+    fits, 429 tenant over its limits or share, 503 pool saturated or without endpoints).
+    ``prompt_param``: the body field a too-long prompt came in (``openai.prompt_field``)."""
     status = reject.status
     headers = {"x-kvgate-reject": reject.reason.value, **ratelimit_headers(reject.remaining)}
     if reject.reason is Reason.CONTEXT:
-        error = BadRequest(reject.message, code="context_length_exceeded", param="messages")
+        error = BadRequest(reject.message, code="context_length_exceeded", param=prompt_param)
     else:
         error_type = "rate_limit_error" if status == 429 else (
             "invalid_request_error" if status < 500 else "server_error")

@@ -40,6 +40,7 @@ from extproc.openai import (
     model_list,
     mutate_body,
     parse_body,
+    prompt_field,
     route_path,
 )
 from extproc.rejections import (
@@ -297,7 +298,8 @@ class RequestStream:
 
     def _refuse(self, reject: Reject) -> pb.ProcessingResponse:
         self._count("shed" if reject.status == 503 else "rejected", reject.reason.value)
-        return self._answer(*rejection(reject), details=f"kvgate_{reject.reason.value}")
+        return self._answer(*rejection(reject, prompt_field(self.path)),
+                            details=f"kvgate_{reject.reason.value}")
 
     def departed(self) -> None:
         """The client left while its request queued: no answer, nothing held; counted."""

@@ -155,14 +155,17 @@ async def test_request_rate_rejects_at_headers_with_retry_after():
     assert headers["x-ratelimit-remaining-requests"] == "0"
 
 
-async def test_context_too_long_is_400_do_not_retry():
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "messages"),
+                                             ("/v1/completions", "prompt")])
+async def test_context_too_long_is_400_do_not_retry_naming_the_prompts_field(path, field):
     stream, _ = new_stream(make_config(max_context_tokens=5))
-    await stream.handle(headers_msg())
-    reply = parsed(await stream.handle(body_msg(chat())))
+    await stream.handle(headers_msg(path))
+    body = chat() if field == "messages" else {"model": "m", "max_tokens": 10, "prompt": "x" * 40}
+    reply = parsed(await stream.handle(body_msg(body)))
     assert reply.immediate_response.status.code == 400
     assert header_dict(reply.immediate_response.headers)["x-should-retry"] == "false"
     body = orjson.loads(reply.immediate_response.body)
-    assert body["error"]["code"] == "context_length_exceeded"
+    assert (body["error"]["code"], body["error"]["param"]) == ("context_length_exceeded", field)
 
 
 async def test_a_streamed_request_is_metered_by_the_lua_meter_and_settled_on_its_report():
