@@ -20,7 +20,10 @@ Python, so the memory and Redis implementations add the same integers and reach 
 decisions (Lua numbers are doubles, exact below 2^53). A charge is at most ``MAX_CHARGE``
 (2^40); when ``V`` reaches ``REBASE_AT`` (2^50) every counter and ``V`` are shifted down by
 half of it (floored at 0), which changes no comparison between active tenants, so counters
-stay exact however long a pool stays busy.
+stay exact however long a pool stays busy. (A counter lower than the shift is floored: that
+changes a comparison only for a tenant activated but left out of the offers while ``V`` moved
+past it by more than the shift in one dispatch — with several replicas, 2^49 units, ~5.6·10^11
+tokens per unit of weight; the rebase property test activates a tenant when it comes back.)
 
 **Charged by usage (VTC).** A request's price is its prompt and output tokens at separate
 prices, estimated with its ``max_tokens`` when it is dispatched and corrected by
