@@ -124,6 +124,18 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def client_timeouts(config: Config) -> dict[str, Any]:
+    """The HTTP connection manager's timers on the client's side, for every gateway kvgate
+    renders: how long a request may see no bytes either way (:func:`idle_timeout_s`), and a
+    client that trickles its request: headers within ``request_headers_timeout_s``, the
+    whole request (body included, queueing in kvgate too: up to the ext_proc message
+    timeout) within the idle timeout, which outlasts any queueing; a response under way
+    disarms it."""
+    idle = _seconds(idle_timeout_s(config))
+    return {"stream_idle_timeout": idle, "request_timeout": idle,
+            "request_headers_timeout": _seconds(config.envoy.request_headers_timeout_s)}
+
+
 def idle_timeout_s(config: Config) -> float:
     """How long a request may see no bytes either way: queueing in kvgate (up to the ext_proc
     message timeout) or a non-streamed generation (up to the route timeout)."""
@@ -623,12 +635,7 @@ def _http_connection_manager(config: Config) -> Any:
         stat_prefix=GATEWAY_LISTENER,
         codec_type=HttpConnectionManagerCodecType.AUTO,
         # Also covers replies produced before a route is chosen.
-        stream_idle_timeout=idle,
-        # A client that trickles its request: headers within this, the whole request (body
-        # included, queueing in kvgate too: up to the ext_proc message timeout) within the
-        # idle timeout, which outlasts any queueing; a response under way disarms it.
-        request_headers_timeout=_seconds(env.request_headers_timeout_s),
-        request_timeout=idle,
+        **client_timeouts(config),
         use_remote_address=True,
         # The engine decodes the path before routing, so a path must mean one thing to
         # Envoy, kvgate and the engine (kvgate normalises again, for hand-written configs).

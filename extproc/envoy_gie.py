@@ -33,6 +33,7 @@ from extproc.envoy_config import (
     _router_filter,
     _seconds,
     _socket_address,
+    client_timeouts,
     idle_timeout_s,
 )
 from extproc.headers import DESTINATION_HEADER, LB_NAMESPACE
@@ -93,9 +94,7 @@ def _http_connection_manager(config: Config) -> Any:
         idle_timeout=idle))
     return HttpConnectionManager(
         stat_prefix=GATEWAY_LISTENER,
-        stream_idle_timeout=idle,
-        request_headers_timeout=_seconds(config.envoy.request_headers_timeout_s),
-        request_timeout=idle,  # as kvgate's own gateway (envoy_config.py)
+        **client_timeouts(config),
         route_config=RouteConfiguration(name="gie_routes", virtual_hosts=[
             VirtualHost(name="gie", domains=["*"], routes=[route])]),
         http_filters=[_ext_proc_filter(config), _router_filter()],
