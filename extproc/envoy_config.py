@@ -102,6 +102,12 @@ _UNPARSABLE = ("(response.code_details.startsWith('http1.') || "
 DO_NOT_RETRY = {"x-should-retry": "false"}
 MALFORMED_MESSAGE = ("malformed HTTP request: the gateway could not parse its request line, "
                      "path or headers")
+# Envoy's refusals that carry no body (or only a status phrase), by response.code_details
+REFUSAL_MESSAGES = {
+    "upgrade_failed": "connection upgrades (WebSocket and the like) are not supported: send a "
+                      "plain HTTP/1.1 or HTTP/2 request",
+    "low_version": "HTTP/1.0 is not supported: send HTTP/1.1 or HTTP/2",
+}
 EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
 RATE_LIMITED_MESSAGE = "rate limit exceeded; retry after the time in retry-after"
 
@@ -480,6 +486,12 @@ def _local_reply_config() -> Any:
                 body_format_override=_json_error_format("invalid_request_error"),
                 headers_to_add=[_header_option(k, v) for k, v in DO_NOT_RETRY.items()],
             ),
+            *(ResponseMapper(
+                filter=_cel_filter(f"{own} && response.code_details == '{details}'"),
+                body=DataSource(inline_string=message),
+                body_format_override=_json_error_format("invalid_request_error"),
+                headers_to_add=[_header_option(k, v) for k, v in DO_NOT_RETRY.items()],
+            ) for details, message in REFUSAL_MESSAGES.items()),
             ResponseMapper(
                 filter=_cel_filter(f"{own} && {_CLIENT_FAULT}"),
                 body_format_override=_json_error_format("invalid_request_error"),

@@ -335,19 +335,26 @@ def test_a_path_the_engine_would_route_elsewhere_is_sent_as_kvgate_metered_it(st
     assert served["path"] == "/v1/chat/completions"
 
 
-@pytest.mark.parametrize(("request_bytes", "status"), [
-    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
-    (b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n", 400),
-    (b"GET /v1/models HTTP/1.0\r\n\r\n", 426),
+@pytest.mark.parametrize(("request_bytes", "status", "says"), [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431,
+     "Too Large"),
+    (b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n", 400, "malformed HTTP request"),
+    (b"GET /v1/models HTTP/1.0\r\n\r\n", 426, "HTTP/1.0 is not supported"),
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
      b"Authorization: Bearer " + KEYS["acme"].encode() + b"\r\n\r\n"
-     + b"%x\r\n" % (MAX_BODY + 200_000) + b"x" * (MAX_BODY + 200_000) + b"\r\n0\r\n\r\n", 413),
-    (b"POST /v1/chat%00completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 400),
-], ids=["header-too-large", "malformed-header", "http-1.0", "body-over-buffer", "nul-in-path"])
-def test_envoys_own_replies_arrive_whole(stack, request_bytes, status):
+     + b"%x\r\n" % (MAX_BODY + 200_000) + b"x" * (MAX_BODY + 200_000) + b"\r\n0\r\n\r\n", 413,
+     "Too Large"),
+    (b"POST /v1/chat%00completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 400,
+     "malformed HTTP request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+     b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 403,
+     "upgrades (WebSocket"),
+], ids=["header-too-large", "malformed-header", "http-1.0", "body-over-buffer", "nul-in-path",
+        "websocket"])
+def test_envoys_own_replies_arrive_whole(stack, request_bytes, status, says):
     got, headers, body = json_reply(raw_exchange(stack, request_bytes))
     assert (got, body["error"]["code"]) == (status, status)
-    assert body["error"]["message"], body  # never an empty message
+    assert says in body["error"]["message"], body  # never empty: says what was wrong
     assert headers["content-type"] == "application/json"
     assert headers["x-should-retry"] == "false"
 
