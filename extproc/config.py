@@ -676,6 +676,12 @@ class EnvoySettings(_Strict):
         10, description="a client must send its request headers within this, or Envoy "
         "answers 408 and closes: a client trickling headers cannot hold a connection open"
     )
+    max_heap_mb: int = Field(
+        1024, ge=32, description="Envoy's heap cap (MiB; set it to about 75% of the memory "
+        "Envoy may use): past 95% of it Envoy refuses new requests (JSON 503, retry-after 1) "
+        "and cuts off connections still sending, so clients sending large bodies slowly "
+        "cannot exhaust its memory"
+    )
     request_attributes: bool = Field(
         True, description="inference POSTs with a body skip the ext_proc headers phase: the "
         "headers kvgate reads ride with the body as request_attributes, one gRPC message "

@@ -74,6 +74,8 @@ IDLE_TIMEOUT_MARGIN_S = 30.0
 # 1024 concurrent generations would overflow them; kvgate is the admission controller.
 CIRCUIT_BREAKER_LIMIT = 1_000_000
 MAX_DOWNSTREAM_CONNECTIONS = 50_000
+HEAP_MONITOR = "envoy.resource_monitors.fixed_heap"
+HEAP_SHRINK, HEAP_SHED = 0.90, 0.95  # shares of envoy.max_heap_mb: free memory back; shed
 
 RUNTIME_FLAGS = {
     # Envoy resets each ext_proc stream it is done with (kvgate takes that as the normal end
@@ -108,6 +110,7 @@ REFUSAL_MESSAGES = {
                       "plain HTTP/1.1 or HTTP/2 request",
     "low_version": "HTTP/1.0 is not supported: send HTTP/1.1 or HTTP/2",
 }
+OVERLOAD_MESSAGE = "the gateway is short of memory; retry later"
 EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
 RATE_LIMITED_MESSAGE = "rate limit exceeded; retry after the time in retry-after"
 
@@ -466,6 +469,14 @@ def _local_reply_config() -> Any:
                 filter=_cel_filter(f"{own} && {_EXT_PROC_FAILED}"),
                 body=DataSource(inline_string=EXT_PROC_FAILURE_MESSAGE),
                 body_format_override=_json_error_format("server_error"),
+            ),
+            # past the heap cap (a 500 when an HTTP/1 connection is cut off mid-request)
+            ResponseMapper(
+                filter=_cel_filter(f"{own} && response.code_details == 'overload'"),
+                status_code=503,
+                body=DataSource(inline_string=OVERLOAD_MESSAGE),
+                body_format_override=_json_error_format("server_error"),
+                headers_to_add=[_header_option("retry-after", "1")],
             ),
             ResponseMapper(
                 filter=_cel_filter(f"{own} && response.code >= 500"),
@@ -910,15 +921,33 @@ def _ext_proc_tls(tls: ExtProcTls | None) -> Any:
     return TransportSocket(name="envoy.transport_sockets.tls", typed_config=AnyMsg.pack(context))
 
 
-def _overload_manager() -> Any:
-    from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
+def _overload_manager(config: Config) -> Any:
+    """An explicit cap on downstream connections (and no start-up warning about its absence),
+    and a heap cap. Envoy holds each request's body until kvgate admits it, so many clients
+    sending large bodies slowly would otherwise grow its memory until it is killed: past
+    :data:`HEAP_SHED` of ``envoy.max_heap_mb`` it refuses new requests and cuts off HTTP/1 and
+    HTTP/2 connections that send more (a JSON 503 each, from :data:`OVERLOAD_MESSAGE`)."""
+    from envoy_data_plane.envoy.config.overload.v3 import (
+        LoadShedPoint,
+        OverloadAction,
+        OverloadManager,
+        ResourceMonitor,
+        ThresholdTrigger,
+        Trigger,
+    )
     from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
         DownstreamConnectionsConfig,
     )
+    from envoy_data_plane.envoy.extensions.resource_monitors.fixed_heap.v3 import (
+        FixedHeapConfig,
+    )
     from envoy_data_plane.google.protobuf import Any as AnyMsg
 
-    # An explicit cap on downstream connections (and no start-up warning about its absence).
+    def past(share: float) -> list[Any]:
+        return [Trigger(name=HEAP_MONITOR, threshold=ThresholdTrigger(value=share))]
+
     return OverloadManager(
+        refresh_interval=_seconds(0.25),
         resource_monitors=[
             ResourceMonitor(
                 name="envoy.resource_monitors.global_downstream_max_connections",
@@ -927,8 +956,17 @@ def _overload_manager() -> Any:
                         max_active_downstream_connections=MAX_DOWNSTREAM_CONNECTIONS
                     )
                 ),
-            )
-        ]
+            ),
+            ResourceMonitor(name=HEAP_MONITOR, typed_config=AnyMsg.pack(FixedHeapConfig(
+                max_heap_size_bytes=config.envoy.max_heap_mb * 2**20))),
+        ],
+        actions=[OverloadAction(name="envoy.overload_actions.shrink_heap",
+                                triggers=past(HEAP_SHRINK))],
+        loadshed_points=[LoadShedPoint(name=f"envoy.load_shed_points.{point}",
+                                       triggers=past(HEAP_SHED))
+                         for point in ("http_connection_manager_decode_headers",
+                                       "http1_server_abort_dispatch",
+                                       "http2_server_go_away_on_dispatch")],
     )
 
 
@@ -953,7 +991,7 @@ def build_bootstrap(config: Config) -> Any:
         layered_runtime=LayeredRuntime(
             layers=[RuntimeLayer(name="static", static_layer=Struct.from_dict(RUNTIME_FLAGS))]
         ),
-        overload_manager=_overload_manager(),
+        overload_manager=_overload_manager(config),
     )
 
 

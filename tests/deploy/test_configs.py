@@ -84,6 +84,30 @@ def test_each_envoy_runs_the_render_of_its_kvgate_config(folder: Path, tmp_path:
         assert mine[0].envoy.listen_port in container_ports(container).values()
 
 
+@each_folder
+def test_each_envoys_heap_cap_fits_its_memory_limit(folder: Path, tmp_path: Path) -> None:
+    """Past 95% of ``envoy.max_heap_mb`` Envoy sheds load; a cap near or above its container's
+    memory limit would let the kernel kill it first."""
+    objects = render(folder)
+    configs = [config_of(*found, tmp_path)[0] for found in kvgate_containers(objects)]
+    for pod, container, path in envoy_containers(objects):
+        bootstrap = pod.mounted_file(container, path)
+        (config,) = [c for c in configs if render_yaml(c) == bootstrap]
+        limit = mebibytes(container["resources"]["limits"]["memory"])
+        assert config.envoy.max_heap_mb <= 0.8 * limit, (
+            f"{folder}: {pod.owner['metadata']['name']}'s Envoy may use {limit} MiB; set "
+            f"envoy.max_heap_mb to about 75% of it, not {config.envoy.max_heap_mb}")
+
+
+def mebibytes(quantity: str) -> float:
+    units = {"Ki": 2**-10, "Mi": 1, "Gi": 2**10, "K": 1e3 / 2**20, "M": 1e6 / 2**20,
+             "G": 1e9 / 2**20}
+    for suffix in sorted(units, key=len, reverse=True):
+        if quantity.endswith(suffix):
+            return float(quantity.removesuffix(suffix)) * units[suffix]
+    return float(quantity) / 2**20
+
+
 @pytest.mark.e2e
 @each_folder
 def test_envoy_bootstraps_pass_envoy_validate(folder: Path) -> None:

@@ -6,6 +6,7 @@ or a live proxy in front of a stub ext_proc processor).
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import socket
@@ -30,6 +31,7 @@ from extproc.demo import local_stack
 from extproc.envoy_config import (
     EXT_PROC_CLUSTER,
     EXT_PROC_FAILURE_MESSAGE,
+    OVERLOAD_MESSAGE,
     REPORT_CLUSTER,
     RUNTIME_FLAGS,
     UPSTREAM_CLUSTER,
@@ -561,6 +563,59 @@ def test_a_client_trickling_its_headers_gets_a_json_408_and_the_connection_close
     assert head.startswith(b"HTTP/1.1 408")
     assert json.loads(body)["error"]["code"] == 408
     assert 0.4 < waited < 5
+
+
+@pytest.mark.e2e
+def test_slow_large_bodies_past_the_heap_cap_get_json_503s_and_envoy_recovers(
+        example: Config) -> None:
+    """Envoy holds a body until kvgate admits it, so clients that send most of a large body
+    and stall would grow its memory without end. Past the cap Envoy refuses the ones still
+    sending (JSON 503, retry-after), holds far less than they sent, and once they are gone
+    serves again (here: kvgate is not running, so its own 503 says so)."""
+    assert render_bootstrap(example)["overload_manager"]["resource_monitors"][1][
+        "typed_config"]["max_heap_size_bytes"] == str(1024 * 2**20)  # default
+    config = with_settings(example, server={"grpc_port": free_port(), "max_body_bytes": 2**20},
+                           envoy={"listen_port": free_port(), "admin_port": free_port(),
+                                  "max_heap_mb": 48})
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
+    with EnvoyProcess(config) as envoy, contextlib.ExitStack() as clients:
+        stalled = []
+        for _ in range(100):  # 90 MB of bodies against a 48 MiB cap
+            client = clients.enter_context(socket.create_connection(
+                ("127.0.0.1", envoy.listen_port), timeout=10))
+            with contextlib.suppress(OSError):  # cut off mid-send
+                client.sendall(head + b"x" * 900_000)
+            stalled.append(client)
+            time.sleep(0.02)
+        # what the refused sent is freed once their connections close: about the cap is held
+        assert wait_for(lambda: envoy_memory(envoy) < 60 * 2**20), envoy_memory(envoy)
+        replies = [reply for client in stalled if (reply := read_some(client))]
+        clients.close()
+        assert replies, "nobody was refused"
+        for reply in replies:
+            head_bytes, _, body = reply.partition(b"\r\n\r\n")
+            assert head_bytes.startswith(b"HTTP/1.1 503"), reply[:200]
+            assert b"\r\nretry-after: 1\r\n" in head_bytes.lower()
+            assert json.loads(body)["error"] == {"message": OVERLOAD_MESSAGE,
+                                                 "type": "server_error", "code": 503}
+        assert wait_for(lambda: json.loads(post(envoy.url + "/v1/chat/completions")[2])[
+            "error"]["message"] == EXT_PROC_FAILURE_MESSAGE, timeout=10)
+
+
+def envoy_memory(envoy: EnvoyProcess) -> int:
+    """Bytes Envoy has allocated now (its ``server.memory_allocated`` stat lags by a flush)."""
+    with urllib.request.urlopen(f"{envoy.admin_url}/memory", timeout=5) as response:
+        return int(json.loads(response.read())["allocated"])
+
+
+def read_some(client: socket.socket) -> bytes:
+    """What Envoy has sent on ``client`` so far (nothing: it is still holding the request)."""
+    client.settimeout(0.2)
+    received = b""
+    with contextlib.suppress(TimeoutError, OSError):
+        while chunk := client.recv(65536):
+            received += chunk
+    return received
 
 
 @pytest.mark.e2e
