@@ -137,6 +137,44 @@ def test_an_engine_killed_mid_stream_ends_the_stream_and_releases_everything(sta
     assert result is None or isinstance(result, httpx.HTTPError), result
 
 
+# -- Envoy killed ----------------------------------------------------------------------------
+
+
+def test_a_killed_envoy_leaves_nothing_held_and_a_restarted_one_serves(tmp_path: Path) -> None:
+    """Envoy SIGKILLed with streams running and requests waiting in kvgate's queue: every
+    ext_proc stream breaks, so every lease, reservation and queue entry goes, and kvgate
+    serves the next Envoy at once. (The engine's small cache runs one request at a time.)"""
+    cfg = config(f"127.0.0.1:{free_port()}", scrape={"interval_s": 0.05},
+                 pools=[{"name": "one", "models": [{"name": "tiny-llama"}],
+                         "endpoints": [f"127.0.0.1:{free_port()}"],
+                         "watermarks": {"high": 0.45, "critical": 0.45}}])
+    engine = {"ms_per_token": 20, "kv_blocks": 16, "block_size": 16}
+    with local_stack(cfg, engine_options=engine) as stack:
+        director = stack.kvgate.server.director
+        url = stack.url + "/v1/chat/completions"
+        load = [in_background(lambda: httpx.post(url, json=chat(100, stream=True),
+                                                 headers=HEADERS, timeout=30))
+                for _ in range(4)]
+        wait_until(lambda: director.active and queued(stack) >= 2)
+        stack.envoy.process.kill()
+        for thread, _outcome in load:
+            thread.join(15)
+            assert not thread.is_alive()  # every client got an error, never a hang
+        wait_until(lambda: not director.active and not director.schedulers["one"].reservations
+                   and queued(stack) == 0)
+        assert stack.kvgate.call(director.store.in_flight("acme")) == 0
+        stack.envoy.stop()
+        stack.envoy.start()
+        served = httpx.post(url, json=chat(), headers=HEADERS, timeout=10)
+        assert served.status_code == 200, served.text
+        wait_until(lambda: stack.kvgate.call(director.store.in_flight("acme")) == 0)
+
+
+def queued(stack) -> int:
+    admin = f"http://127.0.0.1:{stack.kvgate.server.admin_port}"
+    return httpx.get(admin + "/debug/queues").json()["pools"][0]["queued"]
+
+
 # -- a scrape target that hangs or answers garbage -------------------------------------------
 
 
