@@ -266,6 +266,12 @@ class Model(_Strict):
     default_max_tokens: PositiveInt = Field(
         1024, description="output tokens reserved when the request sets no max_tokens"
     )
+    tokens_per_media_part: PositiveInt | None = Field(
+        None, description="prompt tokens counted for each chat content part that is not "
+        "text (an image, audio, video or file), whose tokens no text shows: set the most one "
+        "takes on this model; null (default): such requests are refused (400), since kvgate "
+        "cannot meter them"
+    )
 
     @model_validator(mode="after")
     def _template_needs_tokenizer(self) -> Model:

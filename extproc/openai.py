@@ -28,6 +28,10 @@ ROUTES: dict[str, frozenset[str]] = {
 }
 PER_MESSAGE_OVERHEAD_TOKENS = 3  # chat-template tokens around each message
 MAX_COUNT = 2**31 - 1  # no sane max_tokens, n or best_of is larger (vLLM's are int32-bound)
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+"""Content part types that are text, and the field holding it; any other type is media."""
+RENDERED_FIELDS = ("tools", "functions", "documents")
+"""Chat request fields besides ``messages`` that chat templates render into the prompt."""
 
 
 class BadRequest(Exception):
@@ -64,6 +68,7 @@ class InferenceRequest:
     max_output_tokens: int | None  # None: the request set no cap
     stream: bool
     choices: int  # max(n, best_of): the engine generates this many answers
+    media_parts: int = 0  # chat content parts that are not text (images, audio, …)
     request_class: str | None = None  # set once classified (the metrics' class label)
 
     @property
@@ -155,8 +160,10 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
     field = prompt_field(path)
+    media = 0
     if path == CHAT:
-        texts, messages = _chat_texts(body.get(field))
+        texts, messages, media = _chat_texts(body.get(field))
+        texts.extend(_rendered_fields(body))
     else:
         texts, messages = _plain_texts(body.get(field), field), 0
     output = _max_output_tokens(path, body)
@@ -169,13 +176,17 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
         _check_stream_options(body.get("stream_options"))
     choices = 1 if path == EMBEDDINGS else max(_count(body, "n"), _count(body, "best_of"))
     # positional: matching eight keyword arguments costs as much as the rest of the call
-    return InferenceRequest(path, body, model, texts, messages, output, stream, choices)
+    return InferenceRequest(path, body, model, texts, messages, output, stream, choices,
+                            media)
 
 
-def _chat_texts(messages: Any) -> tuple[list[str], int]:
+def _chat_texts(messages: Any) -> tuple[list[str], int, int]:
+    """The texts of ``messages`` the engine's chat template renders, how many messages, and
+    how many content parts are media (images, audio, video, files: tokens no text shows)."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     texts: list[str] = []
+    media = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
@@ -183,16 +194,51 @@ def _chat_texts(messages: Any) -> tuple[list[str], int]:
         if isinstance(content, str):  # the usual message
             texts.append(content)
         elif content is not None:  # null: tool calls
-            texts.extend(_content_parts(content, f"messages[{i}].content"))
-    return texts, len(messages)
+            media += _content_parts(content, f"messages[{i}].content", texts)
+        texts.extend(_calls(message))
+    return texts, len(messages), media
 
 
-def _content_parts(content: Any, param: str) -> list[str]:
-    """Message content other than a string or null: a list of typed parts."""
-    if isinstance(content, list):
-        parts = [p for p in content if isinstance(p, dict)]
-        return [p["text"] for p in parts if isinstance(p.get("text"), str)]
-    raise BadRequest(f"'{param}' must be a string or an array of content parts", param=param)
+def _content_parts(content: Any, param: str, texts: list[str]) -> int:
+    """Message content other than a string or null, a list of parts: their texts go to
+    ``texts``; returns how many are media."""
+    if not isinstance(content, list):
+        raise BadRequest(f"'{param}' must be a string or an array of content parts",
+                         param=param)
+    media = 0
+    for part in content:
+        if isinstance(part, str):  # a bare string part: text, as engines take it
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise BadRequest(f"'{param}' parts must be objects", param=param)
+        key = TEXT_PARTS.get(part.get("type", "text"))
+        if key is None:
+            media += 1
+        elif isinstance(text := part.get(key), str):
+            texts.append(text)
+        else:
+            raise BadRequest(f"a '{part.get('type', 'text')}' part of '{param}' needs a string "
+                             f"'{key}'", param=param)
+    return media
+
+
+def _calls(message: dict[str, Any]) -> list[str]:
+    """An assistant message's tool calls (and legacy function call): names and arguments,
+    which the chat template renders into the prompt."""
+    calls = message.get("tool_calls")
+    functions = [c.get("function") for c in calls if isinstance(c, dict)] \
+        if isinstance(calls, list) else []
+    functions.append(message.get("function_call"))
+    return [value for f in functions if isinstance(f, dict)
+            for value in (f.get("name"), f.get("arguments")) if isinstance(value, str)]
+
+
+def _rendered_fields(body: dict[str, Any]) -> list[str]:
+    """``tools``, ``functions`` and ``documents`` as the JSON text they are (an agent's tool
+    schemas are often thousands of tokens): counted like message text."""
+    return [orjson.dumps(body[name]).decode() for name in RENDERED_FIELDS
+            if body.get(name) is not None]
 
 
 def _plain_texts(value: Any, field: str) -> list[str]:

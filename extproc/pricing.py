@@ -2,7 +2,8 @@
 
 Prompt tokens come from the model's tokenizer when one is configured (chat prompts rendered
 with its chat template, as vLLM does), else a chars-per-token estimate plus a guess at the
-chat template's overhead per message; output tokens are the request's
+chat template's overhead per message; media content parts (images, audio, …) add the model's
+``tokens_per_media_part``, or are refused where it is unset; output tokens are the request's
 ``max_tokens`` (or the model's default) times the answers it asks for (``n``, ``best_of``).
 The reservation is reconciled with the engine's real usage when the request ends.
 """
@@ -39,10 +40,22 @@ class Pricer:
 
     def price(self, model: Model, request: InferenceRequest) -> Cost:
         prompt = self._counters[model.name].prompt_tokens(request)
+        if request.media_parts:
+            prompt += media_tokens(model, request.media_parts)
         output = request.max_output_tokens
         output = model.default_max_tokens if output is None else output
         # n / best_of: the engine generates (and holds KV for) that many answers
         return Cost(prompt, output * request.choices)
+
+
+def media_tokens(model: Model, parts: int) -> int:
+    """What ``parts`` media content parts count as; 400 where the model does not say."""
+    if model.tokens_per_media_part is None:
+        raise BadRequest(
+            f"the model '{_shown(model.name)}' takes text only here: this gateway cannot "
+            "meter images, audio, video or file content parts for it (its operator can set "
+            "tokens_per_media_part)", code="unsupported_content", param="messages")
+    return parts * model.tokens_per_media_part
 
 
 def _shown(name: str, limit: int = 200) -> str:

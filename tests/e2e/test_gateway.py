@@ -305,6 +305,21 @@ def test_an_escaped_slash_is_refused_before_anything_runs(stack, path):
     assert engine_log_sizes(stack) == before
 
 
+def test_content_kvgate_cannot_meter_never_reaches_an_engine(stack):
+    """An image part's tokens show in no text: refused unless the model says what one
+    costs (here it does not)."""
+    before = engine_log_sizes(stack)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "what?"},
+                                                       image]}])
+    response = post(stack, "acme", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "unsupported_content"
+    assert response.headers["x-should-retry"] == "false"
+    assert engine_log_sizes(stack) == before
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
 def test_paths_kvgate_cannot_meter_never_reach_an_engine(stack):
     before = engine_log_sizes(stack)
     auth = {"authorization": f"Bearer {KEYS['acme']}"}

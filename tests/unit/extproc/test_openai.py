@@ -34,13 +34,33 @@ def test_chat_fields():
     request = parse({"model": "m", "max_tokens": 7, "stream": True, "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"},
-                                     "junk", {"text": 5}]},
+                                     "bare", {"type": "input_audio"}]},
         {"role": "assistant", "content": None, "tool_calls": []},
     ]})
     assert (request.path, request.model, request.stream) == (CHAT, "m", True)
-    assert request.prompt_texts == ["be brief", "hi"]
-    assert request.message_count == 3
+    assert request.prompt_texts == ["be brief", "hi", "bare"]
+    assert (request.message_count, request.media_parts) == (3, 2)
     assert request.max_output_tokens == 7
+
+
+def test_what_chat_templates_render_besides_content_is_counted():
+    """Tool schemas, tool calls and documents become prompt tokens too: an agent's tools
+    are often thousands of them."""
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    request = parse({"model": "m", "tools": tools, "documents": [{"text": "doc"}],
+                     "messages": [
+        {"role": "user", "content": "find it"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function",
+             "function": {"name": "search", "arguments": '{"q": "kv"}'}}, "junk"]},
+        {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
+        {"role": "tool", "tool_call_id": "1", "content": "found"},
+    ]})
+    assert request.prompt_texts == [
+        "find it", "search", '{"q": "kv"}', "", "f", "{}", "found",
+        orjson.dumps(tools).decode(), '[{"text":"doc"}]']
+    assert request.media_parts == 0
 
 
 def test_completions_and_embeddings_prompts():
@@ -75,6 +95,12 @@ def test_output_cap_prefers_max_completion_tokens():
          "messages[1]"),
         ({"model": "m", "messages": [{"content": "a"}, {"content": 5}]},
          "invalid_request_error", "messages[1].content"),
+        ({"model": "m", "messages": [{"content": [{"type": "text", "text": None}]}]},
+         "invalid_request_error", "messages[0].content"),
+        ({"model": "m", "messages": [{"content": [{"text": 5}]}]},
+         "invalid_request_error", "messages[0].content"),
+        ({"model": "m", "messages": [{"content": [7]}]},
+         "invalid_request_error", "messages[0].content"),
         ({"model": "m", "messages": [{"content": "a"}], "max_tokens": 0},
          "invalid_request_error", "max_tokens"),
         ({"model": "m", "messages": [{"content": "a"}], "max_tokens": True},

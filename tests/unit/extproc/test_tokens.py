@@ -277,6 +277,35 @@ def test_pricer_uses_the_configured_chat_template(tmp_path):
     assert pricer.price(model, chat(SYSTEM, USER, max_tokens=1)).prompt_tokens == 4
 
 
+def media_pricer(**model):
+    return Pricer(parse_config({
+        "tiers": {"t": {}},
+        "tenants": [{"name": "a", "tier": "t", "api_keys": [hash_api_key("k")]}],
+        "pools": [{"name": "p", "models": [{"name": "m", **model}],
+                   "endpoints": ["127.0.0.1:8000"]}],
+    }))
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def test_media_parts_are_refused_unless_the_model_says_what_they_cost():
+    """No text shows an image's tokens: default-deny, or the operator's figure per part."""
+    looking = chat({"role": "user", "content": [{"type": "text", "text": "abcd"}, IMAGE,
+                                                {"type": "input_audio"}]}, max_tokens=1)
+    pricer = media_pricer()
+    _, model = pricer.resolve("m")
+    with pytest.raises(BadRequest) as info:
+        pricer.price(model, looking)
+    assert (info.value.status, info.value.code, info.value.param) == (
+        400, "unsupported_content", "messages")
+    assert pricer.price(model, chat(USER, max_tokens=1)).prompt_tokens == 3 + 3  # text only
+    pricer = media_pricer(tokens_per_media_part=576)
+    _, model = pricer.resolve("m")
+    # "abcd" is one token, one message's template overhead 3, two parts 576 each
+    assert pricer.price(model, looking).prompt_tokens == 1 + 3 + 2 * 576
+
+
 def test_an_unknown_model_name_is_quoted_short():
     config = parse_config({
         "tiers": {"t": {}},
