@@ -162,8 +162,16 @@ class Director:
             # charging nothing), not that it is larger than every endpoint's KV cache
             return await self.store.admit(tenant.name, policy, cost, self.leases.new_id())
 
+        # a request that set no output cap runs to what was reserved for it, not to the
+        # engine's default (the rest of its context): it cannot outgrow its KV or its price
+        cap = {} if request.max_output_tokens is not None else {
+            "max_tokens": model.default_max_tokens}
+
         def route_now() -> Route | Reject:
-            return self._route(tenant, scheduler, cost, klass)
+            route = self._route(tenant, scheduler, cost, klass)
+            if cap and isinstance(route, Route):
+                route.overrides = cap | route.overrides  # a degradation's smaller cap wins
+            return route
 
         if policy.shaping_rate is not None:
             return await self._paced(tenant, klass, cost, route_now, request.stream, watch)

@@ -305,6 +305,19 @@ def test_an_escaped_slash_is_refused_before_anything_runs(stack, path):
     assert engine_log_sizes(stack) == before
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_without_an_output_cap_is_capped_at_what_was_reserved(stack, stream):
+    """The engine's own default is the rest of the model's context: the request would
+    outgrow the KV and the price kvgate reserved for it (the model's default_max_tokens)."""
+    body = chat(stream=stream)
+    del body["max_tokens"]
+    response = post(stack, "acme", body)
+    assert response.status_code == 200, response.text
+    served = stack.engines[response.headers["x-bench-engine"]].requests()[-1]
+    assert served["body"]["max_tokens"] == 16  # e2e_config's default_max_tokens
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
 def test_content_kvgate_cannot_meter_never_reaches_an_engine(stack):
     """An image part's tokens show in no text: refused unless the model says what one
     costs (here it does not)."""

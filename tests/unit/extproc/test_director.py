@@ -19,7 +19,7 @@ from limiter.stores import MemoryStore
 KEY = "sk-director"
 
 
-def config(degradation=None, limits=None):
+def config(degradation=None, limits=None, big_model="big-model"):
     return parse_config({
         "queue": {"enabled": False},  # these tests are about what is decided at once
         "tiers": {"t": {"limits": limits or {}}},
@@ -27,7 +27,7 @@ def config(degradation=None, limits=None):
         "tenants": [{"name": "acme", "tier": "t", "default_class": "batch",
                      "api_keys": [hash_api_key(KEY)]}],
         "pools": [
-            {"name": "big", "models": ["big-model"], "endpoints": ["127.0.0.1:1"],
+            {"name": "big", "models": [big_model], "endpoints": ["127.0.0.1:1"],
              **({"degradation": degradation} if degradation else {})},
             {"name": "small", "models": ["small-model"], "endpoints": ["127.0.0.1:2"]},
         ],
@@ -49,6 +49,8 @@ async def director_with_usage(cfg, big: float, small: float = 0.0) -> Director:
 def request(model="big-model", max_tokens=300):
     body = {"model": model, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "x" * 40}]}
+    if max_tokens is None:
+        del body["max_tokens"]
     return parse_body("/v1/chat/completions", orjson.dumps(body))
 
 
@@ -78,6 +80,29 @@ async def test_degradation_falls_back_to_a_cheaper_model():
     assert isinstance(outcome, Admission)
     assert outcome.body_overrides == {"model": "small-model"}
     assert (outcome.pool, outcome.endpoint) == ("small", "127.0.0.1:2")
+
+
+async def test_a_request_without_an_output_cap_runs_to_what_was_reserved():
+    """Not to the engine's default (the rest of the model's context): the engine is told the
+    model's default_max_tokens, which is what kvgate reserved and priced."""
+    model = {"name": "big-model", "default_max_tokens": 200}
+    director = await director_with_usage(config(big_model=model), big=0.1)
+    tenant = director.authenticate(f"Bearer {KEY}")
+    outcome = await director.admit(tenant, request(max_tokens=None))
+    assert isinstance(outcome, Admission)
+    assert outcome.body_overrides == {"max_tokens": 200}  # the model's default
+    assert outcome.cost.max_output_tokens == 200
+    capped = await director.admit(tenant, request(max_tokens=50))
+    assert capped.body_overrides == {}
+
+
+async def test_degradation_caps_a_request_without_an_output_cap_to_its_own_cap():
+    cfg = config({"classes": ["batch"], "max_tokens_cap": 100},
+                 big_model={"name": "big-model", "default_max_tokens": 300})
+    director = await director_with_usage(cfg, big=0.7)
+    outcome = await director.admit(director.authenticate(f"Bearer {KEY}"),
+                                   request(max_tokens=None))
+    assert outcome.body_overrides == {"max_tokens": 100}
 
 
 async def test_classes_not_listed_are_not_degraded():
