@@ -277,6 +277,9 @@ def test_saturation_queues_and_high_priority_not_behind_low(vllm):
 KVGATE_KEY = "sk-vllm-real"
 
 
+DEFAULT_CAP = 12  # the gateway's model's default_max_tokens
+
+
 @pytest.fixture(scope="module")
 def gateway(vllm):
     """kvgate (in-memory limits, scraping the real vLLM's /metrics) and the real Envoy."""
@@ -294,7 +297,7 @@ def gateway(vllm):
                      "api_keys": [hash_api_key(KVGATE_KEY)]}],
         "pools": [{"name": "real", "priority_scheduling": True,
                    "endpoints": [f"127.0.0.1:{vllm.port}"],
-                   "models": [{"name": SERVED_MODEL_NAME,
+                   "models": [{"name": SERVED_MODEL_NAME, "default_max_tokens": DEFAULT_CAP,
                                "tokenizer": str(MODEL_DIR / "tokenizer.json")}]}],
     })
     kvgate = ServerThread(config).start()
@@ -375,6 +378,27 @@ def test_request_through_kvgate_reaches_real_vllm_with_priority_and_usage(gatewa
     usage = kvgate.call(director.store.usage("acme", director.tenants.policy(
         director.authenticate(f"Bearer {KVGATE_KEY}"))))
     assert usage["in_flight"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_without_max_tokens_stops_where_kvgate_reserved(gateway, stream):
+    """vLLM's own default is the rest of the context (2,048 tokens less the prompt here):
+    kvgate sends the model's default_max_tokens, what it reserved and priced."""
+    kvgate, envoy = gateway
+    body = {k: v for k, v in chat_body("keep talking", stream=stream).items()
+            if k != "max_tokens"}  # ignore_eos: it would run to its cap
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    response = httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert response.status_code == 200, response.text
+    usage = (json.loads([e for e in sse_data(response) if e != "[DONE]"][-1])["usage"]
+             if stream else response.json()["usage"])
+    assert usage["completion_tokens"] == DEFAULT_CAP
+    director, deadline = kvgate.server.director, time.monotonic() + 10
+    while director.active and time.monotonic() < deadline:  # settled before the next test
+        time.sleep(0.05)
+    assert not director.active
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions"])
