@@ -74,6 +74,13 @@ CRD_FIELDS: dict[tuple[str, str], dict[str, Any]] = {
                        "interval": None, "scrapeTimeout": None, "honorLabels": None,
                        "relabelings": None, "metricRelabelings": None, "tlsConfig": None}],
     },
+    ("monitoring.coreos.com/v1", "PrometheusRule"): {
+        "groups": [{"name": None, "labels": {"*": None}, "interval": None, "query_offset": None,
+                    "limit": None, "partial_response_strategy": None,
+                    "rules": [{"record": None, "alert": None, "expr": None, "for": None,
+                               "keep_firing_for": None, "labels": {"*": None},
+                               "annotations": {"*": None}}]}],
+    },
     # volcano-sh, scheduling.volcano.sh/v1beta1
     ("scheduling.volcano.sh/v1beta1", "Queue"): {
         "weight": None, "reclaimable": None, "capability": _RESOURCES,
