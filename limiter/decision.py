@@ -124,7 +124,8 @@ def _scheduled_by(policy: TenantPolicy) -> tuple[Any, ...]:
     """The limits retry slots are computed from (what the Redis scripts compare too)."""
     return (policy.request_rate, policy.request_burst, policy.token_rate, policy.token_burst,
             policy.window_limit, policy.window_ms, policy.max_concurrency,
-            policy.concurrency_retry_ms, policy.daily_token_quota, policy.monthly_token_quota)
+            policy.concurrency_retry_ms, policy.daily_token_quota, policy.monthly_token_quota,
+            policy.shaping_rate, policy.shaping_backlog)
 
 
 def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> BucketView | None:

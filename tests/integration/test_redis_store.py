@@ -191,6 +191,25 @@ async def test_parity_with_memory_store(
     assert await shared.usage("acme", pols[which]) == await memory.usage("acme", pols[which])
 
 
+async def test_a_shaping_change_forgets_the_promised_retry_slots_in_both_stores(
+        client: aioredis.Redis) -> None:
+    """Found by the parity test above (CI, 2026-12-04): the scripts forgot the retry slots
+    promised under the old limits when only the shaping changed, the memory store kept them
+    (50 ms against 150 for the fourth refusal below)."""
+    await client.flushdb()
+    clock = FakeClock()
+    memory, shared = MemoryStore(clock), RedisStore(client, clock=clock)
+    plain = TenantPolicy(request_rate=Rate(1, 50), request_burst=1)
+    shaped = dataclasses.replace(plain, shaping_rate=Rate(1, 50), shaping_backlog=0)
+    waits = []
+    for n, policy in enumerate([plain, plain, plain, shaped]):
+        got = [await store.admit("acme", policy, Cost(0, 0, 1), f"lease-{n}")
+               for store in (memory, shared)]
+        assert got[0] == got[1]
+        waits.append(getattr(got[0], "retry_after_ms", None))
+    assert waits == [None, 50, 100, 50]  # a herd's slots, then the exact wait again
+
+
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.data(), policies(quotas=True), starts)
