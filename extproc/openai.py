@@ -67,7 +67,7 @@ class InferenceRequest:
     message_count: int
     max_output_tokens: int | None  # None: the request set no cap
     stream: bool
-    choices: int  # max(n, best_of): the engine generates this many answers
+    choices: int  # max(n, best_of), × the prompts of a batch: the answers the engine makes
     media_parts: int = 0  # chat content parts that are not text (images, audio, …)
     request_class: str | None = None  # set once classified (the metrics' class label)
 
@@ -175,6 +175,8 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     elif stream:
         _check_stream_options(body.get("stream_options"))
     choices = 1 if path == EMBEDDINGS else max(_count(body, "n"), _count(body, "best_of"))
+    if path == COMPLETIONS:  # a list of prompts is a batch: each gets its own answers
+        choices *= len(texts)
     # positional: matching eight keyword arguments costs as much as the rest of the call
     return InferenceRequest(path, body, model, texts, messages, output, stream, choices,
                             media)

@@ -4,7 +4,8 @@ Prompt tokens come from the model's tokenizer when one is configured (chat promp
 with its chat template, as vLLM does), else a chars-per-token estimate plus a guess at the
 chat template's overhead per message; media content parts (images, audio, …) add the model's
 ``tokens_per_media_part``, or are refused where it is unset; output tokens are the request's
-``max_tokens`` (or the model's default) times the answers it asks for (``n``, ``best_of``).
+``max_tokens`` (or the model's default) times the answers it asks for (``n``, ``best_of``,
+each prompt of a completions batch).
 The reservation is reconciled with the engine's real usage when the request ends.
 """
 

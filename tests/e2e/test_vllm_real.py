@@ -330,16 +330,16 @@ def test_kvgate_asks_real_vllm_for_its_series_alone(gateway, client):
     assert parse_metrics(short) == parse_metrics(whole)  # idle: the values agree too
 
 
-def _used_tokens(kvgate) -> float:
-    """kvgate's ``kvgate_tokens_used_total{tenant="acme"}``, prompt and completion."""
+def _used_tokens(kvgate, name: str = "kvgate_tokens_used_total") -> float:
+    """kvgate's ``kvgate_tokens_used_total{tenant="acme"}``, prompt and completion (or
+    another of its per-tenant token counters)."""
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     text = generate_latest(kvgate.server.metrics.registry).decode()
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples
-               if sample.name == "kvgate_tokens_used_total"
-               and sample.labels["tenant"] == "acme")
+               if sample.name == name and sample.labels["tenant"] == "acme")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -399,6 +399,26 @@ def test_a_request_without_max_tokens_stops_where_kvgate_reserved(gateway, strea
     while director.active and time.monotonic() < deadline:  # settled before the next test
         time.sleep(0.05)
     assert not director.active
+
+
+def test_a_batch_of_prompts_is_reserved_for_every_answer_vllm_makes(gateway):
+    """``prompt`` as a list: vLLM answers each prompt ``n`` times, and kvgate reserves the
+    output of every one of those answers."""
+    kvgate, envoy = gateway
+    reserved = _used_tokens(kvgate, "kvgate_tokens_reserved_total")
+    body = {"model": SERVED_MODEL_NAME, "prompt": ["the quick", "brown fox", "jumps over"],
+            "max_tokens": 4, "n": 2, "ignore_eos": True}
+    response = httpx.post(envoy.url + "/v1/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert len(answer["choices"]) == 6
+    assert answer["usage"]["completion_tokens"] == 6 * 4
+    reserved = _used_tokens(kvgate, "kvgate_tokens_reserved_total") - reserved
+    assert reserved == answer["usage"]["prompt_tokens"] + 6 * 4
+    director, deadline = kvgate.server.director, time.monotonic() + 10
+    while director.active and time.monotonic() < deadline:  # settled before the next test
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions"])

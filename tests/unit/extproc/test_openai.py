@@ -171,6 +171,16 @@ def test_null_is_the_default_where_the_spec_allows_it():
     assert streamed.stream and not streamed.wants_usage_chunk
 
 
+def test_a_batch_of_completion_prompts_gets_answers_for_each():
+    """``prompt`` as a list is a batch: the engine answers every prompt ``n`` times."""
+    body = {"model": "m", "max_tokens": 10, "n": 2}
+    assert parse({**body, "prompt": ["a", "b", "c"]}, COMPLETIONS).choices == 6
+    assert parse({**body, "prompt": [[1, 2], [3]]}, COMPLETIONS).choices == 4
+    assert parse({**body, "prompt": [1, 2, 3]}, COMPLETIONS).choices == 2  # one prompt's ids
+    assert parse({**body, "prompt": "abc"}, COMPLETIONS).choices == 2
+    assert parse({**body, "input": ["a", "b"]}, EMBEDDINGS).choices == 1
+
+
 def test_n_and_best_of_multiply_the_output_reservation():
     body = {"model": "m", "messages": [{"content": "a"}], "max_tokens": 10}
     assert parse({**body, "n": 3}).choices == 3
