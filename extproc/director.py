@@ -32,7 +32,7 @@ from extproc.datalayer.endpoints import EndpointStore
 from extproc.flow import FlowController, Waiter
 from extproc.leases import LeaseBook
 from extproc.openai import InferenceRequest
-from extproc.pricing import Pricer
+from extproc.pricing import Pricer, output_cap
 from extproc.rejections import RecentRejections
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tenants import Tenants
@@ -165,7 +165,7 @@ class Director:
         # a request that set no output cap runs to what was reserved for it, not to the
         # engine's default (the rest of its context): it cannot outgrow its KV or its price
         cap = {} if request.max_output_tokens is not None else {
-            "max_tokens": model.default_max_tokens}
+            "max_tokens": output_cap(model, request)}
 
         def route_now() -> Route | Reject:
             route = self._route(tenant, scheduler, cost, klass)

@@ -12,7 +12,7 @@ The reservation is reconciled with the engine's real usage when the request ends
 from __future__ import annotations
 
 from extproc.config import Config, Model, Pool
-from extproc.openai import BadRequest, InferenceRequest
+from extproc.openai import MAX_COUNT, BadRequest, InferenceRequest
 from extproc.tokens import TokenCounter, make_counter
 from limiter.outcome import Cost
 
@@ -43,10 +43,19 @@ class Pricer:
         prompt = self._counters[model.name].prompt_tokens(request)
         if request.media_parts:
             prompt += media_tokens(model, request.media_parts)
-        output = request.max_output_tokens
-        output = model.default_max_tokens if output is None else output
         # n / best_of: the engine generates (and holds KV for) that many answers
-        return Cost(prompt, output * request.choices)
+        return Cost(prompt, output_cap(model, request) * request.choices)
+
+
+def output_cap(model: Model, request: InferenceRequest) -> int:
+    """The most output tokens one answer may make: the request's ``max_tokens``, else the
+    model's ``default_max_tokens`` (kvgate then sends it as the request's cap), but not
+    below the request's ``min_tokens`` (vLLM refuses a cap under it)."""
+    if request.max_output_tokens is not None:
+        return request.max_output_tokens
+    floor = request.body.get("min_tokens")
+    floor = floor if isinstance(floor, int) and not isinstance(floor, bool) else 0
+    return max(model.default_max_tokens, min(floor, MAX_COUNT))
 
 
 def media_tokens(model: Model, parts: int) -> int:

@@ -94,6 +94,14 @@ async def test_a_request_without_an_output_cap_runs_to_what_was_reserved():
     assert outcome.cost.max_output_tokens == 200
     capped = await director.admit(tenant, request(max_tokens=50))
     assert capped.body_overrides == {}
+    for admitted in (outcome, capped):
+        await director.release(admitted, None)
+    body = {"model": "big-model", "min_tokens": 250, "messages": [{"content": "x"}]}
+    floored = await director.admit(tenant, parse_body("/v1/chat/completions",
+                                                      orjson.dumps(body)))
+    assert isinstance(floored, Admission), floored
+    assert floored.body_overrides == {"max_tokens": 250}  # vLLM refuses a cap below it
+    assert floored.cost.max_output_tokens == 250
 
 
 async def test_degradation_caps_a_request_without_an_output_cap_to_its_own_cap():
