@@ -461,6 +461,15 @@ def _local_reply_config() -> Any:
     )
 
     own = _ENVOY_OWN_REPLY
+    do_not_retry = [_header_option(k, v) for k, v in DO_NOT_RETRY.items()]
+
+    def refusal(condition: str, message: str) -> Any:
+        """A client fault Envoy answers with no body (or only a status phrase): say it."""
+        return ResponseMapper(filter=_cel_filter(f"{own} && {condition}"),
+                              body=DataSource(inline_string=message),
+                              body_format_override=_json_error_format("invalid_request_error"),
+                              headers_to_add=do_not_retry)
+
     return LocalReplyConfig(
         mappers=[
             # ext_proc could not reach kvgate, the stream failed or a message timed out:
@@ -491,22 +500,13 @@ def _local_reply_config() -> Any:
             ),
             # Envoy could not parse the request (a header line without a colon, an escaped NUL
             # in the path, …): its body is empty, so say what happened
-            ResponseMapper(
-                filter=_cel_filter(f"{own} && response.code == 400 && {_UNPARSABLE}"),
-                body=DataSource(inline_string=MALFORMED_MESSAGE),
-                body_format_override=_json_error_format("invalid_request_error"),
-                headers_to_add=[_header_option(k, v) for k, v in DO_NOT_RETRY.items()],
-            ),
-            *(ResponseMapper(
-                filter=_cel_filter(f"{own} && response.code_details == '{details}'"),
-                body=DataSource(inline_string=message),
-                body_format_override=_json_error_format("invalid_request_error"),
-                headers_to_add=[_header_option(k, v) for k, v in DO_NOT_RETRY.items()],
-            ) for details, message in REFUSAL_MESSAGES.items()),
+            refusal(f"response.code == 400 && {_UNPARSABLE}", MALFORMED_MESSAGE),
+            *(refusal(f"response.code_details == '{details}'", message)
+              for details, message in REFUSAL_MESSAGES.items()),
             ResponseMapper(
                 filter=_cel_filter(f"{own} && {_CLIENT_FAULT}"),
                 body_format_override=_json_error_format("invalid_request_error"),
-                headers_to_add=[_header_option(k, v) for k, v in DO_NOT_RETRY.items()],
+                headers_to_add=do_not_retry,
             ),
             ResponseMapper(
                 filter=_cel_filter(f"{own} && response.code >= 400"),
