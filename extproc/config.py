@@ -264,9 +264,10 @@ class Model(_Strict):
         "they are counted; give the engine's --chat-template here if it was started with one",
     )
     default_max_tokens: PositiveInt = Field(
-        1024, description="output tokens reserved when the request sets no max_tokens, and "
+        1024, description="output tokens reserved when a chat request sets no max_tokens, and "
         "sent to the engine as its max_tokens (the engine's own default is the rest of the "
-        "context, which kvgate did not reserve)"
+        "context, which kvgate did not reserve); a completions request without one gets the "
+        "API's default of 16 (this, when lower)"
     )
     tokens_per_media_part: PositiveInt | None = Field(
         None, description="prompt tokens counted for each chat content part that is not "

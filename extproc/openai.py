@@ -28,6 +28,10 @@ ROUTES: dict[str, frozenset[str]] = {
 }
 PER_MESSAGE_OVERHEAD_TOKENS = 3  # chat-template tokens around each message
 MAX_COUNT = 2**31 - 1  # no sane max_tokens, n or best_of is larger (vLLM's are int32-bound)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the completions API's cap when max_tokens is absent or null
+# The fields that cap one answer, the first set wins: chat takes max_completion_tokens over
+# max_tokens; the completions API has only max_tokens (an engine ignores the other there).
+OUTPUT_CAP_FIELDS = {CHAT: ("max_completion_tokens", "max_tokens"), COMPLETIONS: ("max_tokens",)}
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 """Content part types that are text, and the field holding it; any other type is media."""
 RENDERED_FIELDS = ("tools", "functions", "documents")
@@ -260,10 +264,13 @@ def _plain_texts(value: Any, field: str) -> list[str]:
 def _max_output_tokens(path: str, body: dict[str, Any]) -> int | None:
     if path == EMBEDDINGS:
         return 0
-    for name in ("max_completion_tokens", "max_tokens"):
+    for name in OUTPUT_CAP_FIELDS[path]:
         value = body.get(name)
         if value is None:
             continue
+        if value == 0 and path == COMPLETIONS and body.get("echo") is True and \
+                type(value) is int:
+            return 1  # prompt scoring: the engine echoes the prompt and runs one step
         return _positive(value, name)
     return None
 
@@ -295,8 +302,9 @@ def mutate_body(
     body = request.body
     if overrides:
         for name, value in overrides.items():
-            if name == "max_tokens" and "max_completion_tokens" in body:
-                name = "max_completion_tokens"
+            if name == "max_tokens":
+                name = next((field for field in OUTPUT_CAP_FIELDS.get(request.path, ())
+                             if body.get(field) is not None), "max_tokens")
             body[name] = value
     if priority is None:
         body.pop("priority", None)

@@ -12,7 +12,13 @@ The reservation is reconciled with the engine's real usage when the request ends
 from __future__ import annotations
 
 from extproc.config import Config, Model, Pool
-from extproc.openai import MAX_COUNT, BadRequest, InferenceRequest
+from extproc.openai import (
+    COMPLETIONS,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_COUNT,
+    BadRequest,
+    InferenceRequest,
+)
 from extproc.tokens import TokenCounter, make_counter
 from limiter.outcome import Cost
 
@@ -49,13 +55,17 @@ class Pricer:
 
 def output_cap(model: Model, request: InferenceRequest) -> int:
     """The most output tokens one answer may make: the request's ``max_tokens``, else the
-    model's ``default_max_tokens`` (kvgate then sends it as the request's cap), but not
-    below the request's ``min_tokens`` (vLLM refuses a cap under it)."""
+    model's ``default_max_tokens`` (the completions API's own default of 16 when that is
+    less; kvgate then sends it as the request's cap), but not below the request's
+    ``min_tokens`` (vLLM refuses a cap under it)."""
     if request.max_output_tokens is not None:
         return request.max_output_tokens
+    default = model.default_max_tokens
+    if request.path == COMPLETIONS:
+        default = min(default, COMPLETIONS_DEFAULT_MAX_TOKENS)
     floor = request.body.get("min_tokens")
     floor = floor if isinstance(floor, int) and not isinstance(floor, bool) else 0
-    return max(model.default_max_tokens, min(floor, MAX_COUNT))
+    return max(default, min(floor, MAX_COUNT))
 
 
 def media_tokens(model: Model, parts: int) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from extproc.chat_template import ChatTemplate
 from extproc.chat_template import load as load_chat_template
@@ -40,6 +40,9 @@ class CharEstimate:
         return math.ceil(sum(map(len, texts)) / self.chars_per_token)
 
     def prompt_tokens(self, request: InferenceRequest) -> int:
+        ids = _given_token_ids(request)
+        if ids is not None:
+            return ids
         return self.count(request.prompt_texts) + _estimated_chat_overhead(request)
 
 
@@ -83,8 +86,8 @@ class HFTokenizer:
                     special = body.get("add_special_tokens") is True  # vLLM's default: no
                     return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
             return self.count(request.prompt_texts) + _estimated_chat_overhead(request)
-        ids = _token_ids(body.get("prompt" if request.path == COMPLETIONS else "input"))
-        if ids is not None:  # token ids are counted as given, no BOS added
+        ids = _given_token_ids(request)
+        if ids is not None:
             return ids
         special = body.get("add_special_tokens") is not False  # vLLM's default: yes
         encodings = self.tokenizer.encode_batch(request.prompt_texts,
@@ -101,8 +104,12 @@ class HFTokenizer:
                     origin, type(exc).__name__, exc, PER_MESSAGE_OVERHEAD_TOKENS)
 
 
-def _token_ids(value: Any) -> int | None:
-    """How many tokens a prompt given as token ids (or lists of them) holds; None for text."""
+def _given_token_ids(request: InferenceRequest) -> int | None:
+    """How many tokens a completions or embeddings prompt given as token ids (or lists of
+    them) holds, counted as given (no BOS added); None for text and for chat."""
+    if request.path == CHAT:
+        return None
+    value = request.body.get("prompt" if request.path == COMPLETIONS else "input")
     if not isinstance(value, list) or not value:
         return None
     if all(isinstance(v, int) for v in value):

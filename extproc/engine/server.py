@@ -146,13 +146,17 @@ def message_text(content: Any) -> str:
 
 
 def prompt_token_count(prompt: Any) -> int:
-    """Tokens of a completions ``prompt``: words of the string(s), or the number of ids."""
+    """Tokens of a completions ``prompt``: words of the string(s), or the number of ids (a
+    batch's answered as one prompt here)."""
     if isinstance(prompt, str):
         return count_words(prompt)
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         return sum(count_words(p) for p in prompt)
     if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
         return len(prompt)
+    if isinstance(prompt, list) and all(isinstance(p, list) and all(isinstance(t, int) for t in p)
+                                        for p in prompt):
+        return sum(map(len, prompt))
     raise ApiError(400, "prompt must be a string, a list of strings or a list of token ids",
                    param="prompt")
 

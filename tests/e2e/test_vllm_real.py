@@ -421,6 +421,27 @@ def test_a_batch_of_prompts_is_reserved_for_every_answer_vllm_makes(gateway):
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize(("caps", "made"), [
+    ({"max_completion_tokens": 1, "max_tokens": 5}, 5),  # vLLM ignores the first here
+    ({}, min(DEFAULT_CAP, 16)),  # the completions API's default is 16 tokens
+])
+def test_a_completion_is_reserved_for_the_cap_vllm_runs_to(gateway, caps, made):
+    kvgate, envoy = gateway
+    reserved = _used_tokens(kvgate, "kvgate_tokens_reserved_total")
+    body = {"model": SERVED_MODEL_NAME, "prompt": "the quick brown fox", "ignore_eos": True,
+            **caps}
+    response = httpx.post(envoy.url + "/v1/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["completion_tokens"] == made
+    reserved = _used_tokens(kvgate, "kvgate_tokens_reserved_total") - reserved
+    assert reserved == usage["prompt_tokens"] + made
+    director, deadline = kvgate.server.director, time.monotonic() + 10
+    while director.active and time.monotonic() < deadline:  # settled before the next test
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions"])
 def test_a_path_vllm_routes_elsewhere_reaches_it_as_kvgate_metered_it(gateway, path):
     """Straight to vLLM these get a 307 redirect and a 404; kvgate meters both as chat, and

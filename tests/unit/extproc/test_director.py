@@ -102,6 +102,13 @@ async def test_a_request_without_an_output_cap_runs_to_what_was_reserved():
     assert isinstance(floored, Admission), floored
     assert floored.body_overrides == {"max_tokens": 250}  # vLLM refuses a cap below it
     assert floored.cost.max_output_tokens == 250
+    await director.release(floored, None)
+    # the completions API's own default is 16: kvgate reserves and sends that, not 200
+    completion = await director.admit(tenant, parse_body("/v1/completions", orjson.dumps(
+        {"model": "big-model", "prompt": "x", "max_tokens": None})))
+    assert isinstance(completion, Admission), completion
+    assert completion.body_overrides == {"max_tokens": 16}
+    assert completion.cost.max_output_tokens == 16
 
 
 async def test_degradation_caps_a_request_without_an_output_cap_to_its_own_cap():

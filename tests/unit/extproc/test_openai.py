@@ -82,6 +82,34 @@ def test_output_cap_prefers_max_completion_tokens():
                   "max_completion_tokens": None}).max_output_tokens == 9
 
 
+def test_completions_are_capped_by_max_tokens_alone():
+    """The completions API has no max_completion_tokens: an engine ignores it there, so a
+    request must not be reserved by it while the engine runs to max_tokens."""
+    body = {"model": "m", "prompt": "x", "max_completion_tokens": 1}
+    assert parse({**body, "max_tokens": 500}, COMPLETIONS).max_output_tokens == 500
+    assert parse(body, COMPLETIONS).max_output_tokens is None
+    capped = parse({**body, "max_tokens": 500}, COMPLETIONS)
+    sent = orjson.loads(mutate_body(capped, priority=None, inject_usage=False,
+                                    overrides={"max_tokens": 20}))
+    assert (sent["max_tokens"], sent["max_completion_tokens"]) == (20, 1)
+    chat = parse({"model": "m", "messages": [{"content": "x"}], "max_tokens": 500,
+                  "max_completion_tokens": None})
+    sent = orjson.loads(mutate_body(chat, priority=None, inject_usage=False,
+                                    overrides={"max_tokens": 20}))
+    assert (sent["max_tokens"], sent["max_completion_tokens"]) == (20, None)
+
+
+def test_completions_prompt_scoring_runs_one_step():
+    """echo with max_tokens 0 scores the prompt: the engine runs one step for it."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 0}
+    assert parse({**body, "echo": True}, COMPLETIONS).max_output_tokens == 1
+    for refused in (body, {**body, "messages": [{"content": "x"}], "echo": True}):
+        with pytest.raises(BadRequest):
+            parse(refused, CHAT if "messages" in refused else COMPLETIONS)
+    with pytest.raises(BadRequest):
+        parse({**body, "echo": True, "max_tokens": False}, COMPLETIONS)
+
+
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [

@@ -86,6 +86,12 @@ def test_char_estimate_rounds_up():
     assert CharEstimate(4).count([]) == 0
 
 
+def test_char_estimate_counts_token_ids_as_given():
+    """Whatever chars_per_token is: ids are tokens, not text."""
+    assert CharEstimate(7.5).prompt_tokens(request(COMPLETIONS, prompt=[5, 6, 7])) == 3
+    assert CharEstimate(2).prompt_tokens(request(EMBEDDINGS, input=[[5], [6, 7]])) == 3
+
+
 def test_char_estimate_adds_a_per_message_allowance():
     assert CharEstimate(4).prompt_tokens(chat(USER)) == 3 + 3  # ceil(11/4) + 3
 

@@ -114,6 +114,8 @@ def test_completion(client: httpx.Client) -> None:
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens"] == 3
+    r = client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == 3  # vLLM takes a batch of token ids too
 
 
 def test_embeddings_are_deterministic(client: httpx.Client) -> None:
