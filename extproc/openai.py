@@ -32,6 +32,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the completions API's cap when max_tokens
 # The fields that cap one answer, the first set wins: chat takes max_completion_tokens over
 # max_tokens; the completions API has only max_tokens (an engine ignores the other there).
 OUTPUT_CAP_FIELDS = {CHAT: ("max_completion_tokens", "max_tokens"), COMPLETIONS: ("max_tokens",)}
+SERVING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+"""Fields the serving system sets between its own parts (disaggregated prefill and decode):
+from a client they could replace the prompt kvgate metered (vLLM prefills
+``kv_transfer_params.prompt_token_ids`` instead of the messages), so they are refused."""
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 """Content part types that are text, and the field holding it; any other type is media."""
 RENDERED_FIELDS = ("tools", "functions", "documents")
@@ -163,6 +167,7 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
+    _refuse_unmetered_prompts(path, body)
     field = prompt_field(path)
     media = 0
     if path == CHAT:
@@ -184,6 +189,18 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     # positional: matching eight keyword arguments costs as much as the rest of the call
     return InferenceRequest(path, body, model, texts, messages, output, stream, choices,
                             media)
+
+
+def _refuse_unmetered_prompts(path: str, body: dict[str, Any]) -> None:
+    """Default-deny for what an engine would run in place of, or beside, the prompt kvgate
+    counts: prompt embeddings (their length shows in no text) and the serving fields."""
+    for name in SERVING_FIELDS:
+        if body.get(name) is not None:
+            raise BadRequest(f"'{name}' is set by the serving system, not by clients",
+                             code="unsupported_parameter", param=name)
+    if path == COMPLETIONS and body.get("prompt_embeds") not in (None, []):
+        raise BadRequest("this gateway cannot meter 'prompt_embeds': send the prompt as text "
+                         "or token ids", code="unsupported_content", param="prompt_embeds")
 
 
 def _chat_texts(messages: Any) -> tuple[list[str], int, int]:

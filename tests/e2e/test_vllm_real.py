@@ -442,6 +442,23 @@ def test_a_completion_is_reserved_for_the_cap_vllm_runs_to(gateway, caps, made):
         time.sleep(0.05)
 
 
+def test_a_prompt_vllm_would_take_from_kv_transfer_params_is_refused(vllm, gateway):
+    """Straight to vLLM, ``kv_transfer_params.prompt_token_ids`` replaces the messages as
+    the prompt (disaggregated serving's decode-side reuse): 500 tokens prefilled for a
+    two-word message kvgate would count. Through kvgate: a 400 before anything runs."""
+    _kvgate, envoy = gateway
+    body = chat_body("hello there", max_tokens=1,
+                     kv_transfer_params={"prompt_token_ids": [10 + i % 200 for i in range(500)]})
+    direct = httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=120)
+    assert direct.status_code == 200, direct.text
+    assert direct.json()["usage"]["prompt_tokens"] == 500
+    body["kv_transfer_params"] = {"prompt_token_ids": [10 + i % 200 for i in range(500)]}
+    refused = httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120,
+                         headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "kv_transfer_params"
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions"])
 def test_a_path_vllm_routes_elsewhere_reaches_it_as_kvgate_metered_it(gateway, path):
     """Straight to vLLM these get a 307 redirect and a 404; kvgate meters both as chat, and

@@ -99,6 +99,23 @@ def test_completions_are_capped_by_max_tokens_alone():
     assert (sent["max_tokens"], sent["max_completion_tokens"]) == (20, None)
 
 
+@pytest.mark.parametrize(("path", "field", "value", "code"), [
+    (CHAT, "kv_transfer_params", {"prompt_token_ids": [1] * 500}, "unsupported_parameter"),
+    (COMPLETIONS, "kv_transfer_params", {"do_remote_prefill": True}, "unsupported_parameter"),
+    (CHAT, "ec_transfer_params", {}, "unsupported_parameter"),
+    (COMPLETIONS, "prompt_embeds", "AAAA", "unsupported_content"),
+    (COMPLETIONS, "prompt_embeds", ["AAAA"], "unsupported_content"),
+])
+def test_what_an_engine_would_run_instead_of_the_counted_prompt_is_refused(
+        path, field, value, code):
+    """vLLM prefills kv_transfer_params.prompt_token_ids in place of the messages, and
+    prompt_embeds beside the prompt: neither shows in the text kvgate counts."""
+    body = {"model": "m", "messages": [{"content": "hi"}], "prompt": "hi", "max_tokens": 1}
+    refused = error({**body, field: value}, path)
+    assert (refused.status, refused.code, refused.param) == (400, code, field)
+    assert parse({**body, field: None}, path).prompt_texts == ["hi"]
+
+
 def test_completions_prompt_scoring_runs_one_step():
     """echo with max_tokens 0 scores the prompt: the engine runs one step for it."""
     body = {"model": "m", "prompt": "x", "max_tokens": 0}
