@@ -175,6 +175,9 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
         texts.extend(_rendered_fields(body))
     else:
         texts, messages = _plain_texts(body.get(field), field), 0
+        suffix = body.get("suffix") if path == COMPLETIONS else None
+        if isinstance(suffix, str) and suffix:  # a fill-in-the-middle model renders it
+            texts = [text + suffix for text in texts]  # into every prompt
     output = _max_output_tokens(path, body)
     stream = body.get("stream")
     if stream is None:  # absent, or null as the spec allows: not streamed
@@ -201,6 +204,9 @@ def _refuse_unmetered_prompts(path: str, body: dict[str, Any]) -> None:
     if path == COMPLETIONS and body.get("prompt_embeds") not in (None, []):
         raise BadRequest("this gateway cannot meter 'prompt_embeds': send the prompt as text "
                          "or token ids", code="unsupported_content", param="prompt_embeds")
+    if path == EMBEDDINGS and body.get("messages") is not None:
+        raise BadRequest("this gateway meters embeddings of 'input' text or token ids, not of "
+                         "chat 'messages'", code="unsupported_content", param="messages")
 
 
 def _chat_texts(messages: Any) -> tuple[list[str], int, int]:

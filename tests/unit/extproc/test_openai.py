@@ -105,15 +105,27 @@ def test_completions_are_capped_by_max_tokens_alone():
     (CHAT, "ec_transfer_params", {}, "unsupported_parameter"),
     (COMPLETIONS, "prompt_embeds", "AAAA", "unsupported_content"),
     (COMPLETIONS, "prompt_embeds", ["AAAA"], "unsupported_content"),
+    (EMBEDDINGS, "messages", [{"role": "user", "content": "x" * 9999}], "unsupported_content"),
 ])
 def test_what_an_engine_would_run_instead_of_the_counted_prompt_is_refused(
         path, field, value, code):
     """vLLM prefills kv_transfer_params.prompt_token_ids in place of the messages, and
     prompt_embeds beside the prompt: neither shows in the text kvgate counts."""
-    body = {"model": "m", "messages": [{"content": "hi"}], "prompt": "hi", "max_tokens": 1}
+    body = {"model": "m", "messages": [{"content": "hi"}], "prompt": "hi", "input": "hi",
+            "max_tokens": 1}
+    if path == EMBEDDINGS:
+        del body["messages"]
     refused = error({**body, field: value}, path)
     assert (refused.status, refused.code, refused.param) == (400, code, field)
     assert parse({**body, field: None}, path).prompt_texts == ["hi"]
+
+
+def test_a_completion_suffix_counts_in_every_prompt():
+    """A fill-in-the-middle model renders the suffix into each prompt of the batch."""
+    body = {"model": "m", "prompt": ["ab", "c"], "suffix": "xyz", "max_tokens": 1}
+    assert parse(body, COMPLETIONS).prompt_texts == ["abxyz", "cxyz"]
+    assert parse({**body, "suffix": None}, COMPLETIONS).prompt_texts == ["ab", "c"]
+    assert body["prompt"] == ["ab", "c"]
 
 
 def test_completions_prompt_scoring_runs_one_step():
