@@ -38,7 +38,7 @@ from a client they could replace the prompt kvgate metered (vLLM prefills
 ``kv_transfer_params.prompt_token_ids`` instead of the messages), so they are refused."""
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 """Content part types that are text, and the field holding it; any other type is media."""
-RENDERED_FIELDS = ("tools", "functions", "documents")
+RENDERED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
 """Chat request fields besides ``messages`` that chat templates render into the prompt."""
 
 
@@ -225,6 +225,10 @@ def _chat_texts(messages: Any) -> tuple[list[str], int, int]:
         elif content is not None:  # null: tool calls
             media += _content_parts(content, f"messages[{i}].content", texts)
         texts.extend(_calls(message))
+        # name, reasoning, tool_call_id…: templates render them, and a field kvgate did not
+        # count must not carry a prompt
+        texts.extend(value for key, value in message.items()
+                     if key not in ("role", "content") and isinstance(value, str))
     return texts, len(messages), media
 
 

@@ -56,10 +56,12 @@ def test_what_chat_templates_render_besides_content_is_counted():
              "function": {"name": "search", "arguments": '{"q": "kv"}'}}, "junk"]},
         {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
         {"role": "tool", "tool_call_id": "1", "content": "found"},
-    ]})
+        {"role": "assistant", "content": "ok", "name": "bot", "reasoning": "think " * 3},
+    ], "chat_template_kwargs": {"enable_thinking": True}})
     assert request.prompt_texts == [
-        "find it", "search", '{"q": "kv"}', "", "f", "{}", "found",
-        orjson.dumps(tools).decode(), '[{"text":"doc"}]']
+        "find it", "search", '{"q": "kv"}', "", "f", "{}", "found", "1",
+        "ok", "bot", "think think think ",
+        orjson.dumps(tools).decode(), '[{"text":"doc"}]', '{"enable_thinking":true}']
     assert request.media_parts == 0
 
 
