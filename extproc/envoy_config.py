@@ -34,6 +34,7 @@ import yaml
 
 from extproc.headers import (
     DESTINATION_HEADER,
+    ENGINE_CONTROL_HEADERS,
     EXT_PROC_HEADERS,
     KVGATE_HEADER_PREFIX,
     LB_NAMESPACE,
@@ -672,6 +673,7 @@ def _http_connection_manager(config: Config) -> Any:
         route_config=RouteConfiguration(
             name="kvgate_routes",
             virtual_hosts=[VirtualHost(name="kvgate", domains=["*"], routes=routes,
+                                       request_headers_to_remove=list(ENGINE_CONTROL_HEADERS),
                                        response_headers_to_add=_ratelimit_headers())],
         ),
         http_filters=[*([_strip_filter()] if env.request_attributes else []),

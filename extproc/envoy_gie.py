@@ -36,7 +36,7 @@ from extproc.envoy_config import (
     client_timeouts,
     idle_timeout_s,
 )
-from extproc.headers import DESTINATION_HEADER, LB_NAMESPACE
+from extproc.headers import DESTINATION_HEADER, ENGINE_CONTROL_HEADERS, LB_NAMESPACE
 
 if TYPE_CHECKING:
     from extproc.config import Config
@@ -96,7 +96,8 @@ def _http_connection_manager(config: Config) -> Any:
         stat_prefix=GATEWAY_LISTENER,
         **client_timeouts(config),
         route_config=RouteConfiguration(name="gie_routes", virtual_hosts=[
-            VirtualHost(name="gie", domains=["*"], routes=[route])]),
+            VirtualHost(name="gie", domains=["*"], routes=[route],
+                        request_headers_to_remove=list(ENGINE_CONTROL_HEADERS))]),
         http_filters=[_ext_proc_filter(config), _router_filter()],
     )
 
