@@ -688,8 +688,9 @@ class EnvoySettings(_Strict):
     max_heap_mb: int = Field(
         1024, ge=32, description="Envoy's heap cap (MiB; set it to about 75% of the memory "
         "Envoy may use): past 95% of it Envoy refuses new requests (JSON 503, retry-after 1) "
-        "and cuts off connections still sending, so clients sending large bodies slowly "
-        "cannot exhaust its memory"
+        "and cuts off HTTP/1 connections still sending; from 90% it resets the HTTP/2 "
+        "streams holding the most; so clients sending large bodies slowly cannot exhaust "
+        "its memory"
     )
     request_attributes: bool = Field(
         True, description="inference POSTs with a body skip the ext_proc headers phase: the "

@@ -77,6 +77,13 @@ CIRCUIT_BREAKER_LIMIT = 1_000_000
 MAX_DOWNSTREAM_CONNECTIONS = 50_000
 HEAP_MONITOR = "envoy.resource_monitors.fixed_heap"
 HEAP_SHRINK, HEAP_SHED = 0.90, 0.95  # shares of envoy.max_heap_mb: free memory back; shed
+# streams holding at least 2**this many bytes (a 64 KiB body) are tracked, so that past
+# HEAP_SHRINK the largest can be reset (HTTP/2 streams: Envoy accounts no HTTP/1 stream)
+TRACKED_STREAM_BYTES_LOG2 = 16
+# a client's HTTP/2 connection: at most 100 requests at once, and the flow-control windows
+# Envoy advises for an edge (its defaults let one connection push 256 MiB unread)
+CLIENT_HTTP2 = {"max_concurrent_streams": 100, "initial_stream_window_size": 65_536,
+                "initial_connection_window_size": 1_048_576}
 
 RUNTIME_FLAGS = {
     # Envoy resets each ext_proc stream it is done with (kvgate takes that as the normal end
@@ -134,16 +141,20 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def client_timeouts(config: Config) -> dict[str, Any]:
-    """The HTTP connection manager's timers on the client's side, for every gateway kvgate
-    renders: how long a request may see no bytes either way (:func:`idle_timeout_s`), and a
-    client that trickles its request: headers within ``request_headers_timeout_s``, the
+def client_options(config: Config) -> dict[str, Any]:
+    """The HTTP connection manager's settings on the client's side, for every gateway kvgate
+    renders. Timers: how long a request may see no bytes either way (:func:`idle_timeout_s`),
+    and a client that trickles its request: headers within ``request_headers_timeout_s``, the
     whole request (body included, queueing in kvgate too: up to the ext_proc message
     timeout) within the idle timeout, which outlasts any queueing; a response under way
-    disarms it."""
+    disarms it. HTTP/2: Envoy's own advice for an edge (:data:`CLIENT_HTTP2`) rather than its
+    defaults (2³¹ streams on one connection, 256 MiB windows)."""
+    from envoy_data_plane.envoy.config.core.v3 import Http2ProtocolOptions
+
     idle = _seconds(idle_timeout_s(config))
     return {"stream_idle_timeout": idle, "request_timeout": idle,
-            "request_headers_timeout": _seconds(config.envoy.request_headers_timeout_s)}
+            "request_headers_timeout": _seconds(config.envoy.request_headers_timeout_s),
+            "http2_protocol_options": Http2ProtocolOptions(**CLIENT_HTTP2)}
 
 
 def idle_timeout_s(config: Config) -> float:
@@ -659,7 +670,7 @@ def _http_connection_manager(config: Config) -> Any:
         stat_prefix=GATEWAY_LISTENER,
         codec_type=HttpConnectionManagerCodecType.AUTO,
         # Also covers replies produced before a route is chosen.
-        **client_timeouts(config),
+        **client_options(config),
         use_remote_address=True,
         # The engine decodes the path before routing, so a path must mean one thing to
         # Envoy, kvgate and the engine (kvgate normalises again, for hand-written configs).
@@ -927,13 +938,17 @@ def _overload_manager(config: Config) -> Any:
     """An explicit cap on downstream connections (and no start-up warning about its absence),
     and a heap cap. Envoy holds each request's body until kvgate admits it, so many clients
     sending large bodies slowly would otherwise grow its memory until it is killed: past
-    :data:`HEAP_SHED` of ``envoy.max_heap_mb`` it refuses new requests and cuts off HTTP/1 and
-    HTTP/2 connections that send more (a JSON 503 each, from :data:`OVERLOAD_MESSAGE`)."""
+    :data:`HEAP_SHED` of ``envoy.max_heap_mb`` it refuses new requests (a JSON 503 each, from
+    :data:`OVERLOAD_MESSAGE`), cuts off HTTP/1 connections that send more and sends HTTP/2
+    ones a GOAWAY; their open streams keep sending after it, so from :data:`HEAP_SHRINK` the
+    streams holding the most memory are reset (Envoy accounts HTTP/2 streams only)."""
     from envoy_data_plane.envoy.config.overload.v3 import (
+        BufferFactoryConfig,
         LoadShedPoint,
         OverloadAction,
         OverloadManager,
         ResourceMonitor,
+        ScaledTrigger,
         ThresholdTrigger,
         Trigger,
     )
@@ -962,8 +977,15 @@ def _overload_manager(config: Config) -> Any:
             ResourceMonitor(name=HEAP_MONITOR, typed_config=AnyMsg.pack(FixedHeapConfig(
                 max_heap_size_bytes=config.envoy.max_heap_mb * 2**20))),
         ],
-        actions=[OverloadAction(name="envoy.overload_actions.shrink_heap",
-                                triggers=past(HEAP_SHRINK))],
+        actions=[
+            OverloadAction(name="envoy.overload_actions.shrink_heap", triggers=past(HEAP_SHRINK)),
+            # HTTP/2 streams already open keep sending after a GOAWAY: the largest are reset
+            OverloadAction(name="envoy.overload_actions.reset_high_memory_stream", triggers=[
+                Trigger(name=HEAP_MONITOR, scaled=ScaledTrigger(
+                    scaling_threshold=HEAP_SHRINK, saturation_threshold=HEAP_SHED))]),
+        ],
+        buffer_factory_config=BufferFactoryConfig(
+            minimum_account_to_track_power_of_two=TRACKED_STREAM_BYTES_LOG2),
         loadshed_points=[LoadShedPoint(name=f"envoy.load_shed_points.{point}",
                                        triggers=past(HEAP_SHED))
                          for point in ("http_connection_manager_decode_headers",

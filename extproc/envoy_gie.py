@@ -33,7 +33,7 @@ from extproc.envoy_config import (
     _router_filter,
     _seconds,
     _socket_address,
-    client_timeouts,
+    client_options,
     idle_timeout_s,
 )
 from extproc.headers import DESTINATION_HEADER, ENGINE_CONTROL_HEADERS, LB_NAMESPACE
@@ -94,7 +94,7 @@ def _http_connection_manager(config: Config) -> Any:
         idle_timeout=idle))
     return HttpConnectionManager(
         stat_prefix=GATEWAY_LISTENER,
-        **client_timeouts(config),
+        **client_options(config),
         route_config=RouteConfiguration(name="gie_routes", virtual_hosts=[
             VirtualHost(name="gie", domains=["*"], routes=[route],
                         request_headers_to_remove=list(ENGINE_CONTROL_HEADERS))]),

@@ -602,6 +602,76 @@ def test_slow_large_bodies_past_the_heap_cap_get_json_503s_and_envoy_recovers(
             "error"]["message"] == EXT_PROC_FAILURE_MESSAGE, timeout=10)
 
 
+@pytest.mark.e2e
+def test_http2_streams_past_the_heap_cap_are_reset_and_envoy_recovers(example: Config) -> None:
+    """HTTP/2 streams already open keep sending after Envoy's GOAWAY (measured: 88 MiB held
+    against a 48 MiB cap without the reset action): past the cap the largest are reset."""
+    import h2.connection
+    import h2.events
+
+    config = with_settings(example, server={"grpc_port": free_port(), "max_body_bytes": 2**20},
+                           envoy={"listen_port": free_port(), "admin_port": free_port(),
+                                  "max_heap_mb": 48})
+    resets = 0
+    with EnvoyProcess(config) as envoy, contextlib.ExitStack() as clients:
+        connections = []
+        for _ in range(10):  # 10 connections × 10 streams × 0.9 MB against a 48 MiB cap
+            client = clients.enter_context(socket.create_connection(
+                ("127.0.0.1", envoy.listen_port), timeout=10))
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection = h2.connection.H2Connection()
+            connection.initiate_connection()
+            client.sendall(connection.data_to_send())
+            connections.append((client, connection))
+            for _ in range(10):
+                resets += send_stalled_h2_body(client, connection, 900_000)
+        assert wait_for(lambda: envoy_memory(envoy) < 60 * 2**20), envoy_memory(envoy)
+        for client, connection in connections:
+            resets += sum(isinstance(event, h2.events.StreamReset)
+                          for event in connection.receive_data(recv_once(client)))
+        clients.close()
+        assert resets, "no stream was reset"
+        assert wait_for(lambda: json.loads(post(envoy.url + "/v1/chat/completions")[2])[
+            "error"]["message"] == EXT_PROC_FAILURE_MESSAGE, timeout=10)
+
+
+def send_stalled_h2_body(client: socket.socket, connection: Any, size: int) -> int:
+    """Open a stream on ``connection`` whose body declares 1 MB and send ``size`` bytes of it
+    as far as flow control lets (then stall); returns the stream resets seen meanwhile."""
+    import h2.events
+
+    stream = connection.get_next_available_stream_id()
+    connection.send_headers(stream, [(":method", "POST"), (":path", "/v1/chat/completions"),
+                                     (":authority", "x"), (":scheme", "http"),
+                                     ("content-length", "1000000")])
+    resets = 0
+    while size and connection.state_machine.state.name != "CLOSED":
+        window = min(16_384, size, connection.local_flow_control_window(stream))
+        if window > 0:
+            connection.send_data(stream, b"x" * window)
+            size -= window
+        else:  # wait for Envoy's window update (or the stream's reset)
+            data = recv_once(client)
+            if not data:
+                break
+            events = connection.receive_data(data)
+            resets += sum(isinstance(event, h2.events.StreamReset) for event in events)
+            if any(isinstance(event, h2.events.StreamReset) and event.stream_id == stream
+                   for event in events):
+                break
+        with contextlib.suppress(OSError):
+            client.sendall(connection.data_to_send())
+    return resets
+
+
+def recv_once(client: socket.socket) -> bytes:
+    """One read of what Envoy sent (b"" when nothing came within 0.2 s, or it hung up)."""
+    client.settimeout(0.2)
+    with contextlib.suppress(TimeoutError, OSError):
+        return client.recv(1 << 20)
+    return b""
+
+
 def envoy_memory(envoy: EnvoyProcess) -> int:
     """Bytes Envoy has allocated now (its ``server.memory_allocated`` stat lags by a flush)."""
     with urllib.request.urlopen(f"{envoy.admin_url}/memory", timeout=5) as response:
