@@ -32,10 +32,13 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the completions API's cap when max_tokens
 # The fields that cap one answer, the first set wins: chat takes max_completion_tokens over
 # max_tokens; the completions API has only max_tokens (an engine ignores the other there).
 OUTPUT_CAP_FIELDS = {CHAT: ("max_completion_tokens", "max_tokens"), COMPLETIONS: ("max_tokens",)}
-SERVING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
-"""Fields the serving system sets between its own parts (disaggregated prefill and decode):
-from a client they could replace the prompt kvgate metered (vLLM prefills
-``kv_transfer_params.prompt_token_ids`` instead of the messages), so they are refused."""
+SERVING_FIELDS = ("kv_transfer_params", "ec_transfer_params",  # vLLM
+                  "bootstrap_host", "bootstrap_port", "bootstrap_room", "session_params")  # SGLang
+"""Fields the serving system sets between its own parts (disaggregated prefill and decode,
+engine sessions): from a client they could replace or extend the prompt kvgate metered
+(vLLM prefills ``kv_transfer_params.prompt_token_ids`` instead of the messages; an SGLang
+session prepends its earlier context), or point an engine at another host for its KV, so
+they are refused."""
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 """Content part types that are text, and the field holding it; any other type is media."""
 RENDERED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
