@@ -33,7 +33,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the completions API's cap when max_tokens
 # max_tokens; the completions API has only max_tokens (an engine ignores the other there).
 OUTPUT_CAP_FIELDS = {CHAT: ("max_completion_tokens", "max_tokens"), COMPLETIONS: ("max_tokens",)}
 SERVING_FIELDS = ("kv_transfer_params", "ec_transfer_params",  # vLLM
-                  "bootstrap_host", "bootstrap_port", "bootstrap_room", "session_params")  # SGLang
+                  "bootstrap_host", "bootstrap_port", "bootstrap_room", "session_params",  # SGLang
+                  "disaggregated_params")  # TensorRT-LLM
 """Fields the serving system sets between its own parts (disaggregated prefill and decode,
 engine sessions): from a client they could replace or extend the prompt kvgate metered
 (vLLM prefills ``kv_transfer_params.prompt_token_ids`` instead of the messages; an SGLang

@@ -107,6 +107,7 @@ def test_completions_are_capped_by_max_tokens_alone():
     (CHAT, "ec_transfer_params", {}, "unsupported_parameter"),
     (CHAT, "session_params", {"id": "s", "offset": 0}, "unsupported_parameter"),
     (COMPLETIONS, "bootstrap_host", "10.0.0.9", "unsupported_parameter"),
+    (CHAT, "disaggregated_params", {"request_type": "generation_only"}, "unsupported_parameter"),
     (COMPLETIONS, "prompt_embeds", "AAAA", "unsupported_content"),
     (COMPLETIONS, "prompt_embeds", ["AAAA"], "unsupported_content"),
     (EMBEDDINGS, "messages", [{"role": "user", "content": "x" * 9999}], "unsupported_content"),
