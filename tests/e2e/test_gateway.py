@@ -333,6 +333,26 @@ def test_content_kvgate_cannot_meter_never_reaches_an_engine(stack):
     assert wait_for(lambda: in_flight(stack, "acme") == 0)
 
 
+@pytest.mark.parametrize(("path", "field", "value", "code"), [
+    ("/v1/chat/completions", "kv_transfer_params", {"prompt_token_ids": [1] * 500},
+     "unsupported_parameter"),
+    ("/v1/chat/completions", "session_params", {"id": "s"}, "unsupported_parameter"),
+    ("/v1/completions", "prompt_embeds", ["AAAA"], "unsupported_content"),
+])
+def test_a_prompt_an_engine_would_take_elsewhere_never_reaches_it(stack, path, field, value,
+                                                                   code):
+    """Fields from which an engine would run a prompt kvgate never counted."""
+    before = engine_log_sizes(stack)
+    body = chat() if path == "/v1/chat/completions" else {
+        "model": chat()["model"], "prompt": "hi", "max_tokens": 4}
+    response = post(stack, "acme", {**body, field: value}, path=path)
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (code, field)
+    assert response.headers["x-should-retry"] == "false"
+    assert engine_log_sizes(stack) == before
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
 def test_paths_kvgate_cannot_meter_never_reach_an_engine(stack):
     before = engine_log_sizes(stack)
     auth = {"authorization": f"Bearer {KEYS['acme']}"}
