@@ -335,19 +335,6 @@ class Degradation(_Strict):
     max_tokens_cap: PositiveInt | None = Field(None, description="cap max_tokens to this")
 
 
-class KvProfile(_Strict):
-    """The model's KV geometry: bytes per token = 2 × layers × kv_heads × head_dim × dtype."""
-
-    layers: PositiveInt
-    kv_heads: PositiveInt
-    head_dim: PositiveInt
-    dtype_bytes: PositiveInt = 2
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-
 class SecretRef(_Strict):
     """A secret kept out of the YAML: the name of an environment variable, or a file (a
     mounted Kubernetes secret, say). Read once, when kvgate starts."""
@@ -470,7 +457,6 @@ class Pool(_Strict):
         "prefilling anywhere in the pool: keeping endpoints clear then costs no batch "
         "throughput once batch prefill outgrows the other endpoints"
     )
-    kv_profile: KvProfile | None = Field(None, description="for KV figures in bytes")
     gpu_source: str | None = Field(
         None, description="'local' (NVML in this process) or a kvgate agent URL, {ip} allowed"
     )
