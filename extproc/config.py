@@ -682,8 +682,9 @@ class EnvoySettings(_Strict):
         True, description="inference POSTs with a body skip the ext_proc headers phase: the "
         "headers kvgate reads ride with the body as request_attributes, one gRPC message "
         "instead of two (Envoy holds the headers with its buffer filter and sets the upstream "
-        "headers from kvgate's metadata); false: headers phase first, which refuses an "
-        "over-limit tenant before its body is sent (bench/README.md)"
+        "headers from kvgate's metadata); false: headers phase first, which refuses a "
+        "request without a valid key or from an over-limit tenant before Envoy holds its "
+        "body (where untrusted clients reach the gateway; bench/README.md)"
     )
     ratelimit_domain: str | None = Field(
         None, min_length=1, description="also render Envoy's ratelimit filter, asking "

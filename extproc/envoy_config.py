@@ -80,10 +80,7 @@ HEAP_SHRINK, HEAP_SHED = 0.90, 0.95  # shares of envoy.max_heap_mb: free memory 
 # streams holding at least 2**this many bytes (a 64 KiB body) are tracked, so that past
 # HEAP_SHRINK the largest can be reset (HTTP/2 streams: Envoy accounts no HTTP/1 stream)
 TRACKED_STREAM_BYTES_LOG2 = 16
-# a client's HTTP/2 connection: at most 100 requests at once, and the flow-control windows
-# Envoy advises for an edge (its defaults let one connection push 256 MiB unread)
-CLIENT_HTTP2 = {"max_concurrent_streams": 100, "initial_stream_window_size": 65_536,
-                "initial_connection_window_size": 1_048_576}
+CLIENT_HTTP2_STREAMS = 100  # requests at once on one client HTTP/2 connection
 
 RUNTIME_FLAGS = {
     # Envoy resets each ext_proc stream it is done with (kvgate takes that as the normal end
@@ -147,14 +144,19 @@ def client_options(config: Config) -> dict[str, Any]:
     and a client that trickles its request: headers within ``request_headers_timeout_s``, the
     whole request (body included, queueing in kvgate too: up to the ext_proc message
     timeout) within the idle timeout, which outlasts any queueing; a response under way
-    disarms it. HTTP/2: Envoy's own advice for an edge (:data:`CLIENT_HTTP2`) rather than its
-    defaults (2³¹ streams on one connection, 256 MiB windows)."""
+    disarms it. HTTP/2: at most :data:`CLIENT_HTTP2_STREAMS` requests at once on a
+    connection, and flow-control windows of one largest body (Envoy's defaults, 2³¹ streams
+    and 256 MiB windows, let one client push far more than Envoy means to buffer; smaller
+    windows would make a large prompt wait for round trips)."""
     from envoy_data_plane.envoy.config.core.v3 import Http2ProtocolOptions
 
     idle = _seconds(idle_timeout_s(config))
+    window = min(buffer_limit_bytes(config), 2**31 - 1)  # HTTP/2's largest window
     return {"stream_idle_timeout": idle, "request_timeout": idle,
             "request_headers_timeout": _seconds(config.envoy.request_headers_timeout_s),
-            "http2_protocol_options": Http2ProtocolOptions(**CLIENT_HTTP2)}
+            "http2_protocol_options": Http2ProtocolOptions(
+                max_concurrent_streams=CLIENT_HTTP2_STREAMS,
+                initial_stream_window_size=window, initial_connection_window_size=window)}
 
 
 def idle_timeout_s(config: Config) -> float:
