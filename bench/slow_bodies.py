@@ -15,7 +15,7 @@ apart) and stall, once with ``envoy.request_attributes`` true (the default: kvga
 request when its body is whole) and once false (a headers phase first). Prints Envoy's
 allocated memory 2 s later and how many clients got their 401.
 
-Results: the failure-modes table in the README.
+Results: the failure-modes table in the README; `bench/results/slow-bodies.md`.
 """
 
 from __future__ import annotations
