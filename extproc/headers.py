@@ -13,11 +13,13 @@ EXT_PROC_HEADERS = (":method", ":path", "authorization", "content-length", "cont
                     "x-request-id")
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: in kvgate's log lines, and upstream
 KVGATE_HEADER_PREFIX = "x-kvgate-"
-# Request headers an engine obeys over the body kvgate wrote: vLLM takes a request's
-# scheduling priority from x-vllm-priority before the body's, and its data-parallel rank
-# from x-data-parallel-rank. A client's would undo kvgate's order: the rendered routes drop
-# them.
-ENGINE_CONTROL_HEADERS = ("x-vllm-priority", "x-data-parallel-rank")
+# Request headers an engine obeys that a client must not send it: vLLM takes a request's
+# scheduling priority from x-vllm-priority before the body's and its data-parallel rank from
+# x-data-parallel-rank (a client's would undo kvgate's order), and endpoint-load-metrics-
+# format makes it answer with its load (KV usage, queue: every tenant's traffic). The
+# rendered routes drop them.
+ENGINE_CONTROL_HEADERS = ("x-vllm-priority", "x-data-parallel-rank",
+                          "endpoint-load-metrics-format")
 # Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.
 LB_NAMESPACE = "envoy.lb"
 # An admitted request's x-ratelimit-* values (header name → value), which the rendered route

@@ -83,7 +83,10 @@ def test_admitted_request_reaches_engine_with_priority_and_content_length(stack)
         engine.clear_requests()
     response = post(stack, "acme", chat(priority=-100, **{"x": "y"}),
                     headers={"x-gateway-destination-endpoint": "10.9.9.9:1",
-                             "x-kvgate-tenant": "someone-else"})
+                             "x-kvgate-tenant": "someone-else",
+                             # vLLM obeys these (over the body's priority): never passed on
+                             "x-vllm-priority": "-1000", "x-data-parallel-rank": "0",
+                             "endpoint-load-metrics-format": "json"})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
     served = response.headers["x-bench-engine"]
@@ -93,6 +96,8 @@ def test_admitted_request_reaches_engine_with_priority_and_content_length(stack)
     assert received["headers"]["x-kvgate-tenant"] == "acme"
     assert received["headers"]["x-kvgate-priority"] == "5"
     assert received["headers"]["x-gateway-destination-endpoint"].split(",")[0] == served
+    for name in ("x-vllm-priority", "x-data-parallel-rank", "endpoint-load-metrics-format"):
+        assert name not in received["headers"], name
     assert wait_for(lambda: in_flight(stack, "acme") == 0)
 
 
