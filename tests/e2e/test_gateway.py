@@ -101,6 +101,21 @@ def test_admitted_request_reaches_engine_with_priority_and_content_length(stack)
     assert wait_for(lambda: in_flight(stack, "acme") == 0)
 
 
+def test_an_http2_client_sends_a_large_prompt(stack):
+    """Cleartext HTTP/2 (prior knowledge) with a body near the largest allowed (the rendered
+    flow-control windows hold one such body): admitted and answered like HTTP/1.1."""
+    body = chat(messages=[{"role": "user", "content": "word " * 12_000}], max_tokens=2)
+    assert MAX_BODY * 0.9 < len(orjson.dumps(body)) < MAX_BODY
+    with httpx.Client(http1=False, http2=True, timeout=60) as client:
+        response = client.post(stack.url + "/v1/chat/completions", content=orjson.dumps(body),
+                               headers={"content-type": "application/json",
+                                        "authorization": f"Bearer {KEYS['acme']}"})
+    assert response.http_version == "HTTP/2", response.http_version
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
 def test_engines_get_the_pools_key_never_a_tenants(stack):
     for engine in stack.engines.values():
         engine.clear_requests()
