@@ -272,6 +272,37 @@ def test_saturation_queues_and_high_priority_not_behind_low(vllm):
     assert sum(done < lo_done for _, done in fill_results) >= 1
 
 
+def test_x_vllm_priority_overrides_the_body_priority(vllm):
+    """Why kvgate's routes drop a client's ``x-vllm-priority``: vLLM schedules by it before the
+    body's ``priority``. Saturated as in the test above, two requests with the same low body
+    priority: the one whose header says high priority is served before the other."""
+    fill_n, fill_tokens = 10, 1000
+
+    def post(body, headers=None):
+        with httpx.Client(base_url=vllm.url, timeout=300) as c:
+            r = c.post("/v1/chat/completions", json=body, headers=headers or {})
+            return r.status_code, time.monotonic()
+
+    with ThreadPoolExecutor(fill_n + 2) as pool:
+        fills = [pool.submit(post, chat_body(f"{2000 + i} the cat sits on the warm mat " * 5,
+                                             max_tokens=fill_tokens, priority=10))
+                 for i in range(fill_n)]
+        time.sleep(1.0)
+        header = pool.submit(post, chat_body("hello there", max_tokens=16, priority=10),
+                             {"x-vllm-priority": "-10"})
+        plain = pool.submit(post, chat_body("hello you", max_tokens=16, priority=10))
+        (header_status, header_done), (plain_status, plain_done) = (header.result(),
+                                                                    plain.result())
+        fill_results = [f.result() for f in fills]
+    assert header_status == plain_status == 200
+    assert all(status == 200 for status, _ in fill_results)
+    assert header_done <= plain_done + 0.25, (header_done, plain_done)
+    # the plain one waited behind fills sent before it; the header one jumped them
+    assert sum(done < plain_done for _, done in fill_results) >= 1
+    assert sum(done < header_done for _, done in fill_results) < sum(
+        done < plain_done for _, done in fill_results)
+
+
 # -- kvgate in front of the real vLLM: Envoy → kvgate → vLLM ----------------------------------
 
 KVGATE_KEY = "sk-vllm-real"
