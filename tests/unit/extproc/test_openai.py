@@ -18,6 +18,7 @@ from extproc.openai import (
     route_path,
     usage_from,
 )
+from extproc.tokens import CharEstimate
 
 
 def parse(body, path=CHAT):
@@ -286,3 +287,46 @@ def test_usage_an_engine_could_not_have_produced_is_no_usage(usage):
     """Charged its reservation instead: a negative count would refund the tenant more than
     it was charged, a huge one lock it out."""
     assert usage_from({"usage": usage}) is None
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["role", "content", "type", "text", "name", "arguments", "function",
+                         "tool_calls", "include_usage", "image_url", "prompt_token_ids"]),
+        inner, max_size=4),
+    max_leaves=12)
+FIELDS = ["model", "messages", "prompt", "input", "suffix", "tools", "functions", "documents",
+          "chat_template_kwargs", "n", "best_of", "max_tokens", "max_completion_tokens",
+          "min_tokens", "echo", "stream", "stream_options", "priority", "prompt_embeds",
+          "kv_transfer_params", "session_params"]
+
+
+BASES = {CHAT: {"messages": [{"role": "user", "content": "hi"}]}, COMPLETIONS: {"prompt": "hi"},
+         EMBEDDINGS: {"input": "hi"}}
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"])},
+                                optional={"content": JSON, "name": JSON, "tool_calls": JSON,
+                                          "reasoning": JSON})
+
+
+@settings(max_examples=500, deadline=None)
+@given(path=st.sampled_from([CHAT, COMPLETIONS, EMBEDDINGS]),
+       extra=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=3),
+       messages=st.none() | st.lists(MESSAGE, min_size=1, max_size=3))
+def test_any_json_body_parses_or_is_a_clear_400(path, extra, messages):
+    """A valid body with any fields set to any JSON: a request kvgate can price and rewrite,
+    or a BadRequest (never another exception)."""
+    body = {"model": "m", **BASES[path], **extra}
+    if messages is not None and path == CHAT:
+        body["messages"] = messages
+    try:
+        request = parse(body, path)
+    except BadRequest as refused:
+        assert refused.status == 400 and refused.message
+        return
+    assert request.choices >= 1 and all(isinstance(t, str) for t in request.prompt_texts)
+    assert request.max_output_tokens is None or request.max_output_tokens >= 0
+    assert CharEstimate(4).prompt_tokens(request) >= 0
+    orjson.loads(mutate_body(request, priority=3, inject_usage=request.stream,
+                             overrides={"max_tokens": 5}))
