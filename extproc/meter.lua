@@ -24,7 +24,7 @@
 -- event, which is what an SSE client waits for anyway. A body cut off mid-event loses
 -- that half event, as an SSE client would discard it.
 
-local TAIL = 8192 -- bytes of an unfinished SSE event, or of a JSON body's end, kept
+local TAIL = 8192 -- bytes of an unfinished SSE event, or of the JSON read so far, kept
 local HOLD = 4096 -- an unfinished event longer than this is no usage event: never held
 local TIMEOUT_MS = 1000 -- a report kvgate has not answered by then is given up
 
@@ -151,11 +151,14 @@ function envoy_on_response(handle)
         end
         read_events(state, chunk, bytes)
       else
-        state.carry = string.sub(state.carry .. bytes, -TAIL)
+        -- vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids) that
+        -- a client can make far longer than TAIL: read every chunk, not the body's end
+        local text = state.carry .. bytes
+        state.usage = last_usage(text) or state.usage
+        state.carry = #text > TAIL and string.sub(text, -TAIL) or text
       end
     end
   end
-  if not stream then state.usage = last_usage(state.carry) end
   if limited then state.usage = NOTHING end
   report(handle, meta, "done",
          '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events .. '}')

@@ -22,7 +22,7 @@ import orjson
 
 from extproc.openai import Usage, usage_from, usage_of
 
-TAIL = 8192  # bytes of an unfinished SSE event, or of a JSON body's end, kept
+TAIL = 8192  # bytes of an unfinished SSE event, or of the JSON read so far, kept
 HOLD = 4096  # an unfinished event longer than this is no usage event: never held
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
@@ -46,7 +46,12 @@ class ResponseMeter:
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.sse:
-            self._carry = (self._carry + chunk)[-TAIL:]
+            # vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids)
+            # that a client can make far longer than TAIL: read every chunk, not the end
+            text = self._carry + chunk
+            if _USAGE.search(text):
+                self.usage = _last_usage(text) or self.usage
+            self._carry = text[-TAIL:]
             return chunk
         text = self._carry + chunk
         sent = self._sent
@@ -91,11 +96,9 @@ class ResponseMeter:
         return usage_only
 
     def finish(self) -> bytes:
-        """The end of the body: a JSON body's usage is near its end; a held-back event
-        fragment goes on (an SSE client drops half an event, as it would have)."""
+        """The end of the body: a held-back event fragment goes on (an SSE client drops half
+        an event, as it would have)."""
         if not self.sse:
-            if self.usage is None:
-                self.usage = _last_usage(self._carry)
             return b""
         held = self._carry[self._sent :] if self.strip else b""
         self._carry, self._sent = b"", 0

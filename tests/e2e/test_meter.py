@@ -174,6 +174,17 @@ def test_large_json_is_read_from_a_bounded_tail(meter_stack):
     assert got == body and recorder.done == [(Usage(13, 4), 0)]
 
 
+def test_json_usage_before_a_long_tail_is_found(meter_stack):
+    """vLLM writes prompt_logprobs, prompt_token_ids and prompt_text after the usage: a
+    client asking for them must not push the usage out of what the meter reads."""
+    body = orjson.dumps({"choices": [{"text": "x"}], "usage": USAGE,
+                         "prompt_logprobs": [{"1": {"logprob": -1.5, "decoded_token": "usage"}}]
+                         * 3000, "prompt_text": '"usage": {"prompt_tokens": 1} ' * 500})
+    assert len(body) - body.index(b'"usage"') > 100_000
+    got, recorder = exchange(meter_stack, cut(body, list(range(4096, len(body), 4096))), "json")
+    assert got == body and recorder.done == [(Usage(13, 4), 0)]
+
+
 def test_json_without_a_valid_usage_reports_none(meter_stack):
     for body in (b'{"choices": []}', b'{"usage": {"prompt_tokens": 13, "completion',
                  b'{"usage": {"prompt_tokens": "13"}}', b"<html>bad gateway</html>",

@@ -473,6 +473,24 @@ def test_a_completion_is_reserved_for_the_cap_vllm_runs_to(gateway, caps, made):
         time.sleep(0.05)
 
 
+def test_usage_is_charged_when_vllm_writes_long_fields_after_it(gateway):
+    """prompt_logprobs (and prompt_token_ids) follow the usage in vLLM's answer: tens of KB
+    of them must not hide the usage from the meter (kvgate would charge its reservation)."""
+    kvgate, envoy = gateway
+    before = _used_tokens(kvgate)
+    body = chat_body(" ".join(f"w{i}" for i in range(300)), max_tokens=3, prompt_logprobs=5,
+                     return_token_ids=True)
+    response = httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert response.status_code == 200, response.text
+    assert len(response.content) - response.content.index(b'"usage"') > 20_000
+    usage = response.json()["usage"]
+    deadline = time.monotonic() + 10
+    while _used_tokens(kvgate) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _used_tokens(kvgate) - before == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
 def test_a_prompt_vllm_would_take_from_kv_transfer_params_is_refused(vllm, gateway):
     """Straight to vLLM, ``kv_transfer_params.prompt_token_ids`` replaces the messages as
     the prompt (disaggregated serving's decode-side reuse): 500 tokens prefilled for a

@@ -96,3 +96,16 @@ def test_continuous_usage_chunks_keep_their_choices():
     meter = ResponseMeter(sse=True, strip=True)
     assert run(meter, sse([*chunks, final]), [40]) == sse(chunks)
     assert meter.usage == Usage(13, 3) and meter.events == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 60_000), max_size=12))
+def test_json_usage_before_long_fields_is_found_wherever_cut(cuts):
+    """vLLM writes prompt_logprobs, prompt_token_ids and prompt_text after the usage, as
+    long as the client makes them: the usage is still read, memory still bounded."""
+    body = orjson.dumps({"choices": [{"text": "x"}], "usage": USAGE,
+                         "prompt_token_ids": list(range(10_000)),
+                         "prompt_text": '"usage": {"prompt_tokens": 1} ' * 300})
+    meter = ResponseMeter(sse=False)
+    assert run(meter, body, cuts) == body
+    assert meter.usage == Usage(13, 4) and len(meter._carry) <= TAIL
