@@ -12,7 +12,7 @@ from limiter import Cost
 
 
 class ResponseRecord:
-    __slots__ = ("done", "events", "started", "stream", "usage")
+    __slots__ = ("answered", "done", "events", "started", "stream", "usage")
 
     def __init__(self, *, stream: bool):
         self.stream = stream
@@ -20,23 +20,27 @@ class ResponseRecord:
         self.done = False  # the response ended and its report arrived
         self.usage: Usage | None = None  # the engine's own count, when it gave one
         self.events = 0  # SSE data events with text: ~ one token each
+        self.answered = False  # the engine answered (2xx), as opposed to an error
 
-    def finish(self, usage: Usage | None, events: int) -> None:
-        self.done, self.usage, self.events = True, usage, events
+    def finish(self, usage: Usage | None, events: int, answered: bool) -> None:
+        self.done, self.usage, self.events, self.answered = True, usage, events, answered
 
     def settle(self, cost: Cost) -> tuple[int, int]:
         """(tokens used, of which output) to charge on release.
 
         The engine's usage when it reported one; a response that ended without it (an
         engine error, a stream without its usage event) is charged its prompt plus one
-        token per streamed event. A request that ended before its response began (the
-        client left while it was prefilled: the engine aborts it) is charged its prompt. A
-        response cut off after that (the client left mid-answer, or the meter could not
-        report) is charged what was reserved: kvgate never saw how far it got, and a
-        reservation is never less than what was used.
+        token per streamed event, except a whole non-streamed answer: its output is in no
+        event, so it is charged what was reserved. A request that ended before its response
+        began (the client left while it was prefilled: the engine aborts it) is charged its
+        prompt. A response cut off after that (the client left mid-answer, or the meter
+        could not report) is charged what was reserved: kvgate never saw how far it got, and
+        a reservation is never less than what was used.
         """
         if self.usage is not None:
             return self.usage.total, self.usage.completion_tokens
+        if self.done and self.answered and not self.stream:
+            return cost.tokens, cost.max_output_tokens
         if self.done:
             return cost.prompt_tokens + self.events, self.events
         if self.stream and not self.started:

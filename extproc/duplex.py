@@ -79,7 +79,7 @@ class DuplexStream(RequestStream):
 
     METERED_BY_LUA = False  # kvgate reads the response itself
 
-    __slots__ = ("_chunks", "_held", "_meter", "_new_body", "_request_ended",
+    __slots__ = ("_answered", "_chunks", "_held", "_meter", "_new_body", "_request_ended",
                  "_response_mode", "_size", "_strip")
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -90,6 +90,7 @@ class DuplexStream(RequestStream):
         self._new_body: bytes | None = None  # the body to send upstream, once admitted
         self._request_ended = False  # the request body (and trailers) have all arrived
         self._meter: ResponseMeter | None = None
+        self._answered = False  # the response is the engine's answer (2xx), not an error
         self._strip = False  # remove the usage event kvgate asked the engine for
         self._response_mode = FULL_DUPLEX  # how Envoy sends the response body
 
@@ -184,6 +185,7 @@ class DuplexStream(RequestStream):
             if self.response is not None:
                 sse = "text/event-stream" in values.get("content-type", "")
                 self._meter = ResponseMeter(sse=sse, strip=self._strip)
+                self._answered = values.get(":status", "").startswith("2")
             reply = pb.ProcessingResponse()
             admission = self.admission
             if admission is not None:  # as kvgate's own route adds them
@@ -238,6 +240,6 @@ class DuplexStream(RequestStream):
         held = b""
         if meter is not None:
             held = meter.finish()
-            self.done_reported(meter.usage, meter.events)
+            self.done_reported(meter.usage, meter.events, self._answered)
         self.done = True
         return held

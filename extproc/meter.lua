@@ -8,7 +8,7 @@
 --   * streams only, when the first chunk passes: POST /first/<lease> (fire and forget):
 --     the engine has finished prefilling;
 --   * every response, when its body has ended: POST /done/<lease> with the engine's usage
---     object, also fire and forget. The response's end never waits for kvgate, and the call
+--     object (and whether it was an answer, a 2xx), also fire and forget. The response's end never waits for kvgate, and the call
 --     outlives the request: a client that hangs up as soon as it has the last byte cancels
 --     nothing (a call Envoy cancels costs its HTTP/1.1 connection). The report may reach
 --     kvgate just after Envoy ends the request's ext_proc stream: kvgate waits for it a
@@ -135,8 +135,10 @@ function envoy_on_response(handle)
   local sse = string.find(handle:headers():get("content-type") or "", "text/event-stream", 1,
                           true) ~= nil
   local stream = meta.meter ~= "json" and sse
-  local limited = handle:headers():get(":status") == "429"
-      and handle:headers():get("x-envoy-ratelimited") ~= nil
+  local status = handle:headers():get(":status") or ""
+  local limited = status == "429" and handle:headers():get("x-envoy-ratelimited") ~= nil
+  -- an engine's answer (2xx): one with no usage kvgate could read is charged its reservation
+  local answered = string.sub(status, 1, 1) == "2"
   local state = {carry = "", sent = 0, usage = nil, events = 0,
                  strip = stream and meta.meter == "sse-strip"}
   local first = true
@@ -161,6 +163,7 @@ function envoy_on_response(handle)
   end
   if limited then state.usage = NOTHING end
   report(handle, meta, "done",
-         '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events .. '}')
+         '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events ..
+         ',"answered":' .. tostring(answered) .. '}')
   publish(handle, state.usage)
 end

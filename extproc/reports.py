@@ -50,7 +50,7 @@ class Reported(Protocol):
 
     def first_reported(self) -> None: ...
 
-    def done_reported(self, usage: Usage | None, events: int) -> None: ...
+    def done_reported(self, usage: Usage | None, events: int, answered: bool) -> None: ...
 
 
 class ReportDesk:
@@ -96,8 +96,7 @@ class ReportDesk:
         if kind == b"first":
             stream.first_reported()
         else:
-            usage, events = parse_done(body)
-            stream.done_reported(usage, events)
+            stream.done_reported(*parse_done(body))
         return _NO_CONTENT
 
     def _count(self, kind: str) -> None:
@@ -105,16 +104,19 @@ class ReportDesk:
             self.metrics.reports.add((kind,))
 
 
-def parse_done(body: bytes) -> tuple[Usage | None, int]:
-    """``{"usage": <the engine's usage object or null>, "events": <SSE data events>}``."""
+def parse_done(body: bytes) -> tuple[Usage | None, int, bool]:
+    """``{"usage": <the engine's usage object or null>, "events": <SSE data events>,
+    "answered": <a 2xx response>}``; a report that does not say is taken as an answer (the
+    charge without usage is then the reservation, never less than what was used)."""
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None, 0
+        return None, 0, True
     if not isinstance(document, dict):
-        return None, 0
+        return None, 0, True
     events = document.get("events")
-    return usage_from(document), events if type(events) is int and events >= 0 else 0
+    return (usage_from(document), events if type(events) is int and events >= 0 else 0,
+            document.get("answered") is not False)
 
 
 class _ReportProtocol(asyncio.Protocol):

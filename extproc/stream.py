@@ -264,7 +264,7 @@ class RequestStream:
         record.started = True
         self.director.first_token(admission)
 
-    def done_reported(self, usage: Usage | None, events: int) -> None:
+    def done_reported(self, usage: Usage | None, events: int, answered: bool) -> None:
         """The response has ended; Envoy ends the stream (and kvgate releases) next. The
         engine is done with it already: for the scheduler it has started (a non-streamed
         response gives no earlier sign), so the endpoint's next request need not wait for
@@ -272,7 +272,7 @@ class RequestStream:
         record = self.response
         if record is None or self._released:
             return
-        record.finish(usage, events)
+        record.finish(usage, events, answered)
         self.first_reported()
         if self._report is not None and not self._report.done():
             self._report.set_result(None)

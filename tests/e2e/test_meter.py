@@ -48,12 +48,14 @@ end
 class Recorder:
     first: int = 0
     done: list[tuple[Usage | None, int]] = field(default_factory=list)
+    answered: list[bool] = field(default_factory=list)
 
     def first_reported(self) -> None:
         self.first += 1
 
-    def done_reported(self, usage: Usage | None, events: int) -> None:
+    def done_reported(self, usage: Usage | None, events: int, answered: bool) -> None:
         self.done.append((usage, events))
+        self.answered.append(answered)
 
 
 class Harness:
@@ -63,6 +65,7 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         self.desk = ReportDesk()
         self.bodies: dict[str, tuple[bytes, list[bytes]]] = {}  # lease → (type, pieces)
+        self.statuses: dict[str, bytes] = {}  # lease → status line, when not 200
         self.upstream_port = free_port()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -82,9 +85,11 @@ class Harness:
                 headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:-2])
                 length = int(headers.get(b"content-length", b"0"))
                 await reader.readexactly(length)
-                content_type, pieces = self.bodies[headers[b"x-test-lease"].decode()]
-                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n"
-                             b"content-type: %s\r\n\r\n" % content_type)
+                lease = headers[b"x-test-lease"].decode()
+                content_type, pieces = self.bodies[lease]
+                status = self.statuses.get(lease, b"200 OK")
+                writer.write(b"HTTP/1.1 %s\r\ntransfer-encoding: chunked\r\n"
+                             b"content-type: %s\r\n\r\n" % (status, content_type))
                 for piece in pieces:
                     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     await writer.drain()
@@ -125,13 +130,15 @@ _leases = iter(range(1_000_000))
 
 
 def exchange(meter_stack, pieces: list[bytes], meter: str,
-             content_type: bytes | None = None) -> tuple[bytes, Recorder]:
+             content_type: bytes | None = None, status: bytes = b"200 OK"
+             ) -> tuple[bytes, Recorder]:
     """The body the client gets for an upstream answer in ``pieces``, and the reports."""
     harness, envoy = meter_stack
     lease = f"case-{next(_leases)}"
     if content_type is None:
         content_type = b"text/event-stream" if meter.startswith("sse") else b"application/json"
     harness.bodies[lease] = (content_type, pieces)
+    harness.statuses[lease] = status
     recorder = Recorder()
     harness.desk.expect(lease, recorder)
     response = httpx.post(
@@ -139,7 +146,7 @@ def exchange(meter_stack, pieces: list[bytes], meter: str,
         headers={"x-test-upstream": f"127.0.0.1:{harness.upstream_port}", "x-test-lease": lease,
                  "x-test-meter": meter, "x-test-report": harness.desk.address,
                  "x-test-key": harness.desk.key}, timeout=10)
-    assert response.status_code == 200
+    assert response.status_code == int(status[:3])
     # the meter does not wait for kvgate's answer: its report may be a moment behind
     assert wait_for(lambda: recorder.done, timeout=5), "no done report"
     if meter.startswith("sse") and content_type == b"text/event-stream":  # and first
@@ -192,6 +199,10 @@ def test_json_without_a_valid_usage_reports_none(meter_stack):
                  b'{"usage": {"prompt_tokens": 13, "completion_tokens": 99999999999999}}'):
         got, recorder = exchange(meter_stack, [body], "json")
         assert got == body and recorder.done == [(None, 0)], body
+        assert recorder.answered == [True]  # the upstream said 200
+    error = b'{"error": {"message": "bad", "code": 400}}'
+    _, recorder = exchange(meter_stack, [error], "json", status=b"400 Bad Request")
+    assert recorder.done == [(None, 0)] and recorder.answered == [False]
 
 
 def test_json_the_last_usage_wins_whatever_the_spacing(meter_stack):

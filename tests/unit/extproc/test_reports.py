@@ -9,7 +9,8 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.reports import ReportDesk
+from extproc.openai import Usage
+from extproc.reports import ReportDesk, parse_done
 
 STATUS = re.compile(rb"HTTP/1\.1 (\d{3}) ")
 
@@ -24,7 +25,7 @@ class Stream:
     def first_reported(self) -> None:
         self.first += 1
 
-    def done_reported(self, usage: object, events: int) -> None:
+    def done_reported(self, usage: object, events: int, answered: bool) -> None:
         self.done.append((usage, events))
 
 
@@ -111,3 +112,12 @@ async def test_malformed_requests_are_refused_with_400_and_a_hang_up():
 def test_any_bytes_get_only_known_answers_and_no_error_escapes(parts):
     codes, _, errors = asyncio.run(exchange(b"".join(parts), lease_stream=Stream(), wait_s=0.05))
     assert set(codes) <= {204, 400, 403} and not errors
+
+
+def test_a_done_report_says_whether_the_engine_answered():
+    """A report that does not say is taken as an answer: without usage, the reservation."""
+    usage = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "events": 0'
+    assert parse_done(usage + b', "answered": false}')[2] is False
+    assert parse_done(usage + b', "answered": true}')[2] is True
+    assert parse_done(usage + b"}") == (Usage(3, 2), 0, True)
+    assert parse_done(b"garbage") == (None, 0, True)

@@ -201,18 +201,22 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     assert ours["meter"].string_value == meter
 
 
-@pytest.mark.parametrize(("first", "report", "used"), [
-    (False, None, lambda cost: cost.prompt_tokens),
-    (True, None, lambda cost: cost.prompt_tokens + 100),
-    (True, (None, 3), lambda cost: cost.prompt_tokens + 3),
-    (True, (Usage(13, 2), 2), lambda cost: 15)])
-async def test_what_a_response_is_charged(first, report, used):
+@pytest.mark.parametrize(("streamed", "first", "report", "used"), [
+    (True, False, None, lambda cost: cost.prompt_tokens),
+    (True, True, None, lambda cost: cost.prompt_tokens + 100),
+    (True, True, (None, 3, True), lambda cost: cost.prompt_tokens + 3),
+    (True, True, (Usage(13, 2), 2, True), lambda cost: 15),
+    (False, True, (Usage(13, 2), 0, True), lambda cost: 15),
+    (False, True, (None, 0, False), lambda cost: cost.prompt_tokens),  # an engine's error
+    (False, True, (None, 0, True), lambda cost: cost.prompt_tokens + 100)])
+async def test_what_a_response_is_charged(streamed, first, report, used):
     """Usage when the engine reported it; the prompt plus one token per streamed event when
     the response ended without it; the prompt when the client left before the response
-    began; the reservation when it was cut off mid-answer."""
+    began or the engine answered an error; the reservation when it was cut off mid-answer,
+    or was a whole non-streamed answer without a usage kvgate could read."""
     stream, _ = new_stream()
     await stream.handle(headers_msg())
-    await stream.handle(body_msg(chat(max_tokens=100, stream=True)))
+    await stream.handle(body_msg(chat(max_tokens=100, stream=streamed)))
     if first:
         stream.first_reported()
     if report is not None:
