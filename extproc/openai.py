@@ -299,8 +299,7 @@ def _max_output_tokens(path: str, body: dict[str, Any]) -> int | None:
         value = body.get(name)
         if value is None:
             continue
-        if value == 0 and path == COMPLETIONS and body.get("echo") is True and \
-                type(value) is int:
+        if path == COMPLETIONS and type(value) is int and value == 0 and body.get("echo") is True:
             return 1  # prompt scoring: the engine echoes the prompt and runs one step
         return _positive(value, name)
     return None
