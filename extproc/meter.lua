@@ -8,12 +8,12 @@
 --   * streams only, when the first chunk passes: POST /first/<lease> (fire and forget):
 --     the engine has finished prefilling;
 --   * every response, when its body has ended: POST /done/<lease> with the engine's usage
---     object (and whether it was an answer, a 2xx), also fire and forget. The response's end never waits for kvgate, and the call
---     outlives the request: a client that hangs up as soon as it has the last byte cancels
---     nothing (a call Envoy cancels costs its HTTP/1.1 connection). The report may reach
---     kvgate just after Envoy ends the request's ext_proc stream: kvgate waits for it a
---     moment before it releases the request (server.REPORT_WAIT_S), and charges the
---     reservation when none comes.
+--     object (and whether it was an answer, a 2xx), also fire and forget. The response's
+--     end never waits for kvgate, and the call outlives the request: a client that hangs up
+--     as soon as it has the last byte cancels nothing (a call Envoy cancels costs its
+--     HTTP/1.1 connection). The report may reach kvgate just after Envoy ends the
+--     request's ext_proc stream: kvgate waits for it a moment before it releases the
+--     request (server.REPORT_WAIT_S), and charges the reservation when none comes.
 -- At the end it also publishes the usage as dynamic metadata (namespace kvgate.usage:
 -- prompt_tokens, completion_tokens, total_tokens) for what runs when the stream is done: an
 -- Envoy ratelimit action with hits_addend "%DYNAMIC_METADATA(kvgate.usage:total_tokens)%"
