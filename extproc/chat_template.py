@@ -128,7 +128,8 @@ def _texts(content: Any) -> list[str]:
         if isinstance(part, str):
             texts.append(part)
         elif isinstance(part, dict):
-            key = _TEXT_KEYS.get(part.get("type"))  # type: ignore[arg-type]
+            kind = part.get("type")
+            key = _TEXT_KEYS.get(kind) if isinstance(kind, str) else None
             if key is not None and isinstance(part.get(key), str):
                 texts.append(part[key])
     return texts

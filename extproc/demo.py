@@ -37,6 +37,7 @@ class ServerThread:
         self.loop = new_event_loop()  # uvloop where installed, as `kvgate serve` runs
         self._thread = threading.Thread(target=self._run, name="kvgate", daemon=True)
         self._started = threading.Event()
+        self._stopping = threading.Event()
         self._error: BaseException | None = None
 
     def _run(self) -> None:
@@ -48,7 +49,8 @@ class ServerThread:
             self._started.set()
             return
         self._started.set()
-        self.loop.run_forever()
+        if not self._stopping.is_set():  # a stop() during start() queued loop.stop: runs now
+            self.loop.run_forever()
         self.loop.run_until_complete(self.server.stop(grace=0.5))
         self.loop.close()
 
@@ -64,8 +66,14 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        """Also while start() is under way (a SIGTERM then): the start finishes, then the
+        server stops, so no gRPC thread is left running into the interpreter's exit (which
+        crashed the process: exit -11)."""
+        self._stopping.set()
         if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._started.wait(timeout=30)
+            with contextlib.suppress(RuntimeError):  # the loop closed as it stopped by itself
+                self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
 
 
@@ -102,8 +110,9 @@ def local_stack(config: Config, *, engine_options: dict | None = None,
                 }
                 engines[endpoint] = stack.enter_context(
                     EngineProcess(port=port, host=host, **options))
-        kvgate = ServerThread(config).start()
-        stack.callback(kvgate.stop)
+        kvgate = ServerThread(config)
+        stack.callback(kvgate.stop)  # before start(): a SIGTERM may come while it starts
+        kvgate.start()
         envoy = stack.enter_context(
             EnvoyProcess(config) if bootstrap is None else EnvoyProcess(bootstrap=bootstrap))
         yield Stack(kvgate, envoy, engines)

@@ -247,8 +247,9 @@ def _content_parts(content: Any, param: str, texts: list[str]) -> int:
         if isinstance(part, str):  # a bare string part: text, as engines take it
             texts.append(part)
             continue
-        if not isinstance(part, dict):
-            raise BadRequest(f"'{param}' parts must be objects", param=param)
+        if not isinstance(part, dict) or not isinstance(part.get("type", "text"), str):
+            raise BadRequest(f"'{param}' parts must be objects with a string 'type'",
+                             param=param)
         key = TEXT_PARTS.get(part.get("type", "text"))
         if key is None:
             media += 1

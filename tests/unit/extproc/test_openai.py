@@ -164,6 +164,8 @@ def test_completions_prompt_scoring_runs_one_step():
          "invalid_request_error", "messages[0].content"),
         ({"model": "m", "messages": [{"content": [7]}]},
          "invalid_request_error", "messages[0].content"),
+        ({"model": "m", "messages": [{"content": [{"type": []}]}]},  # found by hypothesis
+         "invalid_request_error", "messages[0].content"),
         ({"model": "m", "messages": [{"content": "a"}], "max_tokens": 0},
          "invalid_request_error", "max_tokens"),
         ({"model": "m", "messages": [{"content": "a"}], "max_tokens": True},
