@@ -49,8 +49,7 @@ class ResponseMeter:
             # vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids)
             # that a client can make far longer than TAIL: read every chunk, not the end
             text = self._carry + chunk
-            if _USAGE.search(text):
-                self.usage = _last_usage(text) or self.usage
+            self.usage = _last_usage(text) or self.usage
             self._carry = text[-TAIL:]
             return chunk
         text = self._carry + chunk

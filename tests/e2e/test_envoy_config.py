@@ -608,6 +608,9 @@ def test_http2_streams_past_the_heap_cap_are_reset_and_envoy_recovers(example: C
     against a 48 MiB cap without the reset action): past the cap the largest are reset."""
     import h2.connection
     import h2.events
+    import h2.exceptions
+
+    from bench.slow_bodies import stalled_stream
 
     config = with_settings(example, server={"grpc_port": free_port(), "max_body_bytes": 2**20},
                            envoy={"listen_port": free_port(), "admin_port": free_port(),
@@ -619,12 +622,14 @@ def test_http2_streams_past_the_heap_cap_are_reset_and_envoy_recovers(example: C
             client = clients.enter_context(socket.create_connection(
                 ("127.0.0.1", envoy.listen_port), timeout=10))
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client.settimeout(0.2)
             connection = h2.connection.H2Connection()
             connection.initiate_connection()
             client.sendall(connection.data_to_send())
             connections.append((client, connection))
-            for _ in range(10):
-                resets += send_stalled_h2_body(client, connection, 900_000)
+            for _ in range(10):  # each sends 0.9 MB of a 1 MB body and stalls
+                with contextlib.suppress(OSError, h2.exceptions.ProtocolError):
+                    resets += stalled_stream(client, connection)
         assert wait_for(lambda: envoy_memory(envoy) < 60 * 2**20), envoy_memory(envoy)
         for client, connection in connections:
             resets += sum(isinstance(event, h2.events.StreamReset)
@@ -633,35 +638,6 @@ def test_http2_streams_past_the_heap_cap_are_reset_and_envoy_recovers(example: C
         assert resets, "no stream was reset"
         assert wait_for(lambda: json.loads(post(envoy.url + "/v1/chat/completions")[2])[
             "error"]["message"] == EXT_PROC_FAILURE_MESSAGE, timeout=10)
-
-
-def send_stalled_h2_body(client: socket.socket, connection: Any, size: int) -> int:
-    """Open a stream on ``connection`` whose body declares 1 MB and send ``size`` bytes of it
-    as far as flow control lets (then stall); returns the stream resets seen meanwhile."""
-    import h2.events
-
-    stream = connection.get_next_available_stream_id()
-    connection.send_headers(stream, [(":method", "POST"), (":path", "/v1/chat/completions"),
-                                     (":authority", "x"), (":scheme", "http"),
-                                     ("content-length", "1000000")])
-    resets = 0
-    while size and connection.state_machine.state.name != "CLOSED":
-        window = min(16_384, size, connection.local_flow_control_window(stream))
-        if window > 0:
-            connection.send_data(stream, b"x" * window)
-            size -= window
-        else:  # wait for Envoy's window update (or the stream's reset)
-            data = recv_once(client)
-            if not data:
-                break
-            events = connection.receive_data(data)
-            resets += sum(isinstance(event, h2.events.StreamReset) for event in events)
-            if any(isinstance(event, h2.events.StreamReset) and event.stream_id == stream
-                   for event in events):
-                break
-        with contextlib.suppress(OSError):
-            client.sendall(connection.data_to_send())
-    return resets
 
 
 def recv_once(client: socket.socket) -> bytes:
