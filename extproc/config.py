@@ -383,6 +383,13 @@ Engine = Literal["vllm", "sglang", "tgi", "trtllm"]
 # (router/src/lib.rs); TensorRT-LLM's executor has a per-request float priority but no
 # OpenAI body field for it, under Triton or trtllm-serve, that kvgate could set.
 PRIORITY_LOW_FIRST: dict[str, bool] = {"vllm": True, "sglang": False}
+# Engines whose OpenAI server salts its prefix cache with the body's ``cache_salt`` (vLLM
+# 0.9+, TensorRT-LLM's trtllm-serve): a salted request reuses only cached blocks computed
+# with the same salt. SGLang's and TGI's requests have no such field. Salted by default on
+# vLLM only: a ``trtllm`` pool may be Triton's OpenAI frontend, which may not take the field.
+CACHE_SALT_ENGINES = ("vllm", "trtllm")
+SALTED_BY_DEFAULT = ("vllm",)
+CACHE_SALT_PREFIX = "kvgate-"
 
 
 class Pool(_Strict):
@@ -407,6 +414,14 @@ class Pool(_Strict):
         None, description="SGLang only: true if started with --schedule-low-priority-values-"
         "first; null = the engine's default order (kvgate negates its priorities for SGLang's "
         "higher-first default)"
+    )
+    prefix_cache_isolation: Literal["tenant", "none"] | None = Field(
+        None, description="'tenant': kvgate sets every request's cache_salt from its tenant "
+        "(and the salt the client sent, if any), so a tenant's requests never reuse prefixes "
+        "another tenant's requests cached, whose faster first token would tell it what they "
+        "sent; 'none': tenants share the engines' prefix cache and a client's cache_salt "
+        "goes through as sent; null = 'tenant' on vLLM, 'none' on the others ('tenant' "
+        "also works on trtllm-serve)"
     )
     upstream_api_key: SecretRef | None = Field(
         None, description="the key the engines expect (vLLM --api-key), sent as the "
@@ -532,7 +547,32 @@ class Pool(_Strict):
                 f"(engines that do: {', '.join(PRIORITY_LOW_FIRST)}); set it to false")
         if self.low_priority_first is not None and self.engine != "sglang":
             raise ValueError("low_priority_first: only SGLang has a choice of priority order")
+        if self.prefix_cache_isolation == "tenant" and self.engine not in CACHE_SALT_ENGINES:
+            raise ValueError(
+                f"prefix_cache_isolation: {self.engine} takes no cache_salt (engines that do: "
+                f"{', '.join(CACHE_SALT_ENGINES)}); set it to 'none'")
         return self
+
+    @property
+    def isolates_prefix_cache(self) -> bool:
+        """Whether requests to this pool are salted per tenant (``prefix_cache_isolation``)."""
+        if self.prefix_cache_isolation is None:
+            return self.engine in SALTED_BY_DEFAULT
+        return self.prefix_cache_isolation == "tenant"
+
+    def cache_salt(self, tenant: str, client_salt: str | None) -> str | None:
+        """The ``cache_salt`` sent upstream, or None to leave the body's as it is.
+
+        A digest of the tenant's name and the client's own salt (a client may still isolate
+        its users from each other): no client can send a value that yields another tenant's
+        salt, and the digest meets vLLM's rules (at most 128 characters, no ``@ / \\``)."""
+        if not self.isolates_prefix_cache:
+            return None
+        seed = f"{len(tenant)}:{tenant}"  # the length: no tenant's seed starts another's
+        if client_salt is not None:
+            seed += ":" + client_salt
+        return CACHE_SALT_PREFIX + hashlib.sha256(seed.encode("utf-8", "surrogatepass")
+                                                  ).hexdigest()
 
     def body_priority(self, priority: int) -> int | None:
         """A class's priority (lower runs first) as this pool's engines read it from the

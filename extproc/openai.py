@@ -172,6 +172,9 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
     _refuse_unmetered_prompts(path, body)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
     field = prompt_field(path)
     media = 0
     if path == CHAT:
@@ -326,11 +329,15 @@ def mutate_body(
     priority: int | None,
     inject_usage: bool,
     overrides: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
 ) -> bytes:
     """The body sent upstream: kvgate's priority (never the client's); for streams whose
-    client did not ask for it, the usage chunk kvgate needs to reconcile tokens; and any
-    degradation rewrites (``model``, ``max_tokens``)."""
+    client did not ask for it, the usage chunk kvgate needs to reconcile tokens; any
+    degradation rewrites (``model``, ``max_tokens``); the tenant's ``cache_salt`` (None:
+    the client's, if any, as sent)."""
     body = request.body
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if overrides:
         for name, value in overrides.items():
             if name == "max_tokens":

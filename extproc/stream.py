@@ -234,8 +234,10 @@ class RequestStream:
             return self._refuse(decision)
         self.admission = decision  # from here on, close() releases it whatever happens
         inject_usage = request.stream and not request.wants_usage_chunk
-        new_body = mutate_body(request, priority=decision.priority,
-                               inject_usage=inject_usage, overrides=decision.body_overrides)
+        salt = decision.scheduler.config.cache_salt(decision.tenant.name,
+                                                    request.body.get("cache_salt"))
+        new_body = mutate_body(request, priority=decision.priority, inject_usage=inject_usage,
+                               overrides=decision.body_overrides, cache_salt=salt)
         self.response = ResponseRecord(stream=request.stream)
         self.desk.expect(decision.lease_id, self)
         meter = ("sse-strip" if inject_usage else "sse") if request.stream else "json"

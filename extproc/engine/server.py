@@ -239,6 +239,7 @@ def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> 
                        f"messages, {max_tokens} in the completion). Please reduce the length "
                        "of the messages or completion.")
     check_priority(priority, config)
+    check_cache_salt(body)
     return Generation(kind, prompt_tokens, max_tokens, priority, stream, include_usage,
                       continuous)
 
@@ -248,6 +249,22 @@ def check_model(body: dict[str, Any], config: EngineConfig) -> None:
     model = body.get("model")
     if model is not None and model != config.model:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+CACHE_SALT_MAX, CACHE_SALT_FORBIDDEN = 128, frozenset("@/\\\x00")
+
+
+def check_cache_salt(body: dict[str, Any]) -> None:
+    """vLLM 0.32's rules for the prefix cache's salt (entrypoints/generate/base/protocol.py):
+    a gateway that salts requests must send what the engine accepts."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return
+    if (not isinstance(salt, str) or not salt or len(salt) > CACHE_SALT_MAX
+            or not CACHE_SALT_FORBIDDEN.isdisjoint(salt)):
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string of at most 128 "
+                       "characters and must not contain '@', '/', '\\', or NUL.",
+                       param="cache_salt")
 
 
 def check_priority(priority: int, config: EngineConfig) -> None:
@@ -554,6 +571,7 @@ class EngineServer:
             raise ApiError(400, "input must be a string or a non-empty list", param="input")
         check_model(body, self.config)
         check_priority(int_field(body, "priority") or 0, self.config)
+        check_cache_salt(body)
         data, tokens = [], 0
         for index, item in enumerate(inputs):
             tokens += prompt_token_count(item)

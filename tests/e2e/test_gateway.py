@@ -101,6 +101,27 @@ def test_admitted_request_reaches_engine_with_priority_and_content_length(stack)
     assert wait_for(lambda: in_flight(stack, "acme") == 0)
 
 
+def test_each_tenant_reaches_the_engines_prefix_cache_under_its_own_salt(stack):
+    """Two tenants sending the same prompt never share cached prefixes (the timing of a hit
+    would tell one what the other sent); a client's own salt still splits its requests."""
+    def salt_sent(tenant, **extra):
+        response = post(stack, tenant, chat(**extra))
+        assert response.status_code == 200, response.text
+        served = stack.engines[response.headers["x-bench-engine"]]
+        return served.requests()[-1]["body"]["cache_salt"]
+
+    acme, solo = salt_sent("acme"), salt_sent("solo")
+    assert acme == salt_sent("acme") != solo  # the simulated engine checks vLLM's rules
+    mine = salt_sent("acme", cache_salt="user-17")
+    assert mine not in (acme, solo, "user-17") and mine == salt_sent("acme", cache_salt="user-17")
+    assert salt_sent("solo", cache_salt="user-17") not in (mine, solo)
+    before = engine_log_sizes(stack)
+    refused = post(stack, "acme", chat(cache_salt=""))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
+    assert engine_log_sizes(stack) == before
+    assert wait_for(lambda: in_flight(stack, "acme") == in_flight(stack, "solo") == 0)
+
+
 def test_an_http2_client_sends_a_large_prompt(stack):
     """Cleartext HTTP/2 (prior knowledge) with a body near the largest allowed (the rendered
     flow-control windows hold one such body): admitted and answered like HTTP/1.1."""

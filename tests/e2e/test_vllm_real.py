@@ -306,6 +306,7 @@ def test_x_vllm_priority_overrides_the_body_priority(vllm):
 # -- kvgate in front of the real vLLM: Envoy → kvgate → vLLM ----------------------------------
 
 KVGATE_KEY = "sk-vllm-real"
+OTHER_KEY = "sk-vllm-real-globex"  # a second tenant's
 
 
 DEFAULT_CAP = 12  # the gateway's model's default_max_tokens
@@ -325,7 +326,9 @@ def gateway(vllm):
         "tiers": {"t": {"limits": {"tokens_per_minute": 100_000}}},
         "classes": {"interactive": {"priority": 0}, "batch": {"priority": 5}},
         "tenants": [{"name": "acme", "tier": "t", "default_class": "batch",
-                     "api_keys": [hash_api_key(KVGATE_KEY)]}],
+                     "api_keys": [hash_api_key(KVGATE_KEY)]},
+                    {"name": "globex", "tier": "t", "default_class": "batch",
+                     "api_keys": [hash_api_key(OTHER_KEY)]}],
         "pools": [{"name": "real", "priority_scheduling": True,
                    "endpoints": [f"127.0.0.1:{vllm.port}"],
                    "models": [{"name": SERVED_MODEL_NAME, "default_max_tokens": DEFAULT_CAP,
@@ -506,6 +509,37 @@ def test_a_prompt_vllm_would_take_from_kv_transfer_params_is_refused(vllm, gatew
                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "kv_transfer_params"
+
+
+def _prefix_cache_hits(vllm) -> float:
+    """vLLM's ``vllm:prefix_cache_hits_total``: prompt tokens served from its prefix cache."""
+    page = httpx.get(vllm.url + "/metrics", timeout=30).text
+    family = metric_families(page)["vllm:prefix_cache_hits"]
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
+def test_tenants_never_reuse_each_others_cached_prefixes(vllm, gateway):
+    """Straight to vLLM, a prompt sent twice is served from the prefix cache the second time
+    (a faster first token: the side channel by which one tenant could learn what another
+    sent). Through kvgate, each tenant's requests carry its own ``cache_salt``: a tenant's
+    repeat still hits its own cache, the same prompt from another tenant does not, nor does
+    an unsalted request hit theirs."""
+    _kvgate, envoy = gateway
+    body = chat_body(" ".join(f"secret{i}" for i in range(400)), max_tokens=1)
+
+    def hits_of(url: str, key: str | None = None) -> float:
+        before = _prefix_cache_hits(vllm)
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
+                              headers=headers)
+        assert response.status_code == 200, response.text
+        return _prefix_cache_hits(vllm) - before
+
+    assert hits_of(envoy.url, KVGATE_KEY) == 0  # a prompt nobody sent before
+    assert hits_of(envoy.url, KVGATE_KEY) >= 256  # acme's own repeat: its cached blocks
+    assert hits_of(envoy.url, OTHER_KEY) == 0  # globex: never acme's
+    assert hits_of(vllm.url) == 0  # unsalted, straight to vLLM: neither
+    assert hits_of(vllm.url) >= 256  # … which, unsalted, every sender shares
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions"])

@@ -1,5 +1,6 @@
-"""A pool's ``engine``: its default, the priority each engine is sent, and ``kvgate check``
-refusing priority scheduling on an engine that has none."""
+"""A pool's ``engine``: its default, the priority each engine is sent, the prefix cache's
+salt, and ``kvgate check`` refusing priority scheduling or salting on an engine that has
+none."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from typing import get_args
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from extproc.cli import main
 from extproc.config import ConfigError, Engine, hash_api_key, parse_config
 from extproc.datalayer.metrics import ENGINES
+from extproc.engine.server import ApiError, check_cache_salt
 
 
 def config(**pool):
@@ -79,3 +83,44 @@ def test_metrics_port_is_a_port() -> None:
     with pytest.raises(ConfigError) as info:
         config(metrics_port=70000)
     assert info.value.problems[0].startswith("pools[0].metrics_port:")
+
+
+@pytest.mark.parametrize(("pool", "salted"), [
+    ({}, True),  # vLLM reads cache_salt: tenants isolated by default
+    ({"engine": "trtllm"}, False),  # may be Triton's frontend: salted only when asked
+    ({"engine": "sglang"}, False),
+    ({"engine": "tgi"}, False),
+    ({"prefix_cache_isolation": "none"}, False),
+    ({"engine": "trtllm", "prefix_cache_isolation": "tenant"}, True),
+])
+def test_which_pools_salt_the_prefix_cache_per_tenant(pool: dict, salted: bool) -> None:
+    salt = config(**pool).pools[0].cache_salt("acme", None)
+    assert (salt is not None) == salted
+
+
+def test_salting_on_an_engine_without_cache_salt_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        config(engine="sglang", prefix_cache_isolation="tenant")
+    assert info.value.problems == [
+        "pools[0]: prefix_cache_isolation: sglang takes no cache_salt (engines that do: "
+        "vllm, trtllm); set it to 'none'"]
+
+
+TENANT = st.text(min_size=1, max_size=12)
+CLIENT_SALT = st.none() | st.text(min_size=1, max_size=12)
+
+
+@given(tenant=TENANT, other=TENANT, salt=CLIENT_SALT, other_salt=CLIENT_SALT)
+def test_no_client_can_send_another_tenants_salt(tenant, other, salt, other_salt) -> None:
+    """Whatever a client sends as its own ``cache_salt``, the salt upstream is one vLLM
+    accepts, and two tenants' salts differ (the same tenant's differ by the client's)."""
+    pool = config().pools[0]
+    mine, theirs = pool.cache_salt(tenant, salt), pool.cache_salt(other, other_salt)
+    check_cache_salt({"cache_salt": mine})  # the simulated engine applies vLLM's rules
+    assert (mine == theirs) == ((tenant, salt) == (other, other_salt))
+
+
+@pytest.mark.parametrize("salt", ["", 5, "a" * 129, "a/b", "a@b", "a\\b", "a\x00b"])
+def test_the_simulated_engine_refuses_what_vllm_refuses_as_a_salt(salt) -> None:
+    with pytest.raises(ApiError):
+        check_cache_salt({"cache_salt": salt})

@@ -191,6 +191,10 @@ def test_completions_prompt_scoring_runs_one_step():
          "invalid_request_error", "best_of"),
         ({"model": "m", "messages": [{"content": "a"}], "max_tokens": 2**31},
          "invalid_request_error", "max_tokens"),
+        ({"model": "m", "messages": [{"content": "a"}], "cache_salt": ""},
+         "invalid_request_error", "cache_salt"),
+        ({"model": "m", "messages": [{"content": "a"}], "cache_salt": ["x"]},
+         "invalid_request_error", "cache_salt"),
         # several problems: the prompt is checked before the cap, the cap before stream
         ({"model": "m", "messages": [3], "max_tokens": 0, "stream": 1},
          "invalid_request_error", "messages[0]"),
@@ -214,7 +218,17 @@ def test_mutate_body_sets_priority_usage_and_overrides():
     assert sent["max_completion_tokens"] == 10 and "max_tokens" not in sent
     assert sent["stream_options"] == {"other": 1, "include_usage": True}
     again = orjson.loads(mutate_body(request, priority=None, inject_usage=False))
-    assert "priority" not in again
+    assert "priority" not in again and "cache_salt" not in again
+
+
+def test_mutate_body_sets_the_tenants_cache_salt_over_the_clients():
+    request = parse({"model": "m", "messages": [{"content": "x"}], "cache_salt": "mine"})
+    sent = orjson.loads(mutate_body(request, priority=None, inject_usage=False,
+                                    cache_salt="kvgate-abc"))
+    assert sent["cache_salt"] == "kvgate-abc"
+    request = parse({"model": "m", "messages": [{"content": "x"}], "cache_salt": "mine"})
+    unsalted = orjson.loads(mutate_body(request, priority=None, inject_usage=False))
+    assert unsalted["cache_salt"] == "mine"  # a pool that shares its cache: as sent
 
 
 @settings(max_examples=200, deadline=None)
@@ -302,7 +316,7 @@ JSON = st.recursive(
 FIELDS = ["model", "messages", "prompt", "input", "suffix", "tools", "functions", "documents",
           "chat_template_kwargs", "n", "best_of", "max_tokens", "max_completion_tokens",
           "min_tokens", "echo", "stream", "stream_options", "priority", "prompt_embeds",
-          "kv_transfer_params", "session_params"]
+          "kv_transfer_params", "session_params", "cache_salt"]
 
 
 BASES = {CHAT: {"messages": [{"role": "user", "content": "hi"}]}, COMPLETIONS: {"prompt": "hi"},
