@@ -88,19 +88,30 @@ class Stack:
         return self.envoy.url
 
 
+class Interrupted(Exception):
+    """A stop was asked for (SIGTERM, Ctrl-C) while the stack was starting."""
+
+
 @contextlib.contextmanager
 def local_stack(config: Config, *, engine_options: dict | None = None,
-                bootstrap: dict | None = None) -> Iterator[Stack]:
+                bootstrap: dict | None = None,
+                stop: threading.Event | None = None) -> Iterator[Stack]:
     """Engines for every pool endpoint (each speaking its pool's engine's metrics), kvgate,
     then Envoy (on ``bootstrap`` when given, else the one rendered from ``config``); torn
-    down in reverse order."""
+    down in reverse order. Once ``stop`` is set, the next step raises :class:`Interrupted`
+    instead of starting (what started is stopped)."""
     from extproc.engine.server import EngineProcess
     from extproc.envoy_proc import EnvoyProcess
+
+    def step() -> None:
+        if stop is not None and stop.is_set():
+            raise Interrupted
 
     with contextlib.ExitStack() as stack:
         engines = {}
         for pool in config.pools:
             for endpoint in pool.endpoints:
+                step()
                 host, port = parse_endpoint(endpoint)
                 options = {
                     "model": pool.models[0].name,
@@ -110,11 +121,14 @@ def local_stack(config: Config, *, engine_options: dict | None = None,
                 }
                 engines[endpoint] = stack.enter_context(
                     EngineProcess(port=port, host=host, **options))
+        step()
         kvgate = ServerThread(config)
-        stack.callback(kvgate.stop)  # before start(): a SIGTERM may come while it starts
+        stack.callback(kvgate.stop)
         kvgate.start()
+        step()
         envoy = stack.enter_context(
             EnvoyProcess(config) if bootstrap is None else EnvoyProcess(bootstrap=bootstrap))
+        step()
         yield Stack(kvgate, envoy, engines)
 
 
@@ -199,10 +213,16 @@ def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundl
     # demo and left its engines running, holding their ports. SIGINT is set too: a demo
     # started in the background of a script inherits it ignored, and then a SIGINT to its
     # process group stopped the engines and Envoy (they set their own) but not kvgate.
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # The handler only sets an event, checked between the start's steps: raising
+    # KeyboardInterrupt from it, as the demo did, raised it wherever the main thread was,
+    # and inside gRPC's Cython code it was printed and dropped ("Exception ignored"): the
+    # demo then waited forever (and, once in 24 tries, died of its SIGINT exit instead).
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _run_stack(config, keys, smoke, source)
-    except KeyboardInterrupt:
+        return _run_stack(config, keys, smoke, source, stop)
+    except Interrupted:
         return 0
     finally:
         for sig, handler in previous.items():
@@ -222,12 +242,9 @@ def _engines_line(config: Config) -> str:
     return " and ".join(f"{n} simulated {name} engine(s)" for name, n in counts.items())
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _run_stack(config: Config, keys: dict[str, str], smoke: bool, source: object) -> int:
-    with local_stack(config) as stack:
+def _run_stack(config: Config, keys: dict[str, str], smoke: bool, source: object,
+               stop: threading.Event) -> int:
+    with local_stack(config, stop=stop) as stack:
         kvgate = stack.kvgate
         admin = f"http://{config.server.admin_host}:{kvgate.server.admin_port}"
         print(f"\nEnvoy gateway : {_gateway_url(config)}")
@@ -244,5 +261,5 @@ def _run_stack(config: Config, keys: dict[str, str], smoke: bool, source: object
         if smoke:
             return _smoke(config)
         print("Ctrl-C to stop.", flush=True)
-        threading.Event().wait()  # until Ctrl-C or SIGTERM (KeyboardInterrupt)
+        stop.wait()  # until Ctrl-C or SIGTERM
     return 0
