@@ -512,10 +512,22 @@ def test_a_prompt_vllm_would_take_from_kv_transfer_params_is_refused(vllm, gatew
 
 
 def _prefix_cache_hits(vllm) -> float:
-    """vLLM's ``vllm:prefix_cache_hits_total``: prompt tokens served from its prefix cache."""
-    page = httpx.get(vllm.url + "/metrics", timeout=30).text
-    family = metric_families(page)["vllm:prefix_cache_hits"]
-    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    """vLLM's ``vllm:prefix_cache_hits_total``: prompt tokens served from its prefix cache,
+    once settled (vLLM publishes its engine's counts a moment after a request ends, so an
+    earlier test's hits can land after this test's first reading)."""
+    def read() -> float:
+        page = httpx.get(vllm.url + "/metrics", timeout=30).text
+        family = metric_families(page)["vllm:prefix_cache_hits"]
+        return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+    last, deadline = read(), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def test_tenants_never_reuse_each_others_cached_prefixes(vllm, gateway):
@@ -524,14 +536,19 @@ def test_tenants_never_reuse_each_others_cached_prefixes(vllm, gateway):
     sent). Through kvgate, each tenant's requests carry its own ``cache_salt``: a tenant's
     repeat still hits its own cache, the same prompt from another tenant does not, nor does
     an unsalted request hit theirs."""
+    import random
+
     _kvgate, envoy = gateway
-    body = chat_body(" ".join(f"secret{i}" for i in range(400)), max_tokens=1)
+    # token ids, drawn afresh: the tiny model's tokenizer reads most words as one unknown
+    # token, so prompts of words would all share their blocks
+    draw = random.Random(time.time_ns())
+    body = {"model": SERVED_MODEL_NAME, "prompt": [draw.randrange(3, 480) for _ in range(400)],
+            "max_tokens": 1}
 
     def hits_of(url: str, key: str | None = None) -> float:
         before = _prefix_cache_hits(vllm)
         headers = {"authorization": f"Bearer {key}"} if key else {}
-        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
-                              headers=headers)
+        response = httpx.post(url + "/v1/completions", json=body, timeout=120, headers=headers)
         assert response.status_code == 200, response.text
         return _prefix_cache_hits(vllm) - before
 
