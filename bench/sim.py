@@ -294,6 +294,7 @@ class Gated(Policy):
                                             capacity)
         self.snapshot = StoreSnapshot(self.snapshot.version + 1,
                                       MappingProxyType({"sim": MappingProxyType(states)}))
+        self.scheduler.observe(self.snapshot)  # as the server's scrape hook does
         if now > 0:
             self.dispatch(now)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from extproc.classify import Classifier, RequestClass
 from extproc.config import Config, Tenant
-from extproc.datalayer.endpoints import EndpointStore
+from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.flow import FlowController, Waiter
 from extproc.leases import LeaseBook
 from extproc.openai import InferenceRequest
@@ -421,6 +421,13 @@ class Director:
         ``max_num_batched_tokens``)."""
         admission.scheduler.first_token(admission.lease_id, self.clock())
         self.kick(admission.pool)
+
+    def scraped(self, snapshot: StoreSnapshot) -> None:
+        """A scrape round ended: every pool's scheduler reads it, and queued requests may
+        fit now."""
+        for scheduler in self.schedulers.values():
+            scheduler.observe(snapshot)
+        self.kick()
 
     def kick(self, pool: str | None = None) -> None:
         """Capacity may have freed (a completion; a fresh scrape when pool is None)."""

@@ -132,6 +132,8 @@ class Reservation:
     streamed: bool = True  # a first token will be seen before the end
     peak: int = 0  # the KV it is expected to grow to: prompt + expected output
     started_at: float = 0.0  # when it started (first token, or a scrape saw it admitted)
+    start_seen: bool = False  # started_at is its start, not its end (a non-streamed answer
+    # that ended before a scrape saw it admitted: how long it decoded is unknown)
 
 
 @dataclass(slots=True)
@@ -326,7 +328,7 @@ class PoolScheduler:
         (for a non-streamed response that is its end). Idempotent; unknown ids are ignored."""
         reservation = self.reservations.get(lease_id)
         if reservation is not None:
-            self._started(reservation, now)
+            self._started(reservation, now, seen=reservation.streamed)
             if reservation.prefilling and reservation.streamed:
                 mark = self.prefill_marks.get(reservation.endpoint, reservation.at)
                 self._learn_prefill_rate(reservation.prefill,
@@ -341,9 +343,9 @@ class PoolScheduler:
         reservation = self.reservations.pop(lease_id, None)
         if reservation is None:
             return
-        if reservation.started and output_tokens and now > reservation.started_at:
+        if reservation.start_seen and output_tokens and now > reservation.started_at:
             self._learn_decode_rate(output_tokens, now - reservation.started_at)
-        self._started(reservation, now)
+        self._started(reservation, now, seen=False)
         self._prefilled(reservation, now)
         del self.by_endpoint[reservation.endpoint][lease_id]
         self.in_flight[reservation.endpoint] = max(0, self.in_flight[reservation.endpoint] - 1)
@@ -399,10 +401,13 @@ class PoolScheduler:
         done = self.prefill_rate * (now - self.prefill_marks.get(endpoint, now))
         return max(0.0, tokens - done)
 
-    def _started(self, reservation: Reservation, now: float) -> None:
+    def _started(self, reservation: Reservation, now: float, *, seen: bool = True) -> None:
+        """``seen``: ``now`` is when it started; not when a non-streamed answer is found
+        ended (which a learned decode rate must not count as a decode in no time)."""
         if not reservation.started:
             reservation.started = True
             reservation.started_at = now
+            reservation.start_seen = seen
             self.unstarted[reservation.endpoint] -= 1
 
     def _prefilled(self, reservation: Reservation, now: float) -> None:
@@ -526,6 +531,14 @@ class PoolScheduler:
 
     def _has_slot(self, address: str, limit: int | None) -> bool:
         return limit is None or self.in_flight.get(address, 0) < limit
+
+    def observe(self, snapshot: StoreSnapshot) -> None:
+        """A scrape round ended: read what it says about the requests sent (started, the
+        engine's sequence limit, its queue) now rather than at the next placement, which
+        may come long after (the last of a burst would otherwise be seen started only at
+        its end, and a start read late makes the learned decode rate too fast)."""
+        if self.config.kv_aware:
+            self._view(snapshot)
 
     def _view(self, snapshot: StoreSnapshot) -> _PoolView:
         """The pool's endpoints as of ``snapshot``, built once per snapshot (a scrape round

@@ -542,7 +542,7 @@ def _scraper(
     settings = config.scrape
 
     def on_update(snapshot: StoreSnapshot) -> None:
-        director.kick()  # fresh numbers: queued requests may fit now
+        director.scraped(snapshot)
         if on_scraped is not None:
             on_scraped(snapshot)
 

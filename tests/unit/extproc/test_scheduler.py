@@ -258,6 +258,33 @@ def test_the_decode_rate_is_learned_from_finished_requests():
     assert sched.decode_rate == 20.0
 
 
+def test_a_non_streamed_answer_whose_start_no_scrape_saw_teaches_no_decode_rate():
+    """Its only sign is its end (the meter's report), which once counted as its first token:
+    1,500 tokens decoded in no time made the pool's rate 25% faster, and the sequence kept
+    for interactive work was then lent before half the running requests' runs."""
+    sched = scheduler()
+    sched.reserve("r", "a", "127.0.0.1:1", 2000, NOW - 3, prompt_tokens=100)
+    sched.first_token("r", NOW - 2)
+    sched.release("r", NOW, output_tokens=1500)
+    assert sched.decode_rate == 750.0
+    sched.reserve("n", "a", "127.0.0.1:1", 2000, NOW, prompt_tokens=100, streamed=False)
+    sched.first_token("n", NOW + 2)  # the done report: the end, not a first token
+    sched.release("n", NOW + 2.001, output_tokens=1500)  # Envoy ends the stream next
+    assert sched.decode_rate == 750.0
+
+
+def test_a_scrape_marks_requests_started_without_waiting_for_a_placement():
+    """The last request of a burst asks for no placement after it: the scrape round itself
+    must show it started, at the scrape's time, so its run is timed."""
+    sched = scheduler()
+    sched.reserve("n", "a", "127.0.0.1:1", 2000, NOW - 3, prompt_tokens=100, streamed=False)
+    sched.observe(snapshot(state("127.0.0.1:1", 0.1, waiting=0, scraped_at=NOW - 2)))
+    assert sched.unstarted["127.0.0.1:1"] == 0
+    sched.first_token("n", NOW)  # its end
+    sched.release("n", NOW, output_tokens=1000)
+    assert sched.decode_rate == 500.0  # 1,000 tokens since the scrape that saw it admitted
+
+
 def test_a_short_answer_delivered_at_once_does_not_teach_a_huge_decode_rate():
     """16 tokens whose first and last chunk came 30 µs apart: as a rate, 533,333 tokens per
     second. Tokens and seconds are averaged apart, so it moves the rate a little."""
