@@ -76,6 +76,12 @@ def redis_server() -> Iterator[RedisServer]:
         yield srv
 
 
+def store_url(request: pytest.FixtureRequest) -> str | None:
+    """In a fixture parametrized ``["memory", "redis"]``: the module's real redis-server's
+    URL for ``redis``, None (the in-memory store) for ``memory``."""
+    return request.getfixturevalue("redis_server").url if request.param == "redis" else None
+
+
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[RedisCluster]:
     """A real 3-shard Redis Cluster (three redis-servers) for the test module."""

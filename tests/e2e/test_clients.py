@@ -15,7 +15,7 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port
+from tests.conftest import free_port, store_url
 
 pytestmark = pytest.mark.e2e
 
@@ -45,10 +45,8 @@ def clients_config(redis_url: str | None):
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
 def stack(request):
-    url = None
-    if request.param == "redis":
-        url = request.getfixturevalue("redis_server").url
-    with local_stack(clients_config(url), engine_options={"ms_per_token": 5}) as running:
+    config = clients_config(store_url(request))
+    with local_stack(config, engine_options={"ms_per_token": 5}) as running:
         yield running
 
 

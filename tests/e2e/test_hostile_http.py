@@ -21,7 +21,7 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, store_url, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -65,10 +65,8 @@ def hostile_config(redis_url: str | None):
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
 def stack(request):
-    url = None
-    if request.param == "redis":
-        url = request.getfixturevalue("redis_server").url
-    with local_stack(hostile_config(url), engine_options={"ms_per_token": 2}) as running:
+    config = hostile_config(store_url(request))
+    with local_stack(config, engine_options={"ms_per_token": 2}) as running:
         yield running
 
 

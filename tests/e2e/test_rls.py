@@ -26,7 +26,7 @@ from extproc.engine.server import EngineProcess
 from extproc.envoy_config import render_bootstrap
 from extproc.envoy_proc import EnvoyProcess
 from extproc.rls_import import import_files
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, store_url, wait_for
 from tests.rls_support import descriptor
 
 pytestmark = pytest.mark.e2e
@@ -62,8 +62,7 @@ def rls_config(redis_url: str | None):
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
 def stack(request):
-    url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
-    with local_stack(rls_config(url), engine_options={"ms_per_token": 2}) as running:
+    with local_stack(rls_config(store_url(request)), engine_options={"ms_per_token": 2}) as running:
         yield running
 
 
@@ -234,8 +233,7 @@ def twins(request, tmp_path_factory):
     source = tmp_path_factory.mktemp("rl") / "edge.yaml"
     source.write_text(ENVOYPROXY_CONFIG)
     imported = yaml.safe_load(import_files([source])[0])["ratelimit"]["domains"]
-    url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
-    base = rls_config(url)
+    base = rls_config(store_url(request))
     config = base.model_copy(update={
         "envoy": base.envoy.model_copy(update={"ratelimit_domain": "edge"}),
         "ratelimit": RateLimitSettings.model_validate({"domains": [*imported, HAND_WRITTEN]}),
