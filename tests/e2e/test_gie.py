@@ -115,6 +115,7 @@ def test_non_streamed_request_is_routed_with_priority_and_charged_its_usage(stac
     served = response.headers["x-bench-engine"]
     received = stack.engines[served].requests()[-1]
     assert received["body"]["priority"] == 5  # acme's class, not the client's -100
+    assert received["body"]["cache_salt"].startswith("kvgate-")  # acme's own prefix cache
     assert received["headers"]["x-gateway-destination-endpoint"] == served
     assert received["headers"]["x-kvgate-tenant"] == "acme"
     assert int(response.headers["x-ratelimit-remaining-requests"]) > 0
