@@ -43,11 +43,13 @@ prompt + :attr:`PoolScheduler.output_ratio` of its reserved output (learned from
 of finished requests), one token per engine step, and to free it all when it ends. So they
 do not all peak at once: the cache must hold their largest total at any moment ahead, which
 is reached just before one of them ends (:func:`future_peak`). Each request's progress is
-estimated from when it started and the pool's decode rate per sequence (learned from
-finished requests; unknown: none made). The peak with a new request must fit the endpoint's
-KV capacity. Band 0 on a pool with ``priority_scheduling`` is exempt: should the cache
-fill, the engine preempts the lower priority, and interactive work never waits for KV that
-batch work may need later.
+estimated from when it started (its first token; for a non-streamed answer, the first
+scrape that finds the engine admitted it: every scrape round is read as it lands,
+:meth:`PoolScheduler.observe`) and the pool's decode rate per sequence (learned from
+finished requests whose start was seen; unknown: none made). The peak with a new request
+must fit the endpoint's KV capacity. Band 0 on a pool with ``priority_scheduling`` is
+exempt: should the cache fill, the engine preempts the lower priority, and interactive work
+never waits for KV that batch work may need later.
 
 Prefill isolation. vLLM V1 schedules its *running* requests before admitting waiting ones,
 and a long prompt is prefilled in chunks that take the whole step budget — so a new
