@@ -7,6 +7,7 @@ requests_per_second: …``) so ``kvgate check`` can print them all at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import os
@@ -566,13 +567,7 @@ class Pool(_Strict):
         A digest of the tenant's name and the client's own salt (a client may still isolate
         its users from each other): no client can send a value that yields another tenant's
         salt, and the digest meets vLLM's rules (at most 128 characters, no ``@ / \\``)."""
-        if not self.isolates_prefix_cache:
-            return None
-        seed = f"{len(tenant)}:{tenant}"  # the length: no tenant's seed starts another's
-        if client_salt is not None:
-            seed += ":" + client_salt
-        return CACHE_SALT_PREFIX + hashlib.sha256(seed.encode("utf-8", "surrogatepass")
-                                                  ).hexdigest()
+        return _tenant_salt(tenant, client_salt) if self.isolates_prefix_cache else None
 
     def body_priority(self, priority: int) -> int | None:
         """A class's priority (lower runs first) as this pool's engines read it from the
@@ -583,6 +578,16 @@ class Pool(_Strict):
         if low_first is None:
             low_first = PRIORITY_LOW_FIRST[self.engine]
         return priority if low_first else -priority
+
+
+@functools.lru_cache(maxsize=4096)
+def _tenant_salt(tenant: str, client_salt: str | None) -> str:
+    """``Pool.cache_salt``'s digest, computed once per tenant (and client salt), not per
+    request."""
+    seed = f"{len(tenant)}:{tenant}"  # the length: no tenant's seed starts another's
+    if client_salt is not None:
+        seed += ":" + client_salt
+    return CACHE_SALT_PREFIX + hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 _GPU_KEY = re.compile(r"\d+(:\d+)?")
