@@ -28,18 +28,20 @@ class ResponseRecord:
     def settle(self, cost: Cost) -> tuple[int, int]:
         """(tokens used, of which output) to charge on release.
 
-        The engine's usage when it reported one; a response that ended without it (an
-        engine error, a stream without its usage event) is charged its prompt plus one
-        token per streamed event, except a whole non-streamed answer: its output is in no
-        event, so it is charged what was reserved. A request that ended before its response
-        began (the client left while it was prefilled: the engine aborts it) is charged its
-        prompt. A response cut off after that (the client left mid-answer, or the meter
-        could not report) is charged what was reserved: kvgate never saw how far it got, and
-        a reservation is never less than what was used.
+        The engine's usage when it reported one. An answer (2xx) that ended without a usage
+        kvgate could read — a whole JSON body without one, or a stream without the usage
+        event kvgate asks every engine for — is charged what was reserved: what kvgate
+        cannot meter is never cheaper than what it admitted (a streamed event may carry
+        several tokens, so counting events would undercharge). An engine's error answer is
+        charged its prompt plus one token per streamed event. A request that ended before
+        its response began (the client left while it was prefilled: the engine aborts it)
+        is charged its prompt. A response cut off after that (the client left mid-answer,
+        or the meter could not report) is charged what was reserved: kvgate never saw how
+        far it got, and a reservation is never less than what was used.
         """
         if self.usage is not None:
             return self.usage.total, self.usage.completion_tokens
-        if self.done and self.answered and not self.stream:
+        if self.done and self.answered:
             return cost.tokens, cost.max_output_tokens
         if self.done:
             return cost.prompt_tokens + self.events, self.events

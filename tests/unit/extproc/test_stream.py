@@ -204,16 +204,17 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
 @pytest.mark.parametrize(("streamed", "first", "report", "used"), [
     (True, False, None, lambda cost: cost.prompt_tokens),
     (True, True, None, lambda cost: cost.prompt_tokens + 100),
-    (True, True, (None, 3, True), lambda cost: cost.prompt_tokens + 3),
+    (True, True, (None, 3, True), lambda cost: cost.prompt_tokens + 100),  # no usage event
+    (True, True, (None, 3, False), lambda cost: cost.prompt_tokens + 3),  # an error stream
     (True, True, (Usage(13, 2), 2, True), lambda cost: 15),
     (False, True, (Usage(13, 2), 0, True), lambda cost: 15),
     (False, True, (None, 0, False), lambda cost: cost.prompt_tokens),  # an engine's error
     (False, True, (None, 0, True), lambda cost: cost.prompt_tokens + 100)])
 async def test_what_a_response_is_charged(streamed, first, report, used):
-    """Usage when the engine reported it; the prompt plus one token per streamed event when
-    the response ended without it; the prompt when the client left before the response
-    began or the engine answered an error; the reservation when it was cut off mid-answer,
-    or was a whole non-streamed answer without a usage kvgate could read."""
+    """Usage when the engine reported it; the reservation for an answer (2xx), streamed or
+    not, that ended without a usage kvgate could read, and for a response cut off
+    mid-answer; the prompt (plus one token per streamed event) for an engine's error; the
+    prompt when the client left before the response began."""
     stream, _ = new_stream()
     await stream.handle(headers_msg())
     await stream.handle(body_msg(chat(max_tokens=100, stream=streamed)))
