@@ -25,8 +25,9 @@ class ResponseRecord:
     def finish(self, usage: Usage | None, events: int, answered: bool) -> None:
         self.done, self.usage, self.events, self.answered = True, usage, events, answered
 
-    def settle(self, cost: Cost) -> tuple[int, int]:
-        """(tokens used, of which output) to charge on release.
+    def settle(self, cost: Cost) -> tuple[int, int, str]:
+        """(tokens used, of which output, on what basis) to charge on release; the basis
+        is ``kvgate_charges_total``'s label.
 
         The engine's usage when it reported one. An answer (2xx) that ended without a usage
         kvgate could read — a whole JSON body without one, or a stream without the usage
@@ -40,11 +41,11 @@ class ResponseRecord:
         far it got, and a reservation is never less than what was used.
         """
         if self.usage is not None:
-            return self.usage.total, self.usage.completion_tokens
+            return self.usage.total, self.usage.completion_tokens, "usage"
         if self.done and self.answered:
-            return cost.tokens, cost.max_output_tokens
+            return cost.tokens, cost.max_output_tokens, "no_usage"
         if self.done:
-            return cost.prompt_tokens + self.events, self.events
+            return cost.prompt_tokens + self.events, self.events, "engine_error"
         if self.stream and not self.started:
-            return cost.prompt_tokens, 0
-        return cost.tokens, cost.max_output_tokens
+            return cost.prompt_tokens, 0, "not_started"
+        return cost.tokens, cost.max_output_tokens, "cut_off"

@@ -192,6 +192,15 @@ class Metrics:
             "Reserved tokens given back to the tenant's limits because the request used fewer.",
             ["tenant", "model"], self.registry,
         )
+        self.charges = Tally(
+            "kvgate_charges",
+            "Admitted requests charged when they ended, by basis: usage (the engine's own "
+            "count), no_usage (an answer without a usage kvgate could read: charged its "
+            "reservation), cut_off (the response ended early, the client left: reservation), "
+            "engine_error (an error answer: prompt), not_started (the client left before the "
+            "response began: prompt), no_response (decided on headers: nothing).",
+            ["basis"], self.registry,
+        )
         self.in_flight = Tally(
             "kvgate_in_flight_requests",
             "Admitted requests not yet finished, by tenant.",
@@ -338,10 +347,12 @@ class Metrics:
         self.in_flight.add((labels[0],))
 
     def finished(self, tenant: str, model: str | None, reserved: int, used: int,
-                 completion: int) -> None:
-        """An admitted request ended: charged ``used`` tokens, ``completion`` of them output."""
+                 completion: int, basis: str) -> None:
+        """An admitted request ended: charged ``used`` tokens, ``completion`` of them output,
+        on ``basis`` (the engine's usage, or why not: ``accounting.ResponseRecord.settle``)."""
         labels = (self.tenant(tenant), self.model(model))
         self.in_flight.add((labels[0],), -1)
+        self.charges.add((basis,))
         self.tokens_used.add((*labels, "prompt"), max(0, used - completion))
         self.tokens_used.add((*labels, "completion"), completion)
         if reserved > used:

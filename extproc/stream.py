@@ -359,9 +359,10 @@ class RequestStream:
             metrics.stream_errors.add((abnormal,))
         self.desk.forget(admission.lease_id)
         record = self.response
-        used, output = (0, 0) if record is None else record.settle(admission.cost)
+        used, output, basis = ((0, 0, "no_response") if record is None
+                               else record.settle(admission.cost))
         metrics.finished(admission.tenant.name, self._model(), admission.cost.tokens, used,
-                         output)
+                         output, basis)
         if log.isEnabledFor(DEBUG):
             log.debug("request %s ended%s: %d tokens used of %d reserved", self.path,
                       f" ({abnormal})" if abnormal else "", used, admission.cost.tokens,

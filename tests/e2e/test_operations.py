@@ -163,6 +163,8 @@ def test_metrics_carry_bounded_labels_after_traffic(stack) -> None:
     used = {(s["tenant"], s["kind"]): s["value"] for s in samples(admin, "kvgate_tokens_used_total")
             if s["model"] == "tiny-llama"}
     assert used[("acme", "completion")] == 6 + 5  # the engine's own usage, streamed or not
+    charges = {s["basis"]: s["value"] for s in samples(admin, "kvgate_charges_total")}
+    assert charges.get("usage", 0) >= 2 and set(charges) <= {"usage", "no_response"}
     assert used[("acme", "prompt")] > 0
     reserved = {s["tenant"]: s["value"] for s in samples(admin, "kvgate_tokens_reserved_total")}
     assert reserved["acme"] >= 6 + 5  # the prompt estimates plus both max_tokens

@@ -15,7 +15,7 @@ from extproc.metrics import NONE, OTHER, Metrics, metric_names
 from tests.paths import REPO
 
 ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
-         "error")
+         "error", "basis")
 
 
 def values(metrics: Metrics, name: str) -> dict[tuple[str, ...], float]:
@@ -48,18 +48,19 @@ def test_a_tenant_removed_by_a_reload_keeps_its_label() -> None:
     metrics = configured()
     metrics.admitted("acme", "m", "interactive", 10)
     metrics.configure([], ["m"], ["interactive"])  # acme removed while in flight
-    metrics.finished("acme", "m", 10, 4, 1)
+    metrics.finished("acme", "m", 10, 4, 1, "usage")
     assert values(metrics, "kvgate_in_flight_requests") == {("acme",): 0}
 
 
 def test_tokens_reserved_used_and_refunded() -> None:
     metrics = configured()
     metrics.admitted("acme", "m", "interactive", 100)
-    metrics.finished("acme", "m", 100, 30, 20)
-    assert values(metrics, "kvgate_tokens_reserved_total") == {("acme", "m"): 100}
+    metrics.finished("acme", "m", 100, 30, 20, "usage")
+    metrics.finished("acme", "m", 100, 100, 90, "no_usage")
     assert values(metrics, "kvgate_tokens_used_total") == {
-        ("acme", "m", "prompt"): 10, ("acme", "m", "completion"): 20}
+        ("acme", "m", "prompt"): 20, ("acme", "m", "completion"): 110}
     assert values(metrics, "kvgate_tokens_refunded_total") == {("acme", "m"): 70}
+    assert values(metrics, "kvgate_charges_total") == {("usage",): 1, ("no_usage",): 1}
 
 
 def test_store_errors_by_kind() -> None:

@@ -188,7 +188,7 @@ async def test_a_streamed_request_is_metered_by_the_lua_meter_and_settled_on_its
     assert stream.response.done and stream.holds_admission  # released at the stream's end
     await stream.close(None)
     assert await store.in_flight("acme") == 0
-    assert stream.response.settle(stream.admission.cost) == (14, 1)
+    assert stream.response.settle(stream.admission.cost) == (14, 1, "usage")
 
 
 @pytest.mark.parametrize(("meter", "extra"), [("json", {}), ("sse", {"stream": True,
@@ -201,16 +201,16 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     assert ours["meter"].string_value == meter
 
 
-@pytest.mark.parametrize(("streamed", "first", "report", "used"), [
-    (True, False, None, lambda cost: cost.prompt_tokens),
-    (True, True, None, lambda cost: cost.prompt_tokens + 100),
-    (True, True, (None, 3, True), lambda cost: cost.prompt_tokens + 100),  # no usage event
-    (True, True, (None, 3, False), lambda cost: cost.prompt_tokens + 3),  # an error stream
-    (True, True, (Usage(13, 2), 2, True), lambda cost: 15),
-    (False, True, (Usage(13, 2), 0, True), lambda cost: 15),
-    (False, True, (None, 0, False), lambda cost: cost.prompt_tokens),  # an engine's error
-    (False, True, (None, 0, True), lambda cost: cost.prompt_tokens + 100)])
-async def test_what_a_response_is_charged(streamed, first, report, used):
+@pytest.mark.parametrize(("streamed", "first", "report", "used", "basis"), [
+    (True, False, None, lambda cost: cost.prompt_tokens, "not_started"),
+    (True, True, None, lambda cost: cost.prompt_tokens + 100, "cut_off"),
+    (True, True, (None, 3, True), lambda cost: cost.prompt_tokens + 100, "no_usage"),
+    (True, True, (None, 3, False), lambda cost: cost.prompt_tokens + 3, "engine_error"),
+    (True, True, (Usage(13, 2), 2, True), lambda cost: 15, "usage"),
+    (False, True, (Usage(13, 2), 0, True), lambda cost: 15, "usage"),
+    (False, True, (None, 0, False), lambda cost: cost.prompt_tokens, "engine_error"),
+    (False, True, (None, 0, True), lambda cost: cost.prompt_tokens + 100, "no_usage")])
+async def test_what_a_response_is_charged(streamed, first, report, used, basis):
     """Usage when the engine reported it; the reservation for an answer (2xx), streamed or
     not, that ended without a usage kvgate could read, and for a response cut off
     mid-answer; the prompt (plus one token per streamed event) for an engine's error; the
@@ -230,6 +230,7 @@ async def test_what_a_response_is_charged(streamed, first, report, used):
     stream.director.release = release
     await stream.close(None)
     assert charged == [used(stream.admission.cost)]
+    assert stream.metrics.charges.values == {(basis,): 1}
 
 
 async def test_first_response_chunk_ends_the_prefill_the_scheduler_counts():
