@@ -708,8 +708,10 @@ class PoolScheduler:
             held.append((tokens - prompt, prompt))
         for r in self.by_endpoint.get(state.address, {}).values():
             whole = r.peak <= r.prefill or not r.prefill  # prompt and output not known apart
-            if r.started and r.started_at <= scraped_at:  # in the scrape: explained
-                unexplained -= r.peak if whole else r.prefill + self._made(r, scraped_at)
+            if r.started and r.started_at <= scraped_at:  # in the scrape: explained, in the
+                # whole blocks the engine holds for it (its block is counted below as well)
+                unexplained -= in_blocks(
+                    r.peak if whole else r.prefill + self._made(r, scraped_at), block)
             if whole:
                 throughout += r.peak + block
             else:
@@ -810,6 +812,11 @@ class PoolScheduler:
 def _metric(state: EndpointState, name: str) -> float:
     value = getattr(state.metrics, name, None) if state.metrics else None
     return float(value or 0)
+
+
+def in_blocks(tokens: int, block: int) -> int:
+    """The KV an engine holds for ``tokens``: whole blocks of ``block`` tokens (0: exact)."""
+    return -(-tokens // block) * block if block > 0 else tokens
 
 
 def future_peak(held: list[tuple[int, int]], block: int = 0) -> int:

@@ -247,6 +247,28 @@ def test_kv_the_scrape_shows_but_kvgate_did_not_send_is_held_throughout():
     assert new(0.6).reason == "pool_saturated"
 
 
+def test_the_partial_blocks_the_scrape_shows_are_not_counted_twice():
+    """The engine holds whole blocks: a scraped usage that is exactly the started requests'
+    tokens rounded up to blocks is all explained; the future peak already counts a block
+    per request for that rounding, so the scrape's rounding must not be added again."""
+    sched = scheduler()  # 1,000 tokens of KV
+    for name in ("r1", "r2", "r3"):
+        sched.reserve(name, "a", "e1", 311, NOW - 1, prompt_tokens=101)  # 210 to make
+        sched.first_token(name, NOW - 0.5)
+    metrics = EngineMetrics(kv_cache_usage=3 * 112 / CAPACITY, kv_capacity_tokens=CAPACITY,
+                            kv_block_tokens=16)  # 101 tokens each: 7 blocks of 16
+    snap = snapshot(EndpointState("e1", "p", metrics, NOW - 0.05, 0, True, CAPACITY))
+
+    def new(output):
+        return sched.place("a", 101 + output, snap, NOW, random.Random(0), prompt_tokens=101)
+
+    # the three peak at 3 × (101 + 16) + 3 × 210 = 981; counting the scrape's rounding
+    # (3 × 11) again made it 1,014 and refused a short fourth request
+    assert isinstance(new(19), Placement)
+    assert isinstance(new(130), Placement)  # all four at the fourth's end: 468 + 4 × 130
+    assert new(140).reason == "pool_saturated"  # 1,028
+
+
 def test_the_decode_rate_is_learned_from_finished_requests():
     sched = scheduler()
     sched.reserve("r", "a", "e1", 600, NOW - 12, prompt_tokens=100)
