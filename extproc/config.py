@@ -462,10 +462,11 @@ class Pool(_Strict):
     )
     max_num_batched_tokens: PositiveInt | None = Field(
         2048, description="the engines' token budget per step (vLLM "
-        "--max-num-batched-tokens), which they do not export. In a pool too small for "
-        "prefill_clear_share to keep an endpoint clear, a lower-band request joins an "
-        "endpoint only while the lower-band prompt tokens in prefill there are below it, so "
-        "interactive work waits behind about one step of batch prefill; null = no such limit"
+        "--max-num-batched-tokens), which they do not export. A lower-band request joins an "
+        "endpoint only while the lower-band prefill there is below it (what is left of it "
+        "where endpoints are kept clear; every prompt token in prefill in a pool too small "
+        "for prefill_clear_share to keep one), so interactive work waits behind about one "
+        "step of batch prefill; null = no such limit"
     )
     prefill_clear_hold_s: float = Field(
         3.0, ge=0, description="lower-band work that has waited this long in kvgate's queue "

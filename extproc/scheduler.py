@@ -66,11 +66,16 @@ prefill; with
 rather than spreading over all of them, so some endpoints stay clear for band 0 — except for
 lower-band work that has waited ``prefill_clear_hold_s`` in kvgate's queue while no band-0
 request is in prefill anywhere in the pool (the clear endpoints' cost to batch throughput is
-bounded). A pool too small for that share to keep an endpoint clear (fewer than four
-endpoints at the default) limits each endpoint instead to lower-band prompts in prefill
-below the engines' step budget (``max_num_batched_tokens``): a new interactive request
-then waits behind about one step of batch prefill rather than behind every batch prompt
-sent there, and short batch prompts still share a step. Band here is
+bounded). Each endpoint takes lower-band work only while its lower-band prefill is below
+the engines' step budget (``max_num_batched_tokens``): a new interactive request there
+then waits behind about one step of batch prefill and the prompt that joined last rather
+than behind every batch prompt sent there, and short batch prompts still share a step.
+Batch prompts stacked deeper would be prefilled no sooner (the budget is the engine's per
+step); they would only wait in the engine's queue instead of kvgate's, where the fair order
+decides. Where endpoints are kept clear, what is left of that prefill counts
+(:meth:`PoolScheduler.prefill_ahead`), so the next batch prompt is sent as the last chunk
+of the one before is prefilled; a pool too small to keep one clear (fewer than four
+endpoints at the default) counts every prompt token in prefill. Band here is
 the request's *effective* band (aging included), so every request the fair queue ranks
 together sees the same gates. Every update is O(1); placement stays O(endpoints).
 
@@ -268,7 +273,7 @@ class PoolScheduler:
                       for e in usable if self._held_by(e, limit, ahead, band, now) is None]
         if band and self.config.prefill_clear_share and (
                 waited_s < self.config.prefill_clear_hold_s or self.top_prefills):
-            candidates = self._keep_clear(candidates, usable)
+            candidates = self._keep_clear(candidates, usable, now)
         eligible = [c for c in candidates if c.fits]
         if not eligible:
             busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]
@@ -396,7 +401,8 @@ class PoolScheduler:
         rate). The picker counts it so only in a pool that keeps no endpoint clear of batch
         prefill: where one is kept clear, interactive work belongs there, and an estimate
         that sends it behind a batch prompt thought nearly done measured worse (three more
-        of the sixty matrix cells missed a bound; bench/README.md)."""
+        of the sixty matrix cells missed a bound; bench/README.md). The batch gate counts it
+        the other way round: only where endpoints are kept clear (``_keep_clear``)."""
         tokens = self.prefill_tokens.get(endpoint, 0)
         if not tokens or not self.prefill_rate:
             return tokens
@@ -636,21 +642,29 @@ class PoolScheduler:
         (none in a pool too small for it)."""
         return int(self.config.prefill_clear_share * len(usable))
 
-    def _keep_clear(self, candidates: list[Candidate], usable: list[_Scraped]
+    def _keep_clear(self, candidates: list[Candidate], usable: list[_Scraped], now: float
                     ) -> list[Candidate]:
-        """Lower-band work: once only ``prefill_clear_share`` of the usable endpoints are left
-        with no lower-band prefill, only endpoints already prefilling such work take more —
-        or none, and it waits (an endpoint kept clear stays clear). A pool too small to keep
-        one clear limits each endpoint to about one step of lower-band prefill instead
-        (``max_num_batched_tokens``): band 0 then waits behind that much, not behind every
-        batch prompt sent there."""
+        """Lower-band work: each endpoint takes it only while about one step of lower-band
+        prefill is ahead there (``max_num_batched_tokens``): band 0 then waits behind that
+        much, not behind every batch prompt sent there. Where endpoints are kept clear, what
+        is left of that prefill counts (``prefill_ahead``: an endpoint whose batch prompt is
+        in its last chunk takes the next), and once only ``prefill_clear_share`` of the
+        usable endpoints are left with no lower-band prefill, only endpoints already
+        prefilling such work take more — or none, and it waits (an endpoint kept clear stays
+        clear). A pool too small to keep one clear counts every lower-band prompt token in
+        prefill (counting what is left there measured worse: interactive work has no clear
+        endpoint to go to)."""
         keep = self._kept_clear(usable)
+        budget = self.config.max_num_batched_tokens
         if not keep:
-            budget = self.config.max_num_batched_tokens
             if budget is None:
                 return candidates
             return [c for c in candidates
                     if self.low_prefill_tokens.get(c.state.address, 0) < budget]
+        if budget is not None:
+            candidates = [c for c in candidates
+                          if min(self.low_prefill_tokens.get(c.state.address, 0),
+                                 self.prefill_ahead(c.state.address, now)) < budget]
         clear = sum(1 for e in usable if not self.low_prefills.get(e.state.address, 0))
         if clear > keep:
             return candidates

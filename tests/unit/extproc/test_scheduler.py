@@ -459,10 +459,10 @@ def test_reserved_slots_are_for_band_zero_only():
 def test_lower_bands_stack_so_some_endpoints_stay_clear_of_their_prefill():
     snap = snapshot(state("e1", 0.3), state("e2", 0.1), state("e3", 0.2))
     sched = scheduler(prefill_clear_share=0.34, scoring={"prefill": 0})  # KV usage decides
-    sched.reserve("b1", "a", "e1", 10, NOW, band=1, prompt_tokens=5000)
+    sched.reserve("b1", "a", "e1", 10, NOW, band=1, prompt_tokens=500)
     # two endpoints are clear, one may still be kept clear: any endpoint takes batch
     assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints[0] == "e2"
-    sched.reserve("b2", "a", "e2", 10, NOW, band=1, prompt_tokens=5000)
+    sched.reserve("b2", "a", "e2", 10, NOW, band=1, prompt_tokens=500)
     # only e3 is left clear: batch stacks on the busy ones, interactive goes anywhere
     assert sched.place("a", 10, snap, NOW, random.Random(0), band=1).endpoints == ["e2", "e1"]
     assert sched.place("a", 10, snap, NOW, random.Random(0)).endpoints[0] == "e2"
@@ -538,6 +538,28 @@ def test_batch_work_that_waited_long_may_use_a_clear_endpoint_while_no_interacti
     assert batch(10.0).reason == "pool_saturated"
     sched.first_token("i1", NOW)
     assert batch(10.0).endpoints == ["e2"]
+
+
+def test_batch_stacks_only_below_a_step_of_prefill_left_where_endpoints_are_kept_clear():
+    """Four endpoints keep one clear; the busy ones each take batch work only while what is
+    left of their batch prefill is under the engines' step budget: more prompts stacked there
+    would not be prefilled sooner, and interactive work sent there would wait behind all of
+    them. What is left counts, so the next prompt goes as the last chunk is prefilled."""
+    snap = snapshot(*(state(f"e{n}", 0.1) for n in range(1, 5)))
+    sched = scheduler(max_unstarted=None, scoring={"prefill": 0})
+    sched.reserve("learn", "a", "e4", 1100, NOW - 10, prompt_tokens=1000)
+    sched.first_token("learn", NOW - 9.5)  # 2000 prompt tokens per second
+    for n in (1, 2, 3):
+        sched.reserve(f"b{n}", "a", f"e{n}", 10, NOW, band=1, prompt_tokens=5000)
+    assert place_band(sched, snap, 1).reason == "pool_saturated"  # e4 is kept clear
+    assert sched.holds["prefill_clear"] == 4
+    assert len(place_band(sched, snap, 0).endpoints) == 3  # band 0 is never limited
+    later = sched.place("a", 10, snap, NOW + 1.6, random.Random(0), band=1)
+    assert sorted(later.endpoints) == ["e1", "e2", "e3"]  # 1,800 of 5,000 left on each
+    unlimited = scheduler(max_unstarted=None, max_num_batched_tokens=None)
+    for n in (1, 2, 3):
+        unlimited.reserve(f"b{n}", "a", f"e{n}", 10, NOW, band=1, prompt_tokens=5000)
+    assert len(place_band(unlimited, snap, 1).endpoints) == 3
 
 
 def test_a_pool_too_small_to_keep_one_clear_holds_each_endpoint_to_one_step_of_batch_prefill():
