@@ -91,6 +91,7 @@ from dataclasses import dataclass, field
 
 from extproc.config import Pool
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
+from limiter.buckets import ceil_div
 from limiter.herd import herd_wait
 from limiter.outcome import Reason, Reject, refuse
 
@@ -656,19 +657,21 @@ class PoolScheduler:
         endpoint to go to)."""
         keep = self._kept_clear(usable)
         budget = self.config.max_num_batched_tokens
-        if not keep:
-            if budget is None:
-                return candidates
-            return [c for c in candidates
-                    if self.low_prefill_tokens.get(c.state.address, 0) < budget]
         if budget is not None:
             candidates = [c for c in candidates
-                          if min(self.low_prefill_tokens.get(c.state.address, 0),
-                                 self.prefill_ahead(c.state.address, now)) < budget]
+                          if self._low_prefill_ahead(c.state.address, now, bool(keep)) < budget]
+        if not keep:
+            return candidates
         clear = sum(1 for e in usable if not self.low_prefills.get(e.state.address, 0))
         if clear > keep:
             return candidates
         return [c for c in candidates if self.low_prefills.get(c.state.address, 0)]
+
+    def _low_prefill_ahead(self, endpoint: str, now: float, left_only: bool) -> float:
+        """Lower-band prompt tokens in prefill at ``endpoint``; ``left_only``: less what has
+        been prefilled there since the head began (``prefill_ahead``)."""
+        tokens = self.low_prefill_tokens.get(endpoint, 0)
+        return min(tokens, self.prefill_ahead(endpoint, now)) if left_only else tokens
 
     def _candidate(self, state: EndpointState, tokens: int, now: float,
                    committed_bound: bool = True, prompt: int | None = None) -> Candidate:
@@ -830,7 +833,7 @@ def _metric(state: EndpointState, name: str) -> float:
 
 def in_blocks(tokens: int, block: int) -> int:
     """The KV an engine holds for ``tokens``: whole blocks of ``block`` tokens (0: exact)."""
-    return -(-tokens // block) * block if block > 0 else tokens
+    return ceil_div(tokens, block) * block if block > 0 else tokens
 
 
 def future_peak(held: list[tuple[int, int]], block: int = 0) -> int:

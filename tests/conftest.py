@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -76,10 +77,14 @@ def redis_server() -> Iterator[RedisServer]:
         yield srv
 
 
-def store_url(request: pytest.FixtureRequest) -> str | None:
-    """In a fixture parametrized ``["memory", "redis"]``: the module's real redis-server's
-    URL for ``redis``, None (the in-memory store) for ``memory``."""
-    return request.getfixturevalue("redis_server").url if request.param == "redis" else None
+def store_section(request: pytest.FixtureRequest, timeout_ms: int = 250) -> dict[str, Any]:
+    """In a fixture parametrized ``["memory", "redis"]``: the config's ``redis`` section on
+    the module's real redis-server for ``redis``, nothing (the in-memory store) for
+    ``memory``."""
+    if request.param != "redis":
+        return {}
+    return {"redis": {"url": request.getfixturevalue("redis_server").url,
+                      "timeout_ms": timeout_ms}}
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -15,14 +16,14 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port, store_url
+from tests.conftest import free_port, store_section
 
 pytestmark = pytest.mark.e2e
 
 KEYS = {"herd": "sk-clients-herd", "pair": "sk-clients-pair", "plain": "sk-clients-plain"}
 
 
-def clients_config(redis_url: str | None):
+def clients_config(store: dict[str, Any]):
     pools = [("tiny", "tiny-llama", 2), ("other", "other-llama", 1)]
     data = {
         "server": {"grpc_port": free_port(), "admin_port": 0},
@@ -37,15 +38,14 @@ def clients_config(redis_url: str | None):
         "pools": [{"name": pool, "models": [{"name": model, "default_max_tokens": 16}],
                    "endpoints": [f"127.0.0.1:{free_port()}" for _ in range(n)]}
                   for pool, model, n in pools],
+        **store,
     }
-    if redis_url:
-        data["redis"] = {"url": redis_url, "timeout_ms": 250}
     return parse_config(data)
 
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
 def stack(request):
-    config = clients_config(store_url(request))
+    config = clients_config(store_section(request))
     with local_stack(config, engine_options={"ms_per_token": 5}) as running:
         yield running
 

@@ -21,7 +21,7 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port, store_url, wait_for
+from tests.conftest import free_port, store_section, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ KEYWORDS = ["role", "content", "type", "text", "name", "include_usage", "image_u
             "function", "arguments", "tool_calls", "prompt_token_ids"]
 
 
-def hostile_config(redis_url: str | None):
+def hostile_config(store: dict[str, Any]):
     data: dict[str, Any] = {
         "server": {"grpc_port": free_port(), "admin_port": 0, "max_body_bytes": MAX_BODY},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
@@ -57,15 +57,14 @@ def hostile_config(redis_url: str | None):
         "pools": [{"name": "tiny", "models": [{"name": "tiny-llama", "default_max_tokens": 16}],
                    "endpoints": [f"127.0.0.1:{free_port()}" for _ in range(2)],
                    "priority_scheduling": True}],
+        **store,
     }
-    if redis_url:
-        data["redis"] = {"url": redis_url, "timeout_ms": 250}
     return parse_config(data)
 
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
 def stack(request):
-    config = hostile_config(store_url(request))
+    config = hostile_config(store_section(request))
     with local_stack(config, engine_options={"ms_per_token": 2}) as running:
         yield running
 

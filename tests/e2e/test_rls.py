@@ -12,6 +12,7 @@ import contextlib
 import copy
 import socket
 import time
+from typing import Any
 
 import grpc
 import httpx
@@ -26,7 +27,7 @@ from extproc.engine.server import EngineProcess
 from extproc.envoy_config import render_bootstrap
 from extproc.envoy_proc import EnvoyProcess
 from extproc.rls_import import import_files
-from tests.conftest import free_port, store_url, wait_for
+from tests.conftest import free_port, store_section, wait_for
 from tests.rls_support import descriptor
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +38,7 @@ TOKENS_PER_MINUTE = 60
 PROMPT = "hello there gateway"  # the simulated engine counts 3 prompt tokens
 
 
-def rls_config(redis_url: str | None):
+def rls_config(store: dict[str, Any]):
     rules = [
         {"key": "kind", "value": "requests", "descriptors": [
             {"key": "tenant", "value": "reqs",
@@ -50,7 +51,7 @@ def rls_config(redis_url: str | None):
         "server": {"grpc_port": free_port(), "admin_port": 0},
         "envoy": {"listen_port": free_port(), "admin_port": free_port(),
                   "ratelimit_domain": DOMAIN},
-        **({"redis": {"url": redis_url, "timeout_ms": 500}} if redis_url else {}),
+        **store,
         "ratelimit": {"domains": [{"domain": DOMAIN, "descriptors": rules}]},
         "tiers": {"big": {"limits": {"requests_per_second": 100}}},
         "tenants": [{"name": name, "tier": "big", "api_keys": [hash_api_key(key)]}
@@ -62,7 +63,8 @@ def rls_config(redis_url: str | None):
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
 def stack(request):
-    with local_stack(rls_config(store_url(request)), engine_options={"ms_per_token": 2}) as running:
+    config = rls_config(store_section(request, timeout_ms=500))
+    with local_stack(config, engine_options={"ms_per_token": 2}) as running:
         yield running
 
 
@@ -233,7 +235,7 @@ def twins(request, tmp_path_factory):
     source = tmp_path_factory.mktemp("rl") / "edge.yaml"
     source.write_text(ENVOYPROXY_CONFIG)
     imported = yaml.safe_load(import_files([source])[0])["ratelimit"]["domains"]
-    base = rls_config(store_url(request))
+    base = rls_config(store_section(request, timeout_ms=500))
     config = base.model_copy(update={
         "envoy": base.envoy.model_copy(update={"ratelimit_domain": "edge"}),
         "ratelimit": RateLimitSettings.model_validate({"domains": [*imported, HAND_WRITTEN]}),
