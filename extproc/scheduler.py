@@ -688,12 +688,17 @@ class PoolScheduler:
             if r.at <= scraped_at:
                 break  # this one and all older ones are in the scraped usage already
             pending += r.tokens
-        # Usage after: as if this request and those sent since the scrape held their whole
-        # reservations at once. That keeps the engine's own queue and cache from filling
-        # faster than kvgate's fair order decides (a bound on what it holds *now* only, with
-        # growth left to the check below, measured more admitted out of order under
-        # contention: weighted-share errors of 6% in virtual time).
-        after = (usage * capacity + pending + tokens) / capacity
+        # Usage after: as if those sent since the scrape held their whole reservations at
+        # once, which keeps a burst from filling the engine's own queue and cache faster
+        # than kvgate's fair order decides. The new request counts whole too, unless the
+        # committed KV bounds its growth below: then only the blocks its prompt takes when
+        # the engine admits it (its output is checked where it will be held, at the future
+        # peak; counting it now as well held 1,024-token caches at ~0.7 used while the peak
+        # had room, a tenth of the batch throughput in the real-time benchmark).
+        now_tokens = tokens
+        if committed_bound and prompt is not None and prompt < tokens:
+            now_tokens = in_blocks(prompt, int(_metric(state, "kv_block_tokens")))
+        after = (usage * capacity + pending + now_tokens) / capacity
         # The scrape shows what running requests hold now; they keep growing as they decode.
         # Past the cache's capacity the engine may run out of blocks and preempt before they
         # end: that takes nothing, however low the scraped usage.
