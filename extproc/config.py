@@ -297,7 +297,8 @@ class Watermarks(_Strict):
 
     high: float = Field(0.80, gt=0, le=1, description="new work must keep usage under this "
                         "(interactive work, and lower-band work under its tenant's KV share, "
-                        "may go up to critical)")
+                        "may go up to critical); work the committed-KV check bounds (lower bands; "
+                        "every band without priority_scheduling) counts only its prompt here")
     critical: float = Field(0.95, gt=0, le=1, description="above this an endpoint takes nothing")
     gpu_memory_critical: float = Field(
         0.98, gt=0, le=1, description="NVML memory used ratio above which an endpoint is skipped"
