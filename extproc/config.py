@@ -296,9 +296,9 @@ class Watermarks(_Strict):
     """KV-cache fill levels (0–1) that gate new work per endpoint."""
 
     high: float = Field(0.80, gt=0, le=1, description="new work must keep usage under this "
-                        "(interactive work, and lower-band work under its tenant's KV share, "
-                        "may go up to critical); work the committed-KV check bounds (lower bands; "
-                        "every band without priority_scheduling) counts only its prompt here")
+                        "with its prompt (its output is checked at the committed KV's future "
+                        "peak); interactive work, and lower-band work under its tenant's KV "
+                        "share, may go up to critical")
     critical: float = Field(0.95, gt=0, le=1, description="above this an endpoint takes nothing")
     gpu_memory_critical: float = Field(
         0.98, gt=0, le=1, description="NVML memory used ratio above which an endpoint is skipped"

@@ -47,9 +47,11 @@ estimated from when it started (its first token; for a non-streamed answer, the 
 scrape that finds the engine admitted it: every scrape round is read as it lands,
 :meth:`PoolScheduler.observe`) and the pool's decode rate per sequence (learned from
 finished requests whose start was seen; unknown: none made). The peak with a new request
-must fit the endpoint's KV capacity. Band 0 on a pool with ``priority_scheduling`` is
-exempt: should the cache fill, the engine preempts the lower priority, and interactive work
-never waits for KV that batch work may need later.
+must fit the endpoint's KV capacity; the usage check counts only the new request's prompt
+(its output is held as it decodes, which that peak checks). Band 0 on a pool with
+``priority_scheduling`` is exempt: should the cache fill, the engine preempts the lower
+priority, and interactive work never waits for KV that batch work may need later — it also
+goes when its whole reservation fits under the watermark now.
 
 Prefill isolation. vLLM V1 schedules its *running* requests before admitting waiting ones,
 and a long prompt is prefilled in chunks that take the whole step budget — so a new
@@ -675,10 +677,11 @@ class PoolScheduler:
 
     def _candidate(self, state: EndpointState, tokens: int, now: float,
                    committed_bound: bool = True, prompt: int | None = None) -> Candidate:
-        """``committed_bound``: the KV committed to requests in flight binds too (not for
-        band 0 on a priority-scheduled engine: if the cache fills before they end, the
-        engine preempts lower-priority work, and an interactive request should not wait for
-        KV a batch request may only need later). ``prompt``: of ``tokens``, if known."""
+        """``committed_bound``: the KV committed to requests in flight binds (not for band 0
+        on a priority-scheduled engine: if the cache fills before they end, the engine
+        preempts lower-priority work, and an interactive request should not wait for KV a
+        batch request may only need later; it goes when its whole reservation fits now, or
+        when it passes as bound work does). ``prompt``: of ``tokens``, if known."""
         capacity = state.kv_capacity_tokens
         usage = state.kv_cache_usage or 0.0
         if not capacity:
@@ -690,25 +693,28 @@ class PoolScheduler:
             pending += r.tokens
         # Usage after: as if those sent since the scrape held their whole reservations at
         # once, which keeps a burst from filling the engine's own queue and cache faster
-        # than kvgate's fair order decides. The new request counts whole too, unless the
-        # committed KV bounds its growth below: then only the blocks its prompt takes when
-        # the engine admits it (its output is checked where it will be held, at the future
-        # peak; counting it now as well held 1,024-token caches at ~0.7 used while the peak
-        # had room, a tenth of the batch throughput in the real-time benchmark).
-        now_tokens = tokens
-        if committed_bound and prompt is not None and prompt < tokens:
-            now_tokens = in_blocks(prompt, int(_metric(state, "kv_block_tokens")))
-        after = (usage * capacity + pending + now_tokens) / capacity
+        # than kvgate's fair order decides. The new request counts only the blocks its
+        # prompt takes when the engine admits it: its output is checked where it will be
+        # held, at the future peak below (counting it now as well held 1,024-token caches at
+        # ~0.7 used while the peak had room, a tenth of the batch throughput in the
+        # real-time benchmark). Without a known prompt it counts whole.
+        whole = (usage * capacity + pending + tokens) / capacity
+        after = whole
+        if prompt is not None and prompt < tokens:
+            block = int(_metric(state, "kv_block_tokens"))
+            after = (usage * capacity + pending + in_blocks(prompt, block)) / capacity
         # The scrape shows what running requests hold now; they keep growing as they decode.
         # Past the cache's capacity the engine may run out of blocks and preempt before they
         # end: that takes nothing, however low the scraped usage.
         blocks = (len(self.by_endpoint.get(state.address, {})) + 1) * int(
             _metric(state, "kv_block_tokens"))
-        if committed_bound and (self.committed.get(state.address, 0) + tokens + blocks
-                                + usage * capacity > capacity):
+        if (self.committed.get(state.address, 0) + tokens + blocks
+                + usage * capacity > capacity):
             committed = self._future_peak(state, now, tokens, prompt) / capacity
             if committed > 1.0:
                 after = max(after, committed)
+        if not committed_bound:  # or, free of the bound, as a whole now
+            after = min(after, whole)
         return Candidate(state, after, after <= self.config.watermarks.high)
 
     def _future_peak(self, state: EndpointState, now: float, tokens: int,

@@ -19,10 +19,12 @@ from tests.conftest import free_port
 pytestmark = pytest.mark.e2e
 
 KEY = "sk-queue"
-# 16 blocks × 16 tokens = 256 tokens of KV; a request reserves ~104 (0.41) and the
-# watermark is 0.45: the engine takes a new request only while it is idle. Each runs long
-# enough (~2 s) for a loaded machine to queue the others behind it.
-ENGINE = {"ms_per_token": 20, "kv_blocks": 16, "block_size": 16}  # a request runs ~2 s
+# 8 blocks × 16 tokens = 128 tokens of KV; a request reserves ~104 (0.81) and grows to it as
+# it decodes: the KV committed to one leaves no room for another's, and with the watermark at
+# 0.45 nor does the cache now for another's whole reservation, so the engine takes a new
+# request only once the one before has ended. Each runs long enough (~2 s) for a loaded
+# machine to queue the others behind it.
+ENGINE = {"ms_per_token": 20, "kv_blocks": 8, "block_size": 16}  # a request runs ~2 s
 
 
 @pytest.fixture(scope="module")

@@ -329,7 +329,7 @@ async def test_overflow_reject_over_its_share_is_429_at_once():
 async def test_overflow_degrade_applies_the_pools_plan_to_every_class():
     plan = {"classes": ["batch"], "max_tokens_cap": 20}
     h = Harness(overflow_config("degrade", plan))
-    await h.start(usage=0.85)  # a ~113-token request no longer fits; a ~33-token one does
+    await h.start(usage=0.90)  # a ~113-token request no longer fits; a ~33-token one does
     degraded = await asyncio.wait_for(h.admit("b", "interactive"), 0.5)
     assert isinstance(degraded, Admission)
     assert degraded.body_overrides == {"max_tokens": 20}
