@@ -148,7 +148,7 @@ def test_a_killed_envoy_leaves_nothing_held_and_a_restarted_one_serves(tmp_path:
                  pools=[{"name": "one", "models": [{"name": "tiny-llama"}],
                          "endpoints": [f"127.0.0.1:{free_port()}"],
                          "watermarks": {"high": 0.45, "critical": 0.45}}])
-    engine = {"ms_per_token": 20, "kv_blocks": 16, "block_size": 16}
+    engine = {"ms_per_token": 20, "kv_blocks": 8, "block_size": 16}
     with local_stack(cfg, engine_options=engine) as stack:
         director = stack.kvgate.server.director
         url = stack.url + "/v1/chat/completions"

@@ -312,13 +312,14 @@ def assert_log_lines_are_clean(log: str) -> None:
 def test_queued_requests_ride_through_a_reload(tmp_path: Path) -> None:
     """Requests waiting in the fair queue when a reload lowers their tenant's concurrency
     are dispatched and served; the lowered limit applies to new requests only."""
-    # 16 blocks × 16 tokens of KV: the engine takes one ~100-token request at a time
+    # 8 blocks × 16 tokens of KV: one ~100-token request's committed KV leaves no room for
+    # another's, nor (at the 0.45 watermark) the cache now for another's whole reservation
     data = config_data(f"127.0.0.1:{free_port()}", server={
         "grpc_port": free_port(), "admin_port": 0}, scrape={"interval_s": 0.05})
     data["pools"][0]["watermarks"] = {"high": 0.45, "critical": 0.45}
     path = tmp_path / "kvgate.yaml"
     path.write_text(yaml.safe_dump(data))
-    engine = {"ms_per_token": 8, "kv_blocks": 16, "block_size": 16}
+    engine = {"ms_per_token": 8, "kv_blocks": 8, "block_size": 16}
     with local_stack(parse_config(data), engine_options=engine) as running:
         server = running.kvgate.server
         server.config_file = ConfigFile(path)

@@ -149,7 +149,7 @@ def small_pool():
          {"name": "rejecter", "tier": "impatient", "api_keys": [hash_api_key(REJECTER)]}],
         watermarks={"high": 0.45, "critical": 0.45},
     )
-    engine = {"ms_per_token": 8, "kv_blocks": 16, "block_size": 16}
+    engine = {"ms_per_token": 8, "kv_blocks": 8, "block_size": 16}
     with local_stack(config, engine_options=engine) as running:
         yield running
 
