@@ -698,16 +698,15 @@ class PoolScheduler:
         # held, at the future peak below (counting it now as well held 1,024-token caches at
         # ~0.7 used while the peak had room, a tenth of the batch throughput in the
         # real-time benchmark). Without a known prompt it counts whole.
+        block = int(_metric(state, "kv_block_tokens"))
         whole = (usage * capacity + pending + tokens) / capacity
         after = whole
         if prompt is not None and prompt < tokens:
-            block = int(_metric(state, "kv_block_tokens"))
             after = (usage * capacity + pending + in_blocks(prompt, block)) / capacity
         # The scrape shows what running requests hold now; they keep growing as they decode.
         # Past the cache's capacity the engine may run out of blocks and preempt before they
         # end: that takes nothing, however low the scraped usage.
-        blocks = (len(self.by_endpoint.get(state.address, {})) + 1) * int(
-            _metric(state, "kv_block_tokens"))
+        blocks = (len(self.by_endpoint.get(state.address, {})) + 1) * block
         if (self.committed.get(state.address, 0) + tokens + blocks
                 + usage * capacity > capacity):
             committed = self._future_peak(state, now, tokens, prompt) / capacity
