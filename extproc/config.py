@@ -212,7 +212,7 @@ class QueueSettings(_Strict):
         "the request is dispatched, corrected to the real output when it ends"
     )
     share_lag_tokens: int = Field(
-        4096, ge=0, description="tokens per unit of weight a tenant may be ahead of the "
+        2048, ge=0, description="tokens per unit of weight a tenant may be ahead of the "
         "least-served waiting tenant and still go first with more important work; bounds "
         "how far shares drift to let interactive work through (0: strict shares)"
     )

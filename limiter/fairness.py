@@ -66,7 +66,7 @@ MAX_CHARGE = 2**40
 """The largest charge one request may add (cost · SCALE / weight), to keep Lua exact."""
 REBASE_AT = 2**50
 """When ``V`` reaches this, counters and ``V`` shift down by ``REBASE_AT // 2``."""
-DEFAULT_LAG = 4096
+DEFAULT_LAG = 2048
 """Tokens per unit of weight a tenant may run ahead and still go first with a better band."""
 
 
