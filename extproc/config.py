@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from extproc.config_check import explain
+from limiter.fairness import DEFAULT_LAG
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -212,7 +213,7 @@ class QueueSettings(_Strict):
         "the request is dispatched, corrected to the real output when it ends"
     )
     share_lag_tokens: int = Field(
-        2048, ge=0, description="tokens per unit of weight a tenant may be ahead of the "
+        DEFAULT_LAG, ge=0, description="tokens per unit of weight a tenant may be ahead of the "
         "least-served waiting tenant and still go first with more important work; bounds "
         "how far shares drift to let interactive work through (0: strict shares)"
     )

@@ -699,10 +699,11 @@ class PoolScheduler:
         # ~0.7 used while the peak had room, a tenth of the batch throughput in the
         # real-time benchmark). Without a known prompt it counts whole.
         block = int(_metric(state, "kv_block_tokens"))
-        whole = (usage * capacity + pending + tokens) / capacity
+        held = usage * capacity + pending
+        whole = (held + tokens) / capacity
         after = whole
         if prompt is not None and prompt < tokens:
-            after = (usage * capacity + pending + in_blocks(prompt, block)) / capacity
+            after = (held + in_blocks(prompt, block)) / capacity
         # The scrape shows what running requests hold now; they keep growing as they decode.
         # Past the cache's capacity the engine may run out of blocks and preempt before they
         # end: that takes nothing, however low the scraped usage.
