@@ -27,6 +27,9 @@ ROUTES: dict[str, frozenset[str]] = {
     **{path: frozenset({"GET", "HEAD"}) for path in HARMLESS_PATHS},
 }
 PER_MESSAGE_OVERHEAD_TOKENS = 3  # chat-template tokens around each message
+# levels of arrays and objects a body may nest: orjson reads 1024 but writes 254, and kvgate
+# writes every admitted body back (its priority, the tenant's cache salt)
+MAX_NESTING = 254
 MAX_COUNT = 2**31 - 1  # no sane max_tokens, n or best_of is larger (vLLM's are int32-bound)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the completions API's cap when max_tokens is absent or null
 # The fields that cap one answer, the first set wins: chat takes max_completion_tokens over
@@ -168,6 +171,7 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
+    _check_nesting(raw, body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
@@ -273,6 +277,19 @@ def _calls(message: dict[str, Any]) -> list[str]:
     functions.append(message.get("function_call"))
     return [value for f in functions if isinstance(f, dict)
             for value in (f.get("name"), f.get("arguments")) if isinstance(value, str)]
+
+
+def _check_nesting(raw: bytes, body: dict[str, Any]) -> None:
+    """Refused before admission rather than found when the body is written back: only a
+    body with more than ``MAX_NESTING`` brackets can nest that deep, so a C-speed count
+    spares every other body the trial write."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
+        return
+    try:
+        orjson.dumps(body)
+    except TypeError:
+        raise BadRequest(f"request body nests arrays and objects more than {MAX_NESTING} "
+                         "levels deep", code="invalid_json") from None
 
 
 def _rendered_fields(body: dict[str, Any]) -> list[str]:

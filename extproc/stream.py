@@ -205,6 +205,7 @@ class RequestStream:
         )
         if not isinstance(decision, Admission):
             return self._refuse(decision)
+        self._hold(decision)
         reply = self._route(decision, body=None, in_body_phase=False)
         return reply + messages.headers_only(remove)  # serialized messages merge
 
@@ -232,7 +233,7 @@ class RequestStream:
         self.metrics.decision_seconds.observe(perf_counter() - started)
         if not isinstance(decision, Admission):
             return self._refuse(decision)
-        self.admission = decision  # from here on, close() releases it whatever happens
+        self._hold(decision)
         inject_usage = request.stream and not request.wants_usage_chunk
         salt = decision.scheduler.config.cache_salt(decision.tenant.name,
                                                     request.body.get("cache_salt"))
@@ -243,14 +244,17 @@ class RequestStream:
         meter = ("sse-strip" if inject_usage else "sse") if request.stream else "json"
         return self._route(decision, body=new_body, in_body_phase=True, meter=meter)
 
+    def _hold(self, admission: Admission) -> None:
+        """From here on, close() releases the admission whatever happens — and counts it out
+        of ``kvgate_in_flight_requests``, so it is counted in here, in the same step."""
+        self.admission = admission
+        self.metrics.admitted(admission.tenant.name, self._model(), admission.request_class,
+                              admission.cost.tokens)
+
     def _route(self, admission: Admission, *, body: bytes | None, in_body_phase: bool,
                meter: str = "") -> bytes:
-        self.admission = admission
-        tenant = admission.tenant.name
-        self.metrics.admitted(tenant, self._model(), admission.request_class,
-                              admission.cost.tokens)
         return messages.route_request(
-            tenant, admission.request_class, admission.endpoints, admission.priority,
+            admission.tenant.name, admission.request_class, admission.endpoints, admission.priority,
             admission.pool, admission.lease_id, body, in_body_phase,
             self.director.upstream_authorization.get(admission.pool),
             meter, self.desk.address, self.desk.key,

@@ -98,8 +98,11 @@ def body_for(r: random.Random, path: str) -> bytes:
         return raw[: r.randrange(len(raw))]  # cut short
     if roll < 0.08:
         return b"\xff\xfe" + raw  # not UTF-8
-    if roll < 0.1:
-        return b"[" * 5000 + b"]" * 5000  # nested deep
+    if roll < 0.09:
+        return b"[" * 5000 + b"]" * 5000  # nested deeper than any parser reads
+    if roll < 0.1:  # nested deeper than kvgate writes back (254), as JSON reads it (1024)
+        levels = r.randrange(250, 1024)
+        return raw[:-1] + b', "deep": ' + b"[" * levels + b"]" * levels + b"}"
     if roll < 0.12:
         return json.dumps({**body, "pad": "z" * (MAX_BODY + 1)}).encode()  # too large
     return raw
@@ -179,4 +182,37 @@ def test_any_request_gets_an_answer_or_a_clear_error_and_leaves_nothing_held(sta
     assert wait_for(lambda: not director.active, timeout=15), director.active
     for tenant in KEYS:
         assert stack.kvgate.call(director.store.in_flight(tenant)) == 0, tenant
+    gauge = stack.kvgate.server.metrics.in_flight.values
+    assert all(value == 0 for value in gauge.values()), gauge  # counted out as counted in
     assert stack.kvgate._thread.is_alive()
+
+
+@pytest.mark.parametrize("http2", [False, True])
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "tools"),
+                                             ("/v1/chat/completions", "metadata"),
+                                             ("/v1/completions", "logit_bias")])
+def test_a_body_nested_deeper_than_kvgate_writes_back_is_a_400_before_admission(
+        stack, path, field, http2):
+    """JSON parsers read 1024 levels, orjson writes 254: a body in between was admitted, then
+    failed as kvgate wrote it back — a 503 after the tenant's limits were charged, and the
+    in-flight gauge counted out a request it never counted in."""
+    base = {"model": "tiny-llama", "max_tokens": 4, "stream": http2}
+    base.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path
+                else {"prompt": "x"})
+    raw = json.dumps(base).encode()[:-1] + f', "{field}": '.encode() + b"[" * 300 + b"]" * 300 \
+        + b"}"
+    metrics = stack.kvgate.server.metrics
+
+    def admitted() -> float:
+        return sum(n for labels, n in metrics.requests.values.items() if "admitted" in labels)
+
+    before = admitted()
+    with httpx.Client(http2=http2, http1=not http2, timeout=30) as client:
+        response = client.post(stack.url + path, content=raw, headers={
+            "authorization": "Bearer " + KEYS["acme"], "content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_json"
+    assert "254" in response.json()["error"]["message"]
+    assert admitted() == before  # refused before admission: nothing charged
+    gauge = metrics.in_flight.values
+    assert all(value == 0 for value in gauge.values()), gauge

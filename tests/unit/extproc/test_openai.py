@@ -11,6 +11,7 @@ from extproc.openai import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    MAX_NESTING,
     BadRequest,
     Usage,
     mutate_body,
@@ -346,3 +347,36 @@ def test_any_json_body_parses_or_is_a_clear_400(path, extra, messages):
     assert CharEstimate(4).prompt_tokens(request) >= 0
     orjson.loads(mutate_body(request, priority=3, inject_usage=request.stream,
                              overrides={"max_tokens": 5}))
+
+
+def _nested(levels: int) -> bytes:
+    """``levels`` of arrays (JSON text: orjson cannot write what kvgate must refuse)."""
+    return b"[" * levels + b"]" * levels
+
+
+@pytest.mark.parametrize(("path", "template", "depth"), [
+    (CHAT, b'{"model":"m","messages":[{"role":"user","content":"x"}],"x":%s}', 1),
+    (CHAT, b'{"model":"m","messages":[{"role":"user","content":"x","meta":%s}]}', 3),
+    (CHAT, b'{"model":"m","messages":[{"role":"user","content":"x"}],"tools":%s}', 1),
+    (COMPLETIONS, b'{"model":"m","prompt":"x","x":%s}', 1),
+    (EMBEDDINGS, b'{"model":"m","input":"x","x":%s}', 1),
+])
+def test_a_body_nested_deeper_than_kvgate_can_write_back_is_a_clear_400(path, template, depth):
+    """orjson reads 1024 levels but writes 254: a body between the two was admitted and then
+    failed as kvgate wrote it back (a 503 after the tenant's limits were charged).
+    ``depth``: the levels around the insertion point."""
+    deepest_ok = MAX_NESTING - depth
+    request = parse_body(path, template % _nested(deepest_ok))
+    orjson.loads(mutate_body(request, priority=3, inject_usage=True, cache_salt="s"))
+    for levels in (deepest_ok + 1, 600, 1024 - depth):
+        with pytest.raises(BadRequest) as refused:
+            parse_body(path, template % _nested(levels))
+        assert refused.value.status == 400 and refused.value.code == "invalid_json"
+        assert str(MAX_NESTING) in refused.value.message
+
+
+def test_many_brackets_that_do_not_nest_deep_are_not_refused():
+    """The bracket count only decides whether the trial write runs."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * 200
+    request = parse({"model": "m", "messages": messages})
+    assert len(request.body["messages"]) == 200

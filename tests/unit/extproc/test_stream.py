@@ -119,7 +119,9 @@ async def test_unknown_key_is_401_json():
     [(b"{not json", 400), (b"[1,2]", 400), ({"messages": []}, 400),
      ({"model": "m", "messages": "hi"}, 400),
      ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
-     (chat(max_tokens=-1), 400)],
+     (chat(max_tokens=-1), 400),
+     # deeper than kvgate can write back: refused before admission (was a 503 after it)
+     (orjson.dumps(chat())[:-1] + b',"x":' + b"[" * 300 + b"]" * 300 + b"}", 400)],
 )
 async def test_bad_bodies_are_4xx_and_hold_nothing(body, status):
     stream, store = new_stream()
@@ -261,6 +263,22 @@ async def test_a_report_after_the_release_changes_nothing():
         answer = stream.desk.receive(f"/{kind}/{lease}".encode(), stream.desk.key.encode(), b"{}")
         assert answer.startswith(b"HTTP/1.1 204")
     assert not stream.response.done and await store.in_flight("acme") == 0
+
+
+async def test_a_failure_after_admission_leaves_the_in_flight_gauge_where_it_was(monkeypatch):
+    """The release counts the request out of ``kvgate_in_flight_requests``; a failure between
+    admission and routing (the body written back) must have counted it in."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("the body could not be written back")
+
+    monkeypatch.setattr("extproc.stream.mutate_body", broken)
+    stream, store = new_stream()
+    await stream.handle(headers_msg())
+    reply = parsed(await stream.handle(body_msg(chat())))
+    assert reply.immediate_response.status.code == 503
+    await stream.close("internal")
+    assert list(stream.metrics.in_flight.values.values()) == [0]
+    assert await store.in_flight("acme") == 0
 
 
 async def test_disconnect_releases_exactly_once():
