@@ -14,7 +14,6 @@ from typing import Any, TypeAlias
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf.message import DecodeError
 
 from extproc.headers import (
     DESTINATION_HEADER,
@@ -38,10 +37,8 @@ UNDECODABLE = pb.ProcessingRequest()
 
 def parse_request(data: bytes) -> pb.ProcessingRequest:
     """Envoy's message (text that is not UTF-8 repaired: :func:`protowire.parse_lenient`)."""
-    try:
-        return parse_lenient(pb.ProcessingRequest, data)
-    except (DecodeError, IndexError, ValueError):
-        return UNDECODABLE
+    message = parse_lenient(pb.ProcessingRequest, data)
+    return UNDECODABLE if message is None else message
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str]) -> tuple[dict[str, str], list[str]]:

@@ -19,13 +19,19 @@ from google.protobuf.message import DecodeError, Message
 M = TypeVar("M", bound=Message)
 
 
-def parse_lenient(kind: type[M], data: bytes) -> M:
-    """``data`` as a ``kind``, invalid UTF-8 in its strings replaced. Raises
-    ``DecodeError``, ``IndexError`` or ``ValueError`` when it does not parse even so."""
+def parse_lenient(kind: type[M], data: bytes) -> M | None:
+    """``data`` as a ``kind``, invalid UTF-8 in its strings replaced; None when it does not
+    parse even so (truncated, a wire type Envoy never sends, nested past what the parser
+    or the repair's recursion allows): whoever can reach kvgate's gRPC port gets a clear
+    refusal for such bytes, not an exception and a traceback per call."""
     try:
         return kind.FromString(data)
     except DecodeError:
+        pass
+    try:
         return kind.FromString(_repair_text(data, kind.DESCRIPTOR))
+    except (DecodeError, IndexError, ValueError, RecursionError):
+        return None
 
 
 def _repair_text(data: bytes, descriptor: Descriptor) -> bytes:

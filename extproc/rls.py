@@ -150,8 +150,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         server.add_registered_method_handlers(SERVICE, handlers)
 
     async def ShouldRateLimit(
-        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+        self, request: rls_pb2.RateLimitRequest | None, context: grpc.aio.ServicerContext
     ) -> rls_pb2.RateLimitResponse:
+        if request is None:  # bytes that do not parse (parse_lenient)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the request does not parse as a RateLimitRequest")
+        assert request is not None
         if not request.domain or not request.descriptors:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a rate limit request needs a domain and descriptors")

@@ -154,6 +154,28 @@ def test_invalid_utf8_in_a_header_value_string_is_replaced():
     assert parsed.request_headers.headers.headers[0].value == "\ufffd\ufffdxxxx"
 
 
-@pytest.mark.parametrize("data", [b"\x12\xff", b"\x12\x05ab", b"\x12\x02\xff\xff", b"\xff" * 12])
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    length, size = bytearray(), len(payload)
+    while size > 0x7F:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    return bytes([number << 3 | 2]) + bytes(length + bytes([size])) + payload
+
+
+def _nested_metadata(levels: int) -> bytes:
+    """A ``ProcessingRequest`` whose ``metadata_context`` holds a ``Struct`` nested ``levels``
+    deep around one string that is not UTF-8 (so the repair walks all of it)."""
+    value = _field(3, b"\xff")  # Value.string_value
+    for _ in range(levels):  # Value.struct_value → Struct.fields entry (key, value)
+        value = _field(5, _field(1, _field(1, b"k") + _field(2, value)))
+    entry = _field(1, b"ns") + _field(2, _field(1, _field(1, b"k") + _field(2, value)))
+    return _field(8, _field(1, entry))  # metadata_context.filter_metadata
+
+
+@pytest.mark.parametrize("data", [b"\x12\xff", b"\x12\x05ab", b"\x12\x02\xff\xff", b"\xff" * 12,
+                                  b"\x0b" * 1000 + b"\x0c" * 1000, _nested_metadata(600)],
+                         ids=["length", "truncated", "string", "varint", "groups", "nested"])
 def test_a_message_that_cannot_be_parsed_at_all_is_undecodable(data):
+    """Never an exception (gRPC's UNKNOWN, and a traceback in kvgate's log for each)."""
     assert messages.parse_request(data) is messages.UNDECODABLE

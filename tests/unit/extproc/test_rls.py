@@ -369,6 +369,36 @@ def test_a_descriptor_value_that_is_not_utf8_is_judged_not_failed(service):
     assert asyncio.run(call_twice()) == [OK, OVER_LIMIT]  # "bot-*": 1 a minute
 
 
+@pytest.mark.parametrize("data", [b"\xff\xff\xff\xff", b"\x0a\x10edge",
+                                  b"\x0b" * 1000 + b"\x0c" * 1000],
+                         ids=["varint", "truncated", "groups"])
+def test_bytes_that_do_not_parse_are_invalid_argument_not_an_internal_error(service, data,
+                                                                            caplog):
+    """Whoever reaches kvgate's gRPC port may send anything: a clear INVALID_ARGUMENT, not
+    gRPC's UNKNOWN with a traceback in kvgate's log for every call."""
+    async def call() -> grpc.aio.AioRpcError:
+        server = grpc.aio.server()
+        service.attach(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                should = channel.unary_unary(
+                    "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                    request_serializer=lambda raw: raw,
+                    response_deserializer=rls_pb2.RateLimitResponse.FromString)
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await should(data)
+                return failed.value
+        finally:
+            await server.stop(None)
+
+    error = asyncio.run(call())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "does not parse" in (error.details() or "")
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
 def test_an_absurd_debt_is_capped_and_answered_with_a_valid_reset(service):
     """A debt rule charged a uint64 hits_addend far beyond any limit: the charge is capped at
     the request's uint32 range, and the reset, however far, fits a proto Duration."""
