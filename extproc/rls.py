@@ -193,12 +193,13 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         entries = []
         for descriptor in request.descriptors:
             pairs = [(e.key, e.value) for e in descriptor.entries]
-            rule = None if root is None else (
-                _override(descriptor) or match(root, pairs))
+            override = None if root is None else _override(descriptor)
+            rule = override or (None if root is None else match(root, pairs))
             entry = _Entry(rule)
             if rule is not None and rule.limit is not None:
-                entry.hit = Hit(counter_key(request.domain, pairs), rule.limit,
-                                _cost(descriptor, request_hits), rule.shadow_mode)
+                key = counter_key(request.domain, pairs, override and override.limit)
+                entry.hit = Hit(key, rule.limit, _cost(descriptor, request_hits),
+                                rule.shadow_mode)
             entries.append(entry)
         replaced = {name for e in entries if e.rule for name in e.rule.replaces}
         for entry in entries:

@@ -153,10 +153,15 @@ def match(root: Node, entries: Entries) -> Rule | None:
     return None
 
 
-def counter_key(domain: str, entries: Entries) -> str:
-    """One counter per domain and descriptor, whatever rule node matched it."""
+def counter_key(domain: str, entries: Entries, override: Limit | None = None) -> str:
+    """One counter per domain and descriptor, whatever rule node matched it; a limit Envoy
+    sends with the descriptor counts apart (``%limit=…``: no escaped part holds a bare
+    ``%``), so a call carrying one never resets — or spends — the rule's own counter."""
     parts = [domain, *(f"{k}={v}" for k, v in entries)]
-    return "|".join(p.replace("%", "%25").replace("|", "%7C") for p in parts)
+    key = "|".join(p.replace("%", "%25").replace("|", "%7C") for p in parts)
+    if override is None:
+        return key
+    return f"{key}|%limit={override.requests_per_unit}/{override.unit}/{override.algorithm.value}"
 
 
 @dataclass(frozen=True)

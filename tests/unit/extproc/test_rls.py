@@ -277,6 +277,21 @@ def test_a_limit_sent_by_envoy_overrides_the_rules(service):
     assert limit_of(ask(service, override)) == 1
 
 
+@pytest.mark.parametrize("unit", [rls_pb2.RateLimitResponse.RateLimit.SECOND,
+                                  rls_pb2.RateLimitResponse.RateLimit.MINUTE])
+def test_a_limit_sent_by_envoy_counts_apart_and_never_resets_the_rules_counter(service, unit):
+    """A descriptor with a limit override used to share the rule's counter, which was
+    rebuilt whenever the limit it saw changed: alternating calls with and without one
+    admitted every plain call past the rule's limit."""
+    plain = descriptor(("user", "bot-1"))  # "bot-*": 1 a minute
+    override = descriptor(("user", "bot-1"))
+    override.limit.requests_per_unit, override.limit.unit = 1000, unit
+    assert [ask(service, plain).overall_code for _ in range(2)] == [OK, OVER_LIMIT]
+    for _ in range(5):
+        assert ask(service, override).overall_code == OK
+        assert ask(service, plain).overall_code == OVER_LIMIT
+
+
 def test_statuses_carry_the_limit_what_is_left_and_when_it_resets(service, clock):
     """duration_until_reset: a token bucket until it is full again, a fixed window until its
     boundary, a sliding window until it is empty again (its newest entry has left)."""
