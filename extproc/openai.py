@@ -349,7 +349,9 @@ def mutate_body(
     cache_salt: str | None = None,
 ) -> bytes:
     """The body sent upstream: kvgate's priority (never the client's); for streams whose
-    client did not ask for it, the usage chunk kvgate needs to reconcile tokens; any
+    client did not ask for it, the usage chunk kvgate needs to reconcile tokens (and no
+    per-chunk usage, which the engine would then add for a client that asked for it without
+    ``include_usage``, where it sends none); any
     degradation rewrites (``model``, ``max_tokens``); the tenant's ``cache_salt`` (None:
     the client's, if any, as sent)."""
     body = request.body
@@ -367,8 +369,10 @@ def mutate_body(
         body["priority"] = priority
     if inject_usage:
         options = body.get("stream_options")
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                  "include_usage": True}
+        options = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        if options.get("continuous_usage_stats"):  # vLLM's usage in every chunk, which it
+            options["continuous_usage_stats"] = False  # sends only with include_usage
+        body["stream_options"] = options
     return orjson.dumps(body)
 
 

@@ -179,17 +179,32 @@ def test_client_asking_for_usage_gets_it(stack):
     assert usage["completion_tokens"] == 4
 
 
-def test_continuous_usage_stats_keep_every_chunk(stack):
-    """The client asks for usage on every chunk but not for the final usage chunk: kvgate
-    asks for that one (include_usage) and strips only it; every chunk with text arrives."""
-    body = chat(max_tokens=6, stream=True, stream_options={"continuous_usage_stats": True})
+@pytest.mark.parametrize("options", [{"continuous_usage_stats": True},
+                                     {"continuous_usage_stats": True, "include_usage": False}])
+def test_continuous_usage_stats_without_include_usage_bring_no_usage(stack, options):
+    """vLLM adds usage to every chunk only with ``include_usage``: a client asking for
+    ``continuous_usage_stats`` alone gets none from it. kvgate asks for the final usage
+    chunk (include_usage) and strips it, and must not turn the per-chunk usage on with it:
+    every chunk arrives as vLLM alone would send it (it did: usage on every chunk)."""
+    body = chat(max_tokens=6, stream=True, stream_options=options)
     events = [e for e in post(stack, "acme", body).text.split("\n\n") if e.startswith("data:")]
     assert events[-1] == "data: [DONE]"
     chunks = [orjson.loads(e.removeprefix("data: ")) for e in events[:-1]]
-    assert all(c["choices"] for c in chunks)  # kvgate's usage-only chunk, and only it, went
+    assert all(c["choices"] and c.get("usage") is None for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-    assert len(text.split()) == 6 and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert len(text.split()) == 6
     assert wait_for(lambda: in_flight(stack, "acme") == 0)
+
+
+def test_continuous_usage_stats_with_include_usage_pass_through(stack):
+    """Asked for both, the client gets vLLM's answer as it is: usage on every chunk and
+    the final usage chunk (kvgate strips nothing it did not add)."""
+    body = chat(max_tokens=4, stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})
+    events = [e for e in post(stack, "acme", body).text.split("\n\n") if e.startswith("data:")]
+    chunks = [orjson.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and not chunks[-1]["choices"]
+    assert all(c.get("usage") for c in chunks)
 
 
 def test_stream_null_is_not_streamed(stack):

@@ -222,6 +222,17 @@ def test_mutate_body_sets_priority_usage_and_overrides():
     assert "priority" not in again and "cache_salt" not in again
 
 
+def test_the_usage_kvgate_asks_for_turns_no_per_chunk_usage_on():
+    """vLLM sends usage in every chunk only with include_usage: asking for the final usage
+    chunk on the client's behalf must not start it for a client that set
+    continuous_usage_stats alone."""
+    request = parse({"model": "m", "messages": [{"content": "x"}], "stream": True,
+                     "stream_options": {"continuous_usage_stats": True}})
+    assert not request.wants_usage_chunk
+    sent = orjson.loads(mutate_body(request, priority=None, inject_usage=True))
+    assert sent["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+
+
 def test_mutate_body_sets_the_tenants_cache_salt_over_the_clients():
     request = parse({"model": "m", "messages": [{"content": "x"}], "cache_salt": "mine"})
     sent = orjson.loads(mutate_body(request, priority=None, inject_usage=False,
