@@ -217,9 +217,11 @@ def run_demo(config: Config, *, smoke: bool = False, source: object = "the bundl
     # KeyboardInterrupt from it, as the demo did, raised it wherever the main thread was,
     # and inside gRPC's Cython code it was printed and dropped ("Exception ignored"): the
     # demo then waited forever (and, once in 24 tries, died of its SIGINT exit instead).
+    # SIGHUP too (a closed terminal, or a reload meant for `kvgate serve`): its default
+    # killed the demo at once and left an engine running on its port.
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         return _run_stack(config, keys, smoke, source, stop)
     except Interrupted:
@@ -261,5 +263,5 @@ def _run_stack(config: Config, keys: dict[str, str], smoke: bool, source: object
         if smoke:
             return _smoke(config)
         print("Ctrl-C to stop.", flush=True)
-        stop.wait()  # until Ctrl-C or SIGTERM
+        stop.wait()  # until Ctrl-C, SIGTERM or SIGHUP
     return 0

@@ -364,6 +364,33 @@ def test_a_demo_sigtermed_while_starting_leaves_no_engine_behind(tmp_path):
     assert not listening(), f"an engine still answers on {engine}"
 
 
+def test_a_demo_stops_on_sighup_and_leaves_no_engine_behind(tmp_path):
+    """SIGHUP (a closed terminal, or a reload meant for `kvgate serve`) stops the demo as
+    SIGTERM does; its default killed the demo at once and left an engine on its port."""
+    path = demo_config(tmp_path)
+    host, port = yaml.safe_load(path.read_text())["pools"][0]["endpoints"][0].rsplit(":", 1)
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = ""
+        deadline = time.monotonic() + 60
+        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
+            out += proc.stdout.readline()  # type: ignore[union-attr]
+        assert "Ctrl-C" in out, out
+    finally:
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=30) == 0
+
+    def listening() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex((host, int(port))) == 0
+
+    deadline = time.monotonic() + 10
+    while listening() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not listening(), f"an engine still answers on {host}:{port}"
+
+
 def test_a_demo_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
     """A background job of a shell script starts with SIGINT ignored; a SIGINT to the demo
     must still stop it (its engines and Envoy stop on one either way)."""
