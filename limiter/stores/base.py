@@ -69,6 +69,17 @@ class LimiterStore(Protocol):
         """JSON-friendly snapshot of every dimension (admin endpoint)."""
         ...
 
+
+class SharedStore(LimiterStore, Protocol):
+    """A store every replica shares (Redis), behind :class:`~limiter.stores.FailoverStore`,
+    which serves from memory while it is unreachable and tells it afterwards."""
+
+    async def charge_usage(self, tenant: str, policy: TenantPolicy, usage_id: str,
+                           used_tokens: int) -> None:
+        """Charge ``used_tokens`` to ``tenant``'s quotas for an admission this store never
+        saw (the fallback served it): once per ``usage_id``, however often it is sent."""
+        ...
+
     async def close(self) -> None:
         """Release the store's resources (connections)."""
         ...

@@ -14,6 +14,8 @@ cancel is owed at its release — and a *release* for every release that failed.
 repair loop sends what is owed until Redis answers (every ``REPAIR_PAUSE_S``); the cancel
 refunds the admission if it ran and tombstones its id if it has not (see
 :mod:`limiter.stores.redis_scripts`), so the order in which they reach Redis does not matter.
+What a request served without Redis used (the fallback's, or one whose admission there is
+cancelled) is owed to Redis's token quotas the same way, marked charged there once sent.
 
 Concurrency stays exact when Redis restarts empty: after any failure the repair loop
 re-asserts in Redis every lease this store holds — the ones Redis had, and those the
@@ -45,7 +47,7 @@ from limiter.fairness import DEFAULT_LAG
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reject
 from limiter.share import scale_policy
-from limiter.stores.base import Fairness, LeasesLost, LimiterStore, StoreUnavailable
+from limiter.stores.base import Fairness, LeasesLost, SharedStore, StoreUnavailable
 from limiter.stores.memory import MemoryFairness, MemoryStore
 
 log = logging.getLogger(__name__)
@@ -80,12 +82,19 @@ class _Held:
 
 @dataclasses.dataclass(frozen=True)
 class _Owed:
-    """A release (with the tokens used) or a cancel that Redis has not confirmed yet."""
+    """A release (with the tokens used), a cancel, or the quota usage of an admission
+    Redis never saw, that Redis has not confirmed yet."""
 
     tenant: str
     policy: TenantPolicy
     cancel: bool
     used_tokens: int | None = None
+    usage: bool = False
+
+
+USAGE_SUFFIX = ":usage"
+"""Appended to a lease id: the key under which its quota usage is owed (and marked charged
+in Redis), apart from a release or cancel owed for the lease itself."""
 
 
 class FailoverStore:
@@ -93,7 +102,7 @@ class FailoverStore:
 
     def __init__(
         self,
-        primary: LimiterStore,
+        primary: SharedStore,
         *,
         policy: FailurePolicy,
         replicas: int = 1,
@@ -189,6 +198,13 @@ class FailoverStore:
             return False
         if held.place == "local":
             await self.local.release(tenant, self._local(policy), lease_id, used_tokens)
+        if (held.unsure or held.place != "primary") and used_tokens and (
+                policy.daily_token_quota or policy.monthly_token_quota):
+            # served while Redis was unreachable (or admitted there without an answer, which
+            # the cancel below undoes): what it used still counts toward the quotas (tokens
+            # a day or month, which nothing local enforces) once Redis answers
+            self._owe(lease_id + USAGE_SUFFIX,
+                      _Owed(tenant, policy, cancel=False, used_tokens=used_tokens, usage=True))
         if held.unsure:  # whatever reached Redis for it is undone there
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
         elif held.place == "primary":
@@ -318,6 +334,9 @@ class FailoverStore:
         async def send(lease_id: str, owed: _Owed) -> None:
             if owed.cancel:
                 await self.primary.cancel(owed.tenant, owed.policy, lease_id)
+            elif owed.usage:
+                await self.primary.charge_usage(owed.tenant, owed.policy, lease_id,
+                                                owed.used_tokens or 0)
             else:
                 await self.primary.release(owed.tenant, owed.policy, lease_id, owed.used_tokens)
             if self._owed.get(lease_id) is owed:

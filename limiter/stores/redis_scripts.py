@@ -709,16 +709,35 @@ return finish(st, NOW, 'ok', {hold})
 """
 
 # ARGV[5]: mode ('c' = cancel: refund everything each admission charged, and refuse it if it
-# comes later; '' = release), then (lease id, used tokens) pairs: used '' = unknown, the
-# reservation counts as used. Several leases of one tenant in one call (the store coalesces
-# the releases of concurrent requests): the tenant is opened and saved once, each lease is
-# settled exactly as a call of its own would. Returns 1 (released) or 0 (unknown, expired
-# or released already) per lease, in order.
+# comes later; '' = release; 'u' = usage: tokens admissions Redis never saw used, served while
+# it was unreachable, charged to the quotas once per id however often it is resent), then
+# (lease id, used tokens) pairs: used '' = unknown, the reservation counts as used. Several
+# leases of one tenant in one call (the store coalesces the releases of concurrent
+# requests): the tenant is opened and saved once, each lease is settled exactly as a call of
+# its own would. A lease re-asserted without its admission's record (Redis lost it, or never
+# had it: the fallback admitted it) charges what it used to the quotas at its release.
+# Returns 1 (released, or charged) or 0 (unknown, expired, released or charged already) per
+# lease, in order.
 _RELEASE = r"""
 local cancel = ARGV[OP] == 'c'
 local st = open_all(NOW)
 local out, H, any, req_dirty, tok_dirty = {}, nil, false, false, false
-for i = OP + 1, #ARGV, 2 do
+local function quota_charge(n)
+  for _, kind in ipairs({'d', 'm'}) do
+    local q = st.quotas[kind]
+    if q and n > 0 then q.used = q.used + n; q.dirty = true end
+  end
+end
+if ARGV[OP] == 'u' then
+  for i = OP + 1, #ARGV, 2 do
+    if cancelled(ARGV[i], NOW) then table.insert(out, 0) else
+      cancel_mark(ARGV[i], NOW)
+      quota_charge(tonumber(ARGV[i + 1]))
+      table.insert(out, 1)
+    end
+  end
+end
+for i = OP + 1, ARGV[OP] == 'u' and 0 or #ARGV, 2 do
   local lease, used_arg = ARGV[i], ARGV[i + 1]
   if cancel then cancel_mark(lease, NOW) end
   if redis.call('ZREM', KLEASES, lease) == 0 then
@@ -752,6 +771,7 @@ for i = OP + 1, #ARGV, 2 do
       if f[6] == '1' and st.req then tb_refund(st.req, requests, NOW); req_dirty = true end
       if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
     end
+    if not meta and not cancel and used_arg ~= '' then quota_charge(used) end
     if tb == '1' and st.tok then
       if used < reserved then tb_refund(st.tok, reserved - used, NOW)
       elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end

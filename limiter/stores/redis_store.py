@@ -325,6 +325,15 @@ class RedisStore:
                 if not future.done():
                     future.set_exception(StoreUnavailable("redis release was cancelled"))
 
+    async def charge_usage(self, tenant: str, policy: TenantPolicy, usage_id: str,
+                           used_tokens: int) -> None:
+        """Charge ``used_tokens`` to the tenant's quotas for an admission Redis never saw
+        (served while it was unreachable): once per ``usage_id``, however often it is sent
+        (within the lease TTL)."""
+        used = min(max(0, used_tokens), _MAX_COUNT)
+        await self._run("release", tenant, [*self._head(), _policy_arg(policy), "u", usage_id,
+                                            used])
+
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
         args = [*self._head(), _policy_arg(policy), "c", lease_id, 0]
         await self._run("release", tenant, args)

@@ -79,12 +79,31 @@ async def leftovers(raw: aioredis.Redis) -> dict[str, object]:
     return found
 
 
-async def until_clean(raw: aioredis.Redis, store: FailoverStore, within_s: float = 1.0) -> None:
-    """Redis holds no lease and no charge, and the store remembers nothing, within a bound."""
+async def until_clean(raw: aioredis.Redis, store: FailoverStore, within_s: float = 1.0,
+                      served: int = 0) -> None:
+    """Redis holds no lease and no charge — but the daily quota's count of ``served``
+    tokens, what requests the fallback served used — and the store remembers nothing,
+    within a bound."""
     deadline = time.monotonic() + within_s
-    while (left := await leftovers(raw)) or not store.idle():
+    expected = {} if not served else {quota_key(store, "acme"): served}
+    while _quota_only(left := await leftovers(raw)) != expected or not store.idle():
         assert time.monotonic() < deadline, (left, store.debug())
         await asyncio.sleep(0.02)
+
+
+def quota_key(store: FailoverStore, tenant: str) -> str:
+    return next(k for k in store.primary.keys(tenant) if k.endswith(":q:day"))
+
+
+def _quota_only(left: dict[str, object]) -> dict[str, int] | None:
+    """``left`` as {quota key: tokens used} when it holds nothing else."""
+    if not all(key.endswith(":q:day") for key in left):
+        return None
+    return {key: int(fields[b"u"]) for key, fields in left.items()}  # type: ignore[index]
+
+
+async def quota_used(raw: aioredis.Redis, store: FailoverStore, tenant: str = "acme") -> int:
+    return int(await raw.hget(quota_key(store, tenant), "u") or 0)
 
 
 async def settle(store: FailoverStore, within_s: float = 2.0) -> None:
@@ -114,7 +133,44 @@ async def test_admission_timed_out_on_a_paused_redis_leaves_nothing(server, raw,
             await store.release("acme", SLOW, doomed, 5)  # served while Redis hung
     finally:
         server.resume()
-    await until_clean(raw, store)  # the admission that ran late was undone
+    # the admission that ran late was undone; what the fallback served counts to the quota
+    await until_clean(raw, store, served=0 if policy == "fail_closed" else 5)
+    await store.close()
+
+
+@pytest.mark.parametrize("policy", ["fail_open", "local"])
+async def test_tokens_served_while_redis_is_down_count_toward_the_quota_once(server, raw,
+                                                                             policy):
+    """Quotas are not enforced while Redis is unreachable, but what was served counts once
+    it answers: released during the outage (owed, resent until confirmed) or after it
+    (re-asserted, released there) — each request's tokens once."""
+    store = failover(server, policy)
+    warm = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, warm), Admit)
+    assert await store.release("acme", SLOW, warm, 7)
+    assert await quota_used(raw, store) == 7
+    server.pause()
+    try:
+        during, after = lease(), lease()
+        for lease_id in (during, after):
+            assert isinstance(await store.admit("acme", SLOW, COST, lease_id), Admit)
+        await store.release("acme", SLOW, during, 5)  # owed to Redis
+        await asyncio.sleep(0.2)  # the repair loop keeps trying the paused server
+    finally:
+        server.resume()
+    await asyncio.sleep(0.3)  # repaired: `after` re-asserted, `during`'s usage charged
+    await store.release("acme", SLOW, after, 3)
+    await settle(store)
+    assert await quota_used(raw, store) == 7 + 5 + 3
+    await store.close()
+
+
+async def test_a_usage_charge_resent_is_counted_once(server, raw):
+    store = failover(server, "local")
+    usage_id = lease() + ":usage"
+    for _ in range(3):  # a lost answer makes the repair loop send it again
+        await store.primary.charge_usage("acme", SLOW, usage_id, 11)
+    assert await quota_used(raw, store) == 11
     await store.close()
 
 
