@@ -166,10 +166,10 @@ def _print_config_error(error: ConfigError) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    data = read_config_data(args.config)
+    data, found = read_config_data(args.config)
     missing = [] if args.skip_files else file_problems(data)
     try:
-        config = parse_config(data, str(args.config))
+        config = parse_config(data, str(args.config), found)
     except ConfigError as error:
         raise ConfigError(error.source, [*error.problems, *missing]) from None
     if not args.skip_files:

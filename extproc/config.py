@@ -12,7 +12,7 @@ import hashlib
 import ipaddress
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from extproc import yaml_input
 from extproc.config_check import explain
 from limiter.fairness import DEFAULT_LAG
 
@@ -1070,35 +1071,50 @@ def _names(mapping: dict[str, Any]) -> str:
 
 
 class ConfigError(Exception):
-    """All problems found in one config file, each prefixed with its path."""
+    """All problems found in one config file, each prefixed with its path. The message
+    shows the first few, each cut short: a rejected reload logs it as one line, which a
+    file of many broken values (or a megabyte key) must not make megabytes long; ``kvgate
+    check`` prints :attr:`problems` whole."""
+
+    SHOWN = 10
+    WIDTH = 300  # characters of each problem
 
     def __init__(self, source: str, problems: list[str]):
         self.source = source
         self.problems = problems
-        super().__init__(f"{source}: " + "; ".join(problems))
+        shown = [p if len(p) <= self.WIDTH else p[:self.WIDTH] + "…"
+                 for p in problems[:self.SHOWN]]
+        more = len(problems) - len(shown)
+        super().__init__(f"{source}: " + "; ".join(shown) + (
+            f"; and {more} more (`kvgate check` lists them all)" if more else ""))
 
 
-def parse_config(data: Any, source: str = "<config>") -> Config:
-    """The validated config, or a ConfigError with every problem (``config_check``)."""
+def parse_config(data: Any, source: str = "<config>", found: Sequence[str] = ()) -> Config:
+    """The validated config, or a ConfigError with every problem (``config_check``): those
+    ``found`` in reading the file (duplicate keys) first."""
     data = data if data is not None else {}
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(source, explain(data, exc, Config)) from None
+        raise ConfigError(source, [*found, *explain(data, exc, Config)]) from None
+    if found:
+        raise ConfigError(source, list(found))
+    return config
 
 
-def read_config_data(path: str | Path) -> Any:
-    """The YAML of a config file, unvalidated; problems name the file and the line."""
+def read_config_data(path: str | Path) -> tuple[Any, list[str]]:
+    """The YAML of a config file, unvalidated, and the problems found in reading it
+    (duplicate keys: YAML keeps the last silently); problems name the file and the line."""
     path = Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
+        return yaml_input.load(yaml_input.read_text(path))
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
     except UnicodeDecodeError as exc:  # was a traceback from check, serve, render-envoy
         raise ConfigError(str(path), [f"cannot read: not UTF-8 text (byte {exc.start})"]) \
             from None
-    try:
-        return yaml.safe_load(text)
+    except yaml_input.YamlInputError as exc:  # too large, too deep, expands too far
+        raise ConfigError(str(path), [str(exc)]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: "
@@ -1107,7 +1123,8 @@ def read_config_data(path: str | Path) -> Any:
 
 
 def load_config(path: str | Path) -> Config:
-    return parse_config(read_config_data(path), str(path))
+    data, found = read_config_data(path)
+    return parse_config(data, str(path), found)
 
 
 EXAMPLE_CONFIG = Path(__file__).parent / "examples" / "kvgate.yaml"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.config import Config, ConfigError, load_config
+from extproc.yaml_input import read_capped
 
 LIVE = ("tiers", "tenants", "classification")
 """The sections a reload applies to a running process."""
@@ -76,7 +77,7 @@ class ConfigFile:
 
     def _digest(self) -> str | None:
         try:
-            return hashlib.sha256(self.path.read_bytes()).hexdigest()
+            return hashlib.sha256(read_capped(self.path)).hexdigest()
         except OSError:
             return None
 

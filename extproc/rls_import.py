@@ -17,6 +17,7 @@ import yaml
 
 from extproc.config import RateLimitSettings
 from extproc.config_check import format_loc
+from extproc.yaml_input import BoundedLoader, YamlInputError, load, read_text
 
 DROPPED = ("detailed_metric", "value_to_metric", "metadata")
 UNSUPPORTED = ("quota_mode", "share_threshold")
@@ -26,7 +27,7 @@ STRING_KEYS = ("domain", "key", "value")  # kept as written (see _Loader)
 BOOL_KEYS = ("shadow_mode", "unlimited")  # Go bools: anything else is an error
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(BoundedLoader):
     """envoyproxy/ratelimit reads ``domain``, ``key`` and ``value`` into Go strings, which
     keep a scalar's text as written (``true``, ``010``): so does this loader, where PyYAML
     would make them ``True`` and ``8`` and an Envoy descriptor value would never match."""
@@ -128,7 +129,9 @@ def import_files(paths: list[Path], algorithm: str = "fixed_window") -> tuple[st
     seen: dict[str, Path] = {}
     for path in paths:
         try:
-            document = yaml.load(path.read_bytes().decode("utf-8"), Loader=_Loader)
+            document, duplicates = load(read_text(path), _Loader)
+            if duplicates:  # that service's yaml.v2 Unmarshal keeps the last one silently
+                raise RatelimitImportError(duplicates[0])
             file_notes: list[str] = []
             domain = convert(document, algorithm, file_notes)
             if domain["domain"] in seen:
@@ -142,6 +145,8 @@ def import_files(paths: list[Path], algorithm: str = "fixed_window") -> tuple[st
         except UnicodeDecodeError as exc:
             raise RatelimitImportError(
                 f"{path}: cannot read: not UTF-8 text (byte {exc.start})") from None
+        except YamlInputError as exc:
+            raise RatelimitImportError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             raise RatelimitImportError(f"{path}: not valid YAML: {_one_line(str(exc))}") from None
         except RatelimitImportError as exc:

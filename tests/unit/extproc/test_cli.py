@@ -254,6 +254,29 @@ def test_render_envoy_to_an_unwritable_place_is_one_line(tmp_path):
     assert line.startswith("kvgate render-envoy: ") and str(tmp_path / "file") in line
 
 
+def test_a_config_too_deep_or_too_large_is_one_problem_for_every_verb(tmp_path):
+    deep = write(tmp_path, "tiers: " + "[" * 500 + "]" * 500 + "\n")
+    for verb in (["check"], ["serve", "--config"], ["render-envoy"]):
+        done = kvgate(*verb, str(deep))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines() == [
+            f"{deep}: 1 problem(s)",
+            "  line 1, column 107: nested too deeply (more than 100 levels)"]
+    done = kvgate("check", "/dev/zero", timeout=20)  # was a MemoryError after all memory
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == [
+        "/dev/zero: 1 problem(s)", "  larger than 8 MiB, too large for a config"]
+
+
+def test_check_reports_duplicate_keys_with_the_other_problems(tmp_path, capsys):
+    text = yaml.safe_dump(GOOD) + "tiers: {silver: {}}\n"
+    assert check_problems(write(tmp_path, text), capsys) == [
+        "tiers: duplicate key at line 16, column 1 (first at line 12, column 1; YAML would "
+        "keep only the last)",
+        "tenants[0].tier: unknown tier 'gold' (known: silver)",  # the second one won
+    ]
+
+
 def test_render_envoy_refuses_full_duplex_for_its_own_bootstrap(tmp_path):
     data = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     data["server"] = {**data.get("server", {}), "body_mode": "full_duplex"}

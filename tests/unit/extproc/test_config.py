@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -157,3 +158,95 @@ def test_shaping_defaults_overrides_and_the_message_timeout():
                               "must stay below envoy.message_timeout_s (1000)"]
     assert any("requests_per_second" in p for p in problems(
         {**GOOD, "tiers": {"gold": {"limits": {"shaping": {"requests_per_second": 5000}}}}}))
+
+
+# -- what a config file may hold before it is validated --------------------------------------
+
+HEAD = ("tiers: {gold: {limits: {requests_per_second: 1}}}\n"
+        f"tenants: [{{name: a, tier: gold, api_keys: ['{hash_api_key('k')}']}}]\n"
+        "pools: [{name: p, models: [m], endpoints: ['127.0.0.1:8000']}]\n")
+
+
+def file_problems(tmp_path, text: str) -> list[str]:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.source == str(path)
+    return info.value.problems
+
+
+def alias_bomb(levels: int, width: int = 10) -> str:
+    """A descriptor holding ``width`` aliases of the one below, ``levels`` deep: each level
+    a short line, the tree ``width`` ** ``levels`` descriptors."""
+    lines = [HEAD + "ratelimit:\n  domains:\n  - domain: d\n    descriptors:",
+             "    - &l0 {key: k0, value: v, rate_limit: {unit: second, requests_per_unit: 1}}"]
+    for n in range(1, levels + 1):
+        below = ", ".join([f"*l{n - 1}"] * width)
+        lines.append(f"    - &l{n} {{key: k{n}, value: v, descriptors: [{below}]}}")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_config_nested_too_deeply_is_one_problem_not_a_recursion_error(tmp_path):
+    assert file_problems(tmp_path, "tiers: " + "[" * 500 + "]" * 500 + "\n") == [
+        "line 1, column 107: nested too deeply (more than 100 levels)"]
+
+
+def test_an_alias_chain_deep_only_once_expanded_is_refused(tmp_path):
+    chain = "\n".join(["tiers:", "  - &a0 []",
+                       *(f"  - &a{i} [*a{i - 1}]" for i in range(1, 300))])
+    [problem] = file_problems(tmp_path, chain + "\n")
+    assert "nested too deeply (more than 100 levels) once aliases expand" in problem
+
+
+def test_an_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    started = time.monotonic()
+    [problem] = file_problems(tmp_path, alias_bomb(5))  # 10**5 descriptors: 10 s, 240 MB before
+    assert time.monotonic() - started < 5
+    assert problem == ("line 13, column 44: ratelimit.domains[0].descriptors[5].descriptors "
+                       "expands to more than 1,000,000 values once aliases are expanded")
+
+
+def test_anchors_aliases_and_merge_keys_still_load(tmp_path):
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(
+        "tiers:\n"
+        "  gold: &gold {weight: 3, limits: &limits {requests_per_second: 2, max_concurrency: 4}}\n"
+        "  silver: {<<: *gold, weight: 1}\n"
+        f"tenants: [{{name: a, tier: silver, api_keys: ['{hash_api_key('k')}'], "
+        "limits: *limits}]\n"
+        "pools: [{name: p, models: [m], endpoints: ['127.0.0.1:8000']}]\n")
+    config = load_config(path)
+    assert config.tiers["silver"].weight == 1
+    assert config.tiers["silver"].limits == config.tiers["gold"].limits
+    assert config.limits_for(config.tenants[0]).max_concurrency == 4
+
+
+def test_duplicate_keys_are_problems_beside_the_others(tmp_path):
+    text = ("tiers:\n  gold: {limits: {requests_per_second: 1}}\n"
+            "  gold: {limits: {requests_per_second: 0}}\n" + HEAD)
+    assert file_problems(tmp_path, text) == [  # the second tiers: wins, the first is checked
+        "tiers: duplicate key at line 4, column 1 (first at line 1, column 1; YAML would keep "
+        "only the last)",
+        "tiers.gold: duplicate key at line 3, column 3 (first at line 2, column 3; YAML would "
+        "keep only the last)",
+    ]
+    broken = HEAD + "server: {grpc_port: 1, grpc_port: 99999}\n"
+    assert file_problems(tmp_path, broken) == [
+        "server.grpc_port: duplicate key at line 4, column 24 (first at line 4, column 10; YAML "
+        "would keep only the last)", "server.grpc_port: Input should be less than 65536"]
+
+
+def test_a_file_over_the_size_cap_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "kvgate.yaml"
+    path.write_bytes(HEAD.encode() + b"#" * (8 * 1024 * 1024))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == ["larger than 8 MiB, too large for a config"]
+
+
+def test_the_error_message_stays_short_while_problems_keep_every_one():
+    error = ConfigError("kvgate.yaml", [f"tenants[{i}]: " + "x" * 10_000 for i in range(50)])
+    assert len(error.problems) == 50
+    assert len(str(error)) < 4000
+    assert str(error).endswith("; and 40 more (`kvgate check` lists them all)")

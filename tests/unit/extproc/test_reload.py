@@ -13,6 +13,7 @@ import yaml
 from extproc.config import ConfigError, hash_api_key, parse_config
 from extproc.openai import BadRequest
 from extproc.reload import ConfigFile, plan
+from extproc.server import KvgateServer
 from extproc.tenants import Tenants
 from extproc.wiring import build_director
 from limiter.stores import MemoryStore
@@ -111,3 +112,29 @@ def test_director_reconfigure_applies_new_limits_and_releases_removed_tenants() 
         assert await store.in_flight("gone") == 0
 
     asyncio.run(run())
+
+
+def test_a_reload_refuses_a_hostile_file_in_one_short_line_and_keeps_running(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    server = KvgateServer(parse_config(data()), config_path=path)
+    bomb = ["tiers:", "  - &l0 [" + ", ".join(["x"] * 10) + "]"]
+    bomb += [f"  - &l{n} [{', '.join([f'*l{n - 1}'] * 10)}]" for n in range(1, 8)]
+    for text, problem in [
+        ("tiers: " + "[" * 500 + "]" * 500, "nested too deeply (more than 100 levels)"),
+        ("\n".join(bomb), "expands to more than 1,000,000 values"),
+        ("tiers: {}\ntiers: {}\n", "tiers: duplicate key at line 2"),
+        (yaml.safe_dump({**data(), "tenants": [{"name": f"t{i}", "tier": f"{i}{'x' * 3000}"}
+                                               for i in range(1000)]}),
+         "more (`kvgate check` lists them all)"),
+    ]:
+        caplog.clear()
+        path.write_text(text)
+        assert server.config_file is not None and server.config_file.changed()
+        with caplog.at_level("ERROR"):
+            assert server.reload("file changed") is False
+        [record] = caplog.records
+        assert "rejected, the running config stays" in record.message
+        assert problem in record.message and len(record.message) < 4000
+        assert server.config.tiers["gold"].limits.max_concurrency == 5

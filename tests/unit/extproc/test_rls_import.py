@@ -159,3 +159,37 @@ def test_a_string_where_a_boolean_goes_is_refused(tmp_path: Path, capsys, text, 
     path.write_text("domain: d\ndescriptors:\n  - key: k\n" + text)
     assert main(["import-ratelimit", str(path)]) == 2
     assert capsys.readouterr().err == f"kvgate import-ratelimit: {path}: {problem}\n"
+
+
+def refused(path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """``text`` written to ``path`` and imported: the one line on stderr, exit status 2."""
+    path.write_text(text)
+    assert main(["import-ratelimit", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_a_file_nested_too_deeply_is_one_line(tmp_path: Path, capsys):
+    path = tmp_path / "rl.yaml"
+    line = refused(path, "domain: d\ndescriptors: " + "[" * 500 + "]" * 500 + "\n", capsys)
+    assert line == (f"kvgate import-ratelimit: {path}: line 2, column 113: nested too deeply "
+                    "(more than 100 levels)")
+
+
+def test_an_alias_bomb_is_refused(tmp_path: Path, capsys):
+    lines = ["domain: d", "descriptors:",
+             "  - &l0 {key: k0, rate_limit: {unit: second, requests_per_unit: 1}}"]
+    lines += [f"  - &l{n} {{key: k{n}, descriptors: [{', '.join([f'*l{n - 1}'] * 10)}]}}"
+              for n in range(1, 7)]
+    line = refused(tmp_path / "rl.yaml", "\n".join(lines) + "\n", capsys)
+    assert "expands to more than 1,000,000 values once aliases are expanded" in line
+
+
+def test_a_duplicate_key_is_refused_with_its_line(tmp_path: Path, capsys):
+    # envoyproxy/ratelimit's yaml.v2 Unmarshal keeps the last one without a word
+    path = tmp_path / "rl.yaml"
+    line = refused(path, "domain: d\ndescriptors:\n  - key: a\n    key: b\n"
+                   "    rate_limit: {unit: second, requests_per_unit: 1}\n", capsys)
+    assert line == (f"kvgate import-ratelimit: {path}: descriptors[0].key: duplicate key at line "
+                    "4, column 5 (first at line 3, column 5; YAML would keep only the last)")
