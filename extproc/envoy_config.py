@@ -24,9 +24,14 @@ whatever its length (see ``extproc/reports.py``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import errno
 import ipaddress
-from collections.abc import Callable
+import os
+import secrets
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -1076,12 +1081,57 @@ def render_yaml(config: Config) -> str:
 
 def render_to_file(config: Config, path: str | Path,
                    render: Callable[[Config], str] = render_yaml) -> Path:
-    """Write the YAML bootstrap (``render``'s) to ``path`` (parent folders created);
+    """Write the YAML bootstrap (``render``'s) to ``path`` as :func:`write_output` does;
     returns the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = render(config)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_output(path, render(config))
     return path
+
+
+def write_output(path: Path, text: str) -> None:
+    """``text`` into ``path`` as its user means it: a regular file (or a new one, parent
+    folders created) replaced in one rename, so Envoy never reads half of one, with the old
+    file's permission bits; through a symlink, its target replaced and the link kept; a FIFO
+    or a device (``/dev/stdout``) written into, never replaced. Errors name ``path``."""
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # new (a dangling link: its target)
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if mode is not None and not stat.S_ISREG(mode):
+        with _named(path), open(path, "w", encoding="utf-8") as file:
+            file.write(text)
+        return
+    target = Path(os.path.realpath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)  # its error names the folder
+    with _named(path):
+        _replace(target, text, None if mode is None else stat.S_IMODE(mode))
+
+
+def _replace(target: Path, text: str, mode: int | None) -> None:
+    """A temporary file beside ``target`` (the umask's bits, or ``mode``), renamed over it."""
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+            if mode is not None:
+                os.fchmod(file.fileno(), mode)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def _named(path: Path) -> Iterator[None]:
+    """An OSError as naming ``path``, not the temporary file or a symlink's target."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None or exc.filename == str(path):
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from None

@@ -6,10 +6,13 @@ Subprocesses where the point is what a user sees (no traceback, the exit status)
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -275,6 +278,62 @@ def test_check_reports_duplicate_keys_with_the_other_problems(tmp_path, capsys):
         "keep only the last)",
         "tenants[0].tier: unknown tier 'gold' (known: silver)",  # the second one won
     ]
+
+
+# -- render-envoy -o: what the user's path is ---------------------------------------------------
+
+
+def render_to(out: Path) -> str:
+    assert main(["render-envoy", str(EXAMPLE_CONFIG), "-o", str(out)]) == 0
+    return out.read_text() if out.is_file() else ""
+
+
+def test_render_envoy_keeps_a_symlink_and_replaces_its_target(tmp_path):
+    target, link = tmp_path / "real" / "envoy.yaml", tmp_path / "envoy.yaml"
+    target.parent.mkdir()
+    target.write_text("old")
+    link.symlink_to(target)
+    assert render_to(link).startswith("# Envoy bootstrap")
+    assert link.is_symlink() and target.read_text().startswith("# Envoy bootstrap")
+    assert sorted(p.name for p in target.parent.iterdir()) == ["envoy.yaml"]  # no temp left
+    dangling = tmp_path / "new.yaml"
+    dangling.symlink_to(tmp_path / "real" / "new.yaml")
+    render_to(dangling)
+    assert dangling.is_symlink() and (tmp_path / "real" / "new.yaml").is_file()
+
+
+def test_render_envoy_keeps_the_files_permissions(tmp_path):
+    out = tmp_path / "envoy.yaml"
+    out.write_text("old")
+    out.chmod(0o640)
+    render_to(out)
+    assert out.stat().st_mode & 0o777 == 0o640
+    fresh = tmp_path / "fresh.yaml"
+    umask = os.umask(0o027)
+    try:
+        render_to(fresh)
+    finally:
+        os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o640  # 0o666 less the umask, as open() makes it
+
+
+def test_render_envoy_writes_into_a_fifo_without_replacing_it(tmp_path):
+    fifo = tmp_path / "envoy.fifo"
+    os.mkfifo(fifo)
+    read: list[bytes] = []
+    reader = threading.Thread(target=lambda: read.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    render_to(fifo)
+    reader.join(timeout=10)
+    assert read and read[0].startswith(b"# Envoy bootstrap")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["envoy.fifo"]
+
+
+def test_render_envoy_to_a_directory_names_it(tmp_path):
+    line = one_line_error(kvgate("render-envoy", str(EXAMPLE_CONFIG), "-o", str(tmp_path)))
+    assert line == f"kvgate render-envoy: Is a directory: {tmp_path}"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_render_envoy_refuses_full_duplex_for_its_own_bootstrap(tmp_path):
