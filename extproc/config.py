@@ -984,10 +984,11 @@ class Config(_Strict):
                     f"envoy.message_timeout_s ({self.envoy.message_timeout_s}), or Envoy "
                     "fails the request while kvgate still holds it"
                 )
-        names = [t.name for t in self.tenants]
-        for i, name in enumerate(names):
-            if names.index(name) != i:
-                yield f"tenants[{i}].name: duplicate tenant {name!r}"
+        seen: set[str] = set()  # (a list's index() here was quadratic in the tenants)
+        for i, tenant in enumerate(self.tenants):
+            if tenant.name in seen:
+                yield f"tenants[{i}].name: duplicate tenant {tenant.name!r}"
+            seen.add(tenant.name)
         owners: dict[str, str] = {}
         for p, pool in enumerate(self.pools):
             if pool.degradation:

@@ -39,6 +39,15 @@ def test_defaults_fill_the_gaps():
     assert config.pools[0].models[0].default_max_tokens == 1024
 
 
+def test_a_tenant_named_twice_is_a_problem_at_each_repeat():
+    tenant = GOOD["tenants"][0]
+    data = {**GOOD, "tenants": [tenant, {**tenant, "api_keys": [hash_api_key("k2")]},
+                                {**tenant, "api_keys": [hash_api_key("k3")]}]}
+    duplicates = [p for p in problems(data) if "duplicate tenant" in p]
+    assert duplicates == ["tenants[1].name: duplicate tenant 'a'",
+                          "tenants[2].name: duplicate tenant 'a'"]
+
+
 def test_errors_name_their_paths():
     bad = yaml.safe_load(yaml.safe_dump(GOOD))
     bad["tiers"]["gold"]["limits"]["requests_per_second"] = -1
