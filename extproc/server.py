@@ -271,6 +271,8 @@ class KvgateServer:
         self.metrics.configure(*_label_names(config))
         # the file reloads read (SIGHUP, or polled): none for a config built in code
         self.config_file = None if config_path is None else ConfigFile(config_path)
+        self._reload_lock = asyncio.Lock()
+        self._reloads: set[asyncio.Task[bool]] = set()
         self.endpoints = EndpointStore({p.name: p.kv_capacity_tokens for p in config.pools
                                         if p.kv_capacity_tokens})
         self.director = build_director(config, store or build_store(config, self.metrics),
@@ -428,9 +430,24 @@ class KvgateServer:
             await asyncio.sleep(every_s)
             try:
                 if self.config_file is not None and self.config_file.changed():
-                    self.reload("file changed")
+                    await self.reload_in_thread("file changed")
             except Exception:  # the poll must outlive any one failure
                 log.exception("config poll failed")
+
+    def _on_sighup(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.reload_in_thread("SIGHUP"))
+        self._reloads.add(task)  # (held until done: the loop keeps only weak references)
+        task.add_done_callback(self._reloads.discard)
+
+    async def reload_in_thread(self, why: str) -> bool:
+        """:meth:`reload`, with the file read and validated in a worker thread: a config of
+        tens of thousands of tenants takes seconds to parse, which on the event loop would
+        stall every request. One reload at a time; the swap itself is on the loop."""
+        async with self._reload_lock:
+            if self.config_file is None:
+                return self.reload(why)
+            loaded = await asyncio.to_thread(self._load_config_file)
+            return self._apply(why, loaded)
 
     def reload(self, why: str = "SIGHUP") -> bool:
         """Read the config file again; apply it if valid, else keep the running one. No
@@ -438,9 +455,22 @@ class KvgateServer:
         if self.config_file is None:
             log.warning("config reload (%s) ignored: this server has no config file", why)
             return False
+        return self._apply(why, self._load_config_file())
+
+    def _load_config_file(self) -> Config | ConfigError:
+        assert self.config_file is not None
+        try:
+            return self.config_file.load()
+        except ConfigError as error:
+            return error
+
+    def _apply(self, why: str, loaded: Config | ConfigError) -> bool:
+        assert self.config_file is not None
         source = str(self.config_file.path)
         try:
-            change = plan(self.config, self.config_file.load(), source)
+            if isinstance(loaded, ConfigError):
+                raise loaded
+            change = plan(self.config, loaded, source)
         except ConfigError as error:
             self.metrics.reloads.labels("rejected").inc()
             log.error("config reload (%s) rejected, the running config stays: %s", why, error)
@@ -520,7 +550,7 @@ class KvgateServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await stop.wait()
         loop.remove_signal_handler(signal.SIGHUP)
         await self.drain(self.config.server.shutdown_grace_s, self.config.server.drain_delay_s)

@@ -138,3 +138,42 @@ def test_a_reload_refuses_a_hostile_file_in_one_short_line_and_keeps_running(
         assert "rejected, the running config stays" in record.message
         assert problem in record.message and len(record.message) < 4000
         assert server.config.tiers["gold"].limits.max_concurrency == 5
+
+
+def test_a_reload_reads_the_file_off_the_event_loop(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGHUP and the file poll read and validate in a worker thread: a config of tens of
+    thousands of tenants takes seconds to parse, which stalled every request on the loop.
+    The swap stays on the loop, one reload at a time."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    server = KvgateServer(parse_config(data()), config_path=path)
+    path.write_text(yaml.safe_dump(data(concurrency=1)))
+    slow_load = ConfigFile.load
+
+    def load(self: ConfigFile):  # a large file
+        import time
+        time.sleep(0.3)
+        return slow_load(self)
+
+    monkeypatch.setattr(ConfigFile, "load", load)
+
+    async def run() -> tuple[int, list[bool]]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        results = await asyncio.gather(server.reload_in_thread("SIGHUP"),
+                                       server.reload_in_thread("file changed"))
+        ticker.cancel()
+        return ticks, results
+
+    ticks, results = asyncio.run(run())
+    assert ticks >= 20, ticks  # the loop ran throughout the 0.6 s of reading
+    assert results == [True, True]
+    assert server.config.tiers["gold"].limits.max_concurrency == 1
