@@ -38,6 +38,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, name="kvgate", daemon=True)
         self._started = threading.Event()
         self._stopping = threading.Event()
+        self._grace = 0.5  # what open streams get to finish (stop)
         self._error: BaseException | None = None
 
     def _run(self) -> None:
@@ -51,7 +52,7 @@ class ServerThread:
         self._started.set()
         if not self._stopping.is_set():  # a stop() during start() queued loop.stop: runs now
             self.loop.run_forever()
-        self.loop.run_until_complete(self.server.stop(grace=0.5))
+        self.loop.run_until_complete(self.server.stop(grace=self._grace))
         self.loop.close()
 
     def start(self) -> ServerThread:
@@ -65,10 +66,11 @@ class ServerThread:
         """Run a coroutine on kvgate's loop (tests inspect the store this way)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 0.5) -> None:
         """Also while start() is under way (a SIGTERM then): the start finishes, then the
         server stops, so no gRPC thread is left running into the interpreter's exit (which
-        crashed the process: exit -11)."""
+        crashed the process: exit -11). Open streams get ``grace`` seconds to finish."""
+        self._grace = grace
         self._stopping.set()
         if self._thread.is_alive():
             self._started.wait(timeout=30)
@@ -264,4 +266,9 @@ def _run_stack(config: Config, keys: dict[str, str], smoke: bool, source: object
             return _smoke(config)
         print("Ctrl-C to stop.", flush=True)
         stop.wait()  # until Ctrl-C, SIGTERM or SIGHUP
+        # as `kvgate serve` drains: open streams finish while Envoy still carries them (the
+        # stack's own teardown stops Envoy first, which cut them)
+        grace = config.server.shutdown_grace_s
+        print(f"stopping: open requests get up to {grace:g} s to finish", flush=True)
+        kvgate.stop(grace=grace)
     return 0

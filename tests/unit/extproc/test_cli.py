@@ -473,6 +473,38 @@ def test_a_demo_stops_on_sighup_and_leaves_no_engine_behind(tmp_path):
     assert not listening(), f"an engine still answers on {host}:{port}"
 
 
+def test_a_demo_stopped_lets_an_open_stream_finish(tmp_path):
+    """As `kvgate serve` drains: the demo's own teardown stopped Envoy first, which cut every
+    answer still streaming (a fault audit: 14 requests cut)."""
+    import httpx
+
+    path = demo_config(tmp_path)
+    port = yaml.safe_load(path.read_text())["envoy"]["listen_port"]
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        out = ""
+        deadline = time.monotonic() + 60
+        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
+            out += proc.stdout.readline()  # type: ignore[union-attr]
+        assert "Ctrl-C" in out, out
+        body = {"model": "m", "max_tokens": 150, "stream": True,
+                "messages": [{"role": "user", "content": "hello"}]}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                          headers={"authorization": "Bearer sk-mine"}, timeout=30) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                if line.startswith("data:") and not lines:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream
+                lines.append(line)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]", lines[-3:]
+
+
 def test_a_demo_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
     """A background job of a shell script starts with SIGINT ignored; a SIGINT to the demo
     must still stop it (its engines and Envoy stop on one either way)."""
