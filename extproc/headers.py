@@ -16,10 +16,12 @@ KVGATE_HEADER_PREFIX = "x-kvgate-"
 # Request headers an engine obeys that a client must not send it: vLLM takes a request's
 # scheduling priority from x-vllm-priority before the body's and its data-parallel rank from
 # x-data-parallel-rank (a client's would undo kvgate's order), and endpoint-load-metrics-
-# format makes it answer with its load (KV usage, queue: every tenant's traffic). The
-# rendered routes drop them.
+# format makes it answer with its load (KV usage, queue: every tenant's traffic), and
+# accept-encoding would let an engine (or a proxy before it) compress the answer, which
+# kvgate's meter must read: the engine's usage, the usage event it strips. The rendered
+# routes drop them.
 ENGINE_CONTROL_HEADERS = ("x-vllm-priority", "x-data-parallel-rank",
-                          "endpoint-load-metrics-format")
+                          "endpoint-load-metrics-format", "accept-encoding")
 # Dynamic metadata namespaces kvgate may return; Envoy drops any other namespace.
 LB_NAMESPACE = "envoy.lb"
 # An admitted request's x-ratelimit-* values (header name → value), which the rendered route

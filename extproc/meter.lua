@@ -27,11 +27,16 @@
 local TAIL = 8192 -- bytes of an unfinished SSE event, or of the JSON read so far, kept
 local HOLD = 4096 -- an unfinished event longer than this is no usage event: never held
 local TIMEOUT_MS = 1000 -- a report kvgate has not answered by then is given up
+-- A usage object is a few hundred bytes (vLLM's, token details included): only the last
+-- USAGE_TRIES "usage" keys of a piece of text are read, each at most USAGE_MAX bytes, so an
+-- engine that writes the key thousands of times costs a scan, not a scan per key
+local USAGE_MAX, USAGE_TRIES = 4096, 4
 
--- The JSON object that starts at `from` (a "{"), strings honoured; nil when unfinished.
+-- The JSON object that starts at `from` (a "{"), strings honoured, within USAGE_MAX bytes;
+-- nil when unfinished there.
 local function object_at(text, from)
   local depth, in_string, escaped = 0, false, false
-  for i = from, #text do
+  for i = from, math.min(#text, from + USAGE_MAX) do
     local c = string.byte(text, i)
     if in_string then
       if escaped then escaped = false
@@ -47,15 +52,21 @@ local function object_at(text, from)
   return nil
 end
 
--- The last complete "usage": {...} object in `text`.
+-- The last complete "usage": {...} object in `text` (of its last USAGE_TRIES).
 local function last_usage(text)
-  local found, at = nil, 1
+  local starts, at = {}, 1
   while true do
     local s, e = string.find(text, '"usage"%s*:%s*{', at)
-    if s == nil then return found end
-    found = object_at(text, e) or found
+    if s == nil then break end
+    starts[#starts + 1] = e
+    if #starts > USAGE_TRIES then table.remove(starts, 1) end
     at = e + 1
   end
+  for k = #starts, 1, -1 do
+    local found = object_at(text, starts[k])
+    if found ~= nil then return found end
+  end
+  return nil
 end
 
 local function report(handle, meta, what, body)
@@ -70,16 +81,36 @@ local function report(handle, meta, what, body)
   handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true) -- asynchronous
 end
 
+-- Where the event at `pos` ends: the blank line after it (LF or CRLF line ends, as SSE
+-- allows), and the separator's length.
+local function event_end(text, pos)
+  local lf = string.find(text, "\n\n", pos, true)
+  local crlf = string.find(text, "\r\n\r\n", pos, true)
+  if crlf ~= nil and (lf == nil or crlf < lf) then return crlf, 4 end
+  return lf, 2
+end
+
+-- Whether an unfinished event may still turn out to be the usage-only event (a data line,
+-- not [DONE], with no choices in it yet): only such an event is held back, so a stream
+-- whose last event never gets its blank line loses nothing but that event.
+local function may_be_usage(partial)
+  local head = string.sub(partial, 1, 5)
+  if head ~= string.sub("data:", 1, #head) then return false end
+  if string.find(partial, "[DONE]", 1, true) then return false end
+  return string.find(partial, '"choices"%s*:%s*%[%s*[^%]%s]') == nil
+end
+
 -- One streamed chunk: note usage, count data events, and with `strip` drop the usage-only
--- event. Stripping holds back the unfinished event at a chunk's end until its end arrives
--- (no SSE client can act on half an event, so nothing is delayed for it) unless it grows
--- past HOLD bytes: then it cannot be the small usage event and goes on at once.
+-- event. Stripping holds back an unfinished event that may be the usage event at a chunk's
+-- end until its end arrives (no SSE client can act on half an event, so nothing is delayed
+-- for it) unless it grows past HOLD bytes: then it cannot be the small usage event and
+-- goes on at once.
 local function read_events(state, chunk, bytes)
   local text = state.carry .. bytes
   local sent = state.sent -- leading bytes of `text` the client already has
   local out, pos = {}, 1
   while true do
-    local s = string.find(text, "\n\n", pos, true)
+    local s, gap = event_end(text, pos)
     if s == nil then break end
     local event = string.sub(text, pos, s - 1)
     local usage_only = false
@@ -94,9 +125,9 @@ local function read_events(state, chunk, bytes)
       state.events = state.events + 1
     end
     if state.strip and not (usage_only and sent < pos) then
-      out[#out + 1] = string.sub(text, math.max(pos, sent + 1), s + 1)
+      out[#out + 1] = string.sub(text, math.max(pos, sent + 1), s + gap - 1)
     end
-    pos = s + 2
+    pos = s + gap
   end
   local partial = string.sub(text, pos)
   if pos > 1 then state.head = nil end
@@ -106,7 +137,7 @@ local function read_events(state, chunk, bytes)
     return
   end
   local partial_sent = math.max(0, sent - (pos - 1))
-  if #partial > HOLD then
+  if #partial > HOLD or not may_be_usage(partial) then
     out[#out + 1] = string.sub(partial, partial_sent + 1)
     partial_sent = #partial
     if #partial > TAIL then partial, partial_sent = string.sub(partial, -TAIL), TAIL end
@@ -134,23 +165,30 @@ function envoy_on_response(handle)
   -- a streamed request answered with JSON (an engine's error) is read as JSON
   local sse = string.find(handle:headers():get("content-type") or "", "text/event-stream", 1,
                           true) ~= nil
+  -- a compressed answer (a proxy's: kvgate asks engines for none) cannot be read or
+  -- stripped: it passes untouched, charged its reservation
+  local encoding = handle:headers():get("content-encoding") or "identity"
+  local readable = encoding == "identity"
   local stream = meta.meter ~= "json" and sse
   local status = handle:headers():get(":status") or ""
   local limited = status == "429" and handle:headers():get("x-envoy-ratelimited") ~= nil
   -- an engine's answer (2xx): one with no usage kvgate could read is charged its reservation
   local answered = string.sub(status, 1, 1) == "2"
   local state = {carry = "", sent = 0, usage = nil, events = 0,
-                 strip = stream and meta.meter == "sse-strip"}
+                 strip = readable and stream and meta.meter == "sse-strip"}
+  if state.strip then -- the stripped body is shorter than any length the engine declared
+    handle:headers():remove("content-length")
+  end
   local first = true
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
-    if size > 0 then
+    if size > 0 and stream and first then
+      first = false
+      report(handle, meta, "first", "")
+    end
+    if size > 0 and readable then
       local bytes = chunk:getBytes(0, size)
       if stream then
-        if first then
-          first = false
-          report(handle, meta, "first", "")
-        end
         read_events(state, chunk, bytes)
       else
         -- vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids) that

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections import deque
 
 import orjson
 
@@ -24,6 +25,8 @@ from extproc.openai import Usage, usage_from, usage_of
 
 TAIL = 8192  # bytes of an unfinished SSE event, or of the JSON read so far, kept
 HOLD = 4096  # an unfinished event longer than this is no usage event: never held
+# a usage object's bytes at most, and the "usage" keys read per piece of text (the last ones)
+USAGE_MAX, USAGE_TRIES = 4096, 4
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
@@ -105,20 +108,25 @@ class ResponseMeter:
 
 
 def _last_usage(text: bytes) -> Usage | None:
-    """The last complete ``"usage": {…}`` object in ``text``."""
-    found = None
-    for match in _USAGE.finditer(text):
-        obj = _object_at(text, match.end() - 1)
+    """The last complete ``"usage": {…}`` object in ``text``, of its last ``USAGE_TRIES``
+    (as the Lua meter reads it: an engine that writes the key thousands of times costs one
+    scan, not one per key, on kvgate's event loop)."""
+    starts = deque((match.end() - 1 for match in _USAGE.finditer(text)), maxlen=USAGE_TRIES)
+    for start in reversed(starts):
+        obj = _object_at(text, start)
         if obj is not None:
             with contextlib.suppress(orjson.JSONDecodeError):
-                found = usage_of(orjson.loads(obj)) or found
-    return found
+                found = usage_of(orjson.loads(obj))
+                if found is not None:
+                    return found
+    return None
 
 
 def _object_at(text: bytes, start: int) -> bytes | None:
-    """``text[start:]`` up to the brace that closes the one at ``start`` (strings honoured)."""
+    """``text[start:]`` up to the brace that closes the one at ``start`` (strings honoured),
+    within ``USAGE_MAX`` bytes."""
     depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
+    for i in range(start, min(len(text), start + USAGE_MAX + 1)):
         c = text[i]
         if in_string:
             if escaped:

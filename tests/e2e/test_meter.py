@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gzip
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -66,6 +68,7 @@ class Harness:
         self.desk = ReportDesk()
         self.bodies: dict[str, tuple[bytes, list[bytes]]] = {}  # lease → (type, pieces)
         self.statuses: dict[str, bytes] = {}  # lease → status line, when not 200
+        self.extra: dict[str, bytes] = {}  # lease → more header lines (and a declared length)
         self.upstream_port = free_port()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -88,13 +91,19 @@ class Harness:
                 lease = headers[b"x-test-lease"].decode()
                 content_type, pieces = self.bodies[lease]
                 status = self.statuses.get(lease, b"200 OK")
-                writer.write(b"HTTP/1.1 %s\r\ntransfer-encoding: chunked\r\n"
-                             b"content-type: %s\r\n\r\n" % (status, content_type))
+                extra = self.extra.get(lease, b"")
+                framing = (b"content-length: %d\r\n" % sum(map(len, pieces))
+                           if b"content-length" in extra else b"transfer-encoding: chunked\r\n")
+                writer.write(b"HTTP/1.1 %s\r\n%scontent-type: %s\r\n%s\r\n"
+                             % (status, framing, content_type,
+                                extra.replace(b"content-length\r\n", b"")))
                 for piece in pieces:
-                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    writer.write(piece if b"content-length" in extra
+                                 else b"%x\r\n%s\r\n" % (len(piece), piece))
                     await writer.drain()
                     await asyncio.sleep(0.003)  # mostly one piece per chunk at Envoy
-                writer.write(b"0\r\n\r\n")
+                if b"content-length" not in extra:
+                    writer.write(b"0\r\n\r\n")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
@@ -130,15 +139,18 @@ _leases = iter(range(1_000_000))
 
 
 def exchange(meter_stack, pieces: list[bytes], meter: str,
-             content_type: bytes | None = None, status: bytes = b"200 OK"
-             ) -> tuple[bytes, Recorder]:
-    """The body the client gets for an upstream answer in ``pieces``, and the reports."""
+             content_type: bytes | None = None, status: bytes = b"200 OK",
+             extra: bytes = b"") -> tuple[bytes, Recorder]:
+    """The body the client gets for an upstream answer in ``pieces``, and the reports.
+    ``extra``: more response header lines; ``content-length\r\n`` among them declares the
+    body's length instead of chunking it."""
     harness, envoy = meter_stack
     lease = f"case-{next(_leases)}"
     if content_type is None:
         content_type = b"text/event-stream" if meter.startswith("sse") else b"application/json"
     harness.bodies[lease] = (content_type, pieces)
     harness.statuses[lease] = status
+    harness.extra[lease] = extra
     recorder = Recorder()
     harness.desk.expect(lease, recorder)
     response = httpx.post(
@@ -286,3 +298,54 @@ def test_a_forged_or_unknown_report_changes_nothing(meter_stack):
                          headers={"x-kvgate-report-key": harness.desk.key})
     assert unknown.status_code == 204
     assert recorder.done == [] and recorder.first == 0
+
+
+def test_an_answer_repeating_the_usage_key_costs_one_scan(meter_stack):
+    """An engine writing ``"usage":{`` 56,000 times (504 KB) held an Envoy worker ~30 s:
+    every key was read to the body's end. Only the last few keys are read, each a bounded
+    stretch: the answer passes at once, with no usage to charge."""
+    body = b'{"x":' + b'"usage":{' * 56_000 + b"}"
+    started = time.monotonic()
+    got, recorder = exchange(meter_stack, cut(body, list(range(64_000, 504_000, 64_000))),
+                             "json")
+    assert got == body and recorder.done == [(None, 0)]
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("at", [[], [7], [90, 91, 92]])
+def test_crlf_events_are_read_and_stripped_like_lf_ones(meter_stack, at):
+    """SSE allows CRLF line ends; events ending in a blank CRLF line were never found, so
+    with stripping the whole stream was held back: the client got 0 bytes."""
+    events = [text(0), text(1), {"choices": [], "usage": USAGE}]
+    body = b"".join(b"data: " + orjson.dumps(e) + b"\r\n\r\n" for e in events) \
+        + b"data: [DONE]\r\n\r\n"
+    got, recorder = exchange(meter_stack, cut(body, at), "sse-strip")
+    assert got == body.replace(b"data: " + orjson.dumps(events[2]) + b"\r\n\r\n", b"")
+    assert recorder.done == [(Usage(13, 4), 2)]
+
+
+def test_a_last_event_without_its_blank_line_still_arrives(meter_stack):
+    """A held, unfinished event is one that may be the usage event: [DONE] (or a chunk with
+    choices) whose blank line never comes is passed on, not lost at the body's end."""
+    body = sse([text(0), {"choices": [], "usage": USAGE}])[:-2]  # "data: [DONE]" unended
+    got, _ = exchange(meter_stack, [body], "sse-strip")
+    assert got.endswith(b"data: [DONE]") and b'"usage"' not in got
+
+
+def test_a_declared_length_is_dropped_when_the_usage_event_is_stripped(meter_stack):
+    """An engine (or a buffering proxy) that declares its stream's length: the stripped body
+    is shorter, and the client waited for bytes that never came."""
+    body = sse([text(0), {"choices": [], "usage": USAGE}])
+    got, recorder = exchange(meter_stack, cut(body, [40]), "sse-strip",
+                             extra=b"content-length\r\n")
+    assert got == sse([text(0)]) and recorder.done == [(Usage(13, 4), 1)]
+
+
+def test_a_compressed_answer_passes_untouched_and_unread(meter_stack):
+    """A compressed stream cannot be read or stripped: it passes as it came (kvgate asks
+    engines for none: accept-encoding is dropped upstream) and no usage is read."""
+    body = gzip.compress(sse([text(0), {"choices": [], "usage": USAGE}]))
+    got, recorder = exchange(meter_stack, [body], "sse-strip",
+                             extra=b"content-encoding: gzip\r\n")
+    assert got == gzip.decompress(body)  # httpx decodes it: every compressed byte arrived
+    assert recorder.done == [(None, 0)] and recorder.first == 1

@@ -81,6 +81,22 @@ def test_json_usage_flat_nested_tail_bounded_and_the_last_one_wins():
     assert meter.usage == Usage(13, 4)
 
 
+def test_an_answer_repeating_the_usage_key_costs_one_scan():
+    """56,000 ``"usage":{`` keys (504 KB) took kvgate's event loop seconds per chunk in the
+    full-duplex mode: every key was read to the chunk's end. Only the last few keys are
+    read, each a bounded stretch; a real usage after junk keys is still found."""
+    import time
+
+    junk = b'{"x":' + b'"usage":{' * 56_000
+    started = time.monotonic()
+    meter = ResponseMeter(sse=False)
+    run(meter, junk + b"}", list(range(0, len(junk), 65_536)))
+    assert meter.usage is None and time.monotonic() - started < 2
+    meter = ResponseMeter(sse=False)
+    run(meter, junk[:900] + b'"usage": ' + orjson.dumps(USAGE) + b"}", [])
+    assert meter.usage == Usage(13, 4)
+
+
 def test_json_usage_missing_truncated_or_invalid_is_none():
     for body in (b'{"choices": []}', b'{"usage": {"prompt_tokens": 13, "completion',
                  b'{"usage": {"prompt_tokens": "13"}}', b"<html>bad gateway</html>"):
