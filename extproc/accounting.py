@@ -10,6 +10,13 @@ from __future__ import annotations
 from extproc.openai import Usage
 from limiter import Cost
 
+# What a request can have used, however its engine reports it: no more output than the cap
+# kvgate sent it (max_tokens, or the model's default, times its choices), and a prompt of at
+# most this many times kvgate's estimate (characters ÷ 4, exact with a tokenizer), or this
+# many tokens past it. A usage past either — a buggy engine, a duplicated key — is charged
+# at the bound, not as counted: one absurd report would lock the tenant out for weeks.
+PROMPT_BOUND_FACTOR, PROMPT_BOUND_SLACK = 4, 4096
+
 
 class ResponseRecord:
     __slots__ = ("answered", "done", "events", "started", "stream", "usage")
@@ -29,7 +36,8 @@ class ResponseRecord:
         """(tokens used, of which output, on what basis) to charge on release; the basis
         is ``kvgate_charges_total``'s label.
 
-        The engine's usage when it reported one. An answer (2xx) that ended without a usage
+        The engine's usage when it reported one, held to what the request can have used
+        (``_bounded``). An answer (2xx) that ended without a usage
         kvgate could read — a whole JSON body without one, or a stream without the usage
         event kvgate asks every engine for — is charged what was reserved: what kvgate
         cannot meter is never cheaper than what it admitted (a streamed event may carry
@@ -41,7 +49,7 @@ class ResponseRecord:
         far it got, and a reservation is never less than what was used.
         """
         if self.usage is not None:
-            return self.usage.total, self.usage.completion_tokens, "usage"
+            return _bounded(self.usage, cost)
         if self.done and self.answered:
             return cost.tokens, cost.max_output_tokens, "no_usage"
         if self.done:
@@ -49,3 +57,14 @@ class ResponseRecord:
         if self.stream and not self.started:
             return cost.prompt_tokens, 0, "not_started"
         return cost.tokens, cost.max_output_tokens, "cut_off"
+
+
+def _bounded(usage: Usage, cost: Cost) -> tuple[int, int, str]:
+    """The engine's usage, each count held to what the request can have used
+    (``usage_bounded`` when that changed it)."""
+    output = min(usage.completion_tokens, cost.max_output_tokens)
+    prompt = min(usage.prompt_tokens, max(PROMPT_BOUND_FACTOR * cost.prompt_tokens,
+                                          cost.prompt_tokens + PROMPT_BOUND_SLACK))
+    if output == usage.completion_tokens and prompt == usage.prompt_tokens:
+        return usage.total, output, "usage"
+    return prompt + output, output, "usage_bounded"

@@ -195,10 +195,12 @@ class Metrics:
         self.charges = Tally(
             "kvgate_charges",
             "Admitted requests charged when they ended, by basis: usage (the engine's own "
-            "count), no_usage (an answer without a usage kvgate could read: charged its "
-            "reservation), cut_off (the response ended early, the client left: reservation), "
-            "engine_error (an error answer: prompt), not_started (the client left before the "
-            "response began: prompt), no_response (decided on headers: nothing).",
+            "count), usage_bounded (the engine's count past what the request can have used: "
+            "charged at that bound), no_usage (an answer without a usage kvgate could read: "
+            "charged its reservation), cut_off (the response ended early, the client left: "
+            "reservation), engine_error (an error answer: prompt), not_started (the client "
+            "left before the response began: prompt), no_response (decided on headers: "
+            "nothing).",
             ["basis"], self.registry,
         )
         self.in_flight = Tally(

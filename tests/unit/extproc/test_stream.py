@@ -211,7 +211,13 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     (True, True, (Usage(13, 2), 2, True), lambda cost: 15, "usage"),
     (False, True, (Usage(13, 2), 0, True), lambda cost: 15, "usage"),
     (False, True, (None, 0, False), lambda cost: cost.prompt_tokens, "engine_error"),
-    (False, True, (None, 0, True), lambda cost: cost.prompt_tokens + 100, "no_usage")])
+    (False, True, (None, 0, True), lambda cost: cost.prompt_tokens + 100, "no_usage"),
+    # past what the request can have used (a buggy engine, a duplicated key): at the bound
+    (True, True, (Usage(13, 50_000), 2, True), lambda cost: 13 + 100, "usage_bounded"),
+    (False, True, (Usage(2**31 - 1, 2**31 - 1), 0, True),
+     lambda cost: cost.prompt_tokens + 4096 + 100, "usage_bounded"),
+    (False, True, (Usage(99_999_999, 2), 0, True),
+     lambda cost: cost.prompt_tokens + 4096 + 2, "usage_bounded")])
 async def test_what_a_response_is_charged(streamed, first, report, used, basis):
     """Usage when the engine reported it; the reservation for an answer (2xx), streamed or
     not, that ended without a usage kvgate could read, and for a response cut off
