@@ -97,6 +97,13 @@ def test_an_answer_repeating_the_usage_key_costs_one_scan():
     assert meter.usage == Usage(13, 4)
 
 
+def test_a_usage_only_event_with_null_usage_is_stripped_as_the_lua_meter_strips_it():
+    meter = ResponseMeter(sse=True, strip=True)
+    body = sse([{"choices": [{"delta": {"content": "hi"}}]}, {"choices": [], "usage": None}])
+    assert run(meter, body, []) == sse([{"choices": [{"delta": {"content": "hi"}}]}])
+    assert meter.usage is None
+
+
 def test_json_usage_missing_truncated_or_invalid_is_none():
     for body in (b'{"choices": []}', b'{"usage": {"prompt_tokens": 13, "completion',
                  b'{"usage": {"prompt_tokens": "13"}}', b"<html>bad gateway</html>"):
