@@ -399,17 +399,27 @@ def test_the_demo_names_each_pools_engine_kind():
                                    "2 simulated SGLang engine(s)")
 
 
+def demo_output(proc: subprocess.Popen[str]) -> str:
+    """What a demo printed up to "Ctrl-C to stop." (or until it ended, or a minute)."""
+    out = ""
+    deadline = time.monotonic() + 60
+    while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
+        out += proc.stdout.readline()  # type: ignore[union-attr]
+    return out
+
+
+def start_demo(path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def test_the_demo_on_a_config_of_ones_own(tmp_path):
     """Started for real: it says it cannot know the keys, and offers a curl line that does
     not carry the bundled ones."""
     path = demo_config(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_demo(path)
     try:
-        out = ""
-        deadline = time.monotonic() + 60
-        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
-            out += proc.stdout.readline()  # type: ignore[union-attr]
+        out = demo_output(proc)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
@@ -451,13 +461,9 @@ def test_a_demo_stops_on_sighup_and_leaves_no_engine_behind(tmp_path):
     SIGTERM does; its default killed the demo at once and left an engine on its port."""
     path = demo_config(tmp_path)
     host, port = yaml.safe_load(path.read_text())["pools"][0]["endpoints"][0].rsplit(":", 1)
-    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_demo(path)
     try:
-        out = ""
-        deadline = time.monotonic() + 60
-        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
-            out += proc.stdout.readline()  # type: ignore[union-attr]
+        out = demo_output(proc)
         assert "Ctrl-C" in out, out
     finally:
         proc.send_signal(signal.SIGHUP)
@@ -480,14 +486,10 @@ def test_a_demo_stopped_lets_an_open_stream_finish(tmp_path):
 
     path = demo_config(tmp_path)
     port = yaml.safe_load(path.read_text())["envoy"]["listen_port"]
-    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "demo", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_demo(path)
     lines: list[str] = []
     try:
-        out = ""
-        deadline = time.monotonic() + 60
-        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
-            out += proc.stdout.readline()  # type: ignore[union-attr]
+        out = demo_output(proc)
         assert "Ctrl-C" in out, out
         body = {"model": "m", "max_tokens": 150, "stream": True,
                 "messages": [{"role": "user", "content": "hello"}]}
@@ -513,10 +515,7 @@ def test_a_demo_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        out = ""
-        deadline = time.monotonic() + 60
-        while "Ctrl-C" not in out and time.monotonic() < deadline and proc.poll() is None:
-            out += proc.stdout.readline()  # type: ignore[union-attr]
+        out = demo_output(proc)
         assert "Ctrl-C" in out, out
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

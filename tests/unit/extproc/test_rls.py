@@ -366,22 +366,32 @@ def test_a_descriptor_value_that_is_not_utf8_is_judged_not_failed(service):
     request = rls_pb2.RateLimitRequest(domain="edge", descriptors=[descriptor(("user", "bot-Z"))])
     data = request.SerializeToString().replace(b"bot-Z", b"bot-\xff")
 
-    async def call_twice() -> list[int]:
-        server = grpc.aio.server()
-        service.attach(server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                should = channel.unary_unary(
-                    "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-                    request_serializer=lambda raw: raw,
-                    response_deserializer=rls_pb2.RateLimitResponse.FromString)
-                return [(await should(data)).overall_code for _ in range(2)]
-        finally:
-            await server.stop(None)
+    answers = asyncio.run(over_grpc(service, [data, data]))
+    assert [a.overall_code for a in answers] == [OK, OVER_LIMIT]  # "bot-*": 1 a minute
 
-    assert asyncio.run(call_twice()) == [OK, OVER_LIMIT]  # "bot-*": 1 a minute
+
+async def over_grpc(service: RateLimitService, calls: list[bytes]) -> list:
+    """Each of ``calls`` (serialized requests, as Envoy sends them) over a real gRPC server:
+    its answer, or the ``AioRpcError`` it failed with."""
+    server = grpc.aio.server()
+    service.attach(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            should = channel.unary_unary(
+                "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                request_serializer=lambda raw: raw,
+                response_deserializer=rls_pb2.RateLimitResponse.FromString)
+            answers = []
+            for data in calls:
+                try:
+                    answers.append(await should(data))
+                except grpc.aio.AioRpcError as error:
+                    answers.append(error)
+            return answers
+    finally:
+        await server.stop(None)
 
 
 @pytest.mark.parametrize("data", [b"\xff\xff\xff\xff", b"\x0a\x10edge",
@@ -391,24 +401,8 @@ def test_bytes_that_do_not_parse_are_invalid_argument_not_an_internal_error(serv
                                                                             caplog):
     """Whoever reaches kvgate's gRPC port may send anything: a clear INVALID_ARGUMENT, not
     gRPC's UNKNOWN with a traceback in kvgate's log for every call."""
-    async def call() -> grpc.aio.AioRpcError:
-        server = grpc.aio.server()
-        service.attach(server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                should = channel.unary_unary(
-                    "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-                    request_serializer=lambda raw: raw,
-                    response_deserializer=rls_pb2.RateLimitResponse.FromString)
-                with pytest.raises(grpc.aio.AioRpcError) as failed:
-                    await should(data)
-                return failed.value
-        finally:
-            await server.stop(None)
-
-    error = asyncio.run(call())
+    [error] = asyncio.run(over_grpc(service, [data]))
+    assert isinstance(error, grpc.aio.AioRpcError), error
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "does not parse" in (error.details() or "")
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
