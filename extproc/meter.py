@@ -85,14 +85,15 @@ class ResponseMeter:
     def _read_event(self, event: bytes, head: bytes) -> bool:
         """Note one whole event; True when it is the usage-only event to strip."""
         usage_only = False
-        if b'"usage"' in event:  # the usage-only event, as the Lua meter knows it (its usage
-            if _USAGE.search(event):  # may be null: choices empty, it is still stripped)
+        if b'"usage"' in event:
+            # the usage-only event as the Lua meter knows it: no choices, whatever its usage
+            usage_only = _NO_CHOICES.search(event) is not None
+            if _USAGE.search(event):
                 try:
                     document = orjson.loads(event.partition(b"data:")[2].strip())
                 except orjson.JSONDecodeError:
                     document = None
                 self.usage = usage_from(document) or self.usage
-            usage_only = _NO_CHOICES.search(event) is not None
         start = head or event[:5]
         if not usage_only and start.startswith(b"data:") and b"[DONE]" not in event:
             self.events += 1

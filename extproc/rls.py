@@ -193,8 +193,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         entries = []
         for descriptor in request.descriptors:
             pairs = [(e.key, e.value) for e in descriptor.entries]
-            override = None if root is None else _override(descriptor)
-            rule = override or (None if root is None else match(root, pairs))
+            override = _override(descriptor) if root is not None else None
+            rule = override or (match(root, pairs) if root is not None else None)
             entry = _Entry(rule)
             if rule is not None and rule.limit is not None:
                 key = counter_key(request.domain, pairs, override and override.limit)

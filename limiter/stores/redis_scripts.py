@@ -737,7 +737,8 @@ if ARGV[OP] == 'u' then
     end
   end
 end
-for i = OP + 1, ARGV[OP] == 'u' and 0 or #ARGV, 2 do
+local last = ARGV[OP] == 'u' and 0 or #ARGV  -- usage: charged above, no lease to release
+for i = OP + 1, last, 2 do
   local lease, used_arg = ARGV[i], ARGV[i + 1]
   if cancel then cancel_mark(lease, NOW) end
   if redis.call('ZREM', KLEASES, lease) == 0 then

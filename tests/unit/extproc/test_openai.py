@@ -387,7 +387,7 @@ def test_a_body_nested_deeper_than_kvgate_can_write_back_is_a_clear_400(path, te
 
 
 def test_many_brackets_that_do_not_nest_deep_are_not_refused():
-    """The bracket count only decides whether the trial write runs."""
+    """Only the depth is refused: a long conversation has hundreds of brackets."""
     messages = [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * 200
     request = parse({"model": "m", "messages": messages})
     assert len(request.body["messages"]) == 200
