@@ -12,10 +12,13 @@ from limiter import Cost
 
 # What a request can have used, however its engine reports it: no more output than the cap
 # kvgate sent it (max_tokens, or the model's default, times its choices), and a prompt of at
-# most this many times kvgate's estimate (characters ÷ 4, exact with a tokenizer), or this
-# many tokens past it. A usage past either — a buggy engine, a duplicated key — is charged
-# at the bound, not as counted: one absurd report would lock the tenant out for weeks.
-PROMPT_BOUND_FACTOR, PROMPT_BOUND_SLACK = 4, 4096
+# most this many times kvgate's estimate, or this many tokens past it. The estimate counts
+# four characters a token (exact with a tokenizer); a character is at most four UTF-8 bytes
+# and a byte-level tokenizer makes at most one token of a byte, so no real prompt passes
+# 16× (text of CJK or emoji, estimated without a tokenizer, can pass 4×). A usage past
+# either — a buggy engine, a duplicated key — is charged at the bound, not as counted: one
+# absurd report would lock the tenant out for weeks.
+PROMPT_BOUND_FACTOR, PROMPT_BOUND_SLACK = 16, 4096
 
 
 class ResponseRecord:

@@ -634,3 +634,17 @@ async def test_an_identity_encoded_request_body_is_metered(encoding):
     stream, _ = new_stream()
     reply = parsed(await stream.handle(attributes_msg(chat(), **{"content-encoding": encoding})))
     assert not reply.HasField("immediate_response")
+
+
+def test_a_long_prompt_of_cjk_or_emoji_estimated_without_a_tokenizer_is_charged_in_full():
+    """The estimate counts four characters a token; 10,000 CJK characters may be 30,000
+    tokens for a byte-level tokenizer (three bytes each). The bound allows 16× the estimate
+    (at most four bytes a character, at least one a token), so real usage is never cut."""
+    from extproc.accounting import ResponseRecord
+    from limiter import Cost
+
+    record = ResponseRecord(stream=False)
+    record.finish(Usage(30_000, 100), 0, True)
+    assert record.settle(Cost(2_500, 100)) == (30_100, 100, "usage")
+    record.finish(Usage(40_001, 100), 0, True)  # past 16× 2,500: not a real prompt
+    assert record.settle(Cost(2_500, 100)) == (40_100, 100, "usage_bounded")
