@@ -1091,12 +1091,14 @@ def render_to_file(config: Config, path: str | Path,
 def write_output(path: Path, text: str) -> None:
     """``text`` into ``path`` as its user means it: a regular file (or a new one, parent
     folders created) replaced in one rename, so Envoy never reads half of one, with the old
-    file's permission bits; through a symlink, its target replaced and the link kept; a FIFO
-    or a device (``/dev/stdout``) written into, never replaced. Errors name ``path``."""
+    file's permission bits and (where allowed: as root) its owner; through a symlink, its
+    target replaced and the link kept; a FIFO or a device (``/dev/stdout``) written into,
+    never replaced. Errors name ``path``."""
     try:
-        mode: int | None = os.stat(path).st_mode
+        old: os.stat_result | None = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):  # new (a dangling link: its target)
-        mode = None
+        old = None
+    mode = None if old is None else old.st_mode
     if mode is not None and stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if mode is not None and not stat.S_ISREG(mode):
@@ -1106,11 +1108,14 @@ def write_output(path: Path, text: str) -> None:
     target = Path(os.path.realpath(path))
     target.parent.mkdir(parents=True, exist_ok=True)  # its error names the folder
     with _named(path):
-        _replace(target, text, None if mode is None else stat.S_IMODE(mode))
+        _replace(target, text, old)
 
 
-def _replace(target: Path, text: str, mode: int | None) -> None:
-    """A temporary file beside ``target`` (the umask's bits, or ``mode``), renamed over it."""
+def _replace(target: Path, text: str, old: os.stat_result | None) -> None:
+    """A temporary file beside ``target`` (the umask's bits, or ``old``'s bits and owner),
+    renamed over it. The owner is kept where the user may give it (root may; anyone may
+    keep their own): a config rendered by root into a file an unprivileged Envoy reads
+    must stay that user's."""
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -1118,8 +1123,10 @@ def _replace(target: Path, text: str, mode: int | None) -> None:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
-            if mode is not None:
-                os.fchmod(file.fileno(), mode)
+            if old is not None:
+                with contextlib.suppress(PermissionError):
+                    os.fchown(file.fileno(), old.st_uid, old.st_gid)
+                os.fchmod(file.fileno(), stat.S_IMODE(old.st_mode))  # after: chown clears setuid
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)

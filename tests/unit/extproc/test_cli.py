@@ -317,6 +317,17 @@ def test_render_envoy_keeps_the_files_permissions(tmp_path):
     assert fresh.stat().st_mode & 0o777 == 0o640  # 0o666 less the umask, as open() makes it
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may give a file to another user")
+def test_render_envoy_keeps_the_files_owner(tmp_path):
+    out = tmp_path / "envoy.yaml"
+    out.write_text("old")
+    os.chown(out, 65534, 65534)  # nobody: root renders what an unprivileged Envoy reads
+    out.chmod(0o640)
+    render_to(out)
+    assert (out.stat().st_uid, out.stat().st_gid) == (65534, 65534)
+    assert out.stat().st_mode & 0o777 == 0o640
+
+
 def test_render_envoy_writes_into_a_fifo_without_replacing_it(tmp_path):
     fifo = tmp_path / "envoy.fifo"
     os.mkfifo(fifo)
