@@ -9,8 +9,9 @@ tail of the body, never all of it).
 
 With ``strip`` it also removes the usage-only event kvgate asked the engine for when the
 client did not ask for it. An unfinished event is held back only while stripping, only up to
-its end (what an SSE client waits for anyway), and only while it is short enough to be that
-small usage event.
+its end (what an SSE client waits for anyway), and only while it may still be that small
+usage event (short, a data line, no choice in it yet). Events end at a blank line, with LF
+or CRLF line ends, as in the Lua meter.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ HOLD = 4096  # an unfinished event longer than this is no usage event: never hel
 USAGE_MAX, USAGE_TRIES = 4096, 4
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_SOME_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*[^\]\s]')
+# an event ends at a blank line: SSE allows LF and CRLF line ends (the earlier one wins)
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")
 
 
 class ResponseMeter:
@@ -56,25 +60,25 @@ class ResponseMeter:
             self._carry = text[-TAIL:]
             return chunk
         text = self._carry + chunk
-        sent = self._sent
-        complete, separator, partial = text.rpartition(b"\n\n")
+        sent = self._sent  # leading bytes of ``text`` the client already has
         out: list[bytes] = []
-        if separator:
-            pos = 0
-            for at, event in enumerate(complete.split(b"\n\n")):
-                end = pos + len(event) + 2
-                usage_only = self._read_event(event, self._head if at == 0 else b"")
-                if self.strip and not (usage_only and sent <= pos):
-                    out.append(text[max(pos, sent) : end])
-                pos = end
+        pos = 0
+        for blank in _EVENT_END.finditer(text):
+            event = text[pos : blank.start()]
+            usage_only = self._read_event(event, self._head if pos == 0 else b"")
+            if self.strip and not (usage_only and sent <= pos):
+                out.append(text[max(pos, sent) : blank.end()])
+            pos = blank.end()
+        partial = text[pos:]
+        if pos:
             self._head = b""
         if len(partial) > TAIL and not self._head:
             self._head = partial[:5]
         if not self.strip:
             self._carry = partial[-TAIL:]
             return chunk
-        partial_sent = max(0, sent - (len(text) - len(partial)))
-        if len(partial) > HOLD:  # too long to be the usage event: on at once
+        partial_sent = max(0, sent - pos)
+        if len(partial) > HOLD or not _may_be_usage(partial):  # on at once
             out.append(partial[partial_sent:])
             partial_sent = len(partial)
             if len(partial) > TAIL:
@@ -107,6 +111,14 @@ class ResponseMeter:
         held = self._carry[self._sent :] if self.strip else b""
         self._carry, self._sent = b"", 0
         return held
+
+
+def _may_be_usage(partial: bytes) -> bool:
+    """Whether an unfinished event may still turn out to be the usage-only event (a data
+    line, not ``[DONE]``, no choice in it yet): only such an event is held back, so a stream
+    whose last event never gets its blank line loses nothing but that event."""
+    return (b"data:".startswith(partial[:5]) and b"[DONE]" not in partial
+            and _SOME_CHOICE.search(partial) is None)
 
 
 def _last_usage(text: bytes) -> Usage | None:

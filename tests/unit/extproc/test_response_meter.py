@@ -13,8 +13,8 @@ from extproc.openai import Usage
 USAGE = {"prompt_tokens": 13, "completion_tokens": 4, "total_tokens": 17}
 
 
-def sse(events: list[dict]) -> bytes:
-    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+def sse(events: list[dict], end: bytes = b"\n\n") -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + end for e in events) + b"data: [DONE]" + end
 
 
 def run(meter: ResponseMeter, body: bytes, cuts: list[int]) -> bytes:
@@ -30,12 +30,14 @@ EVENTS = [{"choices": [{"delta": {"content": f"t{i} "}}]} for i in range(5)]
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 600), max_size=10), st.booleans())
-def test_a_stream_split_anywhere_is_read_and_only_the_usage_event_stripped(cuts, strip):
-    body = sse([*EVENTS, {"choices": [], "usage": USAGE}])
+@given(st.lists(st.integers(0, 600), max_size=10), st.booleans(),
+       st.sampled_from([b"\n\n", b"\r\n\r\n"]))
+def test_a_stream_split_anywhere_is_read_and_only_the_usage_event_stripped(cuts, strip, end):
+    """LF or CRLF line ends (SSE allows both; the Lua meter reads both)."""
+    body = sse([*EVENTS, {"choices": [], "usage": USAGE}], end)
     meter = ResponseMeter(sse=True, strip=strip)
     passed = run(meter, body, cuts)
-    assert passed == (sse(EVENTS) if strip else body)
+    assert passed == (sse(EVENTS, end) if strip else body)
     assert meter.usage == Usage(13, 4) and meter.events == 5
 
 
@@ -61,8 +63,22 @@ def test_an_unfinished_event_is_held_only_while_short():
 
 def test_a_cut_off_stream_passes_its_half_event_on_at_the_end():
     meter = ResponseMeter(sse=True, strip=True)
-    assert meter.feed(b'data: {"choices": [{"delta"') == b""
-    assert meter.finish() == b'data: {"choices": [{"delta"'
+    assert meter.feed(b'data: {"choices": [], "usa') == b""
+    assert meter.finish() == b'data: {"choices": [], "usa'
+
+
+def test_only_what_may_be_the_usage_event_is_held():
+    """An unfinished event with a choice in it, [DONE], or no data line cannot be the
+    usage-only event: it goes on at once, as in the Lua meter (a stream whose last event
+    never gets its blank line loses nothing)."""
+    for partial in (b'data: {"choices": [{"delta"', b"data: [DONE]", b": keep-alive",
+                    b"event: message", b"id: 7"):
+        meter = ResponseMeter(sse=True, strip=True)
+        assert meter.feed(partial) == partial
+        assert meter.finish() == b""
+    meter = ResponseMeter(sse=True, strip=True)
+    assert meter.feed(b"da") == b""  # may still become "data:"
+    assert meter.feed(b'ta: {"choices": [{"x') == b'data: {"choices": [{"x'
 
 
 def test_json_usage_flat_nested_tail_bounded_and_the_last_one_wins():
