@@ -62,12 +62,18 @@ class ResponseRecord:
         return cost.tokens, cost.max_output_tokens, "cut_off"
 
 
+def usage_ceiling(cost: Cost) -> tuple[int, int]:
+    """The most prompt and output tokens a request of ``cost`` can have used."""
+    return (max(PROMPT_BOUND_FACTOR * cost.prompt_tokens, cost.prompt_tokens + PROMPT_BOUND_SLACK),
+            cost.max_output_tokens)
+
+
 def _bounded(usage: Usage, cost: Cost) -> tuple[int, int, str]:
     """The engine's usage, each count held to what the request can have used
     (``usage_bounded`` when that changed it)."""
-    output = min(usage.completion_tokens, cost.max_output_tokens)
-    prompt = min(usage.prompt_tokens, max(PROMPT_BOUND_FACTOR * cost.prompt_tokens,
-                                          cost.prompt_tokens + PROMPT_BOUND_SLACK))
+    prompt_max, output_max = usage_ceiling(cost)
+    output = min(usage.completion_tokens, output_max)
+    prompt = min(usage.prompt_tokens, prompt_max)
     if output == usage.completion_tokens and prompt == usage.prompt_tokens:
         return usage.total, output, "usage"
     return prompt + output, output, "usage_bounded"

@@ -184,12 +184,18 @@ _header_parts: dict[tuple[str, str, int | None, bool, int, int | None, str | Non
 _routing_parts: dict[tuple[str, str, int, int, str, str, str], Parts] = {}
 # (body phase, body size)
 _body_parts: dict[tuple[bool, int], Parts] = {}
+# the usage bound's size
+_bound_parts: dict[int, Parts] = {}
+# where the meter finds the most a request can have used ("prompt:output" tokens), to hold
+# the usage it publishes for Envoy's rate limit filter to that (a namespace of its own: a
+# concatenated message's "kvgate" entry would replace the routing reply's whole one)
+BOUND_NAMESPACE = "kvgate.bound"
 
 
 def route_request(
     tenant: str, request_class: str, endpoints: list[str], priority: int | None, pool: str,
     lease: str, body: bytes | None, in_body_phase: bool, authorization: str | None = None,
-    meter: str = "", report: str = "", report_key: str = "",
+    meter: str = "", report: str = "", report_key: str = "", usage_max: str = "",
 ) -> bytes:
     """Admit: set headers (and the mutated body + its content-length, and the pool's own
     ``authorization`` when it has one), name ``endpoints`` in the ``envoy.lb`` metadata
@@ -197,7 +203,8 @@ def route_request(
     when one cannot be reached), and
     carry the lease in the dynamic metadata, with what Envoy's Lua meter needs to report the
     response (how to read it, ``meter``; where to, ``report``; and the process's key; no
-    ``meter``: nothing to report). Serialized.
+    ``meter``: nothing to report; ``usage_max``: the most it can have used, as
+    ``prompt:output`` tokens). Serialized.
 
     Protobuf parsing merges concatenated messages, and a string value of a given size
     changes only its own bytes: so the reply is spliced from serialized parts cached per
@@ -219,6 +226,11 @@ def route_request(
         around = (in_body_phase, len(body))
         mutation = _body_parts.get(around) or _cache(_body_parts, around, _body_parts_of(*around))
         parts += (mutation[0], body, mutation[1])
+    if usage_max:
+        bound = usage_max.encode()
+        around = (_bound_parts.get(len(bound))
+                  or _cache(_bound_parts, len(bound), _bound_parts_of(len(bound))))
+        parts += (around[0], bound, around[1])
     return b"".join(parts)
 
 
@@ -305,6 +317,18 @@ def _routing_parts_of(tenant: str, pool: str, endpoint_size: int, lease_size: in
     before_endpoint, after_endpoint = _split(balancer, (endpoint_size,))
     before_lease, after_lease = _split(ours, (lease_size,))
     return before_endpoint, after_endpoint + before_lease, after_lease
+
+
+def _bound_parts_of(size: int) -> Parts:
+    """The usage bound's metadata, around its value."""
+
+    def serialize(bound: bytes) -> bytes:
+        reply = pb.ProcessingResponse()
+        fields = reply.dynamic_metadata.fields[BOUND_NAMESPACE].struct_value.fields
+        fields["usage"].string_value = bound.decode()
+        return reply.SerializeToString()
+
+    return _split(serialize, (size,))
 
 
 def _split(serialize: Callable[..., bytes], sizes: tuple[int, ...]) -> Parts:

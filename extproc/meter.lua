@@ -17,7 +17,10 @@
 -- At the end it also publishes the usage as dynamic metadata (namespace kvgate.usage:
 -- prompt_tokens, completion_tokens, total_tokens) for what runs when the stream is done: an
 -- Envoy ratelimit action with hits_addend "%DYNAMIC_METADATA(kvgate.usage:total_tokens)%"
--- and apply_on_stream_done charges the real usage to kvgate's Rate Limit Service.
+-- and apply_on_stream_done charges the real usage to kvgate's Rate Limit Service. Each
+-- count is held to what the request can have used (kvgate.bound's "prompt:output", set
+-- by kvgate on admission), as kvgate holds the charge it settles itself: an engine's
+-- absurd count would otherwise lock the tenant out of the Rate Limit Service's limits.
 -- With "sse-strip" it also removes the usage-only event kvgate asked the engine for when
 -- the client did not ask for it.
 -- Unfinished events are held back only while stripping, and only up to the end of the
@@ -150,12 +153,42 @@ end
 -- an engine: it used nothing.
 local NOTHING = '{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}'
 
+local COUNTS = {"prompt_tokens", "completion_tokens", "total_tokens"}
+
+-- The usage's counts, each held to kvgate's bound when it set one (total: the two held
+-- counts' sum, or held to the two bounds' sum).
+local function bounded(counts, bound)
+  local prompt_max, output_max = string.match(bound or "", "^(%d+):(%d+)$")
+  if prompt_max == nil then return counts end
+  prompt_max, output_max = tonumber(prompt_max), tonumber(output_max)
+  local prompt, output = tonumber(counts.prompt_tokens), tonumber(counts.completion_tokens)
+  local total = tonumber(counts.total_tokens)
+  if prompt ~= nil then prompt = math.min(prompt, prompt_max) end
+  if output ~= nil then output = math.min(output, output_max) end
+  if prompt ~= nil and output ~= nil then
+    total = prompt + output
+  elseif total ~= nil then
+    total = math.min(total, prompt_max + output_max)
+  end
+  local held = {}
+  for name, n in pairs({prompt_tokens = prompt, completion_tokens = output,
+                        total_tokens = total}) do
+    held[name] = string.format("%d", n)
+  end
+  return held
+end
+
 local function publish(handle, usage)
   if usage == nil then return end
-  local meta = handle:streamInfo():dynamicMetadata()
-  for _, name in ipairs({"prompt_tokens", "completion_tokens", "total_tokens"}) do
-    local n = string.match(usage, '"' .. name .. '"%s*:%s*(%d+)')
-    if n ~= nil then meta:set("kvgate.usage", name, n) end
+  local info = handle:streamInfo():dynamicMetadata()
+  local counts = {}
+  for _, name in ipairs(COUNTS) do
+    counts[name] = string.match(usage, '"' .. name .. '"%s*:%s*(%d+)')
+  end
+  local bound = info:get("kvgate.bound")
+  counts = bounded(counts, bound and bound.usage)
+  for _, name in ipairs(COUNTS) do
+    if counts[name] ~= nil then info:set("kvgate.usage", name, counts[name]) end
   end
 end
 

@@ -24,7 +24,7 @@ from time import perf_counter
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages
-from extproc.accounting import ResponseRecord
+from extproc.accounting import ResponseRecord, usage_ceiling
 from extproc.config import Server, Tenant
 from extproc.director import Admission, Director, Watch
 from extproc.headers import DESTINATION_HEADER, EXT_PROC_HEADERS, REQUEST_ID_HEADER
@@ -258,6 +258,7 @@ class RequestStream:
             admission.pool, admission.lease_id, body, in_body_phase,
             self.director.upstream_authorization.get(admission.pool),
             meter, self.desk.address, self.desk.key,
+            "{}:{}".format(*usage_ceiling(admission.cost)) if meter else "",
         ) + messages.ratelimit_metadata(admitted_ratelimit_headers(admission.admit.remaining))
 
     # -- the response, as Envoy's Lua meter reports it --------------------------------------

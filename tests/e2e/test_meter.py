@@ -42,12 +42,18 @@ function envoy_on_request(handle)
   meta:set("kvgate", "meter", h:get("x-test-meter"))
   meta:set("kvgate", "report", h:get("x-test-report"))
   meta:set("kvgate", "key", h:get("x-test-key"))
+  if h:get("x-test-bound") ~= nil then meta:set("kvgate.bound", "usage", h:get("x-test-bound")) end
 end
 """
+# what the meter publishes for Envoy's rate limit filter, per request
+PUBLISHED = ("%REQ(x-test-lease)% %DYNAMIC_METADATA(kvgate.usage:prompt_tokens)% "
+             "%DYNAMIC_METADATA(kvgate.usage:completion_tokens)% "
+             "%DYNAMIC_METADATA(kvgate.usage:total_tokens)%\n")
 
 
 @dataclass
 class Recorder:
+    lease: str = ""
     first: int = 0
     done: list[tuple[Usage | None, int]] = field(default_factory=list)
     answered: list[bool] = field(default_factory=list)
@@ -114,8 +120,9 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
-def meter_stack() -> Iterator[tuple[Harness, EnvoyProcess]]:
+def meter_stack(tmp_path_factory) -> Iterator[tuple[Harness, EnvoyProcess]]:
     harness = Harness().start()
+    harness.published = tmp_path_factory.mktemp("meter") / "published.log"
     config = parse_config({
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "tiers": {"t": {}},
@@ -130,7 +137,15 @@ def meter_stack() -> Iterator[tuple[Harness, EnvoyProcess]]:
     stamp["typed_config"]["default_source_code"] = {"inline_string": STAMP}
     at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
     filters[at] = stamp  # in ext_proc's place
-    with EnvoyProcess(bootstrap=bootstrap) as envoy:
+    hcm["typed_config"].setdefault("access_log", []).append({
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(harness.published),
+            "log_format": {"text_format_source": {"inline_string": PUBLISHED}}}})
+    # the published log is read as each request ends (Envoy writes files every 10 s by default)
+    with EnvoyProcess(bootstrap=bootstrap, extra_args=["--file-flush-interval-msec", "50"]
+                      ) as envoy:
         yield harness, envoy
     harness.stop()
 
@@ -140,10 +155,10 @@ _leases = iter(range(1_000_000))
 
 def exchange(meter_stack, pieces: list[bytes], meter: str,
              content_type: bytes | None = None, status: bytes = b"200 OK",
-             extra: bytes = b"") -> tuple[bytes, Recorder]:
+             extra: bytes = b"", bound: str | None = None) -> tuple[bytes, Recorder]:
     """The body the client gets for an upstream answer in ``pieces``, and the reports.
     ``extra``: more response header lines; ``content-length\r\n`` among them declares the
-    body's length instead of chunking it."""
+    body's length instead of chunking it. ``bound``: kvgate's usage bound, prompt:output."""
     harness, envoy = meter_stack
     lease = f"case-{next(_leases)}"
     if content_type is None:
@@ -157,13 +172,29 @@ def exchange(meter_stack, pieces: list[bytes], meter: str,
         f"http://127.0.0.1:{envoy.listen_port}/v1/chat/completions", content=b"{}",
         headers={"x-test-upstream": f"127.0.0.1:{harness.upstream_port}", "x-test-lease": lease,
                  "x-test-meter": meter, "x-test-report": harness.desk.address,
-                 "x-test-key": harness.desk.key}, timeout=10)
+                 "x-test-key": harness.desk.key,
+                 **({"x-test-bound": bound} if bound else {})}, timeout=10)
     assert response.status_code == int(status[:3])
     # the meter does not wait for kvgate's answer: its report may be a moment behind
     assert wait_for(lambda: recorder.done, timeout=5), "no done report"
     if meter.startswith("sse") and content_type == b"text/event-stream":  # and first
         assert wait_for(lambda: recorder.first, timeout=5), "no first report"
+    recorder.lease = lease
     return response.content, recorder
+
+
+def published(meter_stack, lease: str) -> list[str]:
+    """The usage the meter published for a request (prompt, completion, total)."""
+    log = meter_stack[0].published
+
+    def line() -> list[str] | None:
+        for row in (log.read_text().splitlines() if log.exists() else []):
+            if row.startswith(lease + " "):
+                return row.split()[1:]
+        return None
+
+    assert wait_for(line, timeout=5), "nothing logged"
+    return line() or []
 
 
 def sse(events: list[dict]) -> bytes:
@@ -349,3 +380,21 @@ def test_a_compressed_answer_passes_untouched_and_unread(meter_stack):
                              extra=b"content-encoding: gzip\r\n")
     assert got == gzip.decompress(body)  # httpx decodes it: every compressed byte arrived
     assert recorder.done == [(None, 0)] and recorder.first == 1
+
+
+@pytest.mark.parametrize("meter", ["json", "sse"])
+def test_the_published_usage_is_held_to_kvgates_bound(meter_stack, meter):
+    """Envoy's rate limit filter charges what the meter publishes (hits_addend): an
+    engine's absurd count would lock the tenant out of the Rate Limit Service's token
+    limits for weeks. It is held to what the request can have used, as kvgate holds its
+    own charge; a count within the bound, or a request without one, is published as read."""
+    absurd = {"prompt_tokens": 2**31, "completion_tokens": 2**31, "total_tokens": 2**32}
+    for usage, bound, expected in (
+            (absurd, "100:50", ["100", "50", "150"]),
+            (USAGE, "100:50", ["13", "4", "17"]),
+            ({"total_tokens": 2**32}, "100:50", ["-", "-", "150"]),
+            (absurd, None, [str(2**31), str(2**31), str(2**32)])):
+        body = (orjson.dumps({"choices": [{"text": "x"}], "usage": usage}) if meter == "json"
+                else sse([text(0), {"choices": [], "usage": usage}]))
+        _, recorder = exchange(meter_stack, [body], meter, bound=bound)
+        assert published(meter_stack, recorder.lease) == expected, (usage, bound)

@@ -89,6 +89,20 @@ def test_route_replies_go_to_grpc_serialized_and_carry_their_own_lease():
     assert messages.serialize_reply(message) == message.SerializeToString()
 
 
+@pytest.mark.parametrize("bound", ["1:1", "4096:100", "123456789:99999999"])
+def test_route_reply_carries_the_usage_bound_in_its_own_namespace(bound):
+    key = KEYS[0]
+    reply = pb.ProcessingResponse.FromString(
+        messages.route_request(*key[:5], "lease", b"{}", True, None, "json", "r", "k", bound))
+    fields = reply.dynamic_metadata.fields
+    assert fields["kvgate.bound"].struct_value.fields["usage"].string_value == bound
+    assert fields["kvgate"].struct_value.fields["meter"].string_value == "json"
+    del fields["kvgate.bound"]
+    expected = pb.ProcessingResponse.FromString(
+        messages.route_request(*key[:5], "lease", b"{}", True, None, "json", "r", "k"))
+    assert reply == expected
+
+
 def test_route_parts_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(messages, "MAX_PARTS", 3)
     monkeypatch.setattr(messages, "_header_parts", {})

@@ -201,6 +201,13 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     reply = parsed(await stream.handle(body_msg(chat(**extra))))
     ours = reply.dynamic_metadata.fields["kvgate"].struct_value.fields
     assert ours["meter"].string_value == meter
+    # and the most the request can have used, to which it holds what it publishes for
+    # Envoy's rate limit filter (kvgate holds its own charge to the same)
+    bound = reply.dynamic_metadata.fields["kvgate.bound"].struct_value.fields
+    cost = stream.admission.cost
+    prompt_max = max(16 * cost.prompt_tokens, cost.prompt_tokens + 4096)
+    assert bound["usage"].string_value == f"{prompt_max}:{cost.max_output_tokens}"
+    assert "kvgate" in reply.dynamic_metadata.fields  # not replaced by the bound's message
 
 
 @pytest.mark.parametrize(("streamed", "first", "report", "used", "basis"), [
