@@ -98,9 +98,16 @@ local function cancelled(lease, t)
   return redis.call('ZSCORE', KCANCEL, lease)
 end
 
-local function cancel_mark(lease, t)
-  redis.call('ZADD', KCANCEL, str(t + LEASE_TTL), lease)
-  redis.call('PEXPIRE', KCANCEL, str(LEASE_TTL + SLACK))
+-- how long a usage charge's id is remembered (ms): a resend after an applied charge whose
+-- answer was lost counts once, however long Redis stayed unreachable in between (up to it)
+local USAGE_MARK = 3600000
+
+local function cancel_mark(lease, t, ttl)
+  ttl = ttl or LEASE_TTL
+  redis.call('ZADD', KCANCEL, str(t + ttl), lease)
+  if redis.call('PTTL', KCANCEL) < ttl + SLACK then  -- never shortened (a usage mark's hour)
+    redis.call('PEXPIRE', KCANCEL, str(ttl + SLACK))
+  end
 end
 
 local function leases_save(t)
@@ -710,7 +717,8 @@ return finish(st, NOW, 'ok', {hold})
 
 # ARGV[5]: mode ('c' = cancel: refund everything each admission charged, and refuse it if it
 # comes later; '' = release; 'u' = usage: tokens admissions Redis never saw used, served while
-# it was unreachable, charged to the quotas once per id however often it is resent), then
+# it was unreachable, charged to the quotas once per id however often it is resent within
+# an hour), then
 # (lease id, used tokens) pairs: used '' = unknown, the reservation counts as used. Several
 # leases of one tenant in one call (the store coalesces the releases of concurrent
 # requests): the tenant is opened and saved once, each lease is settled exactly as a call of
@@ -731,7 +739,7 @@ end
 if ARGV[OP] == 'u' then
   for i = OP + 1, #ARGV, 2 do
     if cancelled(ARGV[i], NOW) then table.insert(out, 0) else
-      cancel_mark(ARGV[i], NOW)
+      cancel_mark(ARGV[i], NOW, USAGE_MARK)
       quota_charge(tonumber(ARGV[i + 1]))
       table.insert(out, 1)
     end

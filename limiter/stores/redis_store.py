@@ -329,7 +329,8 @@ class RedisStore:
                            used_tokens: int) -> None:
         """Charge ``used_tokens`` to the tenant's quotas for an admission Redis never saw
         (served while it was unreachable): once per ``usage_id``, however often it is sent
-        (within the lease TTL)."""
+        within an hour (the lease TTL would be too short: the answer to an applied charge
+        lost, and Redis unreachable again past it, and the resend counted twice)."""
         used = min(max(0, used_tokens), _MAX_COUNT)
         await self._run("release", tenant, [*self._head(), _policy_arg(policy), "u", usage_id,
                                             used])

@@ -174,6 +174,22 @@ async def test_a_usage_charge_resent_is_counted_once(server, raw):
     await store.close()
 
 
+async def test_a_usage_charge_resent_after_the_lease_ttl_is_counted_once(server, raw):
+    """The answer to an applied charge is lost, and Redis is unreachable again for longer
+    than the lease TTL: the repair loop's resend still counts once (the id is remembered
+    an hour), and a charge under a new id still counts."""
+    now = [1_000_000_000]
+    store = failover(server, "local")
+    store.primary._clock = lambda: now[0]
+    usage_id = lease() + ":usage"
+    await store.primary.charge_usage("acme", SLOW, usage_id, 11)
+    now[0] += 10 * 60_000  # ten lease TTLs later
+    await store.primary.charge_usage("acme", SLOW, usage_id, 11)
+    await store.primary.charge_usage("acme", SLOW, lease() + ":usage", 2)
+    assert await quota_used(raw, store) == 13
+    await store.close()
+
+
 async def test_release_timed_out_on_a_paused_redis_is_sent_again(server, raw):
     store = failover(server, "local")
     held = lease()
