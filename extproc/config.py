@@ -338,6 +338,13 @@ class Degradation(_Strict):
     fallback_model: str | None = Field(None, description="rewrite the model to this one")
     max_tokens_cap: PositiveInt | None = Field(None, description="cap max_tokens to this")
 
+    @model_validator(mode="after")
+    def _does_something(self) -> Degradation:
+        if self.fallback_model is None and self.max_tokens_cap is None:
+            raise ValueError("set fallback_model or max_tokens_cap: a plan with neither "
+                             "serves nothing a cheaper way (and counts as no plan)")
+        return self
+
 
 class SecretRef(_Strict):
     """A secret kept out of the YAML: the name of an environment variable, or a file (a
@@ -537,9 +544,10 @@ class Pool(_Strict):
                 problems.append(f"endpoint_gpus.{address}: name at least one GPU")
         problems += [f"gpus: {gpu!r} is neither a GPU/MIG UUID nor a 'gpu' or 'gpu:mig' index "
                      "key" for gpu in self.gpus if not _gpu_id(gpu)]
-        if self.endpoint_gpus and self.gpu_source is None:
-            problems.append("endpoint_gpus: set gpu_source ('local' or a kvgate agent URL) "
-                            "to read them from")
+        for name in ("endpoint_gpus", "gpus"):
+            if getattr(self, name) and self.gpu_source is None:
+                problems.append(f"{name}: set gpu_source ('local' or a kvgate agent URL) "
+                                "to read them from")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -629,6 +637,10 @@ class GrpcTls(_Strict):
 
 
 class Server(_Strict):
+    REMOVED: ClassVar[dict[str, str]] = {
+        "max_stream_seconds": "it did nothing (kvgate never extends a message's timeout: "
+        "every wait it holds stays under envoy.message_timeout_s)"}
+
     host: str = Field("127.0.0.1", description="where the ext_proc gRPC port listens")
     grpc_port: int = Field(9001, ge=0, lt=65536, description="0 = any free port")
     tls: GrpcTls | None = Field(None, description="TLS for the gRPC port; null = plaintext")
@@ -665,9 +677,6 @@ class Server(_Strict):
     log_format: Literal["plain", "json"] = Field(
         "plain", description="log lines as text, or one JSON object per line "
         "(`kvgate --log-format` overrides)"
-    )
-    max_stream_seconds: PositiveFloat = Field(
-        3600, description="Envoy's max_message_timeout: the longest one ext_proc message may wait"
     )
     body_mode: Literal["auto", "full_duplex"] = Field(
         "auto", description="how Envoy sends request bodies: 'auto' reads it off each "
@@ -969,11 +978,7 @@ class Config(_Strict):
             for i, tenant in enumerate(self.tenants):
                 if tenant.overflow == "degrade":
                     yield f"tenants[{i}].overflow: 'degrade' needs a pool with a degradation plan"
-        for where, limits in self._all_limits():
-            if limits.shaping and limits.shaping.longest_hold_s >= self.envoy.message_timeout_s:
-                yield (f"{where}.limits.shaping: a full backlog waits "
-                       f"{limits.shaping.longest_hold_s:g} s, which must stay below "
-                       f"envoy.message_timeout_s ({self.envoy.message_timeout_s})")
+        yield from self._limits_errors()
         for path, name in self.classification.path_classes.items():
             if name not in self.classes:
                 yield f"classification.path_classes.{path}: unknown class {name!r}"
@@ -989,6 +994,12 @@ class Config(_Strict):
             if tenant.name in seen:
                 yield f"tenants[{i}].name: duplicate tenant {tenant.name!r}"
             seen.add(tenant.name)
+            yield from self._class_range_errors(i, tenant)
+        pools: set[str] = set()  # one scheduler and one Envoy cluster per name
+        for p, pool in enumerate(self.pools):
+            if pool.name in pools:
+                yield f"pools[{p}].name: duplicate pool {pool.name!r}"
+            pools.add(pool.name)
         owners: dict[str, str] = {}
         for p, pool in enumerate(self.pools):
             if pool.degradation:
@@ -1010,6 +1021,36 @@ class Config(_Strict):
             fallback = pool.degradation and pool.degradation.fallback_model
             if fallback and fallback not in owners:
                 yield f"pools[{p}].degradation.fallback_model: no pool serves {fallback!r}"
+
+    def _limits_errors(self) -> Iterable[str]:
+        """Every tier's and tenant's limits: a shaped request's hold and then its wait in
+        the queue (its class's deadline counts from the hold's end) must end before Envoy
+        gives up on the message; a burst needs the rate it is the bucket of."""
+        longest_wait = max((k.deadline_s for k in self.classes.values()), default=0.0)
+        overridden = {t.tier for t in self.tenants if t.limits is not None}
+        for where, limits in self._all_limits():
+            hold = limits.shaping.longest_hold_s if limits.shaping else 0.0
+            if limits.shaping and hold + longest_wait >= self.envoy.message_timeout_s:
+                yield (f"{where}.limits.shaping: a full backlog waits {hold:g} s and then up "
+                       f"to {longest_wait:g} s in the queue (the longest class deadline_s), "
+                       "which must stay below envoy.message_timeout_s "
+                       f"({self.envoy.message_timeout_s:g})")
+            tier_of_overrides = where.removeprefix("tiers.") in overridden
+            for burst, rate in (("request_burst", "requests_per_second"),
+                                ("token_burst", "tokens_per_minute")):
+                if (getattr(limits, burst) is not None and getattr(limits, rate) is None
+                        and not tier_of_overrides):  # its tenants may set the rate
+                    yield (f"{where}.limits.{burst}: needs {rate} (a burst of no rate "
+                           "limits nothing)")
+
+    def _class_range_errors(self, i: int, tenant: Tenant) -> Iterable[str]:
+        """A tenant's ``max_class`` may not be less important than its ``default_class``:
+        every request would be lowered to it, the default never applying."""
+        order = self.class_order
+        low, top = tenant.default_class, tenant.max_class
+        if top in order and low in order and order.index(top) > order.index(low):
+            yield (f"tenants[{i}].max_class: {top!r} is less important than its "
+                   f"default_class {low!r}: every request would be lowered to {top!r}")
 
     def aging_s(self, class_name: str) -> float | None:
         """How long a request of this class waits per promotion (None: never promoted): the

@@ -195,16 +195,12 @@ def _ext_proc_filter(config: Config) -> Any:
 
     env = config.envoy
     message_timeout = _seconds(env.message_timeout_s)
-    # kvgate may extend one stream's timeout (override_message_timeout) up to the longest it
-    # ever holds a stream.
-    max_message_timeout = _seconds(max(env.message_timeout_s, config.server.max_stream_seconds))
     ext_proc = ExternalProcessor(
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)),
         failure_mode_allow=False,
         # kvgate down, failing or silent: 503 (retryable) rather than Envoy's default 500.
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
         message_timeout=message_timeout,
-        max_message_timeout=max_message_timeout,
         allow_mode_override=True,
         processing_mode=ProcessingMode(
             request_header_mode=ProcessingModeHeaderSendMode.SEND,

@@ -76,7 +76,7 @@ def with_settings(config: Config, server: dict[str, Any], envoy: dict[str, Any])
 def custom(example: Config) -> Config:
     return with_settings(
         example,
-        server={"grpc_port": 19001, "max_body_bytes": 4 * 1024 * 1024, "max_stream_seconds": 60},
+        server={"grpc_port": 19001, "max_body_bytes": 4 * 1024 * 1024},
         envoy={
             "listen_host": "0.0.0.0",
             "listen_port": 18080,
@@ -141,7 +141,7 @@ def test_ext_proc_filter_settings(example: Config) -> None:
         "response_trailer_mode": "SKIP",
     }
     assert ext_proc["message_timeout"] == "1000s"
-    assert ext_proc["max_message_timeout"] == "3600s"  # server.max_stream_seconds
+    assert "max_message_timeout" not in ext_proc  # kvgate never extends a message's timeout
     assert ext_proc["allow_mode_override"] is True
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == [
         # x-ratelimit-* response headers; the upstream headers of the attributes route
@@ -257,7 +257,6 @@ def test_non_default_settings_reach_the_bootstrap(custom: Config) -> None:
     assert bootstrap["admin"]["address"]["socket_address"]["port_value"] == 19901
     ext_proc = ext_proc_filter_config(bootstrap)
     assert ext_proc["message_timeout"] == "2.500s"
-    assert ext_proc["max_message_timeout"] == "60s"
     route = hcm_of(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     assert route["timeout"] == "600s"
     assert route["idle_timeout"] == "630s"  # outlasts the route timeout

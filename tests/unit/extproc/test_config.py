@@ -163,8 +163,20 @@ def test_shaping_defaults_overrides_and_the_message_timeout():
     assert (policy.window_limit, policy.window_ms) == (3, 1000)  # nested overrides are models
     slow = {**GOOD, "tiers": {"gold": {"limits": {
         "shaping": {"requests_per_second": 0.1, "backlog": 100}}}}}
-    assert problems(slow) == ["tiers.gold.limits.shaping: a full backlog waits 1000 s, which "
-                              "must stay below envoy.message_timeout_s (1000)"]
+    assert problems(slow) == [
+        "tiers.gold.limits.shaping: a full backlog waits 1000 s and then up to 900 s in the "
+        "queue (the longest class deadline_s), which must stay below envoy.message_timeout_s "
+        "(1000)"]
+    # the class deadline counts from the hold's end: each fits alone, not both in a row
+    both = {**GOOD, "envoy": {"message_timeout_s": 40},
+            "classes": {name: {"priority": i, "deadline_s": 30}
+                        for i, name in enumerate(("interactive", "batch", "offline"))},
+            "tiers": {"gold": {"limits": {"shaping": {"requests_per_second": 1,
+                                                      "backlog": 30}}}}}
+    assert problems(both) == [
+        "tiers.gold.limits.shaping: a full backlog waits 30 s and then up to 30 s in the "
+        "queue (the longest class deadline_s), which must stay below envoy.message_timeout_s "
+        "(40)"]
     assert any("requests_per_second" in p for p in problems(
         {**GOOD, "tiers": {"gold": {"limits": {"shaping": {"requests_per_second": 5000}}}}}))
 
@@ -259,3 +271,40 @@ def test_the_error_message_stays_short_while_problems_keep_every_one():
     assert len(error.problems) == 50
     assert len(str(error)) < 4000
     assert str(error).endswith("; and 40 more (`kvgate check` lists them all)")
+
+
+def test_knobs_that_would_do_nothing_or_misroute_are_problems():
+    """Each of these was accepted and then silently did nothing (or the wrong thing)."""
+    pool = GOOD["pools"][0]
+    data = {**GOOD,
+            "tiers": {"gold": {"limits": {"request_burst": 5, "token_burst": 100}}},
+            "tenants": [{**GOOD["tenants"][0], "max_class": "batch"}],
+            "pools": [{**pool, "gpus": ["0"], "degradation": {}},
+                      {**pool, "models": ["m2"], "endpoints": ["127.0.0.1:8002"]}]}
+    burst_problems = [
+        "tiers.gold.limits.request_burst: needs requests_per_second (a burst of no rate "
+        "limits nothing)",
+        "tiers.gold.limits.token_burst: needs tokens_per_minute (a burst of no rate limits "
+        "nothing)",
+        "tenants[0].max_class: 'batch' is less important than its default_class "
+        "'interactive': every request would be lowered to 'batch'"]
+    assert problems(data) == [
+        "pools[0].degradation: set fallback_model or max_tokens_cap: a plan with neither "
+        "serves nothing a cheaper way (and counts as no plan)", *burst_problems]
+    del data["pools"][0]["degradation"]
+    assert problems(data) == [
+        "pools[0]: gpus: set gpu_source ('local' or a kvgate agent URL) to read them from",
+        *burst_problems]
+    del data["pools"][0]["gpus"]
+    assert problems(data) == [*burst_problems, "pools[1].name: duplicate pool 'p'"]
+    # a tier's burst for the tenants that set the rate themselves is fine
+    data["tenants"][0] = {**GOOD["tenants"][0], "limits": {"requests_per_second": 1,
+                                                            "tokens_per_minute": 10}}
+    data["pools"][1]["name"] = "q"
+    parse_config(data)
+
+
+def test_removed_server_keys_say_what_became_of_them():
+    assert problems({**GOOD, "server": {"max_stream_seconds": 60}}) == [
+        "server: max_stream_seconds: removed, it did nothing (kvgate never extends a "
+        "message's timeout: every wait it holds stays under envoy.message_timeout_s)"]
