@@ -200,7 +200,28 @@ def _prune(data: dict[str, Any], errors: Iterable[ErrorDetails],
         if isinstance(data.get(name), list):
             indexes[:] = [i for i, v in zip(indexes, data[name], strict=True) if v is not _GONE]
     _sweep(data)
+    _keep_one_entry(data, kept)
     return marked
+
+
+def _keep_one_entry(data: dict[str, Any], kept: dict[str, list[int]]) -> None:
+    """A list of tenants or pools every entry of which was taken out gets one stand-in
+    entry (valid, and referring to nothing), so the others' cross-references are still
+    checked: an empty list is a problem of its own, and would end the check there."""
+    for name, indexes in kept.items():
+        if data.get(name) != []:
+            continue
+        where = f"<{name} stand-in>"
+        if name == "pools":
+            entry: dict[str, Any] = {"name": where, "models": [{"name": where}],
+                                     "endpoints": ["127.0.0.1:1"]}
+        elif isinstance(data.get("tiers"), dict) and data["tiers"]:
+            entry = {"name": where, "tier": next(iter(data["tiers"])),
+                     "api_keys": STAND_INS["api_keys"](where)}
+        else:
+            continue
+        data[name].append(entry)
+        indexes.append(-1)  # not in the file: no problem cites it
 
 
 def _stand_in(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
@@ -220,7 +241,8 @@ def _stand_in(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
 def _renumber(problem: str, kept: dict[str, list[int]]) -> str:
     """``tenants[1]`` of the pruned copy → its index in the file."""
     match = re.match(r"(tenants|pools)\[(\d+)\]", problem)
-    if match is None or match[1] not in kept or int(match[2]) >= len(kept[match[1]]):
+    if match is None or match[1] not in kept or int(match[2]) >= len(kept[match[1]]) or (
+            kept[match[1]][int(match[2])] < 0):
         return problem
     return f"{match[1]}[{kept[match[1]][int(match[2])]}]{problem[match.end():]}"
 

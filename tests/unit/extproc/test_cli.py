@@ -90,6 +90,26 @@ def test_check_reports_field_errors_and_cross_references_together(tmp_path, caps
     assert len(found) == 5, found
 
 
+def test_cross_references_are_checked_when_every_pool_or_tenant_is_broken(tmp_path, capsys):
+    """The only pool broken (taken out of the copy the cross-references are checked on)
+    left no pool at all, and the check stopped there: the tenant's unknown tier was never
+    reported. A stand-in takes the emptied list's place."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["endpoints"] = ["localhost:8000"]  # a hostname: not ip:port
+    data["tenants"][0]["tier"] = "silver"
+    found = check_problems(write(tmp_path, data), capsys)
+    assert found[0].startswith("pools[0].endpoints[0]:")
+    assert found[1:] == ["tenants[0].tier: unknown tier 'silver' (known: gold)"]
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["tenants"][0]["api_keys"] = ["plain-key"]
+    data["pools"].append({**data["pools"][0], "name": data["pools"][0]["name"]})
+    found = check_problems(write(tmp_path, data), capsys)
+    assert found[0].startswith("tenants[0].api_keys: API keys are stored as sha256")
+    assert found[1:] == [f"pools[1].name: duplicate pool {data['pools'][0]['name']!r}",
+                         f"pools[1].models[0]: {data['pools'][0]['models'][0]!r} already "
+                         f"served by {data['pools'][0]['name']!r}"]
+
+
 def test_a_tenant_missing_a_field_keeps_the_others_indexes(tmp_path, capsys):
     data = yaml.safe_load(yaml.safe_dump(GOOD))
     data["tenants"].insert(0, {"tier": "gold"})  # no name, no keys
