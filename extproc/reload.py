@@ -23,7 +23,9 @@ from extproc.config import Config, ConfigError, load_config
 from extproc.yaml_input import read_capped
 
 LIVE = ("tiers", "tenants", "classification")
-"""The sections a reload applies to a running process."""
+"""The sections a reload applies to a running process — but ``classification.header``: the
+rendered Envoy config names the header it forwards to kvgate, so a new name takes a new
+render and a restart (a reload would read a header Envoy no longer sends)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ def plan(running: Config, new: Config, source: str = "<config>") -> Reload:
     restart would bring)."""
     fixed = {name: getattr(running, name) for name in Config.model_fields if name not in LIVE}
     merged = new.model_copy(update=fixed)
+    header = running.classification.header
+    if new.classification.header != header:  # Envoy forwards the header by its old name
+        merged = merged.model_copy(update={
+            "classification": new.classification.model_copy(update={"header": header})})
     problems = list(merged._reference_errors())
     if problems:
         raise ConfigError(source, [*problems, "(these sections change only on restart: "
@@ -49,7 +55,8 @@ def plan(running: Config, new: Config, source: str = "<config>") -> Reload:
     after = {t.name: t for t in new.tenants}
     return Reload(
         config=merged,
-        restart=sorted(name for name, value in fixed.items() if getattr(new, name) != value),
+        restart=sorted([name for name, value in fixed.items() if getattr(new, name) != value]
+                       + ["classification.header"] * (new.classification.header != header)),
         added=sorted(after.keys() - before.keys()),
         removed=sorted(before.keys() - after.keys()),
         changed=sorted(name for name in after.keys() & before.keys()

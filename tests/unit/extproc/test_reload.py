@@ -47,6 +47,18 @@ def test_sections_that_cannot_change_live_keep_their_running_values() -> None:
     assert change.config.scrape == running.scrape
 
 
+def test_the_class_header_waits_for_a_restart_the_rest_of_classification_does_not() -> None:
+    """The rendered Envoy config forwards the class header by name: a reload that renamed
+    it read a header Envoy no longer sends, and every client's class was ignored."""
+    running = parse_config(data())
+    new = parse_config({**data(), "classification": {
+        "header": "x-class", "path_classes": {"/v1/embeddings": "interactive"}}})
+    change = plan(running, new)
+    assert change.restart == ["classification.header"]
+    assert change.config.classification.header == "x-request-class"
+    assert change.config.classification.path_classes == {"/v1/embeddings": "interactive"}
+
+
 def test_live_sections_that_need_a_restart_only_section_are_refused() -> None:
     running = parse_config(data())
     new = data()
