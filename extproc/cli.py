@@ -215,14 +215,38 @@ def _read_key() -> str:
 
 
 def _kvgate_ports(config: Config, worker: int = 0) -> list[tuple[str, int, str]]:
-    """Where a kvgate process listens, and the setting each port comes from."""
-    server = config.server
+    """Where a kvgate process (worker ``worker`` of ``--workers``) listens, and the setting
+    each port comes from."""
+    server = for_worker(config, worker).server
     ports = [(server.host, server.grpc_port, "server.grpc_port"),
              (server.host, server.report_port, "server.report_port")]
     if server.admin_port is not None:
-        admin = server.admin_port + worker if server.admin_port else 0
-        ports.append((server.admin_host, admin, "server.admin_port"))
+        ports.append((server.admin_host, server.admin_port, "server.admin_port"))
     return ports
+
+
+def for_worker(config: Config, index: int) -> Config:
+    """Worker ``index``'s config: the gRPC port is shared (SO_REUSEPORT), but each worker
+    serves its own metrics (``admin_port`` + i) and takes its own meter reports
+    (``report_port`` + i: Envoy reports each response to the worker that admitted it)."""
+    server = config.server
+    moved = {name: getattr(server, name) + index for name in ("admin_port", "report_port")
+             if index and getattr(server, name)}
+    return config.model_copy(update={"server": server.model_copy(update=moved)}) if moved \
+        else config
+
+
+def _port_overlap(config: Config, workers: int) -> str | None:
+    """Two settings whose ports the workers would share (admin_port + i meeting
+    report_port + j, say): one line saying so, or None."""
+    owners: dict[int, str] = {}
+    for i in range(workers):
+        for _host, port, what in _kvgate_ports(config, i)[1:]:  # the gRPC port is shared
+            if port and owners.setdefault(port, what) != what:
+                return (f"--workers {workers}: {owners[port]} and {what} both take port {port} "
+                        f"(each worker i listens on admin_port + i and report_port + i); move "
+                        "one of them further apart")
+    return None
 
 
 def _ensure_free(ports: list[tuple[str, int, str]]) -> None:
@@ -276,8 +300,12 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    overlap = _port_overlap(config, args.workers)
+    if overlap is not None:
+        print(overlap, file=sys.stderr)
+        return 2
     _ensure_free([p for i in range(args.workers) for p in _kvgate_ports(config, i)
-                  if i == 0 or p[2] == "server.admin_port"])
+                  if i == 0 or p[2] != "server.grpc_port"])
     if args.workers == 1:
         _serve_worker(args.config, 0, args.log_level, args.log_format, reuse_port=False)
         return 0
@@ -288,18 +316,14 @@ def _serve_worker(
     config_path: Path, index: int, log_level: str, log_format: str | None = None, *,
     reuse_port: bool = True,
 ) -> None:
-    """One serving process; worker i serves its metrics on admin_port + i."""
+    """One serving process (:func:`for_worker`)."""
     from extproc.processes import set_cpu_policy
     from extproc.server import KvgateServer, install_uvloop
 
     config = load_config(config_path)
     _setup_logging(log_level, log_format or config.server.log_format)
     set_cpu_policy(config.server.cpu_policy)  # before gRPC starts its threads
-    admin = config.server.admin_port
-    if index and admin:
-        config = config.model_copy(
-            update={"server": config.server.model_copy(update={"admin_port": admin + index})}
-        )
+    config = for_worker(config, index)
     install_uvloop()
     try:
         server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path)

@@ -653,7 +653,8 @@ class Server(_Strict):
     )
     report_port: int = Field(
         0, ge=0, lt=65536, description="where Envoy's Lua meter reports each response "
-        "(on server.host); 0 = any free port, each worker process its own"
+        "(on server.host); 0 = any free port; with --workers N, worker i takes report_port + i "
+        "(as admin_port + i): keep the two ranges apart"
     )
     report_host: str | None = Field(
         None, description="the address Envoy reaches this process's report port at (an IP: "

@@ -575,3 +575,23 @@ def test_an_engine_port_another_engine_answers_is_not_taken_for_ours():
         with pytest.raises(PortInUse, match=f"{first.port} is already in use"):
             EngineProcess(port=first.port).start()
         assert first.state()["pid"] == first.proc.pid  # type: ignore[union-attr]
+
+
+def test_each_worker_takes_its_own_report_port_and_ranges_that_meet_are_refused(tmp_path,
+                                                                               capsys):
+    """A fixed report_port was bound by every worker: all but one died at start
+    (address in use), and their requests' reports had nowhere to go."""
+    from extproc.cli import for_worker
+
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["redis"] = {"url": "redis://127.0.0.1:1"}
+    data["server"] = {"grpc_port": 9001, "admin_port": 9002, "report_port": 9003}
+    config = parse_config(data)
+    second = for_worker(config, 1).server
+    assert (second.grpc_port, second.admin_port, second.report_port) == (9001, 9003, 9004)
+    assert for_worker(config, 0) is config
+    assert main(["serve", "-c", str(write(tmp_path, data)), "--workers", "2"]) == 2
+    assert ("--workers 2: server.report_port and server.admin_port both take port 9003"
+            in capsys.readouterr().err)
+    data["server"]["report_port"], data["server"]["admin_port"] = 0, 0  # any free ports
+    assert for_worker(parse_config(data), 3).server.report_port == 0
