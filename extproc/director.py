@@ -283,12 +283,20 @@ class Director:
                       decision: Admit, watch: Watch) -> Admission | Reject:
         """Admitted by the limits: wait in the queue if not placed yet, then the admission."""
         scheduler, placed, charged = route.scheduler, route.placed, None
+        # renewed in the shared store from now on, also while it waits in the queue: a lease
+        # left to lapse there (the lease TTL is shorter than a batch deadline) freed its
+        # concurrency slot for another replica while it still held its place
+        self.leases.opened(lease_id, tenant.name)
         if placed is None:
-            waited = await self._wait(tenant, klass, route, lease_id, watch)
+            try:
+                waited = await self._wait(tenant, klass, route, lease_id, watch)
+            except BaseException:
+                self.leases.closed(lease_id)
+                raise
             if isinstance(waited, Reject):
+                self.leases.closed(lease_id)
                 return waited
             placed, charged = waited, self._price(route.cost)
-        self.leases.opened(lease_id, tenant.name)
         return Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,

@@ -143,10 +143,24 @@ async def test_client_disconnect_while_queued_leaves_nothing(harness):
     await settle()
     assert len(harness.flow.queue) == 1
     assert await harness.director.store.in_flight("a") == 1  # its concurrency slot, held
+    # … and renewed in a shared store while it waits: a lease left to lapse (the TTL is
+    # shorter than a batch deadline) freed the slot for another replica
+    assert list(harness.director.leases.open.values()) == ["a"]
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await harness.nothing_held()
+    assert await harness.nothing_held() and not harness.director.leases.open
+
+
+async def test_a_request_refused_at_its_deadline_stops_being_renewed():
+    h = Harness(config(deadline_s=0.2))
+    await h.start(usage=0.99)
+    task = h.admit()
+    await settle()
+    assert h.director.leases.open
+    assert isinstance(await asyncio.wait_for(task, 2), Reject)
+    assert await h.nothing_held() and not h.director.leases.open
+    await h.flow.stop()
 
 
 async def test_full_queue_evicts_the_least_important_newest():
