@@ -163,18 +163,26 @@ class FlowController:
             chosen = await self.fairness.choose(offers)
             if chosen is None:
                 return
+            if chosen.id not in self.queue:  # its client left while the choice was made
+                await self._refund(chosen)
+                continue
             band = self.queue.effective_band(chosen, now)
-            self.queue.take(chosen.id)
             placed = self._place(chosen, band)
             if isinstance(placed, Reject):  # capacity went while the choice was made
-                self.queue.push(chosen, now)
+                await self._refund(chosen)  # charged again when it is chosen again
                 return
+            self.queue.take(chosen.id)
             waiter: Waiter = chosen.payload  # type: ignore[assignment]
             prompt = chosen.cost if waiter.prompt_tokens is None else waiter.prompt_tokens
             self.scheduler.reserve(waiter.lease_id, chosen.tenant, placed.endpoints[0],
                                    chosen.cost, self.clock(), band=band,
                                    prompt_tokens=prompt, streamed=waiter.streamed)
             self._answer(chosen, placed, "dispatched")
+
+    async def _refund(self, item: QueuedRequest) -> None:
+        """Give back the charge ``choose`` made for a request that will not run now."""
+        await self.correct(item.tenant, -(item.cost if item.price is None else item.price),
+                           item.weight)
 
     def _fits(self, item: QueuedRequest) -> bool:
         return isinstance(self._place(item, self.queue.effective_band(item, self.clock_ms())),

@@ -163,6 +163,31 @@ async def test_a_request_refused_at_its_deadline_stops_being_renewed():
     await h.flow.stop()
 
 
+async def test_a_client_leaving_while_the_order_is_asked_is_refunded(harness, caplog):
+    """The shared order's answer is a Redis round trip: a client that left meanwhile broke
+    that dispatch round (KeyError, logged) and its tenant kept the charge for work that
+    never ran; the other queued request waited for the next capacity event."""
+    await harness.start(usage=0.99)
+    leaver, stayer = harness.admit("a"), harness.admit("b")
+    await settle()
+    choose = harness.flow.fairness.choose
+
+    async def slow_choose(offers):
+        chosen = await choose(offers)
+        if chosen is not None and chosen.tenant == "a":
+            leaver.cancel()  # the client goes while the answer is on its way
+            await settle()
+        return chosen
+
+    harness.flow.fairness.choose = slow_choose
+    await harness.set_usage(0.1)
+    assert isinstance(await asyncio.wait_for(stayer, 2), Admission)
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    assert (await harness.flow.fairness.counters()).get("a", 0) == 0
+    assert "dispatch failed" not in caplog.text
+
+
 async def test_full_queue_evicts_the_least_important_newest():
     cfg = config()
     cfg = cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"max_size": 2})})
