@@ -35,6 +35,12 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
 
+# how long before Envoy's message timeout every wait kvgate holds must end: Envoy's timer
+# starts when it sends the message, kvgate's deadline when the request is queued, and
+# kvgate's refusal (503 or 429 with Retry-After) must reach Envoy before Envoy's own 504
+TIMEOUT_MARGIN_S = 1.0
+
+
 class _Strict(BaseModel):
     """Unknown keys are errors: a typo in a limit must not silently mean 'unlimited'. A key
     an earlier release had says what became of it (``REMOVED``)."""
@@ -984,11 +990,12 @@ class Config(_Strict):
             if name not in self.classes:
                 yield f"classification.path_classes.{path}: unknown class {name!r}"
         for name, klass in self.classes.items():
-            if klass.deadline_s >= self.envoy.message_timeout_s:
+            if klass.deadline_s + TIMEOUT_MARGIN_S > self.envoy.message_timeout_s:
                 yield (
-                    f"classes.{name}.deadline_s: {klass.deadline_s} must be below "
-                    f"envoy.message_timeout_s ({self.envoy.message_timeout_s}), or Envoy "
-                    "fails the request while kvgate still holds it"
+                    f"classes.{name}.deadline_s: {klass.deadline_s:g} must be at least "
+                    f"{TIMEOUT_MARGIN_S:g} s below envoy.message_timeout_s "
+                    f"({self.envoy.message_timeout_s:g}), or Envoy fails the request (504, "
+                    "no Retry-After) while kvgate still holds it"
                 )
         seen: set[str] = set()  # (a list's index() here was quadratic in the tenants)
         for i, tenant in enumerate(self.tenants):
@@ -1031,11 +1038,12 @@ class Config(_Strict):
         overridden = {t.tier for t in self.tenants if t.limits is not None}
         for where, limits in self._all_limits():
             hold = limits.shaping.longest_hold_s if limits.shaping else 0.0
-            if limits.shaping and hold + longest_wait >= self.envoy.message_timeout_s:
+            if limits.shaping and (hold + longest_wait + TIMEOUT_MARGIN_S
+                                   > self.envoy.message_timeout_s):
                 yield (f"{where}.limits.shaping: a full backlog waits {hold:g} s and then up "
                        f"to {longest_wait:g} s in the queue (the longest class deadline_s), "
-                       "which must stay below envoy.message_timeout_s "
-                       f"({self.envoy.message_timeout_s:g})")
+                       f"which must end at least {TIMEOUT_MARGIN_S:g} s before "
+                       f"envoy.message_timeout_s ({self.envoy.message_timeout_s:g})")
             tier_of_overrides = where.removeprefix("tiers.") in overridden
             for burst, rate in (("request_burst", "requests_per_second"),
                                 ("token_burst", "tokens_per_minute")):

@@ -165,7 +165,8 @@ def test_shaping_defaults_overrides_and_the_message_timeout():
         "shaping": {"requests_per_second": 0.1, "backlog": 100}}}}}
     assert problems(slow) == [
         "tiers.gold.limits.shaping: a full backlog waits 1000 s and then up to 900 s in the "
-        "queue (the longest class deadline_s), which must stay below envoy.message_timeout_s "
+        "queue (the longest class deadline_s), which must end at least 1 s before "
+        "envoy.message_timeout_s "
         "(1000)"]
     # the class deadline counts from the hold's end: each fits alone, not both in a row
     both = {**GOOD, "envoy": {"message_timeout_s": 40},
@@ -175,7 +176,8 @@ def test_shaping_defaults_overrides_and_the_message_timeout():
                                                       "backlog": 30}}}}}
     assert problems(both) == [
         "tiers.gold.limits.shaping: a full backlog waits 30 s and then up to 30 s in the "
-        "queue (the longest class deadline_s), which must stay below envoy.message_timeout_s "
+        "queue (the longest class deadline_s), which must end at least 1 s before "
+        "envoy.message_timeout_s "
         "(40)"]
     assert any("requests_per_second" in p for p in problems(
         {**GOOD, "tiers": {"gold": {"limits": {"shaping": {"requests_per_second": 5000}}}}}))
@@ -308,3 +310,17 @@ def test_removed_server_keys_say_what_became_of_them():
     assert problems({**GOOD, "server": {"max_stream_seconds": 60}}) == [
         "server: max_stream_seconds: removed, it did nothing (kvgate never extends a "
         "message's timeout: every wait it holds stays under envoy.message_timeout_s)"]
+
+
+def test_a_class_deadline_ends_a_margin_before_envoys_message_timeout():
+    """kvgate's deadline counts from when the request is queued, Envoy's timer from when it
+    sent the body: a deadline of 1.97 s against a 2 s timeout gave 17 of 30 clients Envoy's
+    504 (no Retry-After) instead of kvgate's 503."""
+    classes = {name: {"priority": i, "deadline_s": 1.97}
+               for i, name in enumerate(("interactive", "batch", "offline"))}
+    found = problems({**GOOD, "envoy": {"message_timeout_s": 2}, "classes": classes})
+    assert found[0] == ("classes.interactive.deadline_s: 1.97 must be at least 1 s below "
+                        "envoy.message_timeout_s (2), or Envoy fails the request (504, no "
+                        "Retry-After) while kvgate still holds it")
+    assert len(found) == 3
+    parse_config({**GOOD, "envoy": {"message_timeout_s": 2.97}, "classes": classes})
