@@ -277,7 +277,7 @@ class RequestStream:
         response gives no earlier sign), so the endpoint's next request need not wait for
         Envoy to end this stream."""
         record = self.response
-        if record is None or self._released:
+        if record is None or self._released or record.done:  # the first report stands
             return
         record.finish(usage, events, answered)
         self.first_reported()

@@ -193,6 +193,20 @@ async def test_a_streamed_request_is_metered_by_the_lua_meter_and_settled_on_its
     assert stream.response.settle(stream.admission.cost) == (14, 1, "usage")
 
 
+async def test_a_second_done_report_does_not_replace_the_first():
+    """Only the meter (holding the process's key) reports; a second report for one request
+    is a fault, and must not turn a settled usage into a charge of the reservation."""
+    stream, _ = new_stream()
+    await stream.handle(headers_msg())
+    reply = parsed(await stream.handle(body_msg(chat(max_tokens=100, stream=True))))
+    lease = reply.dynamic_metadata.fields["kvgate"].struct_value.fields["lease"].string_value
+    for body in (b'{"usage":{"prompt_tokens":13,"completion_tokens":3},"events":3}',
+                 b'{"usage":null,"events":3,"answered":true}'):
+        stream.desk.receive(f"/done/{lease}".encode(), stream.desk.key.encode(), body)
+    await stream.close(None)
+    assert stream.response.settle(stream.admission.cost) == (16, 3, "usage")
+
+
 @pytest.mark.parametrize(("meter", "extra"), [("json", {}), ("sse", {"stream": True,
                          "stream_options": {"include_usage": True}})])
 async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
