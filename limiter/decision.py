@@ -455,7 +455,7 @@ class TenantLimiter:
             # A slot frees when some request finishes: expected from observed durations.
             oldest = min((lease.started_ms for lease in self._leases.values()), default=None)
             waits.append((Reason.CONCURRENCY,
-                          concurrency_wait(now_ms, oldest, self.mean_duration_ms)))
+                          concurrency_wait(now_ms, oldest, self.mean_duration_ms, limit)))
         if requests and self._shaper is not None and (wait := self._shaper.wait_ms(now_ms)):
             waits.append((Reason.SHAPING, wait))
         return waits

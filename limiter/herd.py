@@ -55,11 +55,18 @@ def completion_ms(mean_ms: int) -> int:
     return mean_ms + ceil_div(mean_ms, 2) + TRIP_MS
 
 
-def concurrency_wait(now_ms: int, oldest_start_ms: int | None, mean_ms: int) -> int:
-    """Until the oldest request in flight is expected to have ended (at least 1 ms)."""
+def concurrency_wait(now_ms: int, oldest_start_ms: int | None, mean_ms: int,
+                     max_concurrency: int = 1) -> int:
+    """Until the oldest request in flight is expected to have ended. Once it is past that,
+    as long as it is late, up to one :func:`concurrency_interval` (at least 1 ms): the
+    later it is, the less likely it ends at once (a long generation, or a lease of a dead
+    process waiting out its TTL), and 1 ms sent a client back in a tight loop."""
     if oldest_start_ms is None:
         return completion_ms(mean_ms)
-    return max(1, oldest_start_ms + completion_ms(mean_ms) - now_ms)
+    due = oldest_start_ms + completion_ms(mean_ms) - now_ms
+    if due > 0:
+        return due
+    return max(1, min(-due, concurrency_interval(mean_ms, max_concurrency)))
 
 
 def concurrency_interval(mean_ms: int, max_concurrency: int) -> int:

@@ -636,7 +636,11 @@ local function concurrency_wait(st, waits, t)  -- limiter.herd.concurrency_wait
     local expected = completion(mean_ms(herd()))
     table.insert(waits, 'concurrency')
     if oldest then
-      table.insert(waits, math.max(1, oldest + expected - t))
+      local due = oldest + expected - t
+      if due <= 0 then  -- late: as long as it is late, up to one slot's interval
+        due = math.max(1, math.min(0 - due, cdiv(expected, MAX_CONC)))
+      end
+      table.insert(waits, due)
     else
       table.insert(waits, expected)
     end

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from limiter import Admit, Cost, Rate, Reason, Reject, TenantLimiter, TenantPolicy
-from limiter.herd import observe
+from limiter.herd import concurrency_wait, observe
 
 
 def _refuse_all(limiter: TenantLimiter, n: int, now: int, cost: Cost) -> list[int]:
@@ -66,6 +66,20 @@ def test_concurrency_herd_follows_observed_durations() -> None:
     # expected end 40 ms + half + 10 ms after the oldest start; then one slot per 70/2 ms
     assert waits == [70, 105, 140, 175, 210, 245]
     assert len(set(waits)) == len(waits)
+
+
+def test_a_slot_past_its_expected_end_is_waited_for_as_long_as_it_is_late() -> None:
+    """A request in flight past its expected end (a long generation, or the lease of a
+    process that died, held until its TTL): refused clients were told 1 ms, and retried in
+    a tight loop for the lease TTL. The wait is now how late it is, up to one interval."""
+    # mean 800 ms: expected to end 1210 ms after its start; one of 2 slots per 605 ms
+    assert [concurrency_wait(now, 0, 800, 2) for now in (1000, 1210, 1215, 1510, 30_000)] \
+        == [210, 1, 5, 300, 605]
+    policy = TenantPolicy(max_concurrency=1, concurrency_retry_ms=800)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(1, 1), "held", 0), Admit)
+    late = limiter.admit(Cost(1, 1), "late", 30_000)
+    assert isinstance(late, Reject) and late.retry_after_ms == 1210
 
 
 def test_only_requests_that_ran_are_timed() -> None:
