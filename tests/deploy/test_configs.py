@@ -209,7 +209,7 @@ def test_inference_pools_pick_with_kvgate(folder: Path, tmp_path: Path) -> None:
         assert all(target["number"] in e.ports().values() for e in engines)
         picker = spec["endpointPickerRef"]
         service = services[picker["name"]]
-        (port,) = [p for p in service["spec"]["ports"] if p["port"] == picker["portNumber"]]
+        (port,) = [p for p in service["spec"]["ports"] if p["port"] == picker["port"]["number"]]
         pickers = [(p, c, path) for p, c, path in kvgate_containers(objects)
                    if service["spec"]["selector"].items() <= p.labels.items()]
         assert pickers, "the picker Service selects no kvgate"

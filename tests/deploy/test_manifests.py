@@ -39,12 +39,12 @@ EXTERNAL_SECRETS = {"kvgate-epp-tls"}
 _LABELS = {"matchLabels": {"*": None}}
 _RESOURCES = {"*": None}
 CRD_FIELDS: dict[tuple[str, str], dict[str, Any]] = {
-    # kubernetes-sigs/gateway-api-inference-extension, api/v1/inferencepool_types.go
+    # kubernetes-sigs/gateway-api-inference-extension, api/v1/inferencepool_types.go (v1.0.0)
     ("inference.networking.k8s.io/v1", "InferencePool"): {
         "selector": _LABELS,
         "targetPorts": [{"number": None}],
-        "endpointPickerRef": {"group": None, "kind": None, "name": None, "portNumber": None,
-                              "failureMode": None},
+        "endpointPickerRef": {"group": None, "kind": None, "name": None,
+                              "port": {"number": None}, "failureMode": None},
     },
     # gateway.networking.k8s.io/v1 (Gateway API standard channel)
     ("gateway.networking.k8s.io/v1", "Gateway"): {
