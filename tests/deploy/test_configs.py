@@ -217,3 +217,26 @@ def test_inference_pools_pick_with_kvgate(folder: Path, tmp_path: Path) -> None:
             config, _ = config_of(pod, container, path, tmp_path)
             assert pod.ports()[port.get("targetPort", port["port"])] == config.server.grpc_port
             assert config.server.tls is not None, "Inference Extension gateways dial TLS"
+
+
+# Time a pod needs past kvgate's drain and grace: to release leases, settle tokens, close
+# the store (Redis round trips) and exit before the kubelet's SIGKILL.
+SHUTDOWN_MARGIN_S = 5
+
+
+@each_folder
+def test_pods_outlast_kvgates_drain_and_grace(folder: Path, tmp_path: Path) -> None:
+    """A kvgate without a drain delay refuses new streams the instant SIGTERM arrives, before
+    Envoy or the Service have stopped sending to it (503s on a rolling update); a pod whose
+    ``terminationGracePeriodSeconds`` (default 30) ends inside the drain and the grace is
+    killed with streams open and leases held."""
+    for pod, container, path in kvgate_containers(render(folder)):
+        server = config_of(pod, container, path, tmp_path)[0].server
+        where = f"{folder.name}: {pod.owner['metadata']['name']}"
+        assert server.drain_delay_s > 0, f"{where}: set server.drain_delay_s"
+        period = pod.spec.get("terminationGracePeriodSeconds", 30)
+        needed = server.drain_delay_s + server.shutdown_grace_s + SHUTDOWN_MARGIN_S
+        assert period >= needed, (
+            f"{where}: terminationGracePeriodSeconds {period} < drain_delay_s "
+            f"{server.drain_delay_s} + shutdown_grace_s {server.shutdown_grace_s} + "
+            f"{SHUTDOWN_MARGIN_S}")
