@@ -35,6 +35,10 @@ OTHER = "_other"
 """The label value of a tenant, model or class that is not in the configuration."""
 NONE = "_none"
 """The label value where there is none yet (refused before the body named a model)."""
+RELOAD_RESULTS = ("applied", "rejected")
+"""``kvgate_config_reloads_total``'s results, each series exported at 0 from the start: a
+series born at 1 has no earlier sample, so ``increase()`` over it reads 0 and an alert on
+the first rejected reload would never fire."""
 
 
 class Tally(Collector):
@@ -297,6 +301,8 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+        for result in RELOAD_RESULTS:  # exported at 0 from the start: see RELOAD_RESULTS
+            self.reloads.labels(result)
         self.last_reload = Gauge(
             "kvgate_config_last_reload_success_timestamp_seconds",
             "Unix time the running configuration was loaded (start or last applied reload).",

@@ -1,22 +1,28 @@
 """deploy/monitoring/alerts.yaml: every rule's expression parses as PromQL and selects only
 series kvgate exports (read from the registry ``extproc/metrics.py`` builds, as the
 dashboard's test does) or Prometheus's own ``up``; every alert says how bad it is and what
-it means."""
+it means; an alert on a counter's increase() fires on its first event."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import promql_parser
 import pytest
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.metrics import Metrics
 from tests.deploy.manifests import DEPLOY, named, render
 from tests.deploy.test_dashboard import exported, metric_names
 
 ALERTS = DEPLOY / "monitoring" / "alerts.yaml"
 PROMETHEUS_OWN = {"up"}
 SEVERITIES = {"warning", "critical"}
+INCREASE = re.compile(r"increase\((\w+)\{([^}]*)\}\[")
+MATCHER = re.compile(r'(\w+)="([^"]*)"')
 
 
 def rules() -> list[dict[str, Any]]:
@@ -45,3 +51,26 @@ def test_each_alert_says_how_bad_and_what_it_means(rule: dict[str, Any]) -> None
 def test_alert_names_are_unique() -> None:
     names = [r["alert"] for r in rules()]
     assert len(names) == len(set(names))
+
+
+def at_start(name: str, labels: dict[str, str]) -> bool:
+    """A fresh kvgate's /metrics has a series ``name`` with these labels (at 0)."""
+    text = generate_latest(Metrics().registry).decode()
+    return any(sample.name == name and labels.items() <= sample.labels.items()
+               for family in text_string_to_metric_families(text) for sample in family.samples)
+
+
+@pytest.mark.parametrize("rule", [r for r in rules() if INCREASE.search(r["expr"])],
+                         ids=lambda r: r["alert"])
+def test_alerts_on_increase_see_the_first_event(rule: dict[str, Any]) -> None:
+    """A counter's series born at 1 by the first event has no earlier sample: increase()
+    over it reads 0, and an alert on that event never fires. Each series an alert takes
+    increase() of is exported at 0 from kvgate's start, or the expression also catches a
+    series new in its window (``X unless X offset W``)."""
+    expr = " ".join(rule["expr"].split())
+    for name, matchers in INCREASE.findall(expr):
+        selector = f"{name}{{{matchers}}}"
+        born_late = f"{selector} unless {selector} offset" in expr
+        assert born_late or at_start(name, dict(MATCHER.findall(matchers))), (
+            f"{rule['alert']}: increase({selector}) misses the first event: export the series "
+            f"at 0, or add `or sum by (...) ({selector} unless {selector} offset W) > 0`")

@@ -15,7 +15,7 @@ from extproc.metrics import NONE, OTHER, Metrics, metric_names
 from tests.paths import REPO
 
 ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
-         "error", "basis")
+         "error", "basis", "result")
 
 
 def values(metrics: Metrics, name: str) -> dict[tuple[str, ...], float]:
@@ -42,6 +42,13 @@ def test_label_values_are_configured_names_or_two_fixed_ones() -> None:
         (OTHER, OTHER, OTHER, "invalid", "model_not_found"),
         (NONE, NONE, NONE, "invalid", "invalid_api_key"),
     }
+
+
+def test_reload_results_are_exported_at_zero_from_the_start() -> None:
+    """Alerts take increase() of them: a series born at 1 on the first rejected reload has
+    no earlier sample to increase from, and that reload would never alert."""
+    assert values(Metrics(), "kvgate_config_reloads_total") == {
+        ("applied",): 0, ("rejected",): 0}
 
 
 def test_a_tenant_removed_by_a_reload_keeps_its_label() -> None:
