@@ -75,6 +75,7 @@ class FlowController:
         self.queue = fair_queue(config)
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._published: set[tuple[str, str]] = set()  # (band, tenant) in queue_depth now
 
     def clock_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -220,9 +221,16 @@ class FlowController:
         self.metrics.queue_wait.labels(self.pool, waiter.request_class).observe(waited)
 
     def _gauge(self) -> None:
-        self.metrics.queue_depth.clear()
-        for (band, tenant), count in self.queue.depth().items():
-            self.metrics.queue_depth.labels(self.pool, str(band), tenant).set(count)
+        """Publish this pool's queue depth. The gauge is shared by every pool's controller:
+        only this pool's label sets that emptied are removed (clearing the gauge would
+        erase every other pool's depth until its own queue next changed)."""
+        depth = {(str(band), tenant): count
+                 for (band, tenant), count in self.queue.depth().items()}
+        for band, tenant in self._published - depth.keys():
+            self.metrics.queue_depth.remove(self.pool, band, tenant)
+        for (band, tenant), count in depth.items():
+            self.metrics.queue_depth.labels(self.pool, band, tenant).set(count)
+        self._published = set(depth)
 
     async def debug(self) -> dict[str, Any]:
         now = self.clock_ms()

@@ -21,7 +21,7 @@ from limiter.stores import MemoryStore
 ENDPOINT = "127.0.0.1:1"
 
 
-def config(deadline_s=5.0):
+def config(deadline_s=5.0, more_pools=()):
     return parse_config({
         "tiers": {"gold": {"weight": 3}, "free": {"weight": 1}},
         "classes": {name: {"priority": p, "deadline_s": deadline_s}
@@ -33,7 +33,7 @@ def config(deadline_s=5.0):
             {"name": "b", "tier": "free", "api_keys": [hash_api_key("kb")]},
         ],
         "pools": [{"name": "p", "models": ["m"], "endpoints": [ENDPOINT],
-                   "priority_scheduling": True}],
+                   "priority_scheduling": True}, *more_pools],
     })
 
 
@@ -54,8 +54,8 @@ class Harness:
         await self.endpoints.apply([ScrapeResult(ENDPOINT, time.monotonic(), metrics)])
         self.director.kick()
 
-    def admit(self, tenant="a", klass=None):
-        body = {"model": "m", "max_tokens": 100,
+    def admit(self, tenant="a", klass=None, model="m"):
+        body = {"model": model, "max_tokens": 100,
                 "messages": [{"role": "user", "content": "x" * 40}]}  # ~113 tokens
         request = parse_body("/v1/chat/completions", orjson.dumps(body))
         who = self.director.authenticate(f"Bearer k{tenant}")
@@ -186,6 +186,38 @@ async def test_a_client_leaving_while_the_order_is_asked_is_refunded(harness, ca
         await leaver
     assert (await harness.flow.fairness.counters()).get("a", 0) == 0
     assert "dispatch failed" not in caplog.text
+
+
+def queue_depth(director) -> dict[tuple[str, str], float]:
+    """kvgate_queue_depth's samples, (pool, tenant) → requests waiting."""
+    (family,) = director.flows["p"].metrics.queue_depth.collect()
+    return {(s.labels["pool"], s.labels["tenant"]): s.value for s in family.samples}
+
+
+async def test_each_pools_queue_depth_stays_when_another_pools_changes():
+    """Every pool's controller writes the one shared gauge: a change in one pool's queue
+    must leave the other pools' series alone."""
+    second = "127.0.0.1:2"
+    h = Harness(config(more_pools=[{"name": "q", "models": ["n"], "endpoints": [second]}]))
+    await h.endpoints.set_endpoints("q", [second])
+    full = EngineMetrics(kv_cache_usage=0.99, kv_capacity_tokens=1000)
+    await h.endpoints.apply([ScrapeResult(second, time.monotonic(), full)])
+    await h.start(usage=0.99)
+    h.director.flows["q"].start()
+    in_p = h.admit("a")
+    await settle()
+    in_q = h.admit("b", model="n")
+    await settle()
+    assert queue_depth(h.director) == {("p", "a"): 1, ("q", "b"): 1}
+    in_q.cancel()
+    await settle()
+    assert queue_depth(h.director) == {("p", "a"): 1}
+    in_p.cancel()
+    await settle()
+    assert queue_depth(h.director) == {}
+    await asyncio.gather(in_p, in_q, return_exceptions=True)
+    await h.director.flows["q"].stop()
+    await h.flow.stop()
 
 
 async def test_full_queue_evicts_the_least_important_newest():
