@@ -21,11 +21,13 @@ from tests.deploy.manifests import (
     DEPLOY,
     FOLDERS,
     Object,
+    Pod,
     container_ports,
     each_folder,
     ident,
     kvgate_containers,
     named,
+    option,
     pods,
     render,
 )
@@ -197,10 +199,13 @@ def test_network_policies_open_ports_their_pods_have(folder: Path) -> None:
         for rule in policy["spec"]["ingress"]:
             for port in rule["ports"]:
                 assert all(port["port"] in p.ports() for p in matched), (ident(policy), port)
+            # a peer is a pod rendered beside the policy (base/redis alone has none: its
+            # clients are the kvgate pods of the modes that include it)
+            others = [p for p in pods(objects) if p not in matched]
             for peer in rule.get("from", []):
-                if "podSelector" in peer:
+                if "podSelector" in peer and others:
                     assert any(selects(peer["podSelector"]["matchLabels"], p.labels)
-                               for p in pods(objects)), (ident(policy), peer)
+                               for p in others), (ident(policy), peer)
 
 
 @each_folder
@@ -251,3 +256,73 @@ def test_the_service_monitor_finds_every_kvgate(folder: Path) -> None:
             and pod.ports().get(port.get("targetPort", port["port"])) in admin
         ]
         assert scraped, f"{pod.owner['metadata']['name']}: no scraped Service on its admin port"
+
+
+def redis_pods(objects: tuple[Object, ...]) -> list[Pod]:
+    return [p for p in pods(objects) if any(c["image"].startswith("redis")
+                                            for c in p.containers())]
+
+
+def admitted(policy: Object, pod: Pod) -> bool:
+    """A pod of the policy's namespace its ingress rules let in (by pod label only)."""
+    return any(selects(peer["podSelector"]["matchLabels"], pod.labels)
+               for rule in policy["spec"]["ingress"] for peer in rule.get("from", [])
+               if set(peer) == {"podSelector"})
+
+
+@each_folder
+def test_only_kvgate_reaches_redis(folder: Path) -> None:
+    """Redis has no password here: a NetworkPolicy selects its pods and lets in the pods
+    that run kvgate and no other — not Envoy, not the engines — nor any namespace, address
+    or everyone (a rule without ``from``)."""
+    objects = render(folder)
+    for redis in redis_pods(objects):
+        guards = [p for p in named(objects, "NetworkPolicy").values()
+                  if selects(p["spec"]["podSelector"]["matchLabels"], redis.labels)]
+        assert guards, f"{folder.name}: no NetworkPolicy selects {ident(redis.owner)}"
+        for policy in guards:
+            assert "Ingress" in policy["spec"]["policyTypes"], ident(policy)
+            for rule in policy["spec"]["ingress"]:
+                assert rule.get("from"), f"{ident(policy)}: a rule open to every pod"
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"}, f"{ident(policy)}: {peer}"
+        clients = {ident(pod.owner) for pod, _, _ in kvgate_containers(objects)}
+        for pod in pods(objects):
+            if pod.owner is redis.owner:
+                continue
+            let_in = any(admitted(policy, pod) for policy in guards)
+            assert let_in == (ident(pod.owner) in clients), (
+                f"{folder.name}: {ident(pod.owner)} "
+                f"{'reaches Redis without kvgate' if let_in else 'runs kvgate, cut off Redis'}")
+
+
+@each_folder
+def test_redis_refuses_writes_before_its_memory_limit(folder: Path) -> None:
+    """``--maxmemory`` under the container's limit, with ``noeviction``: a full Redis answers
+    errors (kvgate's failure policy decides) instead of the kernel killing it, and never
+    evicts a tenant's quota."""
+    for pod in redis_pods(render(folder)):
+        (redis,) = [c for c in pod.containers() if c["image"].startswith("redis")]
+        assert option(redis, "--maxmemory-policy") == "noeviction", ident(pod.owner)
+        cap = option(redis, "--maxmemory")
+        assert cap is not None, f"{ident(pod.owner)}: no --maxmemory"
+        limit = redis["resources"]["limits"]["memory"]
+        assert redis_bytes(cap) <= 0.8 * kubernetes_bytes(limit), (ident(pod.owner), cap, limit)
+
+
+def redis_bytes(size: str) -> float:
+    """Redis's memory units: 1k = 1000 bytes, 1kb = 1024 (and m/mb, g/gb)."""
+    units = {"kb": 2**10, "mb": 2**20, "gb": 2**30, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1}
+    size = size.lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if size.endswith(suffix):
+            return float(size.removesuffix(suffix)) * units[suffix]
+    return float(size)
+
+
+def kubernetes_bytes(quantity: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 1e3, "M": 1e6, "G": 1e9}
+    for suffix in sorted(units, key=len, reverse=True):
+        if quantity.endswith(suffix):
+            return float(quantity.removesuffix(suffix)) * units[suffix]
+    return float(quantity)
