@@ -89,6 +89,14 @@ def test_every_panel_queries_something(dashboard: dict[str, Any]) -> None:
     assert len({name.removesuffix("_bucket") for name in queried}) >= 4
 
 
+def test_tokens_per_tenant_shows_reserved_and_used(dashboard: dict[str, Any]) -> None:
+    """deploy/README.md and the panel's description say the dashboard shows tokens reserved
+    and used per tenant: both series are queried."""
+    (panel,) = [p for p in dashboard["panels"] if p["title"] == "Tokens/min per tenant"]
+    queried = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
+    assert {"kvgate_tokens_reserved_total", "kvgate_tokens_used_total"} <= queried
+
+
 @pytest.mark.parametrize(("expr", "names"), [
     ('sum by (tenant) (rate(kvgate_x_total{outcome="a b", t=~"$t"}[$__rate_interval])) * 60',
      {"kvgate_x_total"}),
