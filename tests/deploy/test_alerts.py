@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.metrics import Metrics
+from limiter import QUEUEABLE, Reason, refuse
 from tests.deploy.manifests import DEPLOY, named, render
 from tests.deploy.test_dashboard import exported, metric_names
 
@@ -74,3 +75,26 @@ def test_alerts_on_increase_see_the_first_event(rule: dict[str, Any]) -> None:
         assert born_late or at_start(name, dict(MATCHER.findall(matchers))), (
             f"{rule['alert']}: increase({selector}) misses the first event: export the series "
             f"at 0, or add `or sum by (...) ({selector} unless {selector} offset W) > 0`")
+
+
+def alert(name: str) -> dict[str, Any]:
+    (found,) = [r for r in rules() if r["alert"] == name]
+    return found
+
+
+def test_shedding_names_every_reason_kvgate_sheds_for() -> None:
+    """decision="shed" is every 503 refusal (extproc/stream.py) and Redis unreachable under
+    fail_closed (store_unavailable): the description says which, so none is looked for in
+    the wrong place."""
+    shed = {r.value for r in Reason if refuse(r, "", None).status == 503}
+    description = alert("KvgateShedding")["annotations"]["description"]
+    assert all(reason in description for reason in shed | {"store_unavailable"}), description
+
+
+def test_missed_deadlines_name_every_answer_a_queued_request_gets() -> None:
+    """A queued request (QUEUEABLE: saturated, or over its share) expires with the refusal
+    it queued for: 429 kv_share_exceeded or 503 pool_saturated (extproc/flow.py)."""
+    description = alert("KvgateQueueDeadlinesMissed")["annotations"]["description"]
+    for reason in QUEUEABLE:
+        status = refuse(reason, "", None).status
+        assert f"{status} {reason.value}" in description, (reason, description)
