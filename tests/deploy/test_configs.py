@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 
 from extproc import cli
 from extproc.config import Config, load_config
@@ -52,12 +53,23 @@ def test_there_are_bootstraps_and_configs() -> None:
                                                        for b in BOOTSTRAPS])
 def test_committed_bootstrap_is_a_fresh_render(bootstrap: Path) -> None:
     """``kvgate render-envoy config/kvgate.yaml -o envoy.yaml`` (or ``kvgate.yaml`` beside
-    it, in an overlay; deploy/README.md) run again gives the committed file byte for
-    byte."""
+    it, in an overlay that deploys its own; deploy/README.md) run again gives the committed
+    file byte for byte."""
     source = next(f for f in (bootstrap.parent / "config" / "kvgate.yaml",
                               bootstrap.parent / "kvgate.yaml") if f.exists())
     assert bootstrap.read_text() == render_yaml(load_config(source)), (
         f"{bootstrap} is stale: kvgate render-envoy {source} -o {bootstrap}")
+
+
+@pytest.mark.parametrize("bootstrap", BOOTSTRAPS, ids=[str(b.relative_to(DEPLOY))
+                                                       for b in BOOTSTRAPS])
+def test_committed_bootstrap_is_deployed(bootstrap: Path) -> None:
+    """A bootstrap no kustomization generates a ConfigMap from is kept fresh by the test
+    above and deployed nowhere: the one to edit looks like another."""
+    kustomization = yaml.safe_load((bootstrap.parent / "kustomization.yaml").read_text())
+    generated = [file for generator in kustomization.get("configMapGenerator", [])
+                 for file in generator.get("files", [])]
+    assert bootstrap.name in generated, f"{bootstrap}: no configMapGenerator names it"
 
 
 @each_folder
