@@ -228,9 +228,9 @@ def route_request(
         parts += (mutation[0], body, mutation[1])
     if usage_max:
         bound = usage_max.encode()
-        around = (_bound_parts.get(len(bound))
-                  or _cache(_bound_parts, len(bound), _bound_parts_of(len(bound))))
-        parts += (around[0], bound, around[1])
+        held = (_bound_parts.get(len(bound))
+                or _cache(_bound_parts, len(bound), _bound_parts_of(len(bound))))
+        parts += (held[0], bound, held[1])
     return b"".join(parts)
 
 
