@@ -260,10 +260,24 @@ def _render_envoy(args: argparse.Namespace) -> int:
     from extproc.envoy_gie import render_gie_yaml
 
     config = load_config(args.config)
+    problems = []
     if config.server.body_mode == "full_duplex" and not args.gie:
-        raise ConfigError(str(args.config), [
+        problems.append(
             "server.body_mode: full_duplex is for a gateway that streams bodies to kvgate; the "
-            "bootstrap kvgate renders sends them whole (use auto, or render --gie)"])
+            "bootstrap kvgate renders sends them whole (use auto, or render --gie)")
+    if config.server.grpc_port == 0:
+        problems.append("server.grpc_port: 0 (any free port) cannot be rendered: Envoy must "
+                        "know the port kvgate listens on; set a fixed one")
+    if problems:
+        raise ConfigError(str(args.config), problems)
+    if (config.server.tls is None) != (config.envoy.ext_proc_tls is None):
+        print(f"kvgate render-envoy: warning: {args.config}: "
+              + ("server.tls is set but envoy.ext_proc_tls is not: Envoy would speak plaintext "
+                 "to kvgate's TLS port" if config.server.tls else
+                 "envoy.ext_proc_tls is set but server.tls is not: Envoy would speak TLS to "
+                 "kvgate's plaintext port")
+              + " (right only if something between them terminates or adds TLS)",
+              file=sys.stderr)
     render = render_gie_yaml if args.gie else render_yaml
     if args.output:
         render_to_file(config, args.output, render)

@@ -367,6 +367,24 @@ def test_render_envoy_to_a_directory_names_it(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_render_envoy_refuses_a_port_it_cannot_name_and_warns_of_a_tls_mismatch(tmp_path):
+    """grpc_port 0 rendered an ext_proc cluster on port 0 (Envoy accepted it; every request
+    then failed), and TLS on one side only rendered without a word."""
+    data = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    data["server"] = {**data.get("server", {}), "grpc_port": 0}
+    path = tmp_path / "any-port.yaml"
+    path.write_text(yaml.safe_dump(data))
+    done = kvgate("render-envoy", str(path))
+    assert done.returncode == 2 and "server.grpc_port: 0 (any free port)" in done.stderr
+    data["server"]["grpc_port"] = 9001
+    data["envoy"] = {**data.get("envoy", {}), "ext_proc_tls": {"ca_file": "/etc/ca.pem"}}
+    path.write_text(yaml.safe_dump(data))
+    done = kvgate("render-envoy", str(path))
+    assert done.returncode == 0 and "/etc/ca.pem" in done.stdout
+    assert "warning: " in done.stderr and "Envoy would speak TLS to kvgate's plaintext port" \
+        in done.stderr
+
+
 def test_render_envoy_refuses_full_duplex_for_its_own_bootstrap(tmp_path):
     data = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     data["server"] = {**data.get("server", {}), "body_mode": "full_duplex"}
