@@ -34,9 +34,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import messages
 from extproc.director import Admission
+from extproc.headers import ENGINE_CONTROL_HEADERS
 from extproc.meter import ResponseMeter
 from extproc.rejections import admitted_ratelimit_headers
-from extproc.stream import RequestStream
+from extproc.stream import STRIPPED_HEADERS, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class DuplexStream(RequestStream):
     Envoy's messages with any number of replies (none while the body is still coming)."""
 
     METERED_BY_LUA = False  # kvgate reads the response itself
+    # a gateway's route does not remove the headers an engine obeys (x-vllm-priority jumps
+    # vLLM's queue): kvgate does, in its headers answer
+    REMOVED_HEADERS = (*STRIPPED_HEADERS, *ENGINE_CONTROL_HEADERS)
 
     __slots__ = ("_answered", "_chunks", "_held", "_meter", "_new_body", "_request_ended",
                  "_response_mode", "_size", "_strip")
@@ -126,6 +130,11 @@ class DuplexStream(RequestStream):
         return []
 
     async def _on_body_chunk(self, body: pb.HttpBody) -> list[messages.Reply]:
+        if self._request_ended and self.admission is not None and self.request is None:
+            # decided on its headers alone (GET /health with a body, say): in this mode
+            # Envoy sends the body anyway, and it goes on as it came
+            self.metrics.messages.add(("request_body",))
+            return list(streamed_bodies("request_body", body.body, body.end_of_stream))
         if self._held is None or self._request_ended:  # before the headers, or after the end
             return [await self.handle(pb.ProcessingRequest(request_body=body))]
         chunk = body.body

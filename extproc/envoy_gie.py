@@ -14,9 +14,13 @@ so that deploy/gateway-api can show what a gateway must send. Its ext_proc filte
 * the upstream: an ORIGINAL_DST cluster on the ``x-gateway-destination-endpoint`` header
   kvgate sets (it always overwrites a client's), as Inference Extension gateways route.
 
-``envoy.message_timeout_s`` must still cover kvgate's queueing (the Inference Extension's
-own examples use 1000 s), and ``failure_mode_allow`` stays false: with it a dead picker
-would let requests through unadmitted, and the routing header would be the client's.
+In this mode Envoy does not time the processor's replies (``message_timeout`` is rendered,
+1000 s as in the Inference Extension's own examples, but a request kvgate holds past it
+gets kvgate's 503 at its class deadline, never Envoy's 504; measured on Envoy 1.40): the
+HCM's stream idle timeout bounds a stalled body or a hung kvgate. ``failure_mode_allow``
+stays false: with it a dead picker would let requests through unadmitted, and the routing
+header would be the client's. The route removes no headers, as a gateway's route to an
+InferencePool does not: kvgate removes the engine-control headers itself.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from extproc.envoy_config import (
     client_options,
     idle_timeout_s,
 )
-from extproc.headers import DESTINATION_HEADER, ENGINE_CONTROL_HEADERS, LB_NAMESPACE
+from extproc.headers import DESTINATION_HEADER, LB_NAMESPACE
 
 if TYPE_CHECKING:
     from extproc.config import Config
@@ -96,8 +100,9 @@ def _http_connection_manager(config: Config) -> Any:
         stat_prefix=GATEWAY_LISTENER,
         **client_options(config),
         route_config=RouteConfiguration(name="gie_routes", virtual_hosts=[
-            VirtualHost(name="gie", domains=["*"], routes=[route],
-                        request_headers_to_remove=list(ENGINE_CONTROL_HEADERS))]),
+            # no request_headers_to_remove: a gateway's route to an InferencePool has none,
+            # so kvgate removes the engine-control headers itself (DuplexStream)
+            VirtualHost(name="gie", domains=["*"], routes=[route])]),
         http_filters=[_ext_proc_filter(config), _router_filter()],
     )
 

@@ -69,6 +69,9 @@ def _wanted(class_header: str) -> frozenset[str]:
 class RequestStream:
     # Envoy's Lua meter reports this stream's response (DuplexStream reads its own)
     METERED_BY_LUA = True
+    # removed from every request before it goes upstream (kvgate's rendered route removes
+    # the engine-control headers itself; a gateway's route to an InferencePool does not)
+    REMOVED_HEADERS = STRIPPED_HEADERS
 
     __slots__ = ("_released", "_report", "admission", "desk", "director", "done", "metrics", "path",
                  "request", "request_id", "requested_class", "response", "settings", "tenant",
@@ -158,7 +161,7 @@ class RequestStream:
         director = self.director
         path, tenant = self.path, self.tenant
         assert tenant is not None
-        remove = (*STRIPPED_HEADERS, *spoofed) if spoofed else STRIPPED_HEADERS
+        remove = (*self.REMOVED_HEADERS, *spoofed) if spoofed else self.REMOVED_HEADERS
         length = values.get("content-length")
         if (length is not None and length.isascii() and length.isdigit()
                 and int(length) > self.settings.max_body_bytes):

@@ -123,6 +123,30 @@ def test_non_streamed_request_is_routed_with_priority_and_charged_its_usage(stac
     assert (tenant, used, output) == ("acme", usage["total_tokens"], 8)
 
 
+def test_engine_control_headers_never_reach_the_engine(stack):
+    """A gateway's route to an InferencePool removes no headers (this bootstrap's route
+    neither): kvgate removes what an engine obeys, or x-vllm-priority jumps vLLM's queue."""
+    for engine in stack.engines.values():
+        engine.clear_requests()
+    response = post(stack, "acme", chat(), headers={
+        "x-vllm-priority": "-1000", "x-data-parallel-rank": "0",
+        "endpoint-load-metrics-format": "json", "x-kvgate-tenant": "someone-else"})
+    assert response.status_code == 200, response.text
+    received = next(r for engine in stack.engines.values() for r in engine.requests())
+    for name in ("x-vllm-priority", "x-data-parallel-rank", "endpoint-load-metrics-format",
+                 "accept-encoding"):
+        assert name not in received["headers"], name
+    assert received["headers"]["x-kvgate-tenant"] == "acme"
+
+
+def test_a_headers_only_request_with_a_body_passes_it_on(stack):
+    """In this mode Envoy sends a body even after kvgate decided on the headers alone
+    (GET /health here): it was answered 400 after kvgate had admitted the request."""
+    response = httpx.request("GET", stack.url + "/health", content=b"hello",
+                             headers={"authorization": f"Bearer {KEYS['acme']}"}, timeout=30)
+    assert response.status_code == 200, response.text
+
+
 def test_streamed_request_arrives_whole_without_kvgates_usage_event(stack):
     before = len(stack.releases.seen)
     with httpx.stream("POST", stack.url + "/v1/chat/completions",
