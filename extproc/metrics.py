@@ -237,8 +237,9 @@ class Metrics:
         )
         self.store_state = Gauge(
             "kvgate_store_breaker_open",
-            "1 while the shared store's circuit breaker is open or half-open (admission "
-            "follows redis.failure_policy), else 0.",
+            "Shared-store circuit breakers open or half-open: one per Redis Cluster node "
+            "(a single Redis has one), whose tenants' admissions follow "
+            "redis.failure_policy; 0 when all are closed.",
             registry=self.registry,
         )
         self.store_transitions = Counter(

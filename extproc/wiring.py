@@ -66,9 +66,9 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
 
     def on_transition(transition: Transition) -> None:
         metrics.store_transitions.labels(transition.new.value).inc()
-        metrics.store_state.set(0 if transition.new == "closed" else 1)
+        metrics.store_state.set(store.breakers_open())
 
-    return FailoverStore(
+    store = FailoverStore(
         primary,
         policy=FailurePolicy(settings.failure_policy),
         replicas=settings.replicas,
@@ -78,6 +78,7 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
         on_fallback=lambda policy: metrics.store_fallbacks.labels(policy).inc(),
         on_error=metrics.store_error,
     )
+    return store
 
 
 def build_rate_counters(config: Config) -> RateCounters:

@@ -84,6 +84,11 @@ class SharedStore(LimiterStore, Protocol):
         """Release the store's resources (connections)."""
         ...
 
+    def domain(self, tenant: str) -> str:
+        """What fails together with ``tenant``'s state: the Redis Cluster node serving its
+        keys' slot ("" for a single Redis, one domain for every tenant)."""
+        ...
+
 
 @runtime_checkable
 class Fairness(Protocol):

@@ -117,7 +117,10 @@ class FailoverStore:
         self.policy = policy
         self.replicas = replicas
         self.timeout_s = timeout_s
-        self.breaker = breaker or CircuitBreaker()
+        self.breaker = breaker or CircuitBreaker()  # the single Redis's (domain "")
+        # failure domain (a cluster node; "" for a single Redis) → its breaker: a shard
+        # down sends only its own tenants to the failure policy
+        self._breakers: dict[str, CircuitBreaker] = {"": self.breaker}
         self.local = MemoryStore()
         self.clock_ms = clock_ms
         self._on_transition = on_transition or (lambda _t: None)
@@ -138,7 +141,7 @@ class FailoverStore:
         lately and its retry time has not passed; then Redis is asked (one round trip, as
         an admission would cost), so that every refused client gets its own retry slot
         (``limiter.herd``), across replicas. Without an answer, the last refusal stands."""
-        if self.breaker.state != "closed" and self.policy is FailurePolicy.LOCAL:
+        if self._breaker(tenant).state != "closed" and self.policy is FailurePolicy.LOCAL:
             return await self.local.check_requests(tenant, self._local(policy))
         blocked = self._blocked.get(tenant)
         if blocked is None:
@@ -148,7 +151,8 @@ class FailoverStore:
         if wait <= 0:
             del self._blocked[tenant]
             return None
-        ok, result, _error = await self._try(lambda: self.primary.check_requests(tenant, policy))
+        ok, result, _error = await self._try(
+            tenant, lambda: self.primary.check_requests(tenant, policy))
         if not ok:
             return dataclasses.replace(reject, retry_after_ms=wait)
         if result is None:
@@ -164,12 +168,12 @@ class FailoverStore:
             return self.primary.admit(tenant, policy, cost, lease_id, held=self._counts[tenant])
 
         try:
-            ok, result, error = await self._try(call)
+            ok, result, error = await self._try(tenant, call)
             if isinstance(error, LeasesLost):  # Redis restarted: put ours back, then retry
                 with contextlib.suppress(*_FAILURES):
                     async with asyncio.timeout(self.timeout_s):
                         await self._reassert_all()
-                ok, result, error = await self._try(call)
+                ok, result, error = await self._try(tenant, call)
         except asyncio.CancelledError:
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
             raise
@@ -209,7 +213,7 @@ class FailoverStore:
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
         elif held.place == "primary":
             ok, result, _error = await self._try(
-                lambda: self.primary.release(tenant, policy, lease_id, used_tokens)
+                tenant, lambda: self.primary.release(tenant, policy, lease_id, used_tokens)
             )
             if not ok:
                 self._owe(lease_id, _Owed(tenant, policy, cancel=False, used_tokens=used_tokens))
@@ -224,7 +228,7 @@ class FailoverStore:
                 if self._where(lease) == "primary"}
         if mine:
             ok, _result, _error = await self._try(
-                lambda: self.primary.renew(tenant, list(mine), reassert=True)
+                tenant, lambda: self.primary.renew(tenant, list(mine), reassert=True)
             )
             if ok:
                 for lease_id, held in mine.items():
@@ -238,12 +242,13 @@ class FailoverStore:
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
 
     async def in_flight(self, tenant: str) -> int:
-        ok, result, _error = await self._try(lambda: self.primary.in_flight(tenant))
+        ok, result, _error = await self._try(tenant, lambda: self.primary.in_flight(tenant))
         local = await self.local.in_flight(tenant)
         return (result if ok else 0) + local
 
     async def usage(self, tenant: str, policy: TenantPolicy) -> dict[str, Any]:
-        ok, result, _error = await self._try(lambda: self.primary.usage(tenant, policy))
+        ok, result, _error = await self._try(tenant,
+                                             lambda: self.primary.usage(tenant, policy))
         if ok:
             return {**result, "store": "redis"}
         local = await self.local.usage(tenant, self._local(policy))
@@ -343,29 +348,44 @@ class FailoverStore:
                 del self._owed[lease_id]
 
         batch = list(self._owed.items())[:REPAIR_BATCH]
+        for key, owed in batch:  # round robin: if these fail (a shard down), the next round
+            del self._owed[key]  # sends what is owed to the others first
+            self._owed[key] = owed
         results = await asyncio.gather(*(send(k, v) for k, v in batch), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
 
     async def _reassert_all(self) -> None:
-        """Put every lease this store holds into Redis; from then on each counts there."""
+        """Put every lease this store holds into Redis; from then on each counts there. A
+        tenant's leases are adopted as soon as its own call succeeds: one shard down must
+        not leave the others' leases counted in memory (and released only there) while
+        Redis holds them too."""
         self._reassert = False
         held = dict(self._held)
         by_tenant: dict[str, list[str]] = {}
         for lease_id, lease in held.items():
             by_tenant.setdefault(lease.tenant, []).append(lease_id)
         tenants = list(by_tenant.items())
+        failed: BaseException | None = None
         try:
             for start in range(0, len(tenants), REPAIR_BATCH):  # one call per tenant
-                await asyncio.gather(*(self.primary.renew(tenant, ids, reassert=True)
-                                       for tenant, ids in tenants[start:start + REPAIR_BATCH]))
+                batch = tenants[start:start + REPAIR_BATCH]
+                results = await asyncio.gather(
+                    *(self.primary.renew(tenant, ids, reassert=True) for tenant, ids in batch),
+                    return_exceptions=True)
+                for (_tenant, ids), result in zip(batch, results, strict=True):
+                    if isinstance(result, BaseException):  # its shard is down: next round
+                        failed = failed or result
+                        continue
+                    for lease_id in ids:  # in Redis now, whatever another shard does
+                        await self._adopt(lease_id, held[lease_id])
+            if failed is not None:
+                raise failed
         except BaseException:
             self._reassert = True
             self._need_repair()  # (also when the admission path's own re-assert timed out)
             raise
-        for lease_id, lease in held.items():
-            await self._adopt(lease_id, lease)
 
     async def _adopt(self, lease_id: str, held: _Held) -> None:
         """A re-asserted lease counts in Redis now; one released meanwhile is released there
@@ -380,36 +400,58 @@ class FailoverStore:
     # -- plumbing --------------------------------------------------------------------------
 
     async def _try(
-        self, call: Callable[[], Awaitable[Any]]
+        self, tenant: str, call: Callable[[], Awaitable[Any]]
     ) -> tuple[bool, Any, BaseException | None]:
         """(True, result, None) from the primary, or (False, None, why): ``why`` is None
-        when the breaker skipped the call (it never reached Redis)."""
-        allowed, transition = self.breaker.allow(self.clock_ms())
-        self._report(transition)
+        when the breaker of ``tenant``'s domain skipped the call (it never reached Redis)."""
+        domain = self._domain(tenant)
+        breaker = self._breaker(tenant, domain)
+        allowed, transition = breaker.allow(self.clock_ms())
+        self._report(domain, transition)
         if not allowed:
             return False, None, None
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await call()
         except LeasesLost as lost:  # an answer, not a failure
-            self._report(self.breaker.success())
+            self._report(domain, breaker.success())
             return False, None, lost
         except _FAILURES as error:
             self._on_error(error)
-            self._report(self.breaker.failure(self.clock_ms()), error)
+            self._report(domain, breaker.failure(self.clock_ms()), error)
             self._reassert = True
             self._need_repair()
             return False, None, error
-        self._report(self.breaker.success())
+        self._report(domain, breaker.success())
         return True, result, None
 
-    def _report(self, transition: Transition | None, error: BaseException | None = None) -> None:
+    def _domain(self, tenant: str) -> str:
+        domain = getattr(self.primary, "domain", None)
+        return "" if domain is None else domain(tenant)
+
+    def _breaker(self, tenant: str, domain: str | None = None) -> CircuitBreaker:
+        """The breaker of ``tenant``'s failure domain (a cluster node), made on first use
+        with the single Redis's settings."""
+        name = self._domain(tenant) if domain is None else domain
+        breaker = self._breakers.get(name)
+        if breaker is None:
+            breaker = self._breakers[name] = CircuitBreaker(self.breaker.failure_threshold,
+                                                            self.breaker.open_ms)
+        return breaker
+
+    def breakers_open(self) -> int:
+        """Failure domains whose breaker is open or half-open (``kvgate_store_breaker_open``)."""
+        return sum(b.state != "closed" for b in self._breakers.values())
+
+    def _report(self, domain: str, transition: Transition | None,
+                error: BaseException | None = None) -> None:
         if transition is None:
             return
         why = f": {error!r}" if error else ""
+        where = f" for Redis node {domain}" if domain else ""
         level = logging.INFO if transition.new == "closed" else logging.WARNING
-        log.log(level, "shared store breaker %s → %s (failure policy %s)%s",
-                transition.old, transition.new, self.policy.value, why)
+        log.log(level, "shared store breaker%s %s → %s (failure policy %s)%s",
+                where, transition.old, transition.new, self.policy.value, why)
         self._on_transition(transition)
 
     def _local(self, policy: TenantPolicy) -> TenantPolicy:

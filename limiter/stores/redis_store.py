@@ -206,6 +206,18 @@ class RedisStore:
         base = f"{self._prefix}:{_tenant_tag(self._prefix, tenant)}"
         return [f"{base}:{suffix}" for suffix in _KEY_SUFFIXES]
 
+    def domain(self, tenant: str) -> str:
+        """The cluster node serving the tenant's slot ("" without a cluster, or while the
+        client has not read the slot table yet)."""
+        node_of = getattr(self._client, "get_node_from_key", None)
+        if node_of is None:
+            return ""
+        try:
+            node = node_of(self._tenant_keys(tenant)[0])
+        except Exception:  # no slot table yet (or a slot not covered)
+            return ""
+        return "" if node is None else str(node.name)
+
     def _head(self) -> list[int | str]:
         now: int | str = "" if self._clock is None else self._clock()
         return [now, self._lease_ttl_ms, self._slack_ms]

@@ -1,0 +1,156 @@
+"""The failover store on a real 3-shard Redis Cluster with one shard hung (SIGSTOP): each
+node is its own failure domain. Tenants on the healthy shards keep their exact global
+limits, and what is owed to Redis reaches the healthy shards while the hung one is retried.
+
+Every pause here stays under the cluster's node timeout (2 s), so the other shards keep
+serving (past it, the cluster as a whole refuses commands: Redis's own full coverage)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench.redis_server import RedisCluster, RedisServer
+from extproc.config import RedisSettings
+from extproc.wiring import redis_client
+from limiter import Admit, Cost, Rate, TenantPolicy
+from limiter.breaker import CircuitBreaker
+from limiter.stores import FailoverStore, FailurePolicy, StoreUnavailable
+from limiter.stores.redis_store import RedisStore
+
+pytestmark = pytest.mark.redis
+
+HOUR_MS = 3_600_000
+POLICY = TenantPolicy(request_rate=Rate(1, HOUR_MS), request_burst=1000, max_concurrency=2)
+COST = Cost(10, 20)
+_ids = itertools.count()
+
+
+@pytest.fixture
+def cluster() -> Iterator[RedisCluster]:
+    with RedisCluster(3) as running:  # its own: these tests hang its nodes
+        yield running
+
+
+def failover(cluster: RedisCluster, policy: str, failures: int = 3) -> FailoverStore:
+    settings = RedisSettings(url=cluster.url, cluster=True, timeout_ms=50,
+                             failure_policy=policy)
+    return FailoverStore(RedisStore(redis_client(settings)), policy=FailurePolicy(policy),
+                         timeout_s=0.05, breaker=CircuitBreaker(failures, 200))
+
+
+async def on_two_nodes(store: FailoverStore, cluster: RedisCluster
+                       ) -> tuple[str, RedisServer, str, RedisServer]:
+    """Two tenants whose keys live on different nodes, and those nodes."""
+    await store.in_flight("t0")  # the client reads the slot table
+    by_node: dict[str, str] = {}
+    for name in (f"t{i}" for i in range(100)):
+        by_node.setdefault(store.primary.domain(name), name)
+        if len(by_node) == 2:
+            break
+    (node_a, a), (node_b, b) = by_node.items()
+    ports = {str(n.port): n for n in cluster.nodes}
+    return a, ports[node_a.rsplit(":", 1)[1]], b, ports[node_b.rsplit(":", 1)[1]]
+
+
+def lease() -> str:
+    return f"l-{next(_ids)}"
+
+
+async def until(check, within_s: float = 1.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not await check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def test_a_hung_shard_sends_only_its_own_tenants_to_the_failure_policy(cluster):
+    """One breaker for the whole cluster opened on the hung shard's failures: every
+    tenant got 503 under fail_closed (and, under local, replicas admitted past limits)."""
+    store = failover(cluster, "fail_closed")
+    a, node_a, b, _ = await on_two_nodes(store, cluster)
+    node_a.pause()
+    try:
+        for _ in range(4):
+            with pytest.raises(StoreUnavailable):
+                await store.admit(a, POLICY, COST, lease())
+        # the healthy shard's tenant: exact, in Redis — but for one call at most: the
+        # cluster client re-reads its slot table after a's timeouts, and that read may
+        # ask the hung node first (redis-py; the call then times out, and falls back)
+        refused = 0
+        for _ in range(6):
+            held = lease()
+            try:
+                assert isinstance(await store.admit(b, POLICY, COST, held), Admit)
+            except StoreUnavailable:
+                refused += 1
+                continue
+            assert store.debug()["held"][held] == "primary"
+            assert await store.release(b, POLICY, held, 30)
+        assert refused <= 1
+        assert store.breakers_open() == 1 and store._breaker(b).state == "closed"
+    finally:
+        node_a.resume()
+    await store.close()
+
+
+async def test_leases_reasserted_on_a_healthy_shard_count_there_while_another_hangs(cluster):
+    """A repair round that failed on one shard adopted no tenant's leases: those the other
+    shards had taken back stayed counted in memory, were released only there, and Redis
+    held them (a concurrency slot each) until the lease TTL."""
+    store = failover(cluster, "local", failures=1)
+    a, node_a, b, node_b = await on_two_nodes(store, cluster)
+    node_a.pause()
+    node_b.pause()
+    try:
+        held_a, timed_out, held_b = lease(), lease(), lease()
+        assert isinstance(await store.admit(a, POLICY, COST, held_a), Admit)  # from memory
+        assert isinstance(await store.admit(b, POLICY, COST, timed_out), Admit)  # (opens b's)
+        assert isinstance(await store.admit(b, POLICY, COST, held_b), Admit)  # never asked
+        node_b.resume()
+
+        async def adopted() -> bool:
+            return store.debug()["held"][held_b] == "primary"
+
+        await until(adopted)  # while a's shard still hangs: b's leases count in Redis
+        for held in (timed_out, held_b):
+            await store.release(b, POLICY, held, 30)
+
+        async def released() -> bool:
+            return await store.primary.in_flight(b) == 0
+
+        await until(released)  # in Redis, not in memory only
+    finally:
+        node_a.resume()
+    await store.release(a, POLICY, held_a, 30)
+    await store.close()
+
+
+async def test_what_is_owed_to_a_healthy_shard_is_sent_while_another_hangs(cluster):
+    """The repair loop sent the first 64 things owed, in order: a hung shard's cancels
+    came first, failed every round, and a healthy shard's release waited behind them."""
+    store = failover(cluster, "local", failures=1000)
+    a, node_a, b, node_b = await on_two_nodes(store, cluster)
+    node_a.pause()
+    node_b.pause()
+    try:
+        # 70 admissions of a at once: two served from memory, the rest refused there,
+        # each owing Redis a cancel (its call timed out: it may still run there)
+        await asyncio.gather(*(store.admit(a, POLICY, COST, lease()) for _ in range(70)))
+        held_b = lease()
+        assert isinstance(await store.admit(b, POLICY, COST, held_b), Admit)
+        await store.release(b, POLICY, held_b, 30)  # owed: its admission may have run
+        assert held_b in store.debug()["owed"]
+        node_b.resume()
+
+        async def sent() -> bool:
+            return held_b not in store.debug()["owed"]
+
+        await until(sent)  # while a's shard still hangs
+    finally:
+        node_a.resume()
+    await store.close()
