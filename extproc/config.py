@@ -788,7 +788,18 @@ class RedisSettings(_Strict):
         False, description="the url names a node of a Redis Cluster: every key of a tenant "
         "(and of a pool's fair queue) shares one hash tag, so each call runs on one shard"
     )
-    prefix: str = Field("kvgate", min_length=1, description="prefix of every key kvgate writes")
+    prefix: str = Field("kvgate", min_length=1,
+                        description="prefix of every key kvgate writes (no braces: it is "
+                        "part of each tenant's Redis Cluster hash tag)")
+
+    @field_validator("prefix")
+    @classmethod
+    def _no_braces(cls, value: str) -> str:
+        if "{" in value or "}" in value:
+            raise ValueError(f"{value!r} has a brace: the prefix is part of each tenant's "
+                             "hash tag ({prefix:tenant}), and a brace in it would put every "
+                             "tenant's keys on one Redis Cluster slot")
+        return value
     timeout_ms: PositiveInt = Field(20, description="budget for one Redis call")
     failure_policy: Literal["fail_open", "fail_closed", "local"] = Field(
         "local", description="what admission does while Redis is unreachable"

@@ -324,3 +324,12 @@ def test_a_class_deadline_ends_a_margin_before_envoys_message_timeout():
                         "Retry-After) while kvgate still holds it")
     assert len(found) == 3
     parse_config({**GOOD, "envoy": {"message_timeout_s": 2.97}, "classes": classes})
+
+
+def test_a_redis_prefix_with_a_brace_is_refused():
+    """The prefix is part of each tenant's hash tag: a brace in it put every tenant's keys
+    on one Redis Cluster slot (one shard carried everyone)."""
+    found = problems({**GOOD, "redis": {"url": "redis://10.0.0.1:6379", "prefix": "{x}"}})
+    assert found == ["redis.prefix: '{x}' has a brace: the prefix is part of each tenant's "
+                     "hash tag ({prefix:tenant}), and a brace in it would put every tenant's "
+                     "keys on one Redis Cluster slot"]
