@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.config import Config, Tenant
-from extproc.openai import BadRequest
+from extproc.openai import BadRequest, shown
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Classifier:
         if requested and tenant.class_header:
             if requested not in self.config.classes:
                 raise BadRequest(
-                    f"unknown request class {requested!r} in {self.rules.header} "
+                    f"unknown request class {shown(requested)!r} in {self.rules.header} "
                     f"(known: {', '.join(self.order)})",
                     param=self.rules.header,
                     code="invalid_request_class",

@@ -49,6 +49,12 @@ RENDERED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
 """Chat request fields besides ``messages`` that chat templates render into the prompt."""
 
 
+def shown(value: str, limit: int = 200) -> str:
+    """A client's value as an error quotes it: a 1 MB model name (or a 50 KB header) is not
+    echoed back whole."""
+    return value if len(value) <= limit else f"{value[:limit]}… ({len(value)} characters)"
+
+
 class BadRequest(Exception):
     """A client error that becomes a 4xx with an OpenAI-style JSON body."""
 
@@ -93,19 +99,24 @@ class InferenceRequest:
 
 
 _MAX_CACHED_PATHS = 4096
+# paths longer than this are worked out each time, never kept: the cache is filled before
+# the API key is checked, and Envoy lets ~60 KB paths through (4,096 of them held ~470 MB)
+_MAX_CACHED_PATH_CHARS = 256
 _route_paths: dict[str, str] = {}
 
 
 def route_path(path: str) -> str:
     """The path as the engine routes it, to match against ROUTES: without the query string,
     percent-decoded once (vLLM's server decodes ``%2F`` before routing), slashes merged, dot
-    segments resolved, no trailing slash. Cached per path: clients send the same few."""
+    segments resolved, no trailing slash. Cached per short path: clients send the same few."""
     raw = path.partition("?")[0]
     found = _route_paths.get(raw)
     if found is None:
-        if len(_route_paths) >= _MAX_CACHED_PATHS:
-            _route_paths.clear()
-        found = _route_paths[raw] = _normalise(raw)
+        found = _normalise(raw)
+        if len(raw) <= _MAX_CACHED_PATH_CHARS:
+            if len(_route_paths) >= _MAX_CACHED_PATHS:
+                _route_paths.clear()
+            _route_paths[raw] = found
     return found
 
 

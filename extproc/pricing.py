@@ -18,6 +18,7 @@ from extproc.openai import (
     MAX_COUNT,
     BadRequest,
     InferenceRequest,
+    shown,
 )
 from extproc.tokens import TokenCounter, make_counter
 from limiter.outcome import Cost
@@ -39,7 +40,7 @@ class Pricer:
         found = self._models.get(model_name)
         if found is None:
             raise BadRequest(
-                f"the model '{_shown(model_name)}' does not exist "
+                f"the model '{shown(model_name)}' does not exist "
                 f"(served here: {', '.join(sorted(self._models))})",
                 status=404, code="model_not_found", param="model",
             )
@@ -72,12 +73,7 @@ def media_tokens(model: Model, parts: int) -> int:
     """What ``parts`` media content parts count as; 400 where the model does not say."""
     if model.tokens_per_media_part is None:
         raise BadRequest(
-            f"the model '{_shown(model.name)}' takes text only here: this gateway cannot "
+            f"the model '{shown(model.name)}' takes text only here: this gateway cannot "
             "meter images, audio, video or file content parts for it (its operator can set "
             "tokens_per_media_part)", code="unsupported_content", param="messages")
     return parts * model.tokens_per_media_part
-
-
-def _shown(name: str, limit: int = 200) -> str:
-    """A client's model name as an error quotes it: a 1 MB name is not echoed back whole."""
-    return name if len(name) <= limit else f"{name[:limit]}… ({len(name)} characters)"

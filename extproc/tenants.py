@@ -11,6 +11,9 @@ from limiter.decision import TenantPolicy
 from limiter.rates import Rate
 
 RECENT_KEYS = 4096  # authenticated Authorization values remembered
+# … each at most this long: "Bearer", padding and a valid key is still that key, and one
+# key holder sending 50 KB values would fill the cache with ~200 MB
+MAX_CACHED_AUTHORIZATION = 256
 
 
 def policy_from_limits(limits: Limits) -> TenantPolicy:
@@ -72,9 +75,10 @@ class Tenants:
         tenant = self._by_key.get("sha256:" + hashlib.sha256(key.encode()).hexdigest())
         if tenant is None:
             raise BadRequest("incorrect API key provided", status=401, code="invalid_api_key")
-        if len(self._recent) >= RECENT_KEYS:
-            self._recent.clear()  # bounded: a flood of distinct valid keys only re-hashes
-        self._recent[authorization or ""] = tenant
+        if len(authorization or "") <= MAX_CACHED_AUTHORIZATION:
+            if len(self._recent) >= RECENT_KEYS:
+                self._recent.clear()  # bounded: a flood of distinct valid keys only re-hashes
+            self._recent[authorization or ""] = tenant
         return tenant
 
     def get(self, name: str) -> Tenant | None:

@@ -85,3 +85,10 @@ def test_long_prompt_rule_per_tier_the_free_tenants_pdf():
     assert name(gold, 9000) == "batch"  # the global rule
     assert name(platinum, 100_000) == "interactive"
     assert config.long_prompt_tokens("gold") == 8192
+
+
+def test_an_unknown_class_is_quoted_short():
+    """The 400 quoted the header whole: a 50 KB value came back in a 50 KB body."""
+    with pytest.raises(BadRequest) as error:
+        classify("x" * 50_000)
+    assert len(str(error.value)) < 400 and "(50000 characters)" in str(error.value)

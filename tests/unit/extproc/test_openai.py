@@ -391,3 +391,15 @@ def test_many_brackets_that_do_not_nest_deep_are_not_refused():
     messages = [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * 200
     request = parse({"model": "m", "messages": messages})
     assert len(request.body["messages"]) == 200
+
+
+def test_long_paths_are_never_cached():
+    """The cache is filled before the API key is checked: ~60 KB paths from unauthenticated
+    clients held ~470 MB."""
+    from extproc import openai
+
+    openai._route_paths.clear()
+    for i in range(50):
+        assert route_path(f"/x{i}" + "a" * 60_000).startswith(f"/x{i}")
+    assert route_path("/v1/chat/completions") == "/v1/chat/completions"
+    assert list(openai._route_paths) == ["/v1/chat/completions"]

@@ -189,3 +189,13 @@ def test_a_reload_reads_the_file_off_the_event_loop(tmp_path: Path,
     assert ticks >= 20, ticks  # the loop ran throughout the 0.6 s of reading
     assert results == [True, True]
     assert server.config.tiers["gold"].limits.max_concurrency == 1
+
+
+def test_long_authorization_values_are_never_remembered() -> None:
+    """Padding a valid key ("Bearer" + spaces + key) made a new cache entry per request:
+    one key holder sending 50 KB values grew kvgate by ~200 MB."""
+    tenants = Tenants(parse_config(data()))
+    for i in range(20):
+        assert tenants.authenticate("Bearer" + " " * (300 + i) + "sk-acme").name == "acme"
+    assert tenants.authenticate("Bearer sk-acme").name == "acme"
+    assert list(tenants._recent) == ["Bearer sk-acme"]
