@@ -57,6 +57,11 @@ MAX_UINT32 = 2**32 - 1
 MAX_DURATION_MS = 315_576_000_000 * 1000
 CANCEL_TRIES = 20
 CANCEL_PAUSE_S = 0.25
+# cancels retried at once, at most: past it (a long outage under load) a failed call's
+# charge may stay in the store, which only errs on the strict side (Envoy denied the
+# request already, under failure_mode_deny); without a bound each failed call kept a task
+# and a connection attempt alive for ~15 s
+MAX_PENDING_CANCELS = 1024
 _UNITS = {name.lower(): number for name, number in rls_pb2.RateLimitResponse.RateLimit.Unit.items()}
 
 
@@ -136,6 +141,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         self._prefix = secrets.token_hex(6)
         self._ids = itertools.count()
         self._cancels: set[asyncio.Task[None]] = set()
+        self._failing = False  # the store's last call failed: logged once per outage
 
     def attach(self, server: grpc.aio.Server) -> None:
         """Serve on ``server`` (kvgate's gRPC port, beside ext_proc): the generated
@@ -215,17 +221,26 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         call_id = f"{self._prefix}{next(self._ids)}"
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self.counters.hit(domain, hits, call_id)
+                verdicts = await self.counters.hit(domain, hits, call_id)
         except (StoreUnavailable, TimeoutError, OSError) as exc:
-            task = asyncio.create_task(self._cancel(domain, hits, call_id))
-            self._cancels.add(task)
-            task.add_done_callback(self._cancels.discard)
-            log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides", exc)
+            if len(self._cancels) < MAX_PENDING_CANCELS:
+                task = asyncio.create_task(self._cancel(domain, hits, call_id))
+                self._cancels.add(task)
+                task.add_done_callback(self._cancels.discard)
+            if not self._failing:  # one line per outage: every call of a busy one failed
+                self._failing = True
+                log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides "
+                            "until it answers (kvgate_ratelimit_descriptors_total{code=\"error\"} "
+                            "counts the calls)", exc)
             if self.metrics is not None:
                 label = domain if domain in self.domains else "other"
                 self.metrics.ratelimit.add((label, "error"), len(hits))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
             raise  # abort raises; this keeps the type checker informed
+        if self._failing:
+            self._failing = False
+            log.info("ratelimit store answers again")
+        return verdicts
 
     async def _cancel(self, domain: str, hits: list[Hit], call_id: str) -> None:
         """Undo a call that may still run in the store, until the store confirms."""

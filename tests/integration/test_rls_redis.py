@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 from collections.abc import Iterator
 
 import grpc
@@ -237,4 +238,31 @@ async def test_a_call_timed_out_on_a_paused_redis_charges_nothing(redis):
     after = [s.limit_remaining for s in (await ask(service, *[
         descriptor((key, "p"), hits=0) for key in ("tb", "sw", "fw")], domain="d")).statuses]
     assert after == before  # the late call was undone
+    await service.close()
+
+
+async def test_an_outage_is_logged_once_and_its_cancels_are_bounded(redis, caplog,
+                                                                   monkeypatch):
+    """Every call failing on a paused Redis logged a warning of its own (2,000 calls, 2,000
+    lines) and kept a cancel task retrying for ~15 s, however many."""
+    from extproc import rls
+
+    monkeypatch.setattr(rls, "MAX_PENDING_CANCELS", 5)
+    caplog.set_level(logging.INFO, logger="extproc.rls")
+    client = redis_client(RedisSettings(url=redis.url, timeout_ms=50))
+    service = RateLimitService(RateLimitSettings.model_validate(ALGORITHMS),
+                               RedisRateCounters(client, prefix="outage"), timeout_s=0.05)
+    assert (await ask(service, descriptor(("tb", "o"), hits=1), domain="d")).overall_code == OK
+    redis.pause()
+    try:
+        for _ in range(12):
+            with pytest.raises(Aborted):
+                await ask(service, descriptor(("tb", "o"), hits=1), domain="d")
+        assert len(service._cancels) == 5
+    finally:
+        redis.resume()
+    assert (await ask(service, descriptor(("tb", "o"), hits=0), domain="d")).overall_code == OK
+    failed = [r for r in caplog.records if "ratelimit store failed" in r.getMessage()]
+    assert len(failed) == 1
+    assert any("ratelimit store answers again" in r.getMessage() for r in caplog.records)
     await service.close()
