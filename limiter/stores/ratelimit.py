@@ -43,13 +43,18 @@ class MemoryRateCounters:
     A counter is rebuilt when its rule's limit changes (a config reload): RLS limits are
     coarse, and carrying a level across algorithms would mean nothing. Counters back to
     their starting state are dropped every ``sweep_every`` calls, so one per client address
-    or user id does not pile up.
+    or user id does not pile up; and at most ``max_counters`` are kept: a descriptor whose
+    value the client chooses (an address, a header) with a day-long window would otherwise
+    keep one per value all day. Past it the least recently used goes first (its client
+    starts afresh: lenient, never wrong the other way).
     """
 
-    def __init__(self, clock: Callable[[], int] = wall_ms, *, sweep_every: int = 4096) -> None:
+    def __init__(self, clock: Callable[[], int] = wall_ms, *, sweep_every: int = 4096,
+                 max_counters: int = 100_000) -> None:
         self._clock = clock
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, _Slot] = {}  # least recently used first
         self._sweep_every = sweep_every
+        self._max_counters = max_counters
         self._calls = 0
 
     def __len__(self) -> int:
@@ -61,10 +66,14 @@ class MemoryRateCounters:
             del self._slots[key]
 
     def _counter(self, hit: Hit, now_ms: int) -> Counter:
-        slot = self._slots.get(hit.key)
+        slot = self._slots.pop(hit.key, None)  # and back at the end: the most recent
         if slot is None or slot.limit != hit.limit:
+            if len(self._slots) >= self._max_counters:
+                self._sweep(now_ms)
+                while len(self._slots) >= self._max_counters:
+                    del self._slots[next(iter(self._slots))]
             slot = _Slot(hit.limit, new_counter(hit.limit, now_ms))
-            self._slots[hit.key] = slot
+        self._slots[hit.key] = slot
         return slot.counter
 
     async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:

@@ -256,6 +256,20 @@ def test_idle_counters_are_forgotten(clock):
     assert len(counters) == 1
 
 
+def test_counters_are_bounded_the_least_recently_used_going_first(clock):
+    """A descriptor whose value a client chooses (an address) with a long window kept one
+    counter per value until the window ended: 500,000 values held 130 MB all day."""
+    counters = MemoryRateCounters(clock, max_counters=5)
+    service = RateLimitService(RateLimitSettings.model_validate(RULES), counters, timeout_s=None)
+    ask(service, descriptor(("fixed", "hot")))
+    for i in range(8):  # each charged: none is idle, so none is swept
+        ask(service, descriptor(("fixed", f"f{i}")))
+        ask(service, descriptor(("fixed", "hot"), hits=0))  # used: the most recent
+    assert len(counters) == 5
+    assert ask(service, descriptor(("fixed", "hot"), hits=0)).statuses[0].limit_remaining == 1
+    assert ask(service, descriptor(("fixed", "f0"), hits=0)).statuses[0].limit_remaining == 2
+
+
 def test_every_descriptor_is_counted_by_domain_and_code(clock):
     metrics = Metrics()
     service = RateLimitService(RateLimitSettings.model_validate(RULES),
