@@ -38,6 +38,7 @@ from extproc.openai import Usage, usage_from
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 8192
+PARTIAL_TIMEOUT_S = 10.0  # a report begun and not finished within this is dropped
 MAX_REPORT_BYTES = 65536
 KEY_HEADER = b"x-kvgate-report-key"
 _NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
@@ -127,6 +128,7 @@ class _ReportProtocol(asyncio.Protocol):
         self._receive = receive
         self._buffer = b""
         self._transport: asyncio.Transport | None = None
+        self._partial: asyncio.TimerHandle | None = None  # hangs up on a request left half
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -135,6 +137,14 @@ class _ReportProtocol(asyncio.Protocol):
         self._buffer += data
         while self._transport is not None and self._next_request():
             pass
+        # Envoy sends each report whole: one left half for PARTIAL_TIMEOUT_S is dropped
+        # (connections holding half-sent requests held their buffers without end)
+        if self._buffer and self._partial is None and self._transport is not None:
+            self._partial = asyncio.get_running_loop().call_later(PARTIAL_TIMEOUT_S,
+                                                                  self._fail)
+        elif not self._buffer and self._partial is not None:
+            self._partial.cancel()
+            self._partial = None
 
     def _next_request(self) -> bool:
         """Answer one whole request from the buffer; False when it holds none yet."""
@@ -180,6 +190,9 @@ class _ReportProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        if self._partial is not None:
+            self._partial.cancel()
+            self._partial = None
 
 
 def _header(line: bytes) -> tuple[bytes, bytes]:

@@ -9,6 +9,7 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc import reports
 from extproc.openai import Usage
 from extproc.reports import ReportDesk, parse_done
 
@@ -101,6 +102,17 @@ async def test_malformed_requests_are_refused_with_400_and_a_hang_up():
     for name, raw in HOSTILE.items():
         codes, closed, errors = await exchange(raw)
         assert (codes, closed, errors) == ([400], True, []), name
+
+
+async def test_a_report_left_half_sent_is_dropped(monkeypatch):
+    """Connections holding half-sent reports kept their buffers without end (800 of them
+    held 50 MB); a whole report, and a kept-alive idle connection, are never cut."""
+    monkeypatch.setattr(reports, "PARTIAL_TIMEOUT_S", 0.2)
+    whole = report("/first/lease-1", "{key}")
+    codes, closed, _ = await exchange(whole[:20], wait_s=1.0)
+    assert (codes, closed) == ([400], True)
+    codes, closed, _ = await exchange(whole, lease_stream=Stream(), wait_s=0.6)
+    assert (codes, closed) == ([204], False)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
