@@ -16,6 +16,7 @@ from typing import Any
 from limiter.buckets import Shaper, SlidingWindow, TokenBucket, bucket_view
 from limiter.calendar import Period
 from limiter.herd import (
+    MAX_HERD_WAIT_MS,
     concurrency_interval,
     concurrency_wait,
     herd_wait,
@@ -477,6 +478,7 @@ class TenantLimiter:
             else:
                 slot = herd_wait(now_ms, wait, promised,
                                  self._interval(reason, requests, tokens or 0))
+            slot = max(wait, min(slot, MAX_HERD_WAIT_MS))
             self._promised[reason] = now_ms + slot
             scheduled.append((reason, slot))
         return scheduled

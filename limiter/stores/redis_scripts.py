@@ -392,6 +392,8 @@ local HERD_FIELDS = {'requests', 'requests_window', 'tokens', 'concurrency',
                      'shaping_backlog_full'}
 local HERD
 
+local MAX_HERD_WAIT = 60000  -- limiter.herd.MAX_HERD_WAIT_MS
+
 local function herd()  -- read once per call
   if HERD then return HERD end
   local h = redis.call('HMGET', KHERD, 'd', 'n', unpack(HERD_FIELDS))
@@ -448,14 +450,15 @@ end
 local function herd_schedule(waits, requests, tokens, t, win)
   local H = herd()
   for i = 1, #waits, 2 do
-    local reason, wait = waits[i], waits[i + 1]
-    local tat = H.tat[reason]
+    local reason, exact = waits[i], waits[i + 1]
+    local tat, wait = H.tat[reason], waits[i + 1]
     local slot = tat and reason == 'requests_window' and win and win_herd_wait(win, requests, tat)
     if slot then
       wait = slot
     elseif tat then
       wait = math.max(wait, tat + herd_interval(H, reason, requests, tokens) - t)
     end
+    wait = math.max(exact, math.min(wait, MAX_HERD_WAIT))  -- herd.MAX_HERD_WAIT_MS
     H.tat[reason] = t + wait
     waits[i + 1] = wait
   end

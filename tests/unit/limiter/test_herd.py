@@ -3,11 +3,11 @@ admitted on their first retry."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from limiter import Admit, Cost, Rate, Reason, Reject, TenantLimiter, TenantPolicy
-from limiter.herd import concurrency_wait, observe
+from limiter.herd import MAX_HERD_WAIT_MS, concurrency_wait, observe
 
 
 def _refuse_all(limiter: TenantLimiter, n: int, now: int, cost: Cost) -> list[int]:
@@ -113,7 +113,9 @@ def test_policy_reload_forgets_promises() -> None:
 def test_every_client_of_a_herd_is_admitted_on_its_first_retry(
     amount: int, period: int, burst: int, clients: int, start: int
 ) -> None:
-    """However many refused at once, each retrying at its own time is admitted."""
+    """However many refused at once, each retrying at its own time is admitted (while the
+    herd's schedule fits within MAX_HERD_WAIT_MS)."""
+    assume(clients * period // amount < MAX_HERD_WAIT_MS)
     policy = TenantPolicy(request_rate=Rate(amount, period), request_burst=burst)
     limiter = TenantLimiter(policy, now_ms=0)
     for i in range(burst):
@@ -171,3 +173,14 @@ def test_every_client_of_a_window_herd_is_admitted_on_its_first_retry(
     newcomer = limiter.admit(Cost(1, 1), "new", now + waits[-1])
     if isinstance(newcomer, Reject):
         assert newcomer.retry_after_ms is not None and newcomer.retry_after_ms > 0
+
+
+def test_a_herd_is_scheduled_a_minute_ahead_at_most() -> None:
+    """A client ignoring Retry-After, refused in a loop, moved the schedule on by a slot at
+    each refusal: after 2,500 of them at 1 request/s a well-behaved client of the tenant
+    was told to come back in 34 minutes. Past a minute, refused clients share its end."""
+    limiter = TenantLimiter(TenantPolicy(request_rate=Rate(1, 1000), request_burst=1), 0)
+    assert isinstance(limiter.admit(Cost(1, 1), "a", 0), Admit)
+    waits = _refuse_all(limiter, 200, 0, Cost(1, 1))
+    assert waits[:60] == [1000 * (k + 1) for k in range(60)]
+    assert max(waits) == 60_000
