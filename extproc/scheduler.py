@@ -90,6 +90,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.config import Pool
 from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
@@ -562,11 +563,28 @@ class PoolScheduler:
             self._started_by_engine(state)
             self._learn_seq_cap(state)
             self._adapt_gate(state)
+        self._forget_gone({s.address for s in states})
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
         endpoints = [_Scraped(s, s.usable_until(self.staleness_s), self._takes_work(s))
                      for s in states]
         self._cached_view = view = _PoolView(snapshot, endpoints, max(capacities, default=None))
         return view
+
+    def _forget_gone(self, live: set[str]) -> None:
+        """What was learnt of endpoints the pool no longer has (DNS dropped them: a pod
+        replaced, with a new address), once nothing sent there is in flight: every rollout
+        would otherwise leave its old addresses in each per-endpoint table for good."""
+        tables: list[dict[str, Any]] = [
+            self.by_endpoint, self.in_flight, self.unstarted, self.committed,
+            self.prefill_tokens, self.prefill_marks, self.low_prefills,
+            self.low_prefill_tokens, self.seq_caps, self.gate_growth, self._plateaus]
+        gone = {address for table in tables for address in table
+                if address not in live and not self.by_endpoint.get(address)}
+        for address in gone:
+            for table in tables:
+                table.pop(address, None)
+            self._seq_seeded.discard(address)
+            self._gated.discard(address)
 
     def _started_by_engine(self, state: EndpointState) -> None:
         """The engine's waiting count says how many of the requests sent before its scrape

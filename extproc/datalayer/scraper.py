@@ -251,6 +251,8 @@ class Scraper:
             )
         else:  # no GPU sources: no second gather to pay for every round
             metrics, gpu_readings = await _gather(scrapes), {}
+        for gone in self.errors.keys() - engines.keys():  # an address DNS dropped
+            del self.errors[gone]
         results = []
         for address, (at, parsed, error, reached) in zip(addresses, metrics, strict=True):
             if error is not None:

@@ -763,3 +763,20 @@ def test_work_is_checked_at_its_prompt_now_and_at_its_peak_later():
     for band in (0, 1):
         assert isinstance(asked(380, band), Placement)  # 600 + 100 now, 980 at its peak
         assert isinstance(asked(420, band), Reject)  # 1,020 at its peak; 1,020 at once
+
+
+def test_endpoints_dns_dropped_are_forgotten_once_nothing_runs_there():
+    """Each rollout gives pods new addresses: every per-endpoint table kept the old ones for
+    good (and /debug/queues showed them)."""
+    sched = scheduler(max_num_seqs=4)
+    old, new = "10.0.0.1:8000", "10.0.0.2:8000"
+    assert place(sched, snapshot(state(old, 0.1))).endpoints == [old]
+    sched.reserve("r1", "a", old, 100, NOW, prompt_tokens=50)
+    sched.observe(StoreSnapshot(2, {"p": {new: state(new, 0.1)}}))
+    assert old in sched.in_flight  # still running there: kept
+    sched.release("r1", NOW + 1)
+    sched.observe(StoreSnapshot(3, {"p": {new: state(new, 0.1)}}))
+    tables = (sched.by_endpoint, sched.in_flight, sched.unstarted, sched.committed,
+              sched.prefill_tokens, sched.seq_caps)
+    assert all(old not in table for table in tables)
+    assert new in sched.seq_caps
