@@ -357,6 +357,7 @@ class KvgateServer:
 
     async def _start_admin(self, host: str, port: int) -> None:
         app = web.Application()
+        app.on_response_prepare.append(_nosniff)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
@@ -620,3 +621,8 @@ def install_uvloop() -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def _nosniff(_request: web.Request, response: web.StreamResponse) -> None:
+    """Every admin answer is read as the type it says (JSON, text), never sniffed."""
+    response.headers.setdefault("x-content-type-options", "nosniff")

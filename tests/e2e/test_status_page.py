@@ -139,3 +139,25 @@ def test_chromium_shows_live_data(live, chromium, tmp_path) -> None:
     assert screenshot.stat().st_size > 20_000  # a rendered page, not a blank one
     if keep := os.environ.get("KVGATE_SCREENSHOT"):
         shutil.copyfile(screenshot, keep)
+
+
+def test_a_hostile_value_cannot_blank_the_page(chromium, tmp_path) -> None:
+    """An engine whose malformed reply is quoted in its scrape error (``<!--<script>``) put
+    the parser in a state that swallowed the page's own script: the page stayed blank."""
+    from extproc.status import render_page
+
+    state = {"generated_at": 0, "uptime_s": 1, "hot_path": "python", "limits": "in-memory",
+             "endpoints": [{"pool": "p", "address": "10.0.0.1:8000", "healthy": True,
+                            "fresh": True, "scrape_age_s": 0.1, "kv_cache_usage": 0.5,
+                            "kv_capacity_tokens": 1000, "running": 1, "waiting": 0,
+                            "in_flight": 1,
+                            "last_error": "400, message: Invalid header <!--<script>"}],
+             "queues": [], "holds": {}, "tenants_total": 1,
+             "tenants": [{"tenant": "acme<!--<script>", "tier": "gold", "weight": 1,
+                          "in_flight": 0, "requests": None, "tokens": None, "quotas": {}}],
+             "rejections": {"by_reason": {}, "recent": []}}
+    page = tmp_path / "page.html"
+    page.write_bytes(render_page(state))
+    dom = browse(chromium, page.as_uri(), tmp_path, "--dump-dom")
+    assert "10.0.0.1:8000" in section(dom, "endpoints")  # the page's script ran
+    assert "acme&lt;!--&lt;script&gt;" in section(dom, "tenants")  # shown, as text
