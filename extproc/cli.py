@@ -13,8 +13,11 @@ import contextlib
 import getpass
 import logging
 import os
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from extproc.config import (
     EXAMPLE_CONFIG,
@@ -33,6 +36,11 @@ DESCRIPTION = "Multi-tenant admission control for vLLM, as an Envoy external pro
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself, not a test calling main()
+        # Until a command installs its own handler (serve's reload, the workers' parent's
+        # forwarding, the demo's stop), SIGHUP is ignored: its default action ended a
+        # `kvgate serve` that was sent a reload while it started. Workers inherit it.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     parser = _parser()
     args = parser.parse_args(argv)
     _setup_logging(args.log_level, args.log_format or "plain")
@@ -328,11 +336,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_worker(
     config_path: Path, index: int, log_level: str, log_format: str | None = None, *,
-    reuse_port: bool = True,
+    reuse_port: bool = True, parent_pid: int | None = None,
 ) -> None:
-    """One serving process (:func:`for_worker`)."""
-    from extproc.processes import set_cpu_policy
+    """One serving process (:func:`for_worker`); a worker (``parent_pid``) ends with its
+    parent."""
+    from extproc.processes import die_with_parent, set_cpu_policy
     from extproc.server import KvgateServer, install_uvloop
+
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
 
     config = load_config(config_path)
     _setup_logging(log_level, log_format or config.server.log_format)
@@ -349,13 +361,12 @@ def _serve_worker(
 def _run_workers(config_path: Path, workers: int, log_level: str, log_format: str | None
                  ) -> int:
     import multiprocessing
-    import signal
 
     context = multiprocessing.get_context("spawn")
     processes = [
         context.Process(
             target=_serve_worker, args=(config_path, i, log_level, log_format),
-            name=f"kvgate-worker-{i}",
+            kwargs={"parent_pid": os.getpid()}, name=f"kvgate-worker-{i}",
         )
         for i in range(workers)
     ]
@@ -367,16 +378,42 @@ def _run_workers(config_path: Path, workers: int, log_level: str, log_format: st
             if process.pid and process.is_alive():
                 os.kill(process.pid, signum)
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: every worker reloads
-        signal.signal(signum, forward)
-    for process in processes:
-        process.join()
-    return max((p.exitcode or 0) for p in processes)
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        forward(signum, frame)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+    signal.signal(signal.SIGHUP, forward)  # every worker reloads
+    return _watch_workers(processes, lambda: stopping)
+
+
+def _watch_workers(processes: list[Any], stopping: Callable[[], bool]) -> int:
+    """Until every worker has exited. One that exits before a SIGTERM or SIGINT asked it
+    to (killed, crashed) stops the others and the parent exits 1, so the orchestrator
+    restarts the whole — rather than serving on with fewer workers, silently. The exit
+    status is 1 when any worker failed (a negative exit code is a signal)."""
+    import time
+
+    failed = False
+    while any(p.is_alive() for p in processes):
+        for process in processes:
+            if process.exitcode is not None and not stopping() and not failed:
+                failed = True
+                print(f"kvgate: {process.name} exited ({process.exitcode}) before it was "
+                      "asked to; stopping the others", file=sys.stderr, flush=True)
+                for other in processes:
+                    if other.pid and other.is_alive():
+                        os.kill(other.pid, signal.SIGTERM)
+        time.sleep(0.2)
+    failed = failed or any(p.exitcode for p in processes)
+    return 1 if failed else 0
 
 
 def _agent(args: argparse.Namespace) -> int:
-    import signal
-
     from extproc.config import AgentSettings
     from extproc.datalayer.agent import run_agent
     from extproc.datalayer.nvml import open_gpu_reader

@@ -59,6 +59,7 @@ class Admission:
     admit: Admit
     body_overrides: dict[str, Any] = field(default_factory=dict)  # degradation rewrites
     charged: int | None = None  # the price its tenant's fair-order counter was charged
+    charged_weight: float = 1.0  # … at its tenant's weight then (a reload may change it)
     pool: str = field(init=False)  # the scheduler's pool (read on every release)
 
     def __post_init__(self) -> None:
@@ -283,6 +284,7 @@ class Director:
                       decision: Admit, watch: Watch) -> Admission | Reject:
         """Admitted by the limits: wait in the queue if not placed yet, then the admission."""
         scheduler, placed, charged = route.scheduler, route.placed, None
+        weight = self.tenants.weight(tenant)  # what the queue charges it at
         # renewed in the shared store from now on, also while it waits in the queue: a lease
         # left to lapse there (the lease TTL is shorter than a batch deadline) freed its
         # concurrency slot for another replica while it still held its place
@@ -302,7 +304,7 @@ class Director:
             endpoints=placed.endpoints,
             priority=scheduler.config.body_priority(klass.priority),
             request_class=klass.name, admit=decision, body_overrides=route.overrides,
-            charged=charged,
+            charged=charged, charged_weight=weight,
         )
 
     async def _paced(
@@ -421,7 +423,7 @@ class Director:
                 output_tokens is not None):
             real = self.config.queue.price(max(0, used_tokens - output_tokens), output_tokens)
             await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
-                                                     self.tenants.weight(tenant))
+                                                     admission.charged_weight)
 
     def first_token(self, admission: Admission) -> None:
         """The response has started: the engine is done prefilling this request, which

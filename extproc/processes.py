@@ -38,6 +38,24 @@ def set_cpu_policy(policy: str) -> bool:
     return True
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: this process gets SIGTERM (and drains) when its parent dies, however it died.
+    A `kvgate serve --workers` parent killed with SIGKILL left its workers serving on as
+    orphans that no reload or stop reached any more. Elsewhere, nothing changes."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        set_parent_death_signal = 1  # PR_SET_PDEATHSIG
+        if libc.prctl(set_parent_death_signal, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
     """SIGTERM, then SIGKILL if it is still running after ``timeout`` seconds."""
     if process is None or process.poll() is not None:

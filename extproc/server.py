@@ -553,7 +553,9 @@ class KvgateServer:
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await stop.wait()
-        loop.remove_signal_handler(signal.SIGHUP)
+        # not removed: without a handler SIGHUP's default action ends the process, which
+        # cut every stream still draining and left its leases held
+        loop.add_signal_handler(signal.SIGHUP, _ignored_while_draining)
         await self.drain(self.config.server.shutdown_grace_s, self.config.server.drain_delay_s)
 
 
@@ -626,3 +628,7 @@ def install_uvloop() -> None:
 async def _nosniff(_request: web.Request, response: web.StreamResponse) -> None:
     """Every admin answer is read as the type it says (JSON, text), never sniffed."""
     response.headers.setdefault("x-content-type-options", "nosniff")
+
+
+def _ignored_while_draining() -> None:
+    log.info("SIGHUP ignored: shutting down (the config is not reloaded while draining)")

@@ -53,6 +53,7 @@ class Tenants:
             for name, policy in previous._policies.items():
                 self._policies.setdefault(name, policy)
                 self._weights.setdefault(name, previous._weights[name])
+                self._overflow.setdefault(name, previous._overflow[name])
 
     @property
     def weights(self) -> dict[str, float]:

@@ -233,6 +233,9 @@ def test_sigterm_lets_a_stream_finish_and_leaves_nothing_held(
             assert "draining (shutting down)" in httpx.get(admin + "/readyz").json()[
                 "waiting_for"]
             assert grpc_health(kvgate.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+            # a reload asked while draining is ignored: SIGHUP's default action (exit)
+            # cut every open stream and left its lease in Redis
+            kvgate.process.send_signal(signal.SIGHUP)
             # after the drain delay no new streams: Envoy fails closed
             wait_until(lambda: post(envoy.url, "acme", chat()).status_code == 503, 10)
             stream.finish()
@@ -242,6 +245,7 @@ def test_sigterm_lets_a_stream_finish_and_leaves_nothing_held(
     assert re.search(r"draining: not ready, no new streams; [12] open stream\(s\) get up to "
                      r"30 s", log)
     assert "stopped: 0 stream(s) cut at the grace, 0 lease(s) left held" in log
+    assert "SIGHUP ignored: shutting down" in log
 
 
 # -- hot reload ------------------------------------------------------------------------------

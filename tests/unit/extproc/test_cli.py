@@ -613,3 +613,67 @@ def test_each_worker_takes_its_own_report_port_and_ranges_that_meet_are_refused(
             in capsys.readouterr().err)
     data["server"]["report_port"], data["server"]["admin_port"] = 0, 0  # any free ports
     assert for_worker(parse_config(data), 3).server.report_port == 0
+
+
+def _sighup_ignored(pid: int) -> bool:
+    """Whether the process ignores SIGHUP (``SigIgn`` in /proc: signal 1 is bit 0)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(status.split("SigIgn:")[1].split()[0], 16) & 1)
+
+
+def test_a_sighup_while_serve_starts_does_not_end_it(tmp_path):
+    """No handler was installed until the server ran: a reload sent while it started (a
+    ConfigMap update, a script) ended the process with SIGHUP's default action. The config
+    is a FIFO here, so the process waits at its first read, mid-start, for as long as the
+    test needs."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["server"] = {"grpc_port": 0, "admin_port": 0, "report_port": 0, "reload_poll_s": 0}
+    fifo = tmp_path / "kvgate.yaml"
+    os.mkfifo(fifo)
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "-c", str(fifo)],
+                               stdout=subprocess.DEVNULL, stderr=log.open("wb"),
+                               env={**os.environ, "KVGATE_NATIVE": "0"})
+    try:
+        deadline = time.monotonic() + 30
+        while not _sighup_ignored(process.pid):  # main() has run: it reads its config now
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        assert process.poll() is None
+        with open(fifo, "w") as writer:  # what `serve` reads; then its worker reads a file
+            fifo.unlink()
+            fifo.write_text(yaml.safe_dump(data))
+            writer.write(yaml.safe_dump(data))
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _sleep_forever() -> None:
+    import signal as signals
+
+    signals.signal(signals.SIGTERM, lambda *_: sys.exit(0))
+    time.sleep(600)
+
+
+def test_a_worker_that_dies_stops_the_others_and_fails_the_parent():
+    """The parent never noticed a worker dying: it served on with fewer workers, logged
+    nothing, and exited 0 (a negative exit code read as 0)."""
+    import multiprocessing
+
+    from extproc.cli import _watch_workers
+
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_sleep_forever, name=f"w{i}") for i in range(2)]
+    for worker in workers:
+        worker.start()
+    time.sleep(1.0)  # (spawned: the interpreter starts first)
+    os.kill(workers[0].pid, signal.SIGKILL)
+    assert _watch_workers(workers, lambda: False) == 1
+    assert workers[0].exitcode == -signal.SIGKILL and workers[1].exitcode == 0

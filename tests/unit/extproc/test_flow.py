@@ -269,6 +269,24 @@ async def test_a_queued_request_is_charged_its_price_and_refunded_what_it_did_no
     assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 10
 
 
+async def test_a_correction_after_a_weight_change_uses_the_weight_charged(harness):
+    """A reload between dispatch and release changed the tenant's weight: the correction
+    was converted at the new weight, the charge had been at the old, and the counter
+    drifted by the difference."""
+    await harness.start(usage=0.99)
+    task = harness.admit("b")  # weight 1 when queued and charged
+    await settle()
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    prompt = admission.cost.prompt_tokens
+    heavier = config()
+    heavier = heavier.model_copy(update={"tiers": {**heavier.tiers, "free": heavier.tiers[
+        "free"].model_copy(update={"weight": 4})}})
+    harness.director.reconfigure(heavier)
+    await harness.director.release(admission, prompt + 10, 10)  # 10 of 100 output tokens
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 10
+
+
 async def test_a_request_placed_at_once_is_not_charged(harness):
     await harness.start(usage=0.1)
     admission = await asyncio.wait_for(harness.admit("b"), 2)

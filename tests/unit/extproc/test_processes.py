@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +45,40 @@ def test_batch_applies_to_the_thread_and_the_threads_it_starts():
 def test_normal_leaves_scheduling_alone():
     applied, own, inherited = _in_a_thread("normal")
     assert not applied and own == inherited == os.sched_getscheduler(0)
+
+
+def test_a_worker_dies_with_its_parent_however_it_died(tmp_path):
+    """`kvgate serve --workers` workers outlived a parent killed with SIGKILL, serving on
+    with no one to forward a reload or a stop to them."""
+    child = (
+        "import signal, sys, time\n"
+        "try:\n"
+        "    from extproc.processes import die_with_parent\n"
+        "except ImportError:  # (before the fix: nothing asked)\n"
+        "    def die_with_parent(_pid): pass\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        "die_with_parent(int(sys.argv[1]))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")
+    parent = (
+        "import os, subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid())])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    child_pid = int(process.stdout.readline())
+    time.sleep(1.0)  # the child has asked for the signal
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child_pid}").exists() and "Z" not in _state(child_pid):
+        assert time.monotonic() < deadline, "the worker outlived its parent"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"

@@ -98,6 +98,9 @@ def test_removed_tenants_keep_their_policy_but_cannot_authenticate() -> None:
     after = Tenants(parse_config(data(2, ("acme",))), previous=before)
     assert after.policy(gone) == before.policy(gone)
     assert after.weight(gone) == before.weight(gone)
+    # its overflow too: a shaped tenant's requests waking from their pacing slot looked it
+    # up (KeyError: 503 internal_error for each, after the reload removed the tenant)
+    assert after.overflow(gone) == before.overflow(gone)
     with pytest.raises(BadRequest):
         after.authenticate("Bearer sk-gone")
     assert after.authenticate("Bearer sk-acme").name == "acme"
