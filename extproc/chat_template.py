@@ -29,9 +29,12 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "mask_token")
 _TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
               "refusal": "refusal", "thinking": "thinking"}
-# set by the request itself, never through chat_template_kwargs
+# set by the request itself or the model, never through chat_template_kwargs: a client's
+# 100 KB eos_token, printed after each of 1,000 messages, rendered 100 MB from a 129 KB body
+# and the tokenizer's allocation aborted the process
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                       "continue_final_message", "chat_template", "tokenize"})
+                       "continue_final_message", "chat_template", "tokenize",
+                       "additional_special_tokens", *SPECIAL_TOKENS})
 
 
 class ChatTemplate:

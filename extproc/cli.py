@@ -310,6 +310,9 @@ def _import_ratelimit(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # a tokenizer counts on the calling thread: its batch encoding would otherwise spread
+    # over every core, Envoy's included, for one request's embeddings
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = load_config(args.config)
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)

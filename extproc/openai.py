@@ -98,6 +98,14 @@ class InferenceRequest:
         return isinstance(options, dict) and options.get("include_usage") is True
 
 
+# What one request may hold, refused with a 400 before any of it is counted: parsing,
+# rendering and tokenizing run on the event loop every tenant's admission shares, and a 1 MiB
+# body of 349,000 empty messages cost 2.6 s there; a long suffix copied into each prompt
+# of a batch asked for gigabytes
+MAX_MESSAGES = 10_000  # a chat's messages (a conversation that long fits no context)
+MAX_PROMPTS = 2048  # a batch's prompts (completions, embeddings), as OpenAI's embeddings
+MAX_SUFFIX_CHARS = 4 * 1024 * 1024  # a completion's suffix, times the prompts it joins
+
 _MAX_CACHED_PATHS = 4096
 # paths longer than this are worked out each time, never kept: the cache is filled before
 # the API key is checked, and Envoy lets ~60 KB paths through (4,096 of them held ~470 MB)
@@ -199,7 +207,11 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
         texts, messages = _plain_texts(body.get(field), field), 0
         suffix = body.get("suffix") if path == COMPLETIONS else None
         if isinstance(suffix, str) and suffix:  # a fill-in-the-middle model renders it
-            texts = [text + suffix for text in texts]  # into every prompt
+            if len(suffix) * len(texts) > MAX_SUFFIX_CHARS:  # into every prompt
+                raise BadRequest(f"'suffix' ({len(suffix)} characters) is rendered into each "
+                                 f"of the {len(texts)} prompts: more than {MAX_SUFFIX_CHARS} "
+                                 "characters in all", param="suffix")
+            texts = [text + suffix for text in texts]
     output = _max_output_tokens(path, body)
     stream = body.get("stream")
     if stream is None:  # absent, or null as the spec allows: not streamed
@@ -236,6 +248,9 @@ def _chat_texts(messages: Any) -> tuple[list[str], int, int]:
     how many content parts are media (images, audio, video, files: tokens no text shows)."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"'messages' holds {len(messages)} messages; at most {MAX_MESSAGES} "
+                         "are accepted", param="messages")
     texts: list[str] = []
     media = 0
     for i, message in enumerate(messages):
@@ -313,6 +328,9 @@ def _plain_texts(value: Any, field: str) -> list[str]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
+        if len(value) > MAX_PROMPTS and not isinstance(value[0], int):
+            raise BadRequest(f"'{field}' holds {len(value)} prompts; at most {MAX_PROMPTS} are "
+                             "accepted in one request", param=field)
         if all(isinstance(v, str) for v in value):
             return value
         if all(isinstance(v, int) for v in value):

@@ -80,6 +80,7 @@ class HFTokenizer:
             if self.template is not None:
                 try:
                     text = self.template.render(body)
+                    _check_rendered(text, request)
                 except Exception as exc:  # the template's raise_exception, odd messages
                     self._log_render_failure(exc)
                 else:
@@ -129,3 +130,18 @@ def make_counter(tokenizer: Path | None, chars_per_token: float,
         log.error("tokenizer %s unusable (%s); estimating %.1f chars/token", tokenizer, exc,
                   chars_per_token)
         return CharEstimate(chars_per_token)
+
+
+# A rendered chat prompt is its texts plus the template's markup around each message; far
+# more means the template multiplies something (a value printed per message), and
+# tokenizing it would hold the event loop (or exhaust memory): it is counted by estimate.
+RENDER_MARKUP_CHARS = 512  # per message, at most, in any template measured
+RENDER_SLACK_CHARS = 65_536  # a system prompt and tool schemas the template adds
+
+
+def _check_rendered(text: str, request: InferenceRequest) -> None:
+    limit = (2 * sum(len(t) for t in request.prompt_texts)
+             + RENDER_MARKUP_CHARS * request.message_count + RENDER_SLACK_CHARS)
+    if len(text) > limit:
+        raise ValueError(f"the rendered prompt ({len(text)} characters) is far longer than "
+                         f"the request's texts allow ({limit})")

@@ -337,3 +337,44 @@ def test_chat_template_needs_a_tokenizer():
                        "endpoints": ["127.0.0.1:8000"]}],
         })
     assert any("chat_template needs a tokenizer" in p for p in info.value.problems)
+
+
+# --- hostile bodies: bounded work before admission --------------------------------------------
+
+def test_chat_template_kwargs_cannot_replace_the_models_special_tokens(tmp_path):
+    """A client's 100 KB eos_token, printed by the template after each of 1,000 messages,
+    rendered 100 MB from a 129 KB body, and the tokenizer's allocation aborted kvgate."""
+    template = "{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+    counter = make_counter(chat_model(tmp_path, template), 4.0)
+    body = chat(USER, chat_template_kwargs={"eos_token": "x" * 100_000, "bos_token": "y",
+                                            "additional_special_tokens": ["z"]}).body
+    assert counter.template.render(body) == "hello world</s>"
+
+
+def test_a_rendered_prompt_far_past_its_texts_is_counted_by_estimate(tmp_path, caplog):
+    """A template that multiplies a value per message could make a small body a huge
+    prompt: it is counted by estimate rather than tokenized on the event loop."""
+    template = ("{% for m in messages %}{% for i in range(100000) %}{{ m.content }}"
+                "{% endfor %}{% endfor %}")
+    counter = make_counter(chat_model(tmp_path, template), 4.0)
+    with caplog.at_level(logging.WARNING):
+        assert counter.prompt_tokens(chat(USER)) == 2 + 3  # its texts, plus the allowance
+    assert "far longer than the request's texts allow" in caplog.text
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, {"messages": [{"role": "user", "content": ""}] * 10_001}, "messages"),
+    (COMPLETIONS, {"prompt": ["a"] * 2049}, "prompt"),
+    (EMBEDDINGS, {"input": [[1, 2]] * 2049}, "input"),
+    (COMPLETIONS, {"prompt": ["a"] * 9, "suffix": "s" * 500_000}, "suffix"),
+])
+def test_bodies_that_would_cost_seconds_to_count_are_refused(path, body, param):
+    """Parsed, rendered and tokenized on the loop every tenant's admission shares: 349,000
+    empty messages cost 2.6 s there, and a long suffix copied into each prompt of a batch
+    asked for gigabytes."""
+    with pytest.raises(BadRequest) as error:
+        request(path, **body)
+    assert error.value.param == param and error.value.status == 400
+    request(path, **{k: v[:2048] if isinstance(v, list) and k != "messages" else
+                     (v[:10_000] if k == "messages" else v) for k, v in body.items()
+                     if k != "suffix"})
