@@ -23,10 +23,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from extproc.openai import SPECIAL_TOKENS, TEMPLATE_SPECIAL_TOKENS
+
 log = logging.getLogger(__name__)
 
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                  "mask_token")
 _TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
               "refusal": "refusal", "thinking": "thinking"}
 # set by the request itself or the model, never through chat_template_kwargs: a client's
@@ -34,7 +34,7 @@ _TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
 # and the tokenizer's allocation aborted the process
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                        "continue_final_message", "chat_template", "tokenize",
-                       "additional_special_tokens", *SPECIAL_TOKENS})
+                       *TEMPLATE_SPECIAL_TOKENS})
 
 
 class ChatTemplate:

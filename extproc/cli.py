@@ -23,6 +23,7 @@ from extproc.config import (
     EXAMPLE_CONFIG,
     Config,
     ConfigError,
+    for_worker,
     hash_api_key,
     load_config,
     parse_config,
@@ -233,17 +234,6 @@ def _kvgate_ports(config: Config, worker: int = 0) -> list[tuple[str, int, str]]
     return ports
 
 
-def for_worker(config: Config, index: int) -> Config:
-    """Worker ``index``'s config: the gRPC port is shared (SO_REUSEPORT), but each worker
-    serves its own metrics (``admin_port`` + i) and takes its own meter reports
-    (``report_port`` + i: Envoy reports each response to the worker that admitted it)."""
-    server = config.server
-    moved = {name: getattr(server, name) + index for name in ("admin_port", "report_port")
-             if index and getattr(server, name)}
-    return config.model_copy(update={"server": server.model_copy(update=moved)}) if moved \
-        else config
-
-
 def _port_overlap(config: Config, workers: int) -> str | None:
     """Two settings whose ports the workers would share (admin_port + i meeting
     report_port + j, say): one line saying so, or None."""
@@ -355,7 +345,8 @@ def _serve_worker(
     config = for_worker(config, index)
     install_uvloop()
     try:
-        server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path)
+        server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path,
+                              worker=index)
     except ConfigError as error:  # a secret read at start-up: name the file, not <config>
         raise ConfigError(str(config_path), error.problems) from None
     asyncio.run(server.serve_forever())

@@ -1190,3 +1190,14 @@ def load_config(path: str | Path) -> Config:
 
 
 EXAMPLE_CONFIG = Path(__file__).parent / "examples" / "kvgate.yaml"
+
+
+def for_worker(config: Config, index: int) -> Config:
+    """Worker ``index``'s config: the gRPC port is shared (SO_REUSEPORT), but each worker
+    serves its own metrics (``admin_port`` + i) and takes its own meter reports
+    (``report_port`` + i: Envoy reports each response to the worker that admitted it)."""
+    server = config.server
+    moved = {name: getattr(server, name) + index for name in ("admin_port", "report_port")
+             if index and getattr(server, name)}
+    return config.model_copy(update={"server": server.model_copy(update=moved)}) if moved \
+        else config

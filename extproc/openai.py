@@ -105,6 +105,11 @@ class InferenceRequest:
 MAX_MESSAGES = 10_000  # a chat's messages (a conversation that long fits no context)
 MAX_PROMPTS = 2048  # a batch's prompts (completions, embeddings), as OpenAI's embeddings
 MAX_SUFFIX_CHARS = 4 * 1024 * 1024  # a completion's suffix, times the prompts it joins
+MAX_CHAT_TEXTS = 2 * MAX_MESSAGES  # a chat's texts: contents, content parts, tool calls
+# a chat template's special-token variables: the model's own (tokenizer_config.json)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
+TEMPLATE_SPECIAL_TOKENS = frozenset((*SPECIAL_TOKENS, "additional_special_tokens"))
 
 _MAX_CACHED_PATHS = 4096
 # paths longer than this are worked out each time, never kept: the cache is filled before
@@ -202,7 +207,12 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
     media = 0
     if path == CHAT:
         texts, messages, media = _chat_texts(body.get(field))
+        _check_template_kwargs(body.get("chat_template_kwargs"))
         texts.extend(_rendered_fields(body))
+        if len(texts) > MAX_CHAT_TEXTS:  # parts, tool calls: one message may hold thousands
+            raise BadRequest(f"'messages' holds {len(texts)} texts (contents, content parts, "
+                             f"tool calls); at most {MAX_CHAT_TEXTS} are accepted",
+                             param="messages")
     else:
         texts, messages = _plain_texts(body.get(field), field), 0
         suffix = body.get("suffix") if path == COMPLETIONS else None
@@ -241,6 +251,18 @@ def _refuse_unmetered_prompts(path: str, body: dict[str, Any]) -> None:
     if path == EMBEDDINGS and body.get("messages") is not None:
         raise BadRequest("this gateway meters embeddings of 'input' text or token ids, not of "
                          "chat 'messages'", code="unsupported_content", param="messages")
+
+
+def _check_template_kwargs(kwargs: Any) -> None:
+    """The model's special tokens are the model's: a client's ``eos_token`` would change the
+    prompt vLLM renders (a 100 KB one, printed after each message, made a 129 KB body a
+    100 MB prompt) into one kvgate cannot count, and what it cannot meter does not pass."""
+    if isinstance(kwargs, dict):
+        for key in kwargs:
+            if key in TEMPLATE_SPECIAL_TOKENS:
+                raise BadRequest(f"'chat_template_kwargs.{shown(str(key))}' may not be set: the "
+                                 "model's special tokens are its own",
+                                 param=f"chat_template_kwargs.{shown(str(key))}")
 
 
 def _chat_texts(messages: Any) -> tuple[list[str], int, int]:

@@ -142,6 +142,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         self._ids = itertools.count()
         self._cancels: set[asyncio.Task[None]] = set()
         self._failing = False  # the store's last call failed: logged once per outage
+        self._uncancelled = 0  # cancels given up on in this outage
 
     def attach(self, server: grpc.aio.Server) -> None:
         """Serve on ``server`` (kvgate's gRPC port, beside ext_proc): the generated
@@ -239,7 +240,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             raise  # abort raises; this keeps the type checker informed
         if self._failing:
             self._failing = False
-            log.info("ratelimit store answers again")
+            log.info("ratelimit store answers again (%d call(s) could not be cancelled "
+                     "meanwhile)", self._uncancelled)
+            self._uncancelled = 0
         return verdicts
 
     async def _cancel(self, domain: str, hits: list[Hit], call_id: str) -> None:
@@ -251,7 +254,11 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
                 return
             except (StoreUnavailable, TimeoutError, OSError):
                 await asyncio.sleep(CANCEL_PAUSE_S)
-        log.error("ratelimit call %s could not be cancelled", call_id)
+        self._uncancelled += 1
+        if self._uncancelled == 1:  # one line per outage (a busy one gives up on thousands)
+            log.error("ratelimit call %s could not be cancelled (the store is still "
+                      "unreachable): its charge may stay; further ones are counted, not "
+                      "logged, until the store answers", call_id)
 
     async def close(self) -> None:
         for task in list(self._cancels):

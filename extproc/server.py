@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvgate_native
 from extproc import duplex, messages
-from extproc.config import Config, ConfigError, GrpcTls
+from extproc.config import Config, ConfigError, GrpcTls, for_worker
 from extproc.config import Server as ServerSettings
 from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
@@ -264,9 +264,10 @@ class KvgateServer:
 
     def __init__(
         self, config: Config, store: LimiterStore | None = None, *, reuse_port: bool = False,
-        config_path: str | Path | None = None,
+        config_path: str | Path | None = None, worker: int = 0,
     ):
         self.config = config
+        self.worker = worker  # of `kvgate serve --workers`: its ports are the file's + worker
         self.metrics = Metrics()
         self.metrics.configure(*_label_names(config))
         # the file reloads read (SIGHUP, or polled): none for a config built in code
@@ -471,7 +472,8 @@ class KvgateServer:
         try:
             if isinstance(loaded, ConfigError):
                 raise loaded
-            change = plan(self.config, loaded, source)
+            # as this worker runs the file (its own ports): no "server changed" otherwise
+            change = plan(self.config, for_worker(loaded, self.worker), source)
         except ConfigError as error:
             self.metrics.reloads.labels("rejected").inc()
             log.error("config reload (%s) rejected, the running config stays: %s", why, error)

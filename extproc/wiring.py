@@ -66,7 +66,6 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
 
     def on_transition(transition: Transition) -> None:
         metrics.store_transitions.labels(transition.new.value).inc()
-        metrics.store_state.set(store.breakers_open())
 
     store = FailoverStore(
         primary,
@@ -78,6 +77,7 @@ def build_store(config: Config, metrics: Metrics) -> LimiterStore:
         on_fallback=lambda policy: metrics.store_fallbacks.labels(policy).inc(),
         on_error=metrics.store_error,
     )
+    metrics.store_state.set_function(store.breakers_open)  # read at each scrape
     return store
 
 

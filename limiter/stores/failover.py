@@ -56,6 +56,9 @@ REPAIR_PAUSE_S = 0.05
 """How often the repair loop tries Redis again while it owes it something."""
 REPAIR_TIMEOUT_S = 0.5
 """Budget of one repair round (off the request path, so more than a call's)."""
+BREAKER_IDLE_MS = 10_000
+"""A cluster node's breaker no call has asked for this long is forgotten (see
+``FailoverStore.breakers_open``)."""
 REPAIR_BATCH = 64
 """Repair calls sent at once (each takes a pooled connection)."""
 _FAILURES = (StoreUnavailable, TimeoutError, OSError)
@@ -121,6 +124,7 @@ class FailoverStore:
         # failure domain (a cluster node; "" for a single Redis) → its breaker: a shard
         # down sends only its own tenants to the failure policy
         self._breakers: dict[str, CircuitBreaker] = {"": self.breaker}
+        self._used_ms: dict[str, int] = {}  # domain → when a call last asked its breaker
         self.local = MemoryStore()
         self.clock_ms = clock_ms
         self._on_transition = on_transition or (lambda _t: None)
@@ -406,7 +410,8 @@ class FailoverStore:
         when the breaker of ``tenant``'s domain skipped the call (it never reached Redis)."""
         domain = self._domain(tenant)
         breaker = self._breaker(tenant, domain)
-        allowed, transition = breaker.allow(self.clock_ms())
+        self._used_ms[domain] = now_ms = self.clock_ms()
+        allowed, transition = breaker.allow(now_ms)
         self._report(domain, transition)
         if not allowed:
             return False, None, None
@@ -440,7 +445,15 @@ class FailoverStore:
         return breaker
 
     def breakers_open(self) -> int:
-        """Failure domains whose breaker is open or half-open (``kvgate_store_breaker_open``)."""
+        """Failure domains whose breaker is open or half-open (``kvgate_store_breaker_open``,
+        read at each scrape). A node no call has asked for ``BREAKER_IDLE_MS`` is forgotten:
+        after a failover its tenants' slots moved to another node, and its breaker, open
+        when it went, would stay open with nothing left to probe it."""
+        now = self.clock_ms()
+        for domain in [d for d, at in self._used_ms.items()
+                       if d and now - at > BREAKER_IDLE_MS]:
+            del self._used_ms[domain]
+            self._breakers.pop(domain, None)
         return sum(b.state != "closed" for b in self._breakers.values())
 
     def _report(self, domain: str, transition: Transition | None,

@@ -68,10 +68,8 @@ class MemoryRateCounters:
     def _counter(self, hit: Hit, now_ms: int) -> Counter:
         slot = self._slots.pop(hit.key, None)  # and back at the end: the most recent
         if slot is None or slot.limit != hit.limit:
-            if len(self._slots) >= self._max_counters:
-                self._sweep(now_ms)
-                while len(self._slots) >= self._max_counters:
-                    del self._slots[next(iter(self._slots))]
+            while len(self._slots) >= self._max_counters:  # O(1): the sweep stays periodic
+                del self._slots[next(iter(self._slots))]
             slot = _Slot(hit.limit, new_counter(hit.limit, now_ms))
         self._slots[hit.key] = slot
         return slot.counter

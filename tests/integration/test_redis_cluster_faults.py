@@ -154,3 +154,24 @@ async def test_what_is_owed_to_a_healthy_shard_is_sent_while_another_hangs(clust
     finally:
         node_a.resume()
     await store.close()
+
+
+async def test_a_node_no_tenant_maps_to_any_more_is_forgotten(cluster, monkeypatch):
+    """After a failover a node's slots are served elsewhere: its breaker, open when it went,
+    had nothing left to probe it and kept kvgate_store_breaker_open at 1 for good (a false
+    KvgateRedisBypassed alert)."""
+    from limiter.stores import failover as module
+
+    monkeypatch.setattr(module, "BREAKER_IDLE_MS", 300)
+    store = failover(cluster, "local")
+    a, node_a, _b, _ = await on_two_nodes(store, cluster)
+    node_a.pause()
+    try:
+        for _ in range(3):
+            await store.admit(a, POLICY, COST, lease())
+        assert store.breakers_open() == 1
+    finally:
+        node_a.resume()
+    await asyncio.sleep(0.4)  # no call asked for that node since
+    assert store.breakers_open() == 0
+    await store.close()

@@ -599,7 +599,7 @@ def test_each_worker_takes_its_own_report_port_and_ranges_that_meet_are_refused(
                                                                                capsys):
     """A fixed report_port was bound by every worker: all but one died at start
     (address in use), and their requests' reports had nowhere to go."""
-    from extproc.cli import for_worker
+    from extproc.config import for_worker
 
     data = yaml.safe_load(yaml.safe_dump(GOOD))
     data["redis"] = {"url": "redis://127.0.0.1:1"}

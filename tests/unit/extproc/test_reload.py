@@ -202,3 +202,26 @@ def test_long_authorization_values_are_never_remembered() -> None:
         assert tenants.authenticate("Bearer" + " " * (300 + i) + "sk-acme").name == "acme"
     assert tenants.authenticate("Bearer sk-acme").name == "acme"
     assert list(tenants._recent) == ["Bearer sk-acme"]
+
+
+def test_a_worker_reloads_the_file_as_it_runs_it(tmp_path: Path) -> None:
+    """Worker i runs the file's ports + i: comparing those with the file's own made every
+    reload of worker 1 warn that `server` changed and waits for a restart."""
+    import logging
+
+    from extproc.config import for_worker
+
+    cfg = {**data(), "server": {"grpc_port": 0, "admin_port": 19_500, "report_port": 19_600}}
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    server = KvgateServer(for_worker(parse_config(cfg), 1), config_path=path, worker=1)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("extproc.server").addHandler(handler)
+    try:
+        assert server.reload("SIGHUP")
+    finally:
+        logging.getLogger("extproc.server").removeHandler(handler)
+    assert not [r for r in records if "take effect only after a restart" in r.getMessage()]
+    assert server.config.server.admin_port == 19_501

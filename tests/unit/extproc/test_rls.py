@@ -270,6 +270,18 @@ def test_counters_are_bounded_the_least_recently_used_going_first(clock):
     assert ask(service, descriptor(("fixed", "f0"), hits=0)).statuses[0].limit_remaining == 2
 
 
+def test_a_full_table_evicts_without_scanning(clock, monkeypatch):
+    """Evicting swept the whole table first: past the cap every new value scanned 100,000
+    counters (~20 ms each), and a client choosing values kept the event loop busy."""
+    counters = MemoryRateCounters(clock, max_counters=5, sweep_every=10_000)
+    sweeps = []
+    monkeypatch.setattr(counters, "_sweep", lambda now: sweeps.append(now))
+    service = RateLimitService(RateLimitSettings.model_validate(RULES), counters, timeout_s=None)
+    for i in range(50):
+        ask(service, descriptor(("fixed", f"v{i}")))
+    assert len(counters) == 5 and sweeps == []
+
+
 def test_every_descriptor_is_counted_by_domain_and_code(clock):
     metrics = Metrics()
     service = RateLimitService(RateLimitSettings.model_validate(RULES),

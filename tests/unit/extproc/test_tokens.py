@@ -343,12 +343,18 @@ def test_chat_template_needs_a_tokenizer():
 
 def test_chat_template_kwargs_cannot_replace_the_models_special_tokens(tmp_path):
     """A client's 100 KB eos_token, printed by the template after each of 1,000 messages,
-    rendered 100 MB from a 129 KB body, and the tokenizer's allocation aborted kvgate."""
+    rendered 100 MB from a 129 KB body, and the tokenizer's allocation aborted kvgate. The
+    request is refused (vLLM would render the prompt kvgate could not count), and the
+    template never takes them from a body either."""
+    for name in ("eos_token", "bos_token", "additional_special_tokens"):
+        with pytest.raises(BadRequest) as error:
+            chat(USER, chat_template_kwargs={name: "x" * 100_000})
+        assert error.value.param == f"chat_template_kwargs.{name}"
     template = "{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
     counter = make_counter(chat_model(tmp_path, template), 4.0)
-    body = chat(USER, chat_template_kwargs={"eos_token": "x" * 100_000, "bos_token": "y",
-                                            "additional_special_tokens": ["z"]}).body
+    body = {**chat(USER).body, "chat_template_kwargs": {"eos_token": "x" * 100_000}}
     assert counter.template.render(body) == "hello world</s>"
+    assert chat(USER, chat_template_kwargs={"enable_thinking": False}).body  # others pass
 
 
 def test_a_rendered_prompt_far_past_its_texts_is_counted_by_estimate(tmp_path, caplog):
@@ -364,6 +370,8 @@ def test_a_rendered_prompt_far_past_its_texts_is_counted_by_estimate(tmp_path, c
 
 @pytest.mark.parametrize(("path", "body", "param"), [
     (CHAT, {"messages": [{"role": "user", "content": ""}] * 10_001}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 20_001}]},
+     "messages"),
     (COMPLETIONS, {"prompt": ["a"] * 2049}, "prompt"),
     (EMBEDDINGS, {"input": [[1, 2]] * 2049}, "input"),
     (COMPLETIONS, {"prompt": ["a"] * 9, "suffix": "s" * 500_000}, "suffix"),
@@ -375,6 +383,7 @@ def test_bodies_that_would_cost_seconds_to_count_are_refused(path, body, param):
     with pytest.raises(BadRequest) as error:
         request(path, **body)
     assert error.value.param == param and error.value.status == 400
-    request(path, **{k: v[:2048] if isinstance(v, list) and k != "messages" else
-                     (v[:10_000] if k == "messages" else v) for k, v in body.items()
-                     if k != "suffix"})
+    if param != "messages" or len(body["messages"]) > 1:  # within the limits: accepted
+        request(path, **{k: v[:2048] if isinstance(v, list) and k != "messages" else
+                         (v[:10_000] if k == "messages" else v) for k, v in body.items()
+                         if k != "suffix"})

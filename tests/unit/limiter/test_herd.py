@@ -154,7 +154,9 @@ def test_every_client_of_a_window_herd_is_admitted_on_its_first_retry(
     limit: int, window: int, offsets: list[int], clients: int
 ) -> None:
     """Whatever the entries' spacing and however many clients beyond the limit, each
-    retrying at its own slot is admitted; a newcomer later queues behind them."""
+    retrying at its own slot is admitted (while the herd's schedule fits within
+    MAX_HERD_WAIT_MS); a newcomer later queues behind them."""
+    assume((clients // limit + 2) * window < MAX_HERD_WAIT_MS)
     limiter = TenantLimiter(TenantPolicy(window_limit=limit, window_ms=window), now_ms=0)
     now = 0
     for i, offset in enumerate(sorted(o % window for o in offsets)):
