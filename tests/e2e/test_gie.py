@@ -128,10 +128,12 @@ def test_engine_control_headers_never_reach_the_engine(stack):
     neither): kvgate removes what an engine obeys, or x-vllm-priority jumps vLLM's queue."""
     for engine in stack.engines.values():
         engine.clear_requests()
+    before = len(stack.releases.seen)
     response = post(stack, "acme", chat(), headers={
         "x-vllm-priority": "-1000", "x-data-parallel-rank": "0",
         "endpoint-load-metrics-format": "json", "x-kvgate-tenant": "someone-else"})
     assert response.status_code == 200, response.text
+    one_release(stack, before)  # (so the next test counts only its own)
     received = next(r for engine in stack.engines.values() for r in engine.requests())
     for name in ("x-vllm-priority", "x-data-parallel-rank", "endpoint-load-metrics-format",
                  "accept-encoding"):
@@ -142,9 +144,11 @@ def test_engine_control_headers_never_reach_the_engine(stack):
 def test_a_headers_only_request_with_a_body_passes_it_on(stack):
     """In this mode Envoy sends a body even after kvgate decided on the headers alone
     (GET /health here): it was answered 400 after kvgate had admitted the request."""
+    before = len(stack.releases.seen)
     response = httpx.request("GET", stack.url + "/health", content=b"hello",
                              headers={"authorization": f"Bearer {KEYS['acme']}"}, timeout=30)
     assert response.status_code == 200, response.text
+    one_release(stack, before)  # (so the next test counts only its own)
 
 
 def test_streamed_request_arrives_whole_without_kvgates_usage_event(stack):

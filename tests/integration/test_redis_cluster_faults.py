@@ -8,6 +8,7 @@ serving (past it, the cluster as a whole refuses commands: Redis's own full cove
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Iterator
@@ -57,6 +58,13 @@ async def on_two_nodes(store: FailoverStore, cluster: RedisCluster
     return a, ports[node_a.rsplit(":", 1)[1]], b, ports[node_b.rsplit(":", 1)[1]]
 
 
+async def close(store: FailoverStore) -> None:
+    """A node just resumed answers what queued while it hung first: its connections may
+    take longer than the call budget to close (nothing is owed by then)."""
+    with contextlib.suppress(StoreUnavailable):
+        await store.close()
+
+
 def lease() -> str:
     return f"l-{next(_ids)}"
 
@@ -95,7 +103,7 @@ async def test_a_hung_shard_sends_only_its_own_tenants_to_the_failure_policy(clu
         assert store.breakers_open() == 1 and store._breaker(b).state == "closed"
     finally:
         node_a.resume()
-    await store.close()
+    await close(store)
 
 
 async def test_leases_reasserted_on_a_healthy_shard_count_there_while_another_hangs(cluster):
@@ -127,7 +135,7 @@ async def test_leases_reasserted_on_a_healthy_shard_count_there_while_another_ha
     finally:
         node_a.resume()
     await store.release(a, POLICY, held_a, 30)
-    await store.close()
+    await close(store)
 
 
 async def test_what_is_owed_to_a_healthy_shard_is_sent_while_another_hangs(cluster):
@@ -153,7 +161,7 @@ async def test_what_is_owed_to_a_healthy_shard_is_sent_while_another_hangs(clust
         await until(sent)  # while a's shard still hangs
     finally:
         node_a.resume()
-    await store.close()
+    await close(store)
 
 
 async def test_a_node_no_tenant_maps_to_any_more_is_forgotten(cluster, monkeypatch):
@@ -174,4 +182,4 @@ async def test_a_node_no_tenant_maps_to_any_more_is_forgotten(cluster, monkeypat
         node_a.resume()
     await asyncio.sleep(0.4)  # no call asked for that node since
     assert store.breakers_open() == 0
-    await store.close()
+    await close(store)
