@@ -13,7 +13,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from extproc.status import add_status_routes
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
 from extproc.wiring import build_director, build_rate_counters, build_store
-from limiter.stores import LimiterStore
+from limiter.stores import LimiterStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -523,11 +523,11 @@ class KvgateServer:
             await discovery.stop()
         for flow in self.director.flows.values():
             await flow.stop()
-            await flow.fairness.close()
+            await _closed(flow.fairness.close(), "the fair queue's shared counters")
         if self._admin is not None:
             await self._admin.cleanup()
-        await self.director.store.close()
-        await self.ratelimit.close()
+        await _closed(self.director.store.close(), "the limits store")
+        await _closed(self.ratelimit.close(), "the Rate Limit Service's counters")
         log.info("stopped: %d stream(s) cut at the grace, %d lease(s) left held",
                  0 if self._processor is None else self._processor.cut,
                  len(self.director.active))
@@ -634,3 +634,13 @@ async def _nosniff(_request: web.Request, response: web.StreamResponse) -> None:
 
 def _ignored_while_draining() -> None:
     log.info("SIGHUP ignored: shutting down (the config is not reloaded while draining)")
+
+
+async def _closed(closing: Awaitable[None], what: str) -> None:
+    """A store's close at shutdown: one that fails (Redis slow to answer its last call)
+    is logged, and the shutdown goes on — it used to end in a traceback, without the
+    `stopped:` line or the other stores' close."""
+    try:
+        await closing
+    except StoreUnavailable as error:
+        log.warning("closing %s failed (%s); its connections are dropped", what, error)

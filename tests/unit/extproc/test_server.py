@@ -223,3 +223,21 @@ async def test_an_unreadable_certificate_is_a_config_error(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="cert_file: cannot read"):
         async for _server in started(config(tls=tls)):
             pass
+
+
+async def test_a_store_that_fails_to_close_does_not_break_the_shutdown(caplog) -> None:
+    """Redis slow to answer its last call at shutdown made the store's close raise: the
+    shutdown ended in a traceback, without the other stores' close or the stopped line."""
+    from limiter.stores import StoreUnavailable
+
+    server = KvgateServer(config())
+    await server.start()
+
+    async def failing() -> None:
+        raise StoreUnavailable("redis close failed: Timed out closing connection after 0.05")
+
+    server.director.store.close = failing  # type: ignore[method-assign]
+    with caplog.at_level("INFO", logger="extproc.server"):
+        await server.stop(grace=0)
+    assert "closing the limits store failed" in caplog.text
+    assert "stopped: 0 stream(s) cut at the grace" in caplog.text
