@@ -25,6 +25,7 @@ from extproc.datalayer.endpoints import EndpointStore
 from extproc.metrics import Metrics
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tasks import cancel
+from limiter.fairness import price_of
 from limiter.fairqueue import FairQueue, QueuedRequest
 from limiter.outcome import Reason, Reject, refuse
 from limiter.stores import Fairness
@@ -182,8 +183,7 @@ class FlowController:
 
     async def _refund(self, item: QueuedRequest) -> None:
         """Give back the charge ``choose`` made for a request that will not run now."""
-        await self.correct(item.tenant, -(item.cost if item.price is None else item.price),
-                           item.weight)
+        await self.correct(item.tenant, -price_of(item), item.weight)
 
     def _fits(self, item: QueuedRequest) -> bool:
         return isinstance(self._place(item, self.queue.effective_band(item, self.clock_ms())),

@@ -75,12 +75,17 @@ def units(tokens: int, weight: float) -> int:
     return round(tokens * SCALE / weight)
 
 
+def price_of(item: QueuedRequest) -> int:
+    """The tokens the fair order charges for ``item``: its price, or its KV cost without one."""
+    return item.cost if item.price is None else item.price
+
+
 def charge_of(item: QueuedRequest) -> int:
     """The counter units dispatching ``item`` costs its tenant: ``price · SCALE / weight``.
 
     At least 1, so even free requests take turns instead of letting one tenant run forever.
     """
-    tokens = item.cost if item.price is None else item.price
+    tokens = price_of(item)
     charge = max(1, units(tokens, item.weight))
     if charge > MAX_CHARGE:
         raise ValueError(

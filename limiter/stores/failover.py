@@ -408,7 +408,7 @@ class FailoverStore:
     ) -> tuple[bool, Any, BaseException | None]:
         """(True, result, None) from the primary, or (False, None, why): ``why`` is None
         when the breaker of ``tenant``'s domain skipped the call (it never reached Redis)."""
-        domain = self._domain(tenant)
+        domain = self.primary.domain(tenant)
         breaker = self._breaker(tenant, domain)
         self._used_ms[domain] = now_ms = self.clock_ms()
         allowed, transition = breaker.allow(now_ms)
@@ -430,14 +430,10 @@ class FailoverStore:
         self._report(domain, breaker.success())
         return True, result, None
 
-    def _domain(self, tenant: str) -> str:
-        domain = getattr(self.primary, "domain", None)
-        return "" if domain is None else domain(tenant)
-
     def _breaker(self, tenant: str, domain: str | None = None) -> CircuitBreaker:
         """The breaker of ``tenant``'s failure domain (a cluster node), made on first use
         with the single Redis's settings."""
-        name = self._domain(tenant) if domain is None else domain
+        name = self.primary.domain(tenant) if domain is None else domain
         breaker = self._breakers.get(name)
         if breaker is None:
             breaker = self._breakers[name] = CircuitBreaker(self.breaker.failure_threshold,

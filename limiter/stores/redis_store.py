@@ -195,6 +195,8 @@ class RedisStore:
         self._slack_ms = require_int("ttl_slack_ms", ttl_slack_ms, 0)
         # EVALSHA, reloading a script on NOSCRIPT (restart, SCRIPT FLUSH)
         self._scripts = Scripts(client, SCRIPTS)
+        # a Redis Cluster client's node lookup (None for a single Redis: one failure domain)
+        self._node_of = getattr(client, "get_node_from_key", None)
         self._keys: dict[str, tuple[str, ...]] = {}  # tenant → its keys
         self._senders: set[asyncio.Task[None]] = set()  # release calls under way
         # (tenant, policy) → releases waiting for the call under way (see release)
@@ -209,11 +211,10 @@ class RedisStore:
     def domain(self, tenant: str) -> str:
         """The cluster node serving the tenant's slot ("" without a cluster, or while the
         client has not read the slot table yet)."""
-        node_of = getattr(self._client, "get_node_from_key", None)
-        if node_of is None:
+        if self._node_of is None:
             return ""
         try:
-            node = node_of(self._tenant_keys(tenant)[0])
+            node = self._node_of(self._tenant_keys(tenant)[0])
         except Exception:  # no slot table yet (or a slot not covered)
             return ""
         return "" if node is None else str(node.name)
