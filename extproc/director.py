@@ -28,6 +28,7 @@ from typing import Any
 
 from extproc.classify import Classifier, RequestClass
 from extproc.config import Config, Tenant
+from extproc.counting import PromptCosts
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.flow import FlowController, Waiter
 from extproc.leases import LeaseBook
@@ -89,6 +90,7 @@ class Director:
         *,
         tenants: Tenants,
         pricer: Pricer,
+        costs: PromptCosts | None = None,
         classifier: Classifier,
         store: LimiterStore,
         schedulers: Mapping[str, PoolScheduler],
@@ -103,6 +105,7 @@ class Director:
         self.upstream_authorization = dict(upstream_authorization or {})
         self.tenants = tenants
         self.pricer = pricer
+        self.costs = costs or PromptCosts(pricer)  # long prompts counted off the loop
         self.classifier = classifier
         self.store = store
         self.schedulers = schedulers
@@ -151,7 +154,7 @@ class Director:
         *, watch: Watch = contextlib.nullcontext,
     ) -> Admission | Reject:
         pool, model = self.pricer.resolve(request.model)
-        cost = self.pricer.price(model, request)
+        cost = await self.costs.price(model, request)
         klass = self.classifier.classify(
             tenant, requested=requested_class, path=request.path, prompt_tokens=cost.prompt_tokens
         )

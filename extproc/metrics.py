@@ -207,6 +207,14 @@ class Metrics:
             "nothing).",
             ["basis"], self.registry,
         )
+        self.long_prompts = Tally(
+            "kvgate_long_prompts",
+            "Prompts long enough to be counted off the event loop (a model with a tokenizer, "
+            "more than 8,192 characters), by how: tokenizer (on the counting thread), estimate "
+            "(the thread was too far behind: chars per token, corrected by the usage).",
+            ["counted"], self.registry,
+        )
+        self.long_prompts.values = {("tokenizer",): 0, ("estimate",): 0}  # alertable from 0
         self.in_flight = Tally(
             "kvgate_in_flight_requests",
             "Admitted requests not yet finished, by tenant.",

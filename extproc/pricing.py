@@ -20,7 +20,7 @@ from extproc.openai import (
     InferenceRequest,
     shown,
 )
-from extproc.tokens import TokenCounter, make_counter
+from extproc.tokens import CharEstimate, TokenCounter, make_counter
 from limiter.outcome import Cost
 
 
@@ -34,6 +34,7 @@ class Pricer:
                                model.chat_template)
             for name, (_, model) in self._models.items()
         }
+        self._estimate = CharEstimate(config.server.chars_per_token)
 
     def resolve(self, model_name: str) -> tuple[Pool, Model]:
         """The pool serving ``model_name`` and its configuration; 404 for an unknown one."""
@@ -46,8 +47,16 @@ class Pricer:
             )
         return found
 
-    def price(self, model: Model, request: InferenceRequest) -> Cost:
-        prompt = self._counters[model.name].prompt_tokens(request)
+    def long_prompt_chars(self, model: Model, request: InferenceRequest, long: int) -> int:
+        """The characters counting ``request`` for ``model`` works through when they are
+        more than ``long``, else 0 (``extproc.counting``: where it is counted)."""
+        chars = self._counters[model.name].work_chars(request)
+        return chars if chars > long else 0
+
+    def price(self, model: Model, request: InferenceRequest, *, estimate: bool = False) -> Cost:
+        """``estimate``: count the prompt by the chars-per-token estimate, tokenizer or not."""
+        counter = self._estimate if estimate else self._counters[model.name]
+        prompt = counter.prompt_tokens(request)
         if request.media_parts:
             prompt += media_tokens(model, request.media_parts)
         # n / best_of: the engine generates (and holds KV for) that many answers

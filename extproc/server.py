@@ -515,6 +515,7 @@ class KvgateServer:
             await self._stop_grpc(self._grpc, grace)
         if self._processor is not None:
             await self._processor.settle()
+        self.director.costs.close()
         await cancel(self._poller)
         await self.desk.stop()
         await cancel(self._renewer)

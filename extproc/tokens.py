@@ -26,6 +26,11 @@ class TokenCounter(Protocol):
 
     def prompt_tokens(self, request: InferenceRequest) -> int: ...
 
+    def work_chars(self, request: InferenceRequest) -> int:
+        """About how many characters counting ``request`` renders and encodes (0: counting
+        it is cheap whatever its size)."""
+        ...
+
 
 def _estimated_chat_overhead(request: InferenceRequest) -> int:
     """Without a chat template: the template's tokens around each message, guessed."""
@@ -44,6 +49,9 @@ class CharEstimate:
         if ids is not None:
             return ids
         return self.count(request.prompt_texts) + _estimated_chat_overhead(request)
+
+    def work_chars(self, request: InferenceRequest) -> int:
+        return 0
 
 
 class HFTokenizer:
@@ -68,11 +76,17 @@ class HFTokenizer:
                       "their contents plus %d tokens a message", chat_template or path, exc,
                       PER_MESSAGE_OVERHEAD_TOKENS)
 
-    def count(self, texts: list[str]) -> int:
+    def count(self, texts: list[str], *, special: bool = False) -> int:
+        """Tokens in ``texts``, encoded with ``encode_batch``: unlike ``encode``, it lets go
+        of the GIL while it works (``extproc.counting`` runs long prompts on a thread)."""
         if not texts:
             return 0
-        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=special)
         return sum(len(e.ids) for e in encodings)
+
+    def work_chars(self, request: InferenceRequest) -> int:
+        return (sum(map(len, request.prompt_texts))
+                + RENDER_MESSAGE_CHARS * request.message_count)
 
     def prompt_tokens(self, request: InferenceRequest) -> int:
         body = request.body
@@ -85,15 +99,13 @@ class HFTokenizer:
                     self._log_render_failure(exc)
                 else:
                     special = body.get("add_special_tokens") is True  # vLLM's default: no
-                    return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
+                    return self.count([text], special=special)
             return self.count(request.prompt_texts) + _estimated_chat_overhead(request)
         ids = _given_token_ids(request)
         if ids is not None:
             return ids
         special = body.get("add_special_tokens") is not False  # vLLM's default: yes
-        encodings = self.tokenizer.encode_batch(request.prompt_texts,
-                                                add_special_tokens=special)
-        return sum(len(e.ids) for e in encodings)
+        return self.count(request.prompt_texts, special=special)
 
     def _log_render_failure(self, exc: Exception) -> None:
         if self._render_failure_logged:
@@ -136,6 +148,7 @@ def make_counter(tokenizer: Path | None, chars_per_token: float,
 # more means the template multiplies something (a value printed per message), and
 # tokenizing it would hold the event loop (or exhaust memory): it is counted by estimate.
 RENDER_MARKUP_CHARS = 512  # per message, at most, in any template measured
+RENDER_MESSAGE_CHARS = 32  # per message, about, in the templates measured
 RENDER_SLACK_CHARS = 65_536  # a system prompt and tool schemas the template adds
 
 

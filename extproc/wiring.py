@@ -14,6 +14,7 @@ from typing import Any
 
 from extproc.classify import Classifier
 from extproc.config import Config, RedisSettings, upstream_authorizations
+from extproc.counting import PromptCosts
 from extproc.datalayer.endpoints import EndpointStore
 from extproc.director import Director
 from extproc.flow import FlowController
@@ -123,7 +124,9 @@ def build_director(
     flows = {name: FlowController(scheduler, build_fairness(config, name), config, endpoints,
                                   metrics, rng, clock)
              for name, scheduler in schedulers.items()}
-    return Director(config, tenants=tenants, pricer=Pricer(config),
+    pricer = Pricer(config)
+    return Director(config, tenants=tenants, pricer=pricer,
+                    costs=PromptCosts(pricer, metrics.long_prompts),
                     classifier=Classifier(config), store=store, schedulers=schedulers,
                     flows=flows, endpoints=endpoints, rng=rng, clock=clock,
                     upstream_authorization=upstream_authorizations(config))
