@@ -49,7 +49,9 @@ class ResponseRecord:
         its response began (the client left while it was prefilled: the engine aborts it)
         is charged its prompt. A response cut off after that (the client left mid-answer,
         or the meter could not report) is charged what was reserved: kvgate never saw how
-        far it got, and a reservation is never less than what was used.
+        far it got, and a reservation is never less than what was used. (A request whose
+        routing reply never left kvgate is not settled here: ``RequestStream.close``
+        charges it nothing, as ``not_sent``.)
         """
         if self.usage is not None:
             return _bounded(self.usage, cost)

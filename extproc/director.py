@@ -411,13 +411,18 @@ class Director:
     # -- the request's life after admission ------------------------------------------------
 
     async def release(self, admission: Admission, used_tokens: int | None,
-                      output_tokens: int | None = None) -> None:
+                      output_tokens: int | None = None, *, sent: bool = True) -> None:
         """The request ended: free its KV and lease, settle its tokens with the limits, and
         correct its fair-order charge to what it really used (``output_tokens`` of
-        ``used_tokens``; unknown: the estimate stands)."""
+        ``used_tokens``; unknown: the estimate stands). One that was never ``sent``
+        upstream (its routing reply never reached Envoy) used nothing: its KV is freed as
+        a reservation that never ran (not counted as drained, nothing learned from it)."""
         self.leases.closed(admission.lease_id)
-        admission.scheduler.release(admission.lease_id, self.clock(),
-                                    output_tokens=output_tokens)
+        if sent:
+            admission.scheduler.release(admission.lease_id, self.clock(),
+                                        output_tokens=output_tokens)
+        else:
+            admission.scheduler.release(admission.lease_id, self.clock(), completed=False)
         self.kick(admission.pool)
         tenant = admission.tenant
         await self.store.release(tenant.name, self.tenants.policy(tenant),

@@ -203,8 +203,9 @@ class Metrics:
             "charged at that bound), no_usage (an answer without a usage kvgate could read: "
             "charged its reservation), cut_off (the response ended early, the client left: "
             "reservation), engine_error (an error answer: prompt), not_started (the client "
-            "left before the response began: prompt), no_response (decided on headers: "
-            "nothing).",
+            "left before the response began: prompt), not_sent (admitted as Envoy gave up "
+            "on the stream: the routing reply never left kvgate, nothing went upstream: "
+            "nothing), no_response (decided on headers: nothing).",
             ["basis"], self.registry,
         )
         self.long_prompts = Tally(

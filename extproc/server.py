@@ -81,17 +81,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream = kind(self.director, self.metrics, self.settings, self.desk, incoming.watch)
         self.open.add(stream)
         ending: str | None = "envoy_closed"  # unless the stream is done: see finally
+        # whether gRPC took the reply that routed the request: it resumes this generator
+        # after a reply only once that reply is written. With the RPC already cancelled
+        # (Envoy's message timeout fired, or Envoy reset the stream, as kvgate admitted the
+        # request) the write fails and gRPC drops the generator at that yield, unresumed:
+        # the request never went upstream (see finally)
+        routed = False
         try:
             if isinstance(stream, DuplexStream):
                 while message is not None:
                     for reply in await stream.exchange(message):
                         yield reply
+                        routed = stream.admission is not None
                     if stream.done:
                         return
                     message = await incoming.next()
             handle = stream.handle
             while message is not None:
                 yield await handle(message)
+                routed = stream.admission is not None
                 if stream.done:
                     return  # ending the RPC here lets Envoy close the stream gracefully
                 message = await incoming.next()
@@ -113,6 +121,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 # done with, and gRPC then cancels the handler or closes this generator at
                 # that reply's yield (GeneratorExit)
                 ending = None
+            if not routed and stream.admission is not None:
+                stream.unsent = True  # released at once and charged nothing (stream.close)
             self.open.discard(stream)
             await incoming.close()
             if stream.holds_admission:

@@ -75,7 +75,7 @@ class RequestStream:
 
     __slots__ = ("_released", "_report", "admission", "desk", "director", "done", "metrics", "path",
                  "request", "request_id", "requested_class", "response", "settings", "tenant",
-                 "watch")
+                 "unsent", "watch")
 
     def __init__(self, director: Director, metrics: Metrics, settings: Server, desk: ReportDesk,
                  watch: Watch = contextlib.nullcontext):
@@ -91,6 +91,9 @@ class RequestStream:
         self.request: InferenceRequest | None = None
         self.admission: Admission | None = None
         self.response: ResponseRecord | None = None  # a metered response, once admitted
+        # the routing reply never left kvgate (set by the server: gRPC could not write it,
+        # Envoy had given up on the stream), so the request never went upstream
+        self.unsent = False
         self.request_id = ""  # Envoy's x-request-id, or one kvgate made (log lines)
         self._released = False
         self._report: asyncio.Future[None] | None = None  # set by the done report, if awaited
@@ -293,7 +296,7 @@ class RequestStream:
         without waiting for an answer, so it may still be on its way (``wait_for_report``)."""
         record = self.response
         return (self.METERED_BY_LUA and record is not None and not record.done
-                and not self._released)
+                and not self._released and not self.unsent)
 
     async def wait_for_report(self, timeout_s: float) -> bool:
         """Whether the done report arrived within ``timeout_s``."""
@@ -357,7 +360,10 @@ class RequestStream:
         return self.admission is not None and not self._released
 
     async def close(self, abnormal: str | None) -> None:
-        """Release the admission's lease and reconcile its tokens. Safe to call repeatedly."""
+        """Release the admission's lease and reconcile its tokens. Safe to call repeatedly.
+        A request whose routing reply never left kvgate (``unsent``) never ran: it is
+        charged nothing (its tokens and quotas given back in full, as for a request that
+        left the queue) and its KV reservation is freed as one that never ran."""
         admission = self.admission
         if admission is None or self._released:
             return
@@ -367,15 +373,22 @@ class RequestStream:
             metrics.stream_errors.add((abnormal,))
         self.desk.forget(admission.lease_id)
         record = self.response
-        used, output, basis = ((0, 0, "no_response") if record is None
-                               else record.settle(admission.cost))
+        if self.unsent:
+            used, output, basis = 0, 0, "not_sent"
+        elif record is None:
+            used, output, basis = 0, 0, "no_response"
+        else:
+            used, output, basis = record.settle(admission.cost)
         metrics.finished(admission.tenant.name, self._model(), admission.cost.tokens, used,
                          output, basis)
         if log.isEnabledFor(DEBUG):
             log.debug("request %s ended%s: %d tokens used of %d reserved", self.path,
                       f" ({abnormal})" if abnormal else "", used, admission.cost.tokens,
                       extra=self._context())
-        await self.director.release(admission, used, output)
+        if self.unsent:
+            await self.director.release(admission, 0, 0, sent=False)
+        else:
+            await self.director.release(admission, used, output)
 
 
 def _too_large(limit: int) -> BadRequest:

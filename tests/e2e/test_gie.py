@@ -58,9 +58,9 @@ class Releases:
         self.seen: list[tuple[str, str, int | None, int | None]] = []
         release = director.release
 
-        async def recorded(admission, used, output=None):
+        async def recorded(admission, used, output=None, **kwargs):
             self.seen.append((admission.tenant.name, admission.lease_id, used, output))
-            await release(admission, used, output)
+            await release(admission, used, output, **kwargs)
 
         director.release = recorded
 

@@ -12,7 +12,7 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import duplex, server
+from extproc import duplex
 from extproc.duplex import CHUNK_BYTES, DuplexStream, streamed_bodies
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk
@@ -316,29 +316,45 @@ async def test_a_stream_reset_after_its_last_reply_is_charged_its_usage():
     assert director.active == {}
 
 
-async def test_a_routed_stream_dropped_at_its_reply_releases_its_admission(monkeypatch):
-    """kvgate's own protocol: gRPC drops the handler at the routing reply's yield (the
-    client left as it was routed). Nothing stays admitted once the wait for a meter report
-    is over; the stream counts as cut off and is charged its reservation."""
-    monkeypatch.setattr(server, "REPORT_WAIT_S", 0.05)
-    handler, director, metrics, released = handler_for(
-        headers_msg(), body_msg(orjson.dumps(chat())), body_mode="auto")
-    await anext(handler)  # the headers' answer
-    await anext(handler)  # routed
+@pytest.mark.parametrize("body_mode", ["auto", "full_duplex"])
+async def test_a_stream_dropped_at_its_routing_reply_is_released_at_once_and_charged_nothing(
+        body_mode):
+    """gRPC drops the handler at the routing reply's yield when it cannot write that reply
+    (Envoy gave up on the stream — its message timeout, or a reset — as kvgate admitted the
+    request): the request never went upstream. Nothing stays admitted (no meter report can
+    come) and nothing is charged."""
+    messages = ((headers_msg(), body_msg(orjson.dumps(chat()))) if body_mode == "auto" else
+                (first(headers_msg()), body_msg(orjson.dumps(chat()), end_of_stream=True)))
+    handler, director, metrics, released = handler_for(*messages, body_mode=body_mode)
+    if body_mode == "auto":
+        await anext(handler)  # the headers' answer
+    await anext(handler)  # routed (full duplex: the headers' answer routes)
     assert len(director.active) == 1
     await handler.aclose()
-    assert len(director.active) == 1  # the meter's report may still come
-    await asyncio.sleep(0.1)
-    assert director.active == {} and len(released) == 1
+    assert director.active == {} and released == [0]
     assert metrics.stream_errors.values == {("envoy_closed",): 1}
+    assert metrics.charges.values == {("not_sent",): 1}
+
+
+async def test_a_routed_stream_dropped_at_a_later_reply_is_charged_as_cut_off():
+    """Full duplex: once gRPC took the routing reply, a stream dropped at a later reply (a
+    body chunk) may have reached its engine: charged as cut off, as before."""
+    handler, director, metrics, released = handler_for(
+        first(headers_msg()), body_msg(orjson.dumps(chat()), end_of_stream=True),
+        body_mode="full_duplex")
+    await anext(handler)  # routed
+    await anext(handler)  # the body's first chunk
+    await handler.aclose()
+    assert director.active == {} and len(released) == 1 and released[0] > 0
+    assert metrics.charges.values == {("cut_off",): 1}
 
 
 @pytest.mark.parametrize("ended", ["closed", "reset"])
 async def test_a_meter_report_just_after_the_streams_end_is_charged_as_reported(ended):
     """The meter sends its done report without waiting for the answer: it may reach kvgate
     just after Envoy ended the request's stream (closed it, or reset it: gRPC cancels the
-    handler). The release waits for it and charges the engine's usage, not the
-    reservation, and the stream ended normally."""
+    handler as it waits for Envoy's next message). The release waits for it and charges the
+    engine's usage, not the reservation, and the stream ended normally."""
     desk = ReportDesk()
     handler, director, metrics, released = handler_for(
         headers_msg(), body_msg(orjson.dumps(chat())), body_mode="auto", desk=desk,
@@ -350,7 +366,11 @@ async def test_a_meter_report_just_after_the_streams_end_is_charged_as_reported(
         with pytest.raises(StopAsyncIteration):
             await anext(handler)
     else:
-        await handler.aclose()
+        waiting = asyncio.ensure_future(anext(handler))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
     assert len(director.active) == 1 and not released
     body = orjson.dumps({"usage": USAGE, "events": 0})
     assert desk.receive(f"/done/{lease}".encode(), desk.key.encode(), body).startswith(
@@ -373,9 +393,9 @@ def handler_for(*messages, body_mode: str, desk: ReportDesk | None = None,
     released = []
     release = director.release
 
-    async def recorded(admission, used, output=None):
+    async def recorded(admission, used, output=None, **kwargs):
         released.append(used)
-        await release(admission, used, output)
+        await release(admission, used, output, **kwargs)
 
     director.release = recorded
     incoming: asyncio.Queue = asyncio.Queue()

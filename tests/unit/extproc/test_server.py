@@ -1,5 +1,5 @@
-"""The kvgate server (extproc.server): reading a stream ahead while a request queues, where
-each port binds, and gRPC over TLS.
+"""The kvgate server (extproc.server): reading a stream ahead while a request queues, what a
+request admitted as Envoy gives up is charged, where each port binds, and gRPC over TLS.
 
 Real servers on ephemeral ports; throwaway certificates from ``tests.pki`` (``openssl``).
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,11 +19,18 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc import server as server_module
 from extproc.config import Config, ConfigError, hash_api_key, parse_config
-from extproc.server import Incoming, KvgateServer
+from extproc.director import Admission
+from extproc.metrics import Metrics
+from extproc.reports import ReportDesk
+from extproc.server import ExternalProcessor, Incoming, KvgateServer
+from extproc.wiring import build_director
+from limiter.stores import MemoryStore
 from tests.conftest import free_port
 from tests.pki import make_pki
 from tests.unit.extproc.test_logs import UNPARSABLE, raw_reply
+from tests.unit.extproc.test_stream import body_msg, chat, headers_msg, make_config
 
 
 def config(**server: object) -> Config:
@@ -99,6 +108,147 @@ async def test_unwatched_admissions_read_nothing_ahead() -> None:
     assert incoming._ahead is None
     end.set()
     assert await incoming.next() is None
+
+
+# -- a request admitted as Envoy gives up ---------------------------------------------------
+#
+# gRPC resumes the handler after a reply only once that reply is written; when the RPC is
+# already cancelled (Envoy's message timeout fired, or Envoy reset the stream, while kvgate
+# was deciding) the write fails, gRPC drops the handler there and the generator is closed at
+# that yield (GeneratorExit). The routing reply never left: the request never went upstream.
+
+# (a token a minute comes back: a test never waits long enough to see one)
+LIMITS = {"tokens_per_minute": 1, "token_burst": 10_000, "daily_token_quota": 100_000,
+          "max_concurrency": 5}
+
+
+def new_processor() -> tuple[ExternalProcessor, MemoryStore]:
+    cfg = make_config(**LIMITS)
+    store = MemoryStore()
+    director = build_director(cfg, store)
+    return ExternalProcessor(director, Metrics(), cfg, ReportDesk()), store
+
+
+async def charged(processor: ExternalProcessor) -> tuple[int, int]:
+    """(tokens of the daily quota used, tokens the token bucket is short of its limit)."""
+    usage = await processor.director.usage("acme")
+    assert usage is not None
+    tokens = usage["tokens"]
+    return usage["quotas"]["daily"]["used"], tokens["limit"] - tokens["available"]
+
+
+def held(processor: ExternalProcessor) -> Admission:
+    (stream,) = processor.open
+    assert stream.admission is not None
+    return stream.admission
+
+
+async def routed(processor: ExternalProcessor, streamed: bool):
+    """The handler on a chat request, run up to its routing reply (yielded, not yet resumed);
+    Envoy sends nothing more."""
+    messages = (headers_msg(), body_msg(chat(max_tokens=100, stream=streamed)))
+    handler = processor.Process(envoy_messages(*messages, end=asyncio.Event()), None)
+    await anext(handler)  # the headers' answer
+    reply = await anext(handler)  # the routing reply, handed to gRPC
+    assert isinstance(reply, bytes) and b"x-gateway-destination-endpoint" in reply
+    assert len(processor.director.active) == 1
+    return handler
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_request_whose_routing_reply_never_left_is_charged_nothing(streamed) -> None:
+    """gRPC dropped the handler at the routing reply (the RPC was cancelled as it was
+    admitted): the tenant's tokens and quota come back in full, at once (no wait for a meter
+    report that cannot come), its KV is freed without counting as drained, and the charge
+    is counted as ``not_sent``."""
+    processor, store = new_processor()
+    handler = await routed(processor, streamed)
+    admission = held(processor)
+    scheduler = admission.scheduler
+    assert await charged(processor) == (admission.cost.tokens, admission.cost.tokens)
+    await handler.aclose()  # what gRPC does when the reply could not be written
+    assert processor.director.active == {} and not processor.releasing
+    assert await charged(processor) == (0, 0)
+    assert await store.in_flight("acme") == 0
+    assert scheduler.reservations == {} and scheduler.drain.per_second(time.monotonic()) == 0
+    assert processor.metrics.charges.values == {("not_sent",): 1}
+
+
+@pytest.mark.parametrize(("streamed", "basis"), [(False, "cut_off"), (True, "not_started")])
+async def test_a_request_cancelled_after_its_routing_reply_left_is_charged_as_before(
+        streamed, basis, monkeypatch) -> None:
+    """Once gRPC took the routing reply (the handler resumed after it) the request may be at
+    its engine: a stream reset then (the client left) is charged as ever — its reservation,
+    or, streamed and not started, its prompt."""
+    monkeypatch.setattr(server_module, "REPORT_WAIT_S", 0.05)
+    processor, _store = new_processor()
+    handler = await routed(processor, streamed)
+    admission = held(processor)
+    waiting = asyncio.ensure_future(anext(handler))  # resumed: reads Envoy's next message
+    await asyncio.sleep(0.01)
+    waiting.cancel()  # Envoy reset the stream: gRPC cancels the handler
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    while processor.releasing:  # the wait for a meter report that may trail the reset
+        await asyncio.sleep(0.01)
+    assert processor.director.active == {}
+    cost = admission.cost
+    expected = cost.prompt_tokens if streamed else cost.tokens
+    assert await charged(processor) == (expected, expected)
+    assert processor.metrics.charges.values == {(basis,): 1}
+
+
+async def test_a_grpc_call_cancelled_while_kvgate_decides_is_charged_nothing(
+        monkeypatch) -> None:
+    """Through a real gRPC server: the client cancels the call while kvgate's event loop is
+    busy deciding (a decision that ends as Envoy's message timeout fires); the admission
+    comes through, but its routing reply cannot be written."""
+    cfg = make_config(**LIMITS)
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(
+        update={"grpc_port": 0, "admin_port": None})})
+    server = KvgateServer(cfg)
+    await server.start()
+    cancelled = threading.Event()
+    director = server.director
+    admit = director.admit
+
+    async def admit_as_the_client_leaves(*args, **kwargs):  # type: ignore[no-untyped-def]
+        decision = await admit(*args, **kwargs)
+        assert cancelled.wait(10)  # kvgate's loop is busy meanwhile
+        time.sleep(0.2)  # ... while gRPC takes in the reset
+        return decision
+
+    monkeypatch.setattr(director, "admit", admit_as_the_client_leaves)
+
+    def envoy() -> None:
+        async def call() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                stream = channel.stream_stream(
+                    "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                    request_serializer=pb.ProcessingRequest.SerializeToString,
+                    response_deserializer=pb.ProcessingResponse.FromString)()
+                await stream.write(headers_msg())
+                await stream.read()
+                await stream.write(body_msg(chat(max_tokens=100)))
+                await asyncio.sleep(0.1)  # kvgate is deciding
+                stream.cancel()
+                cancelled.set()
+
+        asyncio.run(call())
+
+    client = threading.Thread(target=envoy)
+    client.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (client.is_alive() or director.active) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        processor = server._processor
+        assert processor is not None and director.active == {}
+        assert server.metrics.charges.values == {("not_sent",): 1}
+        assert await charged(processor) == (0, 0)
+    finally:
+        client.join(10)
+        await server.stop(grace=0)
 
 
 # -- listeners -----------------------------------------------------------------------------
