@@ -175,6 +175,53 @@ def queued(stack) -> int:
     return httpx.get(admin + "/debug/queues").json()["pools"][0]["queued"]
 
 
+# -- kvgate too slow: Envoy gives up as kvgate admits ----------------------------------------
+
+
+def test_a_request_admitted_as_envoys_message_timeout_fires_is_charged_nothing() -> None:
+    """kvgate's event loop is busy deciding a request past Envoy's message timeout: Envoy
+    answers the client 504 and resets the ext_proc stream, and the admission kvgate then
+    completes has its routing reply refused by gRPC. The request never reached the engine,
+    so the tenant's tokens and quota come back in full; the engine never saw it."""
+    cfg = config(f"127.0.0.1:{free_port()}", scrape={"interval_s": 0.05},
+                 tiers={"t": {"limits": {"tokens_per_minute": 60, "token_burst": 10_000,
+                                         "daily_token_quota": 100_000}}},
+                 classes={name: {"priority": i, "deadline_s": 0.5} for i, name
+                          in enumerate(("interactive", "batch", "offline"))})
+    cfg = cfg.model_copy(update={"envoy": cfg.envoy.model_copy(
+        update={"message_timeout_s": 1.5})})
+    with local_stack(cfg) as stack:
+        (engine,) = stack.engines.values()
+        director = stack.kvgate.server.director
+        url = stack.url + "/v1/chat/completions"
+        assert httpx.post(url, json=chat(), headers=HEADERS, timeout=10).status_code == 200
+        wait_until(lambda: not director.active)
+        before = stack.kvgate.call(director.usage("acme"))
+        engine.clear_requests()
+        gave_up = threading.Event()
+        admit = director.admit
+
+        async def admit_as_envoy_gives_up(*args, **kwargs):  # type: ignore[no-untyped-def]
+            decision = await admit(*args, **kwargs)
+            assert gave_up.wait(10)  # kvgate's loop is busy until Envoy has given up
+            time.sleep(0.2)  # ... and gRPC has taken in Envoy's reset
+            return decision
+
+        director.admit = admit_as_envoy_gives_up
+        try:
+            answer = httpx.post(url, json=chat(100), headers=HEADERS, timeout=10)
+        finally:
+            gave_up.set()
+        assert answer.status_code == 504, answer.text  # Envoy's message timeout
+        wait_until(lambda: not director.active and not director.schedulers["one"].reservations)
+        after = stack.kvgate.call(director.usage("acme"))
+        assert after["quotas"]["daily"]["used"] == before["quotas"]["daily"]["used"]
+        assert after["tokens"]["available"] >= before["tokens"]["available"]
+        assert after["in_flight"] == 0
+        assert stack.kvgate.server.metrics.charges.values[("not_sent",)] == 1
+        assert engine.requests() == []
+
+
 # -- a scrape target that hangs or answers garbage -------------------------------------------
 
 
