@@ -66,29 +66,49 @@ class JsonFormatter(logging.Formatter):
 
 
 class _ClientErrorsQuiet(logging.Filter):
-    """aiohttp logs a request it cannot parse (an over-long request line or header, a bad
-    chunk) at ERROR with a traceback: the client's fault, and a hostile client could fill the
-    log with them. Such a record becomes one DEBUG line, dropped unless kvgate logs DEBUG; an
-    error in kvgate's own handlers is logged as before."""
+    """A library that logs someone else's fault at ERROR with a traceback: aiohttp, a
+    request it cannot parse (an over-long request line or header, a bad chunk); gRPC, a
+    reply it could not write because Envoy had given up on the stream (its message timeout
+    — one per request while kvgate is overloaded, when log lines cost most). A hostile
+    client or a timeout storm could fill the log with them. Such a record (its exception
+    one of ``kinds``) becomes one DEBUG line, dropped unless kvgate logs DEBUG; an error in
+    kvgate's own handlers is logged as before."""
+
+    def __init__(self, kinds: tuple[type[BaseException], ...]):
+        super().__init__()
+        self.kinds = kinds
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if not isinstance(error, HttpProcessingError):
+        if not isinstance(error, self.kinds):
             return True
         if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
             return False
-        record.msg = f"{record.getMessage()}: {type(error).__name__} {error.code}"
+        code = getattr(error, "code", None)
+        record.msg = f"{record.getMessage()}: {type(error).__name__}" + (
+            f" {code}" if code is not None else "")
         record.args, record.exc_info, record.exc_text = (), None, None
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return True
 
 
-def http_server_log(name: str) -> logging.Logger:
-    """The logger to give an aiohttp server kvgate runs (``AppRunner(logger=...)``)."""
+def _quieted(name: str, kinds: tuple[type[BaseException], ...]) -> logging.Logger:
     logger = logging.getLogger(name)
     if not any(isinstance(f, _ClientErrorsQuiet) for f in logger.filters):
-        logger.addFilter(_ClientErrorsQuiet())
+        logger.addFilter(_ClientErrorsQuiet(kinds))
     return logger
+
+
+def http_server_log(name: str) -> logging.Logger:
+    """The logger to give an aiohttp server kvgate runs (``AppRunner(logger=...)``)."""
+    return _quieted(name, (HttpProcessingError,))
+
+
+def quiet_grpc_write_failures() -> None:
+    """gRPC's aio server logs a reply it could not write to a cancelled RPC at ERROR."""
+    from grpc._cython.cygrpc import ExecuteBatchError
+
+    _quieted("grpc._cython.cygrpc", (ExecuteBatchError,))
 
 
 def setup_logging(level: str, fmt: str = "plain") -> None:

@@ -34,7 +34,7 @@ from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.duplex import DuplexStream
-from extproc.logs import http_server_log
+from extproc.logs import http_server_log, quiet_grpc_write_failures
 from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
@@ -330,6 +330,7 @@ class KvgateServer:
             flow.start()
         # the whole buffered request body arrives as one gRPC message
         max_message = settings.max_body_bytes + 1024 * 1024
+        quiet_grpc_write_failures()
         self._grpc = grpc.aio.server(options=[
             ("grpc.so_reuseport", int(self.reuse_port)),
             ("grpc.max_receive_message_length", max_message),

@@ -14,6 +14,7 @@ from extproc.logs import (
     JsonFormatter,
     PlainFormatter,
     new_request_id,
+    quiet_grpc_write_failures,
     redact,
     usable_request_id,
 )
@@ -97,3 +98,34 @@ async def test_an_unparsable_request_is_one_debug_line_without_a_traceback(
                           "Error handling request from 127.0.0.1: LineTooLong 400")]
     finally:
         await agent.stop()
+
+
+def test_a_reply_grpc_could_not_write_to_a_cancelled_rpc_is_no_error_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Envoy gave up on the stream (its message timeout) as kvgate answered: gRPC logs the
+    failed write at ERROR with a traceback, once per request in a timeout storm."""
+    from grpc._cython.cygrpc import ExecuteBatchError
+
+    quiet_grpc_write_failures()
+    quiet_grpc_write_failures()  # once is enough: a second call adds no second filter
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    assert len(grpc_log.filters) == 1
+
+    def failed_write() -> None:
+        try:
+            raise ExecuteBatchError("Failed \"execute_batch\": (<grpc._cython.cygrpc...>,)")
+        except ExecuteBatchError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]",
+                               "Process")
+
+    with caplog.at_level(logging.INFO):
+        failed_write()
+        grpc_log.error("something else")  # gRPC's other errors stay errors
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, "something else")]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="grpc._cython.cygrpc"):
+        failed_write()
+    assert [(r.levelno, r.exc_info, r.getMessage()) for r in caplog.records] == [
+        (logging.DEBUG, None, "ExecuteBatchError raised in core by servicer method [Process]: "
+                              "ExecuteBatchError")]
