@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from extproc.counting import PromptCosts
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.flow import FlowController, Waiter
 from extproc.leases import LeaseBook
-from extproc.openai import InferenceRequest
+from extproc.openai import BadRequest, InferenceRequest
 from extproc.pricing import Pricer, output_cap
 from extproc.rejections import RecentRejections
 from extproc.scheduler import Placement, PoolScheduler
@@ -120,18 +120,68 @@ class Director:
         self.leases = LeaseBook()
         self.rejections = RecentRejections()  # for the admin status page
         self.started_s = int(time.time())  # the models' "created" in GET /v1/models
+        # tenant → its requests between the start of their admission and the end of their
+        # release (or refusal): a tenant a reload removed is not forgotten while it has one
+        self._busy: dict[str, int] = {}
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration's live sections (``extproc.reload.LIVE``: tenants,
         tiers, classification) in one step: no await, so each request sees the old or the
         new. Admitted and queued requests release under their tenant's current policy (a
-        removed tenant's last one)."""
+        removed tenant's last one, kept until :meth:`forget_retired`)."""
         tenants = Tenants(config, previous=self.tenants)
         classifier = Classifier(config)
-        weights = tenants.weights
         self.config, self.tenants, self.classifier = config, tenants, classifier
+        self._reweigh()
+
+    def _reweigh(self) -> None:
+        weights = self.tenants.weights
         for scheduler in self.schedulers.values():
             scheduler.weights = weights
+
+    def forget_retired(self) -> list[str]:
+        """Forget the tenants reloads removed that have nothing left: no request admitted,
+        queued or on its way through admission, nothing owed to the shared store. Their
+        policies, weights, the fair queue's counters and this process's limits state go
+        (the in-memory store keeps a tenant's limits while Redis would: see
+        ``MemoryStore``); a tenant configured again later starts from what the limits store
+        has. Returns the tenants forgotten; the others are asked about again next time."""
+        retired = [name for name in self.tenants.retired() if name not in self._busy]
+        forgotten = self.store.forget(retired)  # (also when none: it drops what has faded)
+        if forgotten:
+            for flow in self.flows.values():
+                flow.fairness.forget(forgotten)
+            self.tenants.forget(forgotten)
+            self._reweigh()
+        return forgotten
+
+    def _enter(self, tenant: Tenant) -> None:
+        """A request of ``tenant`` starts its way through admission: the tenant is not
+        forgotten until it ends (:meth:`_leave`). One authenticated before a reload
+        removed its tenant, which has since been forgotten, is refused as its key is now."""
+        if not self.tenants.knows(tenant):
+            raise BadRequest("incorrect API key provided", status=401, code="invalid_api_key")
+        self._busy[tenant.name] = self._busy.get(tenant.name, 0) + 1
+
+    def _leave(self, name: str) -> None:
+        left = self._busy.get(name, 0) - 1
+        if left > 0:
+            self._busy[name] = left
+        else:
+            self._busy.pop(name, None)
+
+    async def _entered(self, tenant: Tenant,
+                       admission: Awaitable[Admission | Reject]) -> Admission | Reject:
+        """``admission``, with ``tenant`` held from now on: until the release of what it
+        admits, or at once when it refuses or fails."""
+        try:
+            outcome = await admission
+        except BaseException:
+            self._leave(tenant.name)
+            raise
+        if not isinstance(outcome, Admission):
+            self._leave(tenant.name)
+        return outcome
 
     @property
     def active(self) -> dict[str, str]:
@@ -145,13 +195,24 @@ class Director:
 
     async def precheck(self, tenant: Tenant) -> Reject | None:
         """Before the body arrives: is the tenant over its request rate or concurrency?"""
-        return await self.store.check_requests(tenant.name, self.tenants.policy(tenant))
+        self._enter(tenant)
+        try:
+            return await self.store.check_requests(tenant.name, self.tenants.policy(tenant))
+        finally:
+            self._leave(tenant.name)
 
     # -- body phase: the pipeline ----------------------------------------------------------
 
     async def admit(
         self, tenant: Tenant, request: InferenceRequest, requested_class: str | None = None,
         *, watch: Watch = contextlib.nullcontext,
+    ) -> Admission | Reject:
+        self._enter(tenant)
+        return await self._entered(tenant, self._admit(tenant, request, requested_class, watch))
+
+    async def _admit(
+        self, tenant: Tenant, request: InferenceRequest, requested_class: str | None,
+        watch: Watch,
     ) -> Admission | Reject:
         pool, model = self.pricer.resolve(request.model)
         cost = await self.costs.price(model, request)
@@ -191,6 +252,13 @@ class Director:
     ) -> Admission | Reject:
         """Requests with no inference body (GET /v1/models, …): charged one request, sent to
         any live endpoint of the first pool; they never queue."""
+        self._enter(tenant)
+        return await self._entered(tenant, self._admit_request_only(tenant, path,
+                                                                    requested_class, watch))
+
+    async def _admit_request_only(
+        self, tenant: Tenant, path: str, requested_class: str | None, watch: Watch,
+    ) -> Admission | Reject:
         klass = self.classifier.classify(
             tenant, requested=requested_class, path=path, prompt_tokens=0
         )
@@ -212,6 +280,15 @@ class Director:
         given back at once: nothing is held while nobody runs). A shaped tenant's waits for
         its departure slot first, as every request of its does (answered at once, it left
         its slot unused and gave it back, so it was never paced)."""
+        self._enter(tenant)
+        try:
+            return await self._list_models(tenant, watch)
+        finally:
+            self._leave(tenant.name)
+
+    async def _list_models(
+        self, tenant: Tenant, watch: Watch,
+    ) -> tuple[list[tuple[str, str]], Admit] | Reject:
         policy = self.tenants.policy(tenant)
         lease_id = self.leases.new_id()
         decision = await self.store.admit(tenant.name, policy, Cost(0, 0), lease_id)
@@ -417,6 +494,13 @@ class Director:
         ``used_tokens``; unknown: the estimate stands). One that was never ``sent``
         upstream (its routing reply never reached Envoy) used nothing: its KV is freed as
         a reservation that never ran (not counted as drained, nothing learned from it)."""
+        try:
+            await self._release(admission, used_tokens, output_tokens, sent)
+        finally:
+            self._leave(admission.tenant.name)
+
+    async def _release(self, admission: Admission, used_tokens: int | None,
+                       output_tokens: int | None, sent: bool) -> None:
         self.leases.closed(admission.lease_id)
         if sent:
             admission.scheduler.release(admission.lease_id, self.clock(),

@@ -56,6 +56,12 @@ class Tally(Collector):
     def add(self, labels: tuple[str, ...], amount: float = 1) -> None:
         self.values[labels] = self.values.get(labels, 0) + amount
 
+    def drop(self, label: str, values: frozenset[str]) -> None:
+        """Stop exporting the series whose ``label`` holds one of ``values``."""
+        index = self.labelnames.index(label)
+        self.values = {labels: value for labels, value in self.values.items()
+                       if labels[index] not in values}
+
     def collect(self) -> Iterator[Metric]:
         family_type = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
         family = family_type(self.name, self.documentation, labels=self.labelnames)
@@ -321,11 +327,24 @@ class Metrics:
 
     def configure(self, tenants: Iterable[str], models: Iterable[str],
                   classes: Iterable[str]) -> None:
-        """The names labels may hold. Tenants only ever join: a tenant a reload removed may
-        still have requests to finish, counted under its own name."""
+        """The names labels may hold. Tenants join here and leave by :meth:`forget`: a
+        tenant a reload removed may still have requests to finish, counted under its own
+        name."""
         self.tenants = self.tenants | frozenset(tenants)
         self.models = frozenset(models)
         self.classes = frozenset(classes)
+
+    def forget(self, tenants: Iterable[str]) -> None:
+        """Tenants a reload removed that have nothing left (``Director.forget_retired``): their
+        series are no longer exported (a counter configured again starts at 0, which
+        ``rate()`` and ``increase()`` read as a reset), and their names are no longer labels."""
+        gone = frozenset(tenants)
+        if not gone:
+            return
+        self.tenants = self.tenants - gone
+        for tally in (self.requests, self.tokens_reserved, self.tokens_used,
+                      self.tokens_refunded, self.in_flight):
+            tally.drop("tenant", gone)
 
     def watch_endpoints(self, states: Callable[[], Iterable[EndpointState]],
                         errors: Mapping[str, int]) -> None:

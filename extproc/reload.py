@@ -9,7 +9,10 @@ changing them under requests in flight could lose what those hold, so a change t
 reported as waiting for a restart and the running values stay.
 
 Tenants a reload removes: their keys are gone, so new requests get 401; requests already
-admitted or queued finish, and release, under the tenant's last limits.
+admitted or queued finish, and release, under the tenant's last limits. Once nothing of
+theirs is left (admitted, queued, or owed to Redis), they are forgotten
+(``Director.forget_retired``, at the reload and every few seconds): a config that renames
+its tenants every day no longer grows kvgate by every tenant it ever had.
 """
 
 from __future__ import annotations

@@ -54,6 +54,9 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # the report leaves Envoy just before the stream's end, on another connection.
 REPORT_WAIT_S = 0.5
 CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams counted as cut
+# How often the tenants reloads removed are looked at again, to forget those with nothing
+# left (a reload looks at once): and the in-memory store's limits that have faded drop
+FORGET_EVERY_S = 2.0
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -306,6 +309,7 @@ class KvgateServer:
             metrics=self.metrics)
         self._renewer: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._forgetter: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -356,6 +360,7 @@ class KvgateServer:
             self._renewer = asyncio.create_task(self._renew_leases(self.config.redis.lease_ttl_s))
         if self.config_file is not None and settings.reload_poll_s > 0:
             self._poller = asyncio.create_task(self._poll_config(settings.reload_poll_s))
+        self._forgetter = asyncio.create_task(self._forget_every(FORGET_EVERY_S))
         self.started = True
         self.metrics.last_reload.set(time.time())
         self._note_scraped(self.endpoints.snapshot())
@@ -447,6 +452,26 @@ class KvgateServer:
             except Exception:  # the poll must outlive any one failure
                 log.exception("config poll failed")
 
+    async def _forget_every(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                self.forget_retired()
+            except Exception:  # the loop must outlive any one failure
+                log.exception("forgetting removed tenants failed")
+
+    def forget_retired(self) -> list[str]:
+        """Forget the tenants reloads removed that have nothing left admitted, queued or
+        owed (``Director.forget_retired``), their metric series with them."""
+        forgotten = self.director.forget_retired()
+        if forgotten:
+            self.metrics.forget(forgotten)
+            shown = ", ".join(forgotten[:10]) + (
+                f" and {len(forgotten) - 10} more" if len(forgotten) > 10 else "")
+            log.info("forgot %d removed tenant(s), nothing of theirs left: %s",
+                     len(forgotten), shown)
+        return forgotten
+
     def _on_sighup(self) -> None:
         task = asyncio.get_running_loop().create_task(self.reload_in_thread("SIGHUP"))
         self._reloads.add(task)  # (held until done: the loop keeps only weak references)
@@ -500,6 +525,7 @@ class KvgateServer:
         if change.restart:
             log.warning("config reload: %s changed in %s and take effect only after a restart "
                         "(the running values stay)", ", ".join(change.restart), source)
+        self.forget_retired()  # those removed now with nothing in flight: at once
         return True
 
     # -- shutdown --------------------------------------------------------------------------
@@ -528,6 +554,7 @@ class KvgateServer:
             await self._processor.settle()
         self.director.costs.close()
         await cancel(self._poller)
+        await cancel(self._forgetter)
         await self.desk.stop()
         await cancel(self._renewer)
         await self.scraper.stop()

@@ -4,6 +4,7 @@ limiter policy each tenant's configured limits make."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 from extproc.config import Config, Limits, Tenant
 from extproc.openai import BadRequest
@@ -38,8 +39,9 @@ def policy_from_limits(limits: Limits) -> TenantPolicy:
 
 class Tenants:
     """The configured tenants. Built again on a reload, from the ``previous`` set: a tenant
-    the reload removed can no longer authenticate, but keeps its last policy and weight for
-    the requests it still has in flight or queued."""
+    the reload removed (*retired*) can no longer authenticate, but keeps its last policy,
+    weight and overflow for the requests it still has in flight or queued, until it is
+    forgotten (:meth:`forget`, once nothing of it is left: ``Director.forget_retired``)."""
 
     def __init__(self, config: Config, previous: Tenants | None = None):
         self._by_key = {key: t for t in config.tenants for key in t.api_keys}
@@ -49,16 +51,37 @@ class Tenants:
                           for t in config.tenants}
         self._weights = {t.name: config.tiers[t.tier].weight for t in config.tenants}
         self._overflow = {t.name: config.overflow_for(t) for t in config.tenants}
+        self._retired: set[str] = set()  # removed from the config, not forgotten yet
         if previous is not None:
             for name, policy in previous._policies.items():
-                self._policies.setdefault(name, policy)
-                self._weights.setdefault(name, previous._weights[name])
-                self._overflow.setdefault(name, previous._overflow[name])
+                if name not in self._policies:
+                    self._policies[name] = policy
+                    self._weights[name] = previous._weights[name]
+                    self._overflow[name] = previous._overflow[name]
+                    self._retired.add(name)
 
     @property
     def weights(self) -> dict[str, float]:
         """Tenant → tier weight, removed tenants with requests left included."""
         return dict(self._weights)
+
+    def retired(self) -> list[str]:
+        """Tenants removed from the configuration and not forgotten yet."""
+        return sorted(self._retired)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Forget retired tenants (nothing of theirs is admitted, queued or owed any more):
+        a request authenticated as one before it was removed is refused (:meth:`knows`)."""
+        for name in names:
+            if name in self._retired:
+                self._retired.discard(name)
+                del self._policies[name]
+                del self._weights[name]
+                del self._overflow[name]
+
+    def knows(self, tenant: Tenant) -> bool:
+        """Configured, or removed and not forgotten yet."""
+        return tenant.name in self._policies
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant owning the request's API key. A key already seen skips the hash

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from limiter.buckets import Shaper, SlidingWindow, TokenBucket, bucket_view
-from limiter.calendar import Period
+from limiter.calendar import Period, period_bounds
 from limiter.herd import (
     MAX_HERD_WAIT_MS,
     concurrency_interval,
@@ -40,7 +40,11 @@ from limiter.outcome import (
 from limiter.quota import QuotaCounter, QuotaView
 from limiter.rates import Rate, require_int
 
-__all__ = ["TenantLimiter", "TenantPolicy", "never_fits"]
+__all__ = ["QuotaUsage", "TenantLimiter", "TenantPolicy", "never_fits"]
+
+QuotaUsage = list[tuple[Period, int, int]]
+"""Token quota counts as ``(period, period start ms, tokens used)``: what a forgotten tenant's
+limiter leaves behind (:meth:`TenantLimiter.quota_usage`)."""
 
 _POSITIVE_FIELDS = (
     "request_burst",
@@ -263,6 +267,42 @@ class TenantLimiter:
             self.forget_promises()  # slots promised under old limits say nothing of the new
         self._shaper = _reshape(self._shaper, policy)
         self.policy = policy
+
+    def idle_in_ms(self, now_ms: int) -> int | None:
+        """Ms until, absent calls, this limiter is back to where a new one starts: its buckets
+        full, its window empty, every shaper slot started and every retry slot it promised
+        passed (0: it is now). Forgetting it then changes nothing but its token quotas' counts
+        (:meth:`quota_usage`) and the observed mean duration — what a shared store's key
+        TTLs forget too. None while it holds a lease."""
+        if self.expire_leases(now_ms):
+            return None
+        waits = [0]
+        for bucket in (self._requests, self._tokens):
+            if bucket is not None:
+                waits.append(bucket.reset_ms(now_ms))
+        if self._window is not None:
+            waits.append(self._window.reset_ms(now_ms))
+        if self._shaper is not None:
+            waits.append(self._shaper.drain_ms(now_ms))
+        waits.extend(slot - now_ms for slot in self._promised.values())
+        return max(waits)
+
+    def quota_usage(self, now_ms: int) -> QuotaUsage:
+        """The token quota counts of the periods under way that are not 0, whether or not
+        the policy has that quota now (:meth:`update_policy` keeps them too)."""
+        usage: QuotaUsage = []
+        for period, counter in self._quotas.items():
+            start = counter.start_ms
+            if start is not None and counter.used and start >= period_bounds(now_ms, period)[0]:
+                usage.append((period, start, counter.used))
+        return usage
+
+    def restore_quotas(self, usage: QuotaUsage) -> None:
+        """Take up the counts :meth:`quota_usage` gave (a tenant forgotten, and configured
+        again within the period): a quota is not reset by removing and re-adding a key."""
+        for period, start, used in usage:
+            counter = self._quotas[period]
+            counter.start_ms, counter.used = start, used
 
     def forget_promises(self) -> None:
         """Drop the retry slots promised to refused clients (``limiter.herd``): the next

@@ -52,7 +52,7 @@ in Redis, so every replica serves a pool's tenants in **one global weighted orde
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.rates import require_int
@@ -184,6 +184,14 @@ class VirtualCounters:
             self._vtime -= shift
             self._counters = {t: max(0, c - shift) for t, c in self._counters.items()}
             self._firsts = {t: c - shift for t, c in self._firsts.items()}
+
+    def forget(self, tenants: Iterable[str]) -> None:
+        """Drop the counters of tenants no longer configured, with nothing queued or
+        running: configured again, such a tenant starts at ``V`` as a new one does (a debt
+        it still had is forgiven — what Redis's TTL does to a tenant unseen for a while)."""
+        for tenant in tenants:
+            self._counters.pop(tenant, None)
+            self._firsts.pop(tenant, None)
 
     def counters(self) -> dict[str, float]:
         """Tenant → virtual counter in tokens per unit of weight."""

@@ -3,7 +3,7 @@ sits behind them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from limiter.decision import TenantPolicy
@@ -69,6 +69,14 @@ class LimiterStore(Protocol):
         """JSON-friendly snapshot of every dimension (admin endpoint)."""
         ...
 
+    def forget(self, tenants: Iterable[str]) -> list[str]:
+        """``tenants`` were removed from the configuration and have nothing admitted or
+        queued: drop what this process keeps for them, once nothing of theirs is owed to
+        the shared store. Returns those forgotten; the caller asks again later for the
+        others. What a shared store keeps (Redis) expires there by itself; the in-memory
+        store keeps a tenant's limits as long as Redis would (see ``MemoryStore``). No I/O."""
+        ...
+
 
 class SharedStore(LimiterStore, Protocol):
     """A store every replica shares (Redis), behind :class:`~limiter.stores.FailoverStore`,
@@ -119,6 +127,11 @@ class Fairness(Protocol):
 
     async def counters(self) -> dict[str, float]:
         """Tenant → virtual counter in tokens per unit of weight (``/debug/queues``)."""
+        ...
+
+    def forget(self, tenants: Iterable[str]) -> None:
+        """Drop this process's counters of ``tenants``: removed from the configuration, with
+        nothing queued or running. No I/O (shared counters expire by themselves)."""
         ...
 
     async def close(self) -> None:

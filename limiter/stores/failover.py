@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -59,6 +59,9 @@ REPAIR_TIMEOUT_S = 0.5
 BREAKER_IDLE_MS = 10_000
 """A cluster node's breaker no call has asked for this long is forgotten (see
 ``FailoverStore.breakers_open``)."""
+LOCAL_POLICIES = 16_384
+"""Scaled policies cached at most (one per distinct policy: per-tenant limits of a config
+that renames its tenants every day would add new ones for good)."""
 REPAIR_BATCH = 64
 """Repair calls sent at once (each takes a pooled connection)."""
 _FAILURES = (StoreUnavailable, TimeoutError, OSError)
@@ -269,6 +272,17 @@ class FailoverStore:
                 await self._settle()
         await self.primary.close()
 
+    def forget(self, tenants: Iterable[str]) -> list[str]:
+        """Forget ``tenants`` (removed from the configuration) but those with a lease held
+        here, or a release, cancel or usage still owed to Redis (asked again later); the
+        fallback's limits of theirs go as the in-memory store's go."""
+        owing = {owed.tenant for owed in self._owed.values()}
+        ready = [t for t in tenants if not self._counts.get(t) and t not in owing]
+        done = set(self.local.forget(ready)) & set(self.primary.forget(ready))
+        for tenant in done:
+            self._blocked.pop(tenant, None)
+        return [tenant for tenant in ready if tenant in done]
+
     def idle(self) -> bool:
         """Nothing held and nothing owed to Redis (tests, and a drained replica)."""
         return not self._held and not self._owed and not self._reassert
@@ -466,6 +480,8 @@ class FailoverStore:
     def _local(self, policy: TenantPolicy) -> TenantPolicy:
         scaled = self._local_policies.get(policy)
         if scaled is None:
+            if len(self._local_policies) >= LOCAL_POLICIES:
+                self._local_policies.clear()
             scaled = self._local_policies[policy] = scale_policy(policy, self.replicas)
         return scaled
 
@@ -505,6 +521,11 @@ class FailoverFairness:
                 return await self.shared.counters()
         except (StoreUnavailable, TimeoutError):
             return await self.local.counters()
+
+    def forget(self, tenants: Iterable[str]) -> None:
+        names = list(tenants)
+        self.local.forget(names)
+        self.shared.forget(names)
 
     async def close(self) -> None:
         await self.shared.close()

@@ -16,7 +16,7 @@ dispatcher of a queue that holds one tenant's requests makes no round trip.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from limiter.fairness import (
@@ -247,6 +247,9 @@ class RedisFairness:
         except self._errors as exc:
             raise StoreUnavailable(f"redis fairness counters failed: {exc}") from exc
         return {_text(tenant): int(value) / SCALE for tenant, value in raw.items()}
+
+    def forget(self, tenants: Iterable[str]) -> None:
+        """Nothing to drop here: Redis forgets a tenant unseen for ``ttl_ms`` by itself."""
 
     async def virtual_time(self) -> float:
         """``V`` in tokens per unit of weight (0 when the pool has no state)."""

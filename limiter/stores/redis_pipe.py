@@ -296,6 +296,10 @@ class Scripts:
             parts.append(b"$%d\r\n%b\r\n" % (len(value), value))
         return b"".join(parts)
 
+    def forget(self, keys: tuple[str, ...]) -> None:
+        """Drop the packed form of ``keys`` (a tenant no longer configured)."""
+        self._packed_keys.pop(keys, None)
+
     async def close(self) -> None:
         if self.pipe is not None:
             await self.pipe.close()

@@ -27,7 +27,7 @@ together, in one script call (see :meth:`RedisStore.release`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -361,6 +361,16 @@ class RedisStore:
 
     async def usage(self, tenant: str, policy: TenantPolicy) -> dict[str, Any]:
         return (await self._run_policy("usage", tenant, policy))[1].usage()
+
+    def forget(self, tenants: Iterable[str]) -> list[str]:
+        """Drop the key names kept for ``tenants`` (but one whose releases are still on their
+        way: asked again later); their keys in Redis expire by themselves."""
+        sending = {tenant for tenant, _policy in self._releases}
+        forgotten = [tenant for tenant in tenants if tenant not in sending]
+        for tenant in forgotten:
+            self._keys.pop(tenant, None)
+            self._scripts.forget(tuple(self.keys(tenant)))
+        return forgotten
 
     async def close(self) -> None:
         """Close the client this store was given (the store owns it from then on), once

@@ -353,3 +353,31 @@ async def test_a_blocked_tenants_herd_gets_slots_from_redis(server, raw):
     assert len(waits) == 4 and len(set(waits)) == 4  # a refill (1 s) apart, each its own
     assert max(waits) - min(waits) >= 2900
     await store.close()
+
+
+async def test_a_removed_tenant_is_forgotten_once_nothing_is_owed_to_redis(server, raw):
+    """A tenant a reload removed is forgotten only once Redis has been told all it is
+    owed for it (releases, cancels, the quota usage of what the fallback served): the
+    release of a lease still held, then the usage owed, each keep it; after that, what this
+    process kept for it (the key names, the fallback's limits) goes, and its state in Redis
+    is what a tenant configured again starts from."""
+    store = failover(server, "local")
+    warm = lease()
+    assert isinstance(await store.admit("gone", SLOW, COST, warm), Admit)
+    assert await store.release("gone", SLOW, warm, 7)
+    server.pause()
+    try:
+        served = lease()
+        assert isinstance(await store.admit("gone", SLOW, COST, served), Admit)
+        assert store.forget(["gone"]) == []  # a lease held
+        await store.release("gone", SLOW, served, 5)  # its usage is owed to Redis
+        assert store.forget(["gone"]) == []
+        assert "gone" in store.local._tenants
+    finally:
+        server.resume()
+    await settle(store)
+    assert store.forget(["gone"]) == ["gone"]
+    assert "gone" not in store.primary._keys and "gone" in store.local._fading
+    assert tuple(store.primary.keys("gone")) not in store.primary._scripts._packed_keys
+    assert await quota_used(raw, store, "gone") == 7 + 5  # Redis keeps it for a re-add
+    await store.close()

@@ -59,6 +59,25 @@ def test_a_tenant_removed_by_a_reload_keeps_its_label() -> None:
     assert values(metrics, "kvgate_in_flight_requests") == {("acme",): 0}
 
 
+def test_a_forgotten_tenant_is_no_longer_exported() -> None:
+    """Once a removed tenant has nothing left (``Director.forget_retired``) its series go:
+    a platform that renames its tenants every day exported every tenant it ever had."""
+    metrics = configured()
+    metrics.configure(["acme", "gone"], ["m"], ["interactive"])
+    for tenant in ("acme", "gone"):
+        metrics.admitted(tenant, "m", "interactive", 10)
+        metrics.finished(tenant, "m", 10, 4, 1, "usage")
+        metrics.decided(tenant, "m", "interactive", "rejected", "tokens")
+    metrics.configure(["acme"], ["m"], ["interactive"])  # removed: still exported
+    assert ("gone",) in values(metrics, "kvgate_in_flight_requests")
+    metrics.forget(["gone"])
+    text = generate_latest(metrics.registry).decode()
+    assert 'tenant="gone"' not in text and 'tenant="acme"' in text
+    metrics.decided("gone", "m", "interactive", "invalid", "invalid_api_key")
+    assert ("_other", "m", "interactive", "invalid", "invalid_api_key") in values(
+        metrics, "kvgate_requests_total")
+
+
 def test_tokens_reserved_used_and_refunded() -> None:
     metrics = configured()
     metrics.admitted("acme", "m", "interactive", 100)

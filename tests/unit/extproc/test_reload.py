@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
+import orjson
 import pytest
 import yaml
 
 from extproc.config import ConfigError, hash_api_key, parse_config
-from extproc.openai import BadRequest
+from extproc.director import Admission
+from extproc.openai import BadRequest, parse_body
 from extproc.reload import ConfigFile, plan
 from extproc.server import KvgateServer
 from extproc.tenants import Tenants
 from extproc.wiring import build_director
-from limiter.stores import MemoryStore
+from limiter import Reject
+from limiter.stores import MemoryFairness, MemoryStore
 
 
 def data(concurrency: int = 5, tenants: tuple[str, ...] = ("acme", "gone")) -> dict:
@@ -225,3 +229,173 @@ def test_a_worker_reloads_the_file_as_it_runs_it(tmp_path: Path) -> None:
         logging.getLogger("extproc.server").removeHandler(handler)
     assert not [r for r in records if "take effect only after a restart" in r.getMessage()]
     assert server.config.server.admin_port == 19_501
+
+
+# -- removed tenants are forgotten once nothing of theirs is left ---------------------------
+
+ENDPOINT = "127.0.0.1:7001"
+
+
+def churn_data(names: list[str], **limits: object) -> dict:
+    return {
+        "tiers": {"gold": {"limits": {"max_concurrency": 5, **limits}}},
+        "queue": {"aging_s": None},
+        "tenants": [{"name": name, "tier": "gold", "api_keys": [hash_api_key(f"sk-{name}")]}
+                    for name in names],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": [ENDPOINT]}],
+    }
+
+
+class Churn:
+    """An in-process kvgate (no ports) reloading a file, with requests sent as a stream
+    sends them: counted in the metrics, released with their usage."""
+
+    def __init__(self, path: Path, names: list[str], **limits: object):
+        self.path, self.limits = path, limits
+        path.write_text(yaml.safe_dump(churn_data(names, **limits)))
+        self.server = KvgateServer(parse_config(churn_data(names, **limits)), config_path=path)
+        self.director, self.metrics = self.server.director, self.server.metrics
+
+    async def start(self) -> Churn:
+        await self.server.endpoints.set_endpoints("p", [ENDPOINT])
+        await self.usage(0.1)
+        self.director.flows["p"].start()
+        return self
+
+    async def usage(self, usage: float) -> None:
+        from extproc.datalayer.endpoints import ScrapeResult
+        from extproc.datalayer.metrics import EngineMetrics
+
+        metrics = EngineMetrics(kv_cache_usage=usage, kv_capacity_tokens=1000)
+        await self.server.endpoints.apply([ScrapeResult(ENDPOINT, time.monotonic(), metrics)])
+        self.director.kick()
+
+    def reload(self, names: list[str]) -> None:
+        self.path.write_text(yaml.safe_dump(churn_data(names, **self.limits)))
+        assert self.server.reload("test")
+
+    async def admit(self, name: str) -> Admission | Reject:
+        body = orjson.dumps({"model": "m", "max_tokens": 100,
+                             "messages": [{"role": "user", "content": "x" * 40}]})
+        tenant = self.director.authenticate(f"Bearer sk-{name}")
+        outcome = await self.director.admit(tenant, parse_body("/v1/chat/completions", body))
+        if isinstance(outcome, Admission):
+            self.metrics.admitted(name, "m", outcome.request_class, outcome.cost.tokens)
+        return outcome
+
+    async def release(self, admission: Admission | Reject) -> None:
+        assert isinstance(admission, Admission), admission
+        name = admission.tenant.name
+        self.metrics.finished(name, "m", admission.cost.tokens, 150, 40, "usage")
+        await self.director.release(admission, 150, 40)
+
+    async def traffic(self, names: list[str]) -> None:
+        """Per tenant, a request placed at once and one that waits in the fair queue."""
+        for name in names:
+            await self.release(await self.admit(name))
+        await self.usage(0.99)
+        queued = [asyncio.create_task(self.admit(name)) for name in names]
+        await asyncio.sleep(0.02)
+        await self.usage(0.1)
+        for task in asyncio.as_completed(queued):
+            await self.release(await task)
+
+    def sizes(self) -> dict[str, int]:
+        """Every map a tenant's requests leave an entry in."""
+        fairness = self.director.flows["p"].fairness
+        store = self.director.store
+        assert isinstance(store, MemoryStore) and isinstance(fairness, MemoryFairness)
+        return {"policies": len(self.director.tenants._policies),
+                "weights": len(self.director.schedulers["p"].weights),
+                "limiters": len(store._tenants) - len(getattr(store, "_fading", ())),
+                "fair_counters": len(fairness.core._counters),
+                "metric_names": len(self.metrics.tenants),
+                "metric_series": sum(len(t.values) for t in (
+                    self.metrics.requests, self.metrics.tokens_reserved,
+                    self.metrics.tokens_used, self.metrics.in_flight))}
+
+    def exported(self, tenant: str) -> bool:
+        from prometheus_client import generate_latest
+
+        return f'tenant="{tenant}"' in generate_latest(self.metrics.registry).decode()
+
+    async def stop(self) -> None:
+        await self.director.flows["p"].stop()
+
+
+async def test_tenants_renamed_at_every_reload_leave_nothing_behind(tmp_path: Path) -> None:
+    """A platform that rotates tenant names (keys added and removed every day, a config
+    generator) grew kvgate by every tenant it ever had: policies, the schedulers' weights,
+    the limits store, the fair queue's counters and the metrics' series (~3.5 KB and ~370
+    bytes of /metrics each; `python -m bench.reload_churn` measures it)."""
+    churn = await Churn(tmp_path / "kvgate.yaml", ["r0-0", "r0-1"]).start()
+    try:
+        await churn.traffic(["r0-0", "r0-1"])
+        one_round = churn.sizes()
+        assert one_round["fair_counters"] == 2 and one_round["limiters"] == 2
+        for n in range(1, 30):
+            names = [f"r{n}-0", f"r{n}-1"]
+            churn.reload(names)
+            await churn.traffic(names)
+        assert churn.sizes() == one_round
+        assert not churn.exported("r0-0") and churn.exported("r29-0")
+    finally:
+        await churn.stop()
+
+
+async def test_a_removed_tenant_is_kept_until_its_admitted_and_queued_requests_end(
+        tmp_path: Path) -> None:
+    churn = await Churn(tmp_path / "kvgate.yaml", ["acme", "gone"]).start()
+    try:
+        admitted = await churn.admit("gone")
+        await churn.usage(0.99)
+        queued = asyncio.create_task(churn.admit("gone"))
+        await asyncio.sleep(0.02)
+        assert len(churn.director.flows["p"].queue) == 1
+        churn.reload(["acme"])
+        assert churn.server.forget_retired() == []
+        assert churn.director.tenants.retired() == ["gone"]
+        await churn.release(admitted)  # under its last limits: one request still queued
+        assert churn.server.forget_retired() == [] and churn.exported("gone")
+        await churn.usage(0.1)
+        await churn.release(await asyncio.wait_for(queued, 2))
+        assert churn.server.forget_retired() == ["gone"]
+        assert churn.director.tenants.retired() == [] and not churn.exported("gone")
+        assert "gone" not in churn.director.schedulers["p"].weights
+        assert await churn.director.store.in_flight("gone") == 0
+    finally:
+        await churn.stop()
+
+
+async def test_a_request_whose_tenant_was_forgotten_meanwhile_gets_401(tmp_path: Path) -> None:
+    """Authenticated before the reload removed its key, its body came after the tenant,
+    with nothing else left, was forgotten: refused as its key now is, not a 500."""
+    churn = await Churn(tmp_path / "kvgate.yaml", ["acme", "gone"]).start()
+    try:
+        tenant = churn.director.authenticate("Bearer sk-gone")
+        churn.reload(["acme"])  # nothing in flight: forgotten at once
+        with pytest.raises(BadRequest) as refused:
+            await churn.director.precheck(tenant)
+        assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")
+        with pytest.raises(BadRequest):
+            await churn.admit("gone")
+        assert "gone" not in churn.director.tenants._policies
+    finally:
+        await churn.stop()
+
+
+async def test_a_tenant_removed_and_added_again_keeps_its_rate_limit(tmp_path: Path) -> None:
+    """In memory as with Redis: removing a key and adding it back a moment later does not
+    refill its buckets (the store keeps a forgotten tenant's limits until they are back to a
+    new tenant's state, as Redis's key TTLs do)."""
+    churn = await Churn(tmp_path / "kvgate.yaml", ["acme", "gone"],
+                        requests_per_second=0.01, request_burst=1).start()
+    try:
+        await churn.release(await churn.admit("gone"))
+        churn.reload(["acme"])
+        assert "gone" not in churn.director.tenants._policies  # forgotten (but its limits)
+        churn.reload(["acme", "gone"])
+        refused = await churn.admit("gone")
+        assert isinstance(refused, Reject) and refused.reason == "requests"
+    finally:
+        await churn.stop()

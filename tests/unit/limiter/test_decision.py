@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from limiter import Admit, Cost, Rate, Reason, Reject, Remaining, TenantLimiter, TenantPolicy
+from limiter.calendar import Period
 from limiter.stores import LimiterStore, MemoryStore
 from tests.limiter_support import admit_ok, admit_rejected
 
@@ -297,3 +298,60 @@ def test_requests_that_count_no_request_are_not_shaped() -> None:
     for n in range(3):
         assert admit_ok(limiter, Cost(1, 1, requests=0), f"l{n}", 0).hold_ms == 0
     assert limiter.shaper is not None and limiter.shaper.held(0) == 0
+
+
+# --- forgetting a tenant no longer configured ---------------------------------------------
+
+DAY_MS = 86_400_000
+FORGET = TenantPolicy(request_rate=Rate(1, 1000), request_burst=2, daily_token_quota=1000,
+                      max_concurrency=3)
+
+
+def test_a_limiter_is_idle_once_back_to_a_new_ones_state() -> None:
+    limiter = TenantLimiter(FORGET, 0)
+    assert limiter.idle_in_ms(0) == 0
+    admit_ok(limiter, Cost(10, 0), "a", 0)
+    assert limiter.idle_in_ms(0) is None  # a lease is held
+    limiter.release("a", 10, 0)
+    assert limiter.idle_in_ms(0) == 1000  # one request to refill at 1/s
+    assert limiter.idle_in_ms(1000) == 0
+    assert limiter.quota_usage(1000) == [(Period.DAY, 0, 10)]
+    assert limiter.quota_usage(DAY_MS) == []  # that day is over
+
+
+async def test_a_forgotten_tenant_keeps_its_limits_until_they_are_back_to_a_new_ones() -> None:
+    """In memory as in Redis (whose keys expire once back to their default): removing a
+    tenant and configuring it again within a second does not refill its request bucket,
+    nor within the day reset its daily quota; and once nothing is left to remember, the
+    store holds nothing of it."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    for lease in ("a", "b"):
+        assert isinstance(await store.admit("acme", FORGET, Cost(300, 0), lease), Admit)
+        await store.release("acme", FORGET, lease, 300)
+    assert store.forget(["acme", "never-seen"]) == ["acme", "never-seen"]
+    clock.now = 500  # configured again: its bucket is still empty
+    refused = await store.admit("acme", FORGET, Cost(1, 0), "c")
+    assert isinstance(refused, Reject) and refused.reason is Reason.REQUESTS
+    assert store.forget(["acme"]) == ["acme"]
+    clock.now = 2000  # back to full: dropped, and its quota count is all that is kept
+    assert store.forget([]) == []
+    assert "acme" not in store._tenants and list(store._quotas_left) == ["acme"]
+    admitted = await store.admit("acme", FORGET, Cost(300, 0), "d")
+    assert isinstance(admitted, Admit)
+    refused = await store.admit("acme", FORGET, Cost(300, 0), "e")  # 900 of 1000 used
+    assert isinstance(refused, Reject) and refused.reason is Reason.QUOTA
+    await store.release("acme", FORGET, "d", 300)
+    clock.now = 4000
+    store.forget(["acme"])
+    clock.now = DAY_MS + 1  # the day is over: nothing is left at all
+    store.forget([])
+    assert store._tenants == {} and store._quotas_left == {} and store._fading == {}
+
+
+async def test_a_tenant_holding_a_lease_is_not_forgotten() -> None:
+    store = MemoryStore(FakeClock())
+    assert isinstance(await store.admit("acme", FORGET, Cost(1, 0), "a"), Admit)
+    assert store.forget(["acme"]) == []
+    await store.release("acme", FORGET, "a", 1)
+    assert store.forget(["acme"]) == ["acme"]

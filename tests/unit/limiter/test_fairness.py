@@ -351,3 +351,22 @@ def test_charge_is_scaled_rounded_and_bounded() -> None:
 
 def test_memory_fairness_is_a_fairness() -> None:
     assert isinstance(MemoryFairness(), Fairness)
+
+
+async def test_a_forgotten_tenant_has_no_counter_and_starts_afresh() -> None:
+    """A tenant removed from the configuration with nothing queued: its counters go, and
+    configured again it starts at V as a new tenant does."""
+    fair = MemoryFairness()
+    queue = FairQueue()
+    for tenant in ("a", "b"):
+        queue.push(QueuedRequest(f"{tenant}1", tenant, 0, 500, 1.0, 0, 10_000), 0)
+        await fair.activate(tenant)
+    for _ in range(2):
+        chosen = await fair.choose(queue.candidates(0))
+        assert chosen is not None
+        queue.take(chosen.id)
+    assert set(await fair.counters()) == {"a", "b"}
+    fair.forget(["a", "gone-already"])
+    assert set(await fair.counters()) == {"b"} and "a" not in fair.core._firsts
+    await fair.activate("a")
+    assert (await fair.counters())["a"] == fair.virtual_time
