@@ -7,14 +7,18 @@ already taken, no key to hash) and exit status 2; ``--log-level debug`` adds the
 
 from __future__ import annotations
 
+import signal
+import sys
+
+if __name__ == "__main__":  # `python -m extproc.cli`: SIGHUP ignored before the imports
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (the `kvgate` command: kvgate_cli.py)
+
 import argparse
 import asyncio
 import contextlib
 import getpass
 import logging
 import os
-import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself, not a test calling main()
         # Until a command installs its own handler (serve's reload, the workers' parent's
         # forwarding, the demo's stop), SIGHUP is ignored: its default action ended a
-        # `kvgate serve` that was sent a reload while it started. Workers inherit it.
+        # `kvgate serve` that was sent a reload while it started. Workers inherit it. The
+        # `kvgate` command (kvgate_cli.py) ignores it before any import: here, for a caller
+        # that did not.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     parser = _parser()
     args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ from extproc.config import EXAMPLE_CONFIG, hash_api_key, load_config, parse_conf
 from extproc.demo import DEMO_KEYS, _engines_line, _limits_line, known_keys
 from extproc.engine.server import EngineProcess
 from extproc.ports import PortInUse
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 
 GOOD = {
     "tiers": {"gold": {"limits": {"requests_per_second": 2}}},
@@ -636,7 +636,7 @@ def test_a_sighup_while_serve_starts_does_not_end_it(tmp_path):
                                env={**os.environ, "KVGATE_NATIVE": "0"})
     try:
         deadline = time.monotonic() + 30
-        while not _sighup_ignored(process.pid):  # main() has run: it reads its config now
+        while not _sighup_ignored(process.pid):  # its first lines ran: it reads its config
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.05)
         process.send_signal(signal.SIGHUP)
@@ -650,6 +650,100 @@ def test_a_sighup_while_serve_starts_does_not_end_it(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0, log.read_text()
     finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# The `kvgate` script as installed (`[project.scripts]`), run by an interpreter that has
+# finished its own start: SIGHUP reset to its default action (a test runner may ignore it),
+# then one byte on the pipe named first just before the script's first line runs.
+_SCRIPT_HARNESS = (
+    "import os, pkgutil, runpy, signal, sys\n"
+    "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
+    "ready, script = int(sys.argv[1]), sys.argv[2]\n"
+    "sys.argv = sys.argv[2:]\n"
+    "os.write(ready, b'r')\n"
+    "os.close(ready)\n"
+    "runpy.run_path(script, run_name='__main__')\n"
+)
+
+
+def _consecutive_free_ports(count: int) -> int:
+    """A port such that it and the ``count - 1`` after it are free."""
+    while True:
+        first = free_port()
+        taken = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                taken.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in taken:
+                sock.close()
+
+
+def _answers(port: int) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.05).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_every_5_ms_from_the_start_of_kvgate_serve_does_not_end_it(tmp_path, workers):
+    """A config-management tool that reloads right after it starts `kvgate serve`: SIGHUP
+    every 5 ms from when the interpreter runs the `kvgate` script's first line until
+    every process serves (workers too, which start later: the parent forwards each
+    SIGHUP to them). The signal's default action ended the process until main() ignored
+    it, after ~0.2 s of imports; the script now ignores it first thing (kvgate_cli.py).
+    Then the real handler is in place: one more SIGHUP reloads the file. (The
+    interpreter's own start, before any line of the script, is beyond a Python program's
+    reach: there this test's harness, not kvgate, has SIGHUP's default action.)"""
+    script = Path(sys.executable).with_name("kvgate")
+    if not script.exists():
+        pytest.skip("no installed `kvgate` script beside this interpreter")
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    admin = _consecutive_free_ports(workers)
+    data["server"] = {"grpc_port": free_port(), "admin_port": admin,
+                      "report_port": _consecutive_free_ports(workers), "reload_poll_s": 0}
+    if workers > 1:
+        data["redis"] = {"url": "redis://127.0.0.1:1"}  # never reached: the GOOD pool is idle
+    config = write(tmp_path, data)
+    log = tmp_path / "serve.log"
+    ready, signal_fd = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT_HARNESS, str(signal_fd), str(script), "serve", "-c",
+         str(config),
+         "--workers", str(workers)],
+        stdout=subprocess.DEVNULL, stderr=log.open("wb"), pass_fds=(signal_fd,),
+        env={**os.environ, "KVGATE_NATIVE": "0"})
+    os.close(signal_fd)
+    try:
+        assert os.read(ready, 1) == b"r", log.read_text()
+        sent, deadline = 0, time.monotonic() + 60
+        while not all(_answers(admin + i) for i in range(workers)) or sent < 200:
+            for _ in range(20):  # every 5 ms, checking that it serves every 0.1 s
+                time.sleep(0.005)
+                assert process.poll() is None, (
+                    f"ended by SIGHUP number {sent} ({process.returncode}):\n{log.read_text()}")
+                process.send_signal(signal.SIGHUP)
+                sent += 1
+            assert time.monotonic() < deadline, log.read_text()
+        reloads = log.read_text().count("config reloaded (SIGHUP)")
+        process.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: log.read_text().count("config reloaded (SIGHUP)")
+                        >= reloads + workers, 10), log.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, log.read_text()
+    finally:
+        os.close(ready)
         if process.poll() is None:
             process.kill()
             process.wait()

@@ -1,0 +1,25 @@
+"""The ``kvgate`` command's entry point (``[project.scripts]``): SIGHUP ignored before
+anything else is imported, then :func:`extproc.cli.main`.
+
+SIGHUP's default action ends the process. ``kvgate serve`` installs its reload handler once
+it serves; before this module, the first thing the command ran was importing ``extproc``
+and its dependencies (pydantic, grpc, …: ~0.2 s), and a SIGHUP sent meanwhile — a
+config-management tool that reloads right after it starts the process — killed it. Here it
+is ignored from the first line the interpreter runs for ``kvgate`` (what comes before, the
+interpreter's own start, is beyond any Python program's reach: the launcher must ignore the
+signal to close that too), and ``--workers``' workers inherit it. ``python -m extproc.cli``
+does the same as soon as that package is imported.
+"""
+
+import signal
+
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+import sys  # noqa: E402
+
+from extproc.cli import main  # noqa: E402
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())
