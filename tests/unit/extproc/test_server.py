@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -274,6 +275,75 @@ async def test_a_request_the_admin_port_cannot_parse_is_a_400_and_no_error_line(
                 reply = await raw_reply(admin_host(server), server.admin_port, request)
                 assert reply.split(b" ", 2)[1] == b"400"
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def hang_up_after(host: str, port: int, head: bytes, *, within: float) -> float | None:
+    """Send ``head``, then one byte a tenth of a second as a slowloris does; how many seconds
+    until the server hung up (None: not ``within`` that long)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    start = time.monotonic()
+    writer.write(head)
+    try:
+        while time.monotonic() - start < within:
+            try:
+                while await asyncio.wait_for(reader.read(4096), 0.1):
+                    pass  # an answer (a 200, then lingering): read on to the hang-up
+                return time.monotonic() - start
+            except TimeoutError:
+                writer.write(b"a")
+        return None
+    finally:
+        writer.close()
+
+
+async def test_a_request_not_whole_within_the_timeout_is_dropped(monkeypatch) -> None:
+    """Slowloris: a client sending its request headers (or a body nothing reads) a byte at
+    a time held its connection, and a file descriptor, for as long as it kept sending."""
+    monkeypatch.setattr(server_module, "ADMIN_REQUEST_TIMEOUT_S", 0.5, raising=False)
+    async for server in started(config()):
+        host, port = admin_host(server), server.admin_port
+        headers = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        body = b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        for head in (headers, body):
+            took = await hang_up_after(host, port, head, within=5)
+            assert took is not None and 0.4 < took < 2.5, (head, took)
+        async with httpx.AsyncClient() as client:  # a whole request is answered as before
+            assert (await client.get(f"http://{host}:{port}/healthz")).status_code == 200
+
+
+async def test_past_the_connection_cap_a_new_connection_closes_the_oldest(monkeypatch) -> None:
+    """Slow connections past a cap must not hold a file descriptor each without bound, nor
+    lock Prometheus and the probes out: each new connection closes the oldest of the peer
+    holding the most, so another peer's connection (older than all of them) stays."""
+    monkeypatch.setattr(server_module, "ADMIN_MAX_CONNECTIONS", 5, raising=False)
+    async for server in started(config()):
+        host, port = admin_host(server), server.admin_port
+        partial = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # and no more
+        other, other_writer = await asyncio.open_connection(host, port,
+                                                            local_addr=("127.0.0.2", 0))
+        other_writer.write(partial)
+        slow = []
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(partial)
+            slow.append((reader, writer))
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient() as client:
+            for path in ("/metrics", "/healthz"):
+                reply = await client.get(f"http://{host}:{port}{path}", timeout=2)
+                assert reply.status_code == 200
+        hung_up = [await closed(reader) for reader, _ in slow]
+        assert not await closed(other)
+        for _, writer in [*slow, (other, other_writer)]:
+            writer.close()
+        assert all(hung_up[:15]) and hung_up.count(False) <= 4, hung_up
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(4096), 0.5) == b""
+    except TimeoutError:
+        return False
 
 
 # -- drain -----------------------------------------------------------------------------------
