@@ -2,13 +2,18 @@
 
 ``GET /`` is one self-contained page — inline CSS and script, nothing fetched from anywhere
 else (a locked-down cluster has no CDN, and the page must not leak to one) — that carries
-the current state inline and then polls ``GET /status.json`` every two seconds. Tenants
-appear by name and tier: API keys, even their hashes, never leave the config.
+the current state inline, as JSON in a block that is never run, and then polls
+``GET /status.json`` every two seconds. Its Content-Security-Policy lets run only the
+page's own script and style, by their hashes. Tenants appear by name and tier: API keys,
+even their hashes, never leave the config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,8 +34,24 @@ RECENT_SHOWN = 50  # of the rejections ring, newest first
 # usage read, and 20,000 tenants' took ~0.5 s of the event loop admission runs on, per poll
 TENANTS_SHOWN = 200
 PAGE = Path(__file__).with_name("status.html")
-# The page may run its own inline script and styles and call back to this port, nothing more.
-CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+# The page as served, but for its state (read once, at start-up)
+TEMPLATE = PAGE.read_bytes().replace(b"__REFRESH_MS__", str(REFRESH_MS).encode())
+
+
+def _own(tag: bytes) -> str:
+    """CSP sources for the page's own inline ``<tag>`` blocks, each by its SHA-256 (those
+    with no attributes: the state's ``type="application/json"`` block is never run)."""
+    page = re.sub(rb"<!--.*?-->", b"", TEMPLATE, flags=re.DOTALL)
+    blocks = re.findall(rb"<%s>(.*?)</%s>" % (tag, tag), page, re.DOTALL)
+    assert blocks, f"status.html has no <{tag.decode()}>"
+    # as the browser hashes them: the HTML parser has turned CR LF into LF
+    digests = (hashlib.sha256(block.replace(b"\r\n", b"\n")).digest() for block in blocks)
+    return " ".join(f"'sha256-{base64.b64encode(d).decode()}'" for d in digests)
+
+
+# The page may run its own script and styles (nothing injected into it: no 'unsafe-inline')
+# and call back to this port, nothing more.
+CSP = (f"default-src 'none'; script-src {_own(b'script')}; style-src {_own(b'style')}; "
        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'")
 
 
@@ -66,8 +87,7 @@ def render_page(state: dict[str, Any]) -> bytes:
     ``<!--<script>`` swallowed the page's own script: a blank page)."""
     inline = (orjson.dumps(state).replace(b"<", b"\\u003c").replace(b">", b"\\u003e")
               .replace(b"&", b"\\u0026"))
-    return (PAGE.read_bytes().replace(b"__REFRESH_MS__", str(REFRESH_MS).encode())
-            .replace(b"__STATE__", inline))
+    return TEMPLATE.replace(b"__STATE__", inline)
 
 
 async def status(director: Director, *, started: float) -> dict[str, Any]:

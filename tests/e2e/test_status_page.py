@@ -96,15 +96,21 @@ def wait_until_busy(admin: str, timeout: float = 20) -> None:
     raise AssertionError(f"no KV usage or nothing queued: {state}")
 
 
-def browse(chromium: str, url: str, tmp: Path, *args: str) -> str:
+def browse(chromium: str, url: str, tmp: Path, *args: str) -> tuple[str, list[str]]:
     """Headless Chromium on ``url``: no network but this page, no profile kept; virtual
-    time lets the page's own script run (and poll once) before the result is taken."""
+    time lets the page's own script run (and poll once) before the result is taken. The
+    output, and the messages of the page's console (a CSP violation is one)."""
     command = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                "--no-first-run", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+               "--enable-logging=stderr", "--v=0",
                f"--user-data-dir={tmp / 'profile'}", "--virtual-time-budget=2500", *args, url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    return done.stdout
+    return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def csp_violations(console: list[str]) -> list[str]:
+    return [line for line in console if "Content Security Policy" in line]
 
 
 def section(dom: str, name: str) -> str:
@@ -113,7 +119,8 @@ def section(dom: str, name: str) -> str:
 
 def test_chromium_shows_live_data(live, chromium, tmp_path) -> None:
     stack, admin = live
-    dom = browse(chromium, f"{admin}/", tmp_path, "--dump-dom")
+    dom, console = browse(chromium, f"{admin}/", tmp_path, "--dump-dom")
+    assert csp_violations(console) == []  # its own script and style, allowed by hash
     endpoints = section(dom, "endpoints")
     for address in stack.engines:
         assert address in endpoints
@@ -158,6 +165,28 @@ def test_a_hostile_value_cannot_blank_the_page(chromium, tmp_path) -> None:
              "rejections": {"by_reason": {}, "recent": []}}
     page = tmp_path / "page.html"
     page.write_bytes(render_page(state))
-    dom = browse(chromium, page.as_uri(), tmp_path, "--dump-dom")
+    dom, _ = browse(chromium, page.as_uri(), tmp_path, "--dump-dom")
     assert "10.0.0.1:8000" in section(dom, "endpoints")  # the page's script ran
     assert "acme&lt;!--&lt;script&gt;" in section(dom, "tenants")  # shown, as text
+
+
+INJECTED = b"<script>document.title = 'injected'</script><style>body { display: none }</style>"
+
+
+def test_a_script_that_got_into_the_page_is_refused(live, chromium, tmp_path,
+                                                      monkeypatch) -> None:
+    """Were a value ever to escape into the page as markup, its script would run: the CSP
+    allowed any inline script and style. Now only the page's own run, and it still works."""
+    from extproc import status
+
+    rendered = status.render_page
+    monkeypatch.setattr(status, "render_page",
+                        lambda state: rendered(state).replace(b"</body>", INJECTED + b"</body>"))
+    _stack, admin = live
+    dom, console = browse(chromium, f"{admin}/", tmp_path, "--dump-dom")
+    assert "<title>kvgate status</title>" in dom  # the injected script did not run
+    assert "<td>acme</td>" in section(dom, "tenants")  # the page's own did
+    assert 'id="state" class="live"' in dom  # and polled
+    refused = csp_violations(console)
+    assert len(refused) == 2, refused
+    assert any("'script-src " in r for r in refused) and any("'style-src " in r for r in refused)

@@ -3,8 +3,11 @@ kvgate server on ephemeral ports, read over HTTP. The browser test is tests/e2e.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 from collections.abc import AsyncIterator
+from html.parser import HTMLParser
 
 import httpx
 import orjson
@@ -106,6 +109,44 @@ async def test_the_page_is_self_contained_and_never_shows_a_key(server) -> None:
     assert KEY not in page and hash_api_key(KEY).removeprefix("sha256:") not in page
     inline = page.split('<script id="initial" type="application/json">')[1].split("</script>")[0]
     assert orjson.loads(inline)["tenants"][0]["tenant"] == "acme"
+
+
+class _Inline(HTMLParser):
+    """The text of a page's scripts that run (no ``type``) and of its styles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: dict[str, list[str]] = {"script": [], "style": []}
+        self._open: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        runs = tag == "style" or (tag == "script" and "type" not in dict(attrs))
+        self._open = tag if runs else None
+        if runs:
+            self.blocks[tag].append("")
+
+    def handle_endtag(self, _tag: str) -> None:
+        self._open = None
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self.blocks[self._open][-1] += data
+
+
+async def test_the_page_may_run_its_own_script_and_style_and_nothing_else(server) -> None:
+    """'unsafe-inline' let any script or style that got into the page run; only the page's
+    own are allowed now, by hash."""
+    _, admin = server
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(f"{admin}/")
+    directives = dict(d.strip().split(" ", 1) for d in
+                      reply.headers["content-security-policy"].split(";"))
+    parsed = _Inline()
+    parsed.feed(reply.text)
+    for tag in ("script", "style"):
+        digests = (hashlib.sha256(text.encode()).digest() for text in parsed.blocks[tag])
+        own = {f"'sha256-{base64.b64encode(digest).decode()}'" for digest in digests}
+        assert own and set(directives[f"{tag}-src"].split()) == own, (tag, directives)
 
 
 async def test_a_tenant_served_without_redis_says_so(server, monkeypatch) -> None:
