@@ -277,6 +277,24 @@ async def test_a_request_the_admin_port_cannot_parse_is_a_400_and_no_error_line(
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+async def test_nothing_on_the_admin_port_changes_state() -> None:
+    """The admin port is unauthenticated, and a page on another site, opened in a browser
+    that reaches the port, can send it requests. Every path is a GET (a POST is 405) and no
+    answer carries CORS headers: nothing to forge, nothing for that page to read. A path that
+    changed state would need protection against cross-site requests first."""
+    async for server in started(config()):
+        assert server._admin is not None
+        methods = {route.method for route in server._admin.app.router.routes()}
+        assert methods <= {"GET", "HEAD"}, methods
+        url = f"http://{admin_host(server)}:{server.admin_port}"
+        async with httpx.AsyncClient() as client:
+            assert (await client.post(f"{url}/admin/tenants/acme/usage")).status_code == 405
+            reply = await client.get(f"{url}/status.json",
+                                     headers={"origin": "https://elsewhere.example"})
+            assert reply.status_code == 200
+            assert not [h for h in reply.headers if h.startswith("access-control-")]
+
+
 async def hang_up_after(host: str, port: int, head: bytes, *, within: float) -> float | None:
     """Send ``head``, then one byte a tenth of a second as a slowloris does; how many seconds
     until the server hung up (None: not ``within`` that long)."""
