@@ -34,7 +34,8 @@ from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
 from extproc.director import Director
 from extproc.duplex import DuplexStream
-from extproc.logs import http_server_log, quiet_grpc_write_failures
+from extproc.http_port import serve_http
+from extproc.logs import quiet_grpc_write_failures
 from extproc.metrics import Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
@@ -57,13 +58,6 @@ CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams coun
 # How often the tenants reloads removed are looked at again, to forget those with nothing
 # left (a reload looks at once): and the in-memory store's limits that have faded drop
 FORGET_EVERY_S = 2.0
-# The admin port against clients that hold connections open (slowloris): a request whose
-# headers are not whole within this long of its connection opening (or of the answer before
-# it) is dropped, as is one whose unread body is still coming this long after its answer
-ADMIN_REQUEST_TIMEOUT_S = 5.0
-# and at most this many admin connections are open: one more closes the oldest connection of
-# the peer address holding the most
-ADMIN_MAX_CONNECTIONS = 256
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -388,16 +382,7 @@ class KvgateServer:
         app.router.add_get("/admin/tenants/{tenant}/usage", self._usage)
         app.router.add_get("/debug/queues", self._queues)
         add_status_routes(app, lambda: self.director)  # GET / and /status.json
-        # aiohttp (3.14.4+) closes a connection whose next request is not whole by its
-        # keep-alive timeout, counted from the connection's start too
-        self._admin = web.AppRunner(app, access_log=None, logger=http_server_log("kvgate.admin"),
-                                    keepalive_timeout=ADMIN_REQUEST_TIMEOUT_S,
-                                    lingering_time=ADMIN_REQUEST_TIMEOUT_S)
-        await self._admin.setup()
-        assert self._admin.server is not None
-        _ConnectionCap(self._admin.server, ADMIN_MAX_CONNECTIONS)
-        site = web.TCPSite(self._admin, host, port)
-        await site.start()
+        self._admin = await serve_http(app, host, port, "kvgate.admin")
         self.admin_port = self._admin.addresses[0][1]
 
     async def _renew_leases(self, ttl_s: float) -> None:
@@ -677,49 +662,6 @@ def install_uvloop() -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
-class _ConnectionCap:
-    """At most ``most`` open connections to an aiohttp server: each one past it closes the
-    oldest of the peer address holding the most. Refusing the new one instead would let a
-    client holding ``most`` slow connections lock Prometheus and the kubelet's probes out;
-    closing the oldest of all, a client reconnecting as fast as it is closed would close
-    theirs. The cost per connection is a dict entry, and past the cap a look at each peer."""
-
-    def __init__(self, server: web.Server, most: int) -> None:
-        self.most = most
-        self.peer_of: dict[Any, Any] = {}  # handler -> its peer's address
-        self.by_peer: dict[Any, dict[Any, None]] = {}  # peer -> its handlers, oldest first
-        made, lost = server.connection_made, server.connection_lost
-
-        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
-            made(handler, transport)
-            peer = transport.get_extra_info("peername")
-            self.add(handler, peer[0] if isinstance(peer, tuple) else None)
-
-        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
-            lost(handler, exc)
-            self.drop(handler)
-
-        server.connection_made = connection_made  # type: ignore[method-assign]
-        server.connection_lost = connection_lost  # type: ignore[method-assign]
-
-    def add(self, handler: Any, peer: Any) -> None:
-        self.peer_of[handler] = peer
-        self.by_peer.setdefault(peer, {})[handler] = None
-        if len(self.peer_of) > self.most:
-            oldest = next(iter(max(self.by_peer.values(), key=len)))
-            self.drop(oldest)
-            oldest.force_close()
-
-    def drop(self, handler: Any) -> None:
-        if handler not in self.peer_of:
-            return  # closed here already, now lost
-        peer = self.peer_of.pop(handler)
-        held = self.by_peer[peer]
-        del held[handler]
-        if not held:
-            del self.by_peer[peer]
 
 
 async def _nosniff(_request: web.Request, response: web.StreamResponse) -> None:

@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from extproc.datalayer.nvml import AsyncGpuReader, GpuReader, render_gpu_metrics
-from extproc.logs import http_server_log
+from extproc.http_port import serve_http
 from extproc.tasks import cancel
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,7 @@ async def start_agent(host: str = "127.0.0.1", port: int = 0, reader: GpuReader 
     """
     page = GpuMetricsPage(reader, timeout_s=max(interval_s, 1.0))
     await page.refresh()
-    runner = web.AppRunner(make_app(page), access_log=None, shutdown_timeout=0.25,
-                            logger=http_server_log("kvgate.agent"))
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    runner = await serve_http(make_app(page), host, port, "kvgate.agent", shutdown_timeout=0.25)
     bound_port = runner.addresses[0][1]
     refresher = None
     if reader is not None:

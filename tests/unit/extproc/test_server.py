@@ -20,8 +20,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc import http_port
 from extproc import server as server_module
 from extproc.config import Config, ConfigError, hash_api_key, parse_config
+from extproc.datalayer.agent import start_agent
 from extproc.director import Admission
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk
@@ -317,7 +319,7 @@ async def hang_up_after(host: str, port: int, head: bytes, *, within: float) -> 
 async def test_a_request_not_whole_within_the_timeout_is_dropped(monkeypatch) -> None:
     """Slowloris: a client sending its request headers (or a body nothing reads) a byte at
     a time held its connection, and a file descriptor, for as long as it kept sending."""
-    monkeypatch.setattr(server_module, "ADMIN_REQUEST_TIMEOUT_S", 0.5, raising=False)
+    monkeypatch.setattr(http_port, "REQUEST_TIMEOUT_S", 0.5)
     async for server in started(config()):
         host, port = admin_host(server), server.admin_port
         headers = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
@@ -329,11 +331,24 @@ async def test_a_request_not_whole_within_the_timeout_is_dropped(monkeypatch) ->
             assert (await client.get(f"http://{host}:{port}/healthz")).status_code == 200
 
 
+async def test_the_agents_port_drops_a_request_not_whole_within_the_timeout(monkeypatch):
+    """``kvgate agent`` listens on every address by default: the same bound as the admin
+    port (before, aiohttp's 3,630 s keep-alive was its only one)."""
+    monkeypatch.setattr(http_port, "REQUEST_TIMEOUT_S", 0.5)
+    agent = await start_agent()
+    try:
+        took = await hang_up_after("127.0.0.1", agent.port,
+                                   b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ", within=5)
+        assert took is not None and 0.4 < took < 2.5, took
+    finally:
+        await agent.stop()
+
+
 async def test_past_the_connection_cap_a_new_connection_closes_the_oldest(monkeypatch) -> None:
     """Slow connections past a cap must not hold a file descriptor each without bound, nor
     lock Prometheus and the probes out: each new connection closes the oldest of the peer
     holding the most, so another peer's connection (older than all of them) stays."""
-    monkeypatch.setattr(server_module, "ADMIN_MAX_CONNECTIONS", 5, raising=False)
+    monkeypatch.setattr(http_port, "MAX_CONNECTIONS", 5)
     async for server in started(config()):
         host, port = admin_host(server), server.admin_port
         partial = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # and no more
