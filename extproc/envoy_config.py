@@ -64,6 +64,9 @@ REPORT_CLUSTER = "kvgate_report"  # the name meter.lua calls
 METER_FILTER = "envoy.filters.http.lua"
 BUFFER_FILTER = "envoy.filters.http.buffer"
 REPORT_TIMEOUT = dt.timedelta(seconds=1)
+# Envoy closes a report connection quiet this long, well before kvgate closes one
+# (reports.IDLE_TIMEOUT_S): kvgate then never closes a connection Envoy may be sending on
+REPORT_IDLE_TIMEOUT = dt.timedelta(seconds=60)
 
 # Envoy buffers the whole request body for ext_proc (BUFFERED mode); its limit is the
 # connection's buffer limit. It sits above server.max_body_bytes so that kvgate, not Envoy,
@@ -833,13 +836,27 @@ def _report_cluster() -> Any:
         ClusterLbPolicy,
         ClusterOriginalDstLbConfig,
     )
+    from envoy_data_plane.envoy.config.core.v3 import Http1ProtocolOptions
+    from envoy_data_plane.envoy.config.core.v3 import HttpProtocolOptions as CommonOptions
+    from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
+        HttpProtocolOptions,
+        HttpProtocolOptionsExplicitHttpConfig,
+    )
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
 
+    http1 = HttpProtocolOptions(
+        common_http_protocol_options=CommonOptions(idle_timeout=REPORT_IDLE_TIMEOUT),
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+            http_protocol_options=Http1ProtocolOptions()))
     return Cluster(
         name=REPORT_CLUSTER,
         type=ClusterDiscoveryType.ORIGINAL_DST,
         lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
         original_dst_lb_config=ClusterOriginalDstLbConfig(use_http_header=True),
         connect_timeout=REPORT_TIMEOUT,
+        typed_extension_protocol_options={
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMsg.pack(http1)
+        },
         circuit_breakers=_circuit_breakers(),
     )
 

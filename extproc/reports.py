@@ -19,7 +19,11 @@ cluster that goes where the report's ``x-envoy-original-dst-host`` says. A per-p
 in the same metadata keeps anyone else from reporting.
 
 Only Envoy talks to this port: the parser takes what Envoy's HTTP/1.1 codec sends (a sized
-body, keep-alive) and closes the connection on anything else.
+body, keep-alive) and closes the connection on anything else. Anyone else who reaches it
+holds at most :data:`MAX_CONNECTIONS` connections (past them, the one quiet longest is
+closed), none quiet for more than :data:`IDLE_TIMEOUT_S`: Envoy closes its own idle report
+connections well before (``envoy_config.REPORT_IDLE_TIMEOUT``), so kvgate never closes one
+Envoy may be sending on.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -40,6 +45,8 @@ log = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 8192
 PARTIAL_TIMEOUT_S = 10.0  # a report begun and not finished within this is dropped
 MAX_REPORT_BYTES = 65536
+IDLE_TIMEOUT_S = 300.0  # a connection quiet this long is closed (Envoy's close at 60 s)
+MAX_CONNECTIONS = 4096  # open at once; one more closes the one quiet longest
 KEY_HEADER = b"x-kvgate-report-key"
 _NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
 _BAD = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -63,6 +70,8 @@ class ReportDesk:
         self.address = ""  # host:port as Envoy reaches it, set once listening
         self._open: dict[str, Reported] = {}
         self._server: asyncio.Server | None = None
+        self._connections = Connections()
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def expect(self, lease: str, stream: Reported) -> None:
         self._open[lease] = stream
@@ -72,11 +81,21 @@ class ReportDesk:
 
     async def start(self, host: str, port: int, advertise_host: str) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ReportProtocol(self.receive), host, port)
+        connections = self._connections
+        self._server = await loop.create_server(
+            lambda: _ReportProtocol(self.receive, connections), host, port)
         bound = self._server.sockets[0].getsockname()[1]
         self.address = f"{advertise_host}:{bound}"
+        self._sweep()
+
+    def _sweep(self) -> None:
+        self._connections.close_idle(IDLE_TIMEOUT_S)
+        self._sweeper = asyncio.get_running_loop().call_later(IDLE_TIMEOUT_S / 10, self._sweep)
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -120,20 +139,61 @@ def parse_done(body: bytes) -> tuple[Usage | None, int, bool]:
             document.get("answered") is not False)
 
 
+class Connections:
+    """The report port's open connections, the one quiet longest first."""
+
+    def __init__(self) -> None:
+        self._quiet_since: dict[_ReportProtocol, float] = {}  # oldest activity first
+
+    def active(self, connection: _ReportProtocol) -> None:
+        """``connection`` was opened or sent something; past the cap, the quietest goes."""
+        quiet = self._quiet_since
+        quiet.pop(connection, None)
+        quiet[connection] = time.monotonic()
+        if len(quiet) > MAX_CONNECTIONS:
+            self.close(next(iter(quiet)))
+
+    def close_idle(self, idle_s: float) -> None:
+        too_old = time.monotonic() - idle_s
+        quiet = self._quiet_since
+        while quiet:
+            connection, since = next(iter(quiet.items()))
+            if since > too_old:
+                return
+            self.close(connection)
+
+    def close(self, connection: _ReportProtocol) -> None:
+        self.lost(connection)
+        connection.hang_up()
+
+    def lost(self, connection: _ReportProtocol) -> None:
+        self._quiet_since.pop(connection, None)
+
+
 class _ReportProtocol(asyncio.Protocol):
     """HTTP/1.1 requests with a content-length, one after another on a kept-alive
     connection."""
 
-    def __init__(self, receive: Callable[[bytes, bytes | None, bytes], bytes]):
+    def __init__(self, receive: Callable[[bytes, bytes | None, bytes], bytes],
+                 connections: Connections | None = None):
         self._receive = receive
+        self._connections = connections if connections is not None else Connections()
         self._buffer = b""
         self._transport: asyncio.Transport | None = None
         self._partial: asyncio.TimerHandle | None = None  # hangs up on a request left half
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._connections.active(self)
+
+    def hang_up(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._buffer = b""
 
     def data_received(self, data: bytes) -> None:
+        self._connections.active(self)
         self._buffer += data
         while self._transport is not None and self._next_request():
             pass
@@ -190,6 +250,7 @@ class _ReportProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._connections.lost(self)
         if self._partial is not None:
             self._partial.cancel()
             self._partial = None

@@ -133,3 +133,44 @@ def test_a_done_report_says_whether_the_engine_answered():
     assert parse_done(usage + b', "answered": true}')[2] is True
     assert parse_done(usage + b"}") == (Usage(3, 2), 0, True)
     assert parse_done(b"garbage") == (None, 0, True)
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(65536), seconds) == b""
+    except TimeoutError:
+        return False
+
+
+async def test_a_connection_quiet_past_the_idle_timeout_is_closed(monkeypatch):
+    """Only Envoy should reach this port, and Envoy closes its idle report connections at
+    60 s: one quiet for longer is someone else's, and held a descriptor for good."""
+    monkeypatch.setattr(reports, "IDLE_TIMEOUT_S", 0.3)
+    desk = ReportDesk()
+    await desk.start("127.0.0.1", 0, "127.0.0.1")
+    try:
+        reader, writer = await asyncio.open_connection(*desk.address.split(":"))
+        assert await closed_within(reader, 2.0)
+        writer.close()
+    finally:
+        await desk.stop()
+
+
+async def test_past_the_connection_cap_the_quietest_connection_is_closed(monkeypatch):
+    monkeypatch.setattr(reports, "MAX_CONNECTIONS", 3)
+    desk = ReportDesk()
+    await desk.start("127.0.0.1", 0, "127.0.0.1")
+    host, port = desk.address.split(":")
+    try:
+        opened = [await asyncio.open_connection(host, port) for _ in range(3)]
+        # the oldest connection reports: now the first one quiet is the second
+        opened[0][1].write(report("/first/lease-9", desk.key))
+        assert (await opened[0][0].readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 204")
+        late = await asyncio.open_connection(host, port)
+        assert await closed_within(opened[1][0], 2.0)
+        for reader, _ in (opened[0], opened[2], late):
+            assert not await closed_within(reader, 0.2)
+        for _, writer in (*opened, late):
+            writer.close()
+    finally:
+        await desk.stop()
