@@ -182,11 +182,10 @@ class RedisFairness:
         lag_tokens: int = DEFAULT_LAG,
         rebase_at: int = REBASE_AT,
     ) -> None:
-        from redis.exceptions import RedisError  # lazily: the memory path needs no client
+        # lazily: the memory path needs no client
+        from limiter.stores.redis_pipe import FAILURES, Scripts
 
-        from limiter.stores.redis_pipe import Scripts
-
-        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError)
+        self._errors = FAILURES
         self._client = client
         self._ttl_ms = require_int("ttl_ms", ttl_ms, 1)
         self._rebase_at = check_rebase(rebase_at)

@@ -273,9 +273,8 @@ class RedisRateCounters:
         return [*keys, f"{base}:call:{call_id}"]
 
     async def _run(self, mode: str, domain: str, hits: Sequence[Hit], call_id: str) -> Any:
-        from redis.exceptions import RedisError
-
         from limiter.stores.base import StoreUnavailable
+        from limiter.stores.redis_pipe import FAILURES
 
         now: int | str = "" if self._clock is None else self._clock()
         args: list[int | str] = [now, 1, 60_000, _ZERO_POLICY, mode, CALL_TTL_MS]
@@ -283,7 +282,7 @@ class RedisRateCounters:
             args += _hit_args(hit)
         try:
             return await self._script(keys=self._keys(domain, hits, call_id), args=args)
-        except (RedisError, OSError) as exc:
+        except FAILURES as exc:
             raise StoreUnavailable(f"redis ratelimit failed: {exc}") from exc
 
     async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:

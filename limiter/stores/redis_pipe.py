@@ -25,13 +25,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:
     import hiredis
 except ImportError:  # (a dependency: redis[hiredis]) without it, redis-py does every call
     hiredis = None
+
+
+FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+"""What a call to Redis raises when Redis cannot answer it, for the stores to turn into
+:class:`~limiter.stores.StoreUnavailable`. redis-py's cluster client raises some that are
+no ``RedisError``: ``RedisClusterUnreachableError`` (no node answers: the node ``url`` names
+is down when the process starts, or every node is gone) and ``SlotNotCoveredError``."""
 
 
 def pack(*parts: bytes) -> bytes:

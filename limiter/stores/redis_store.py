@@ -33,7 +33,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from limiter.calendar import Period
 from limiter.decision import TenantPolicy, never_fits
@@ -52,7 +51,7 @@ from limiter.outcome import (
 from limiter.quota import QuotaView
 from limiter.rates import Rate, require_int
 from limiter.stores.base import LeasesLost, StoreUnavailable
-from limiter.stores.redis_pipe import Scripts
+from limiter.stores.redis_pipe import FAILURES, Scripts
 from limiter.stores.redis_scripts import SCRIPTS
 
 TTL_SLACK_MS = 60_000
@@ -246,7 +245,7 @@ class RedisStore:
                 if pool is not None:
                     await pool.disconnect(inuse_connections=False)
                 return await run(name, keys, args if resend is None else resend)
-        except (RedisError, OSError) as exc:
+        except FAILURES as exc:
             raise StoreUnavailable(f"redis {name} failed: {exc}") from exc
 
     async def _run_policy(
@@ -380,5 +379,5 @@ class RedisStore:
         await self._scripts.close()
         try:
             await self._client.aclose()
-        except (RedisError, OSError) as exc:
+        except FAILURES as exc:
             raise StoreUnavailable(f"redis close failed: {exc}") from exc

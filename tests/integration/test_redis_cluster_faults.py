@@ -183,3 +183,55 @@ async def test_a_node_no_tenant_maps_to_any_more_is_forgotten(cluster, monkeypat
     await asyncio.sleep(0.4)  # no call asked for that node since
     assert store.breakers_open() == 0
     await close(store)
+
+
+async def test_a_cluster_no_node_answers_is_served_by_the_failure_policy(cluster):
+    """redis-py's cluster client raises RedisClusterUnreachableError when no node answers
+    (the node the url names is down as the process starts, or every node is gone): it is
+    no RedisError, so it went through every store — each admission was answered 503
+    internal_error (with a traceback logged) whatever failure_policy said, no breaker
+    opened, and the fair queue's and the RLS's calls failed the same way."""
+    from limiter.ratelimit import Hit, Limit
+    from limiter.stores.fairness import RedisFairness
+    from limiter.stores.ratelimit import RedisRateCounters
+
+    cluster.nodes[0].kill()  # the node the url names
+    store = failover(cluster, "local", failures=2)
+    for _ in range(3):
+        held = lease()
+        assert isinstance(await store.admit("t0", POLICY, COST, held), Admit)
+        assert store.debug()["held"][held] == "local"
+        await store.release("t0", POLICY, held, 1)
+    assert store.breakers_open() == 1
+    settings = RedisSettings(url=cluster.url, cluster=True, timeout_ms=50)
+    fairness = RedisFairness(redis_client(settings))
+    with pytest.raises(StoreUnavailable):
+        await fairness.activate("t0")
+    with pytest.raises(StoreUnavailable):
+        await fairness.counters()
+    counters = RedisRateCounters(redis_client(settings))
+    with pytest.raises(StoreUnavailable):
+        await counters.hit("d", [Hit("k", Limit(10, "minute"), 1)], "call-1")
+    for closing in (store.close(), fairness.close(), counters.close()):
+        with contextlib.suppress(StoreUnavailable):
+            await closing
+
+
+async def test_every_node_gone_is_served_by_the_failure_policy(cluster):
+    """Once a slot-table refresh reached no node, the cluster client raises
+    RedisClusterUnreachableError for every call (no RedisError): it went through the
+    failover store (503 internal_error each) instead of opening the breakers and serving by
+    the policy."""
+    store = failover(cluster, "local", failures=2)
+    a, _node_a, _b, _ = await on_two_nodes(store, cluster)
+    assert store.debug() == {"held": {}, "owed": {}, "reassert": False}
+    for node in cluster.nodes:
+        node.kill()
+    for _ in range(6):  # connection errors first, then the client's own outage error
+        held = lease()
+        assert isinstance(await store.admit(a, POLICY, COST, held), Admit)
+        assert store.debug()["held"][held] == "local"
+        await store.release(a, POLICY, held, 1)
+        await asyncio.sleep(0.3)  # (the client refreshes its slot table at most 1/s)
+    assert store.breakers_open() >= 1
+    await close(store)
