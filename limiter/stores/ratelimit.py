@@ -8,6 +8,7 @@ for a refused call (``debt`` rules excepted).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -260,7 +261,8 @@ class RedisRateCounters:
         self._client = client
         self._prefix = prefix
         self._clock = clock
-        self._script = client.register_script(_CORE + _POLICY + _RLS)
+        self._source = (_CORE + _POLICY + _RLS).encode()
+        self._sha = hashlib.sha1(self._source).hexdigest().encode()
 
     def _keys(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[str]:
         from limiter.stores.redis_store import _tenant_tag
@@ -274,14 +276,15 @@ class RedisRateCounters:
 
     async def _run(self, mode: str, domain: str, hits: Sequence[Hit], call_id: str) -> Any:
         from limiter.stores.base import StoreUnavailable
-        from limiter.stores.redis_pipe import FAILURES
+        from limiter.stores.redis_pipe import FAILURES, eval_script
 
         now: int | str = "" if self._clock is None else self._clock()
         args: list[int | str] = [now, 1, 60_000, _ZERO_POLICY, mode, CALL_TTL_MS]
         for hit in hits:
             args += _hit_args(hit)
         try:
-            return await self._script(keys=self._keys(domain, hits, call_id), args=args)
+            return await eval_script(self._client, self._sha, self._source,
+                                     self._keys(domain, hits, call_id), args)
         except FAILURES as exc:
             raise StoreUnavailable(f"redis ratelimit failed: {exc}") from exc
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:
@@ -39,6 +39,21 @@ FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, 
 :class:`~limiter.stores.StoreUnavailable`. redis-py's cluster client raises some that are
 no ``RedisError``: ``RedisClusterUnreachableError`` (no node answers: the node ``url`` names
 is down when the process starts, or every node is gone) and ``SlotNotCoveredError``."""
+
+
+async def eval_script(client: Any, sha: bytes, source: bytes, keys: Sequence[str],
+                      args: Sequence[int | str]) -> Any:
+    """Run a script through redis-py's ``client``: ``EVALSHA``, and ``EVAL`` (which loads
+    it) on ``NOSCRIPT`` — both routed by the keys, so to the one node that holds them.
+
+    Not redis-py's script objects: on ``NOSCRIPT`` they send ``SCRIPT LOAD``, which a
+    cluster client sends to *every* primary, so one node down or hung failed (or timed
+    out) a call to a healthy node that merely lacked the script: a replica just promoted
+    (Redis does not replicate scripts), a restarted node, a new process's first calls."""
+    try:
+        return await client.evalsha(sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return await client.eval(source, len(keys), *keys, *args)
 
 
 def pack(*parts: bytes) -> bytes:
@@ -243,13 +258,13 @@ class RedisPipe:
 
 
 class Scripts:
-    """Lua scripts by name, run with ``EVALSHA`` through a :class:`RedisPipe` when the
-    client allows one (``EVAL`` on ``NOSCRIPT``, which loads the script again), else with
-    redis-py's script objects (which do the same)."""
+    """Lua scripts by name, run with ``EVALSHA`` (``EVAL`` on ``NOSCRIPT``, which loads the
+    script again) through a :class:`RedisPipe` when the client allows one, else through
+    redis-py's client (:func:`eval_script`)."""
 
     def __init__(self, client: Any, sources: Mapping[str, str]) -> None:
         self.pipe = RedisPipe.from_client(client)
-        self._registered = {name: client.register_script(src) for name, src in sources.items()}
+        self._client = client
         self._sources = {name: src.encode() for name, src in sources.items()}
         self._shas = {name: hashlib.sha1(src).hexdigest().encode()
                       for name, src in self._sources.items()}
@@ -258,7 +273,8 @@ class Scripts:
     async def run(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]) -> Any:
         pipe = self.pipe
         if pipe is None:
-            return await self._registered[name](keys=keys, args=args)
+            return await eval_script(self._client, self._shas[name], self._sources[name],
+                                     keys, args)
         try:
             return await pipe.call(self._pack(name, keys, args, sha=True))
         except ResponseError as exc:

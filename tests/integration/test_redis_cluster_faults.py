@@ -37,11 +37,12 @@ def cluster() -> Iterator[RedisCluster]:
         yield running
 
 
-def failover(cluster: RedisCluster, policy: str, failures: int = 3) -> FailoverStore:
-    settings = RedisSettings(url=cluster.url, cluster=True, timeout_ms=50,
+def failover(cluster: RedisCluster, policy: str, failures: int = 3,
+             timeout_ms: int = 50) -> FailoverStore:
+    settings = RedisSettings(url=cluster.url, cluster=True, timeout_ms=timeout_ms,
                              failure_policy=policy)
     return FailoverStore(RedisStore(redis_client(settings)), policy=FailurePolicy(policy),
-                         timeout_s=0.05, breaker=CircuitBreaker(failures, 200))
+                         timeout_s=timeout_ms / 1000, breaker=CircuitBreaker(failures, 200))
 
 
 async def on_two_nodes(store: FailoverStore, cluster: RedisCluster
@@ -86,21 +87,41 @@ async def test_a_hung_shard_sends_only_its_own_tenants_to_the_failure_policy(clu
         for _ in range(4):
             with pytest.raises(StoreUnavailable):
                 await store.admit(a, POLICY, COST, lease())
-        # the healthy shard's tenant: exact, in Redis — but for one call at most: the
-        # cluster client re-reads its slot table after a's timeouts, and that read may
-        # ask the hung node first (redis-py; the call then times out, and falls back)
-        refused = 0
+        # the healthy shard's tenant: exact, in Redis, from its first call on (it was
+        # refused once: the scripts' first call there loaded them with SCRIPT LOAD, which
+        # the cluster client sends to every primary, the hung one too)
         for _ in range(6):
             held = lease()
-            try:
-                assert isinstance(await store.admit(b, POLICY, COST, held), Admit)
-            except StoreUnavailable:
-                refused += 1
-                continue
+            assert isinstance(await store.admit(b, POLICY, COST, held), Admit)
             assert store.debug()["held"][held] == "primary"
             assert await store.release(b, POLICY, held, 30)
-        assert refused <= 1
         assert store.breakers_open() == 1 and store._breaker(b).state == "closed"
+    finally:
+        node_a.resume()
+    await close(store)
+
+
+async def test_a_node_that_lacks_the_scripts_answers_while_another_hangs(cluster):
+    """A node without the scripts (a new cluster here; a replica just promoted, a restarted
+    node) answers NOSCRIPT to their first call: redis-py's script objects then sent SCRIPT
+    LOAD, which the cluster client sends to every primary, so each script's first call
+    there waited for the hung node and failed (one 503 each under fail_closed). EVAL, on
+    the tenant's own node, loads it instead."""
+    store = failover(cluster, "fail_closed", timeout_ms=250)
+    a, node_a, b, _ = await on_two_nodes(store, cluster)
+    node_a.pause()
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.admit(a, POLICY, COST, lease())
+        held = lease()
+        assert await store.check_requests(b, POLICY) is None  # (no round trip)
+        assert isinstance(await store.admit(b, POLICY, COST, held), Admit)
+        assert store.debug()["held"][held] == "primary"
+        await store.renew(b, [held])
+        assert await store.in_flight(b) == 1
+        assert (await store.usage(b, POLICY))["store"] == "redis"
+        assert await store.release(b, POLICY, held, 30)
+        assert store._breaker(b).state == "closed" and held not in store.debug()["owed"]
     finally:
         node_a.resume()
     await close(store)
