@@ -98,6 +98,10 @@ class RedisServer:
             time.sleep(0.02)
         return self
 
+    def command(self, *args: str, timeout_s: float = 1.0) -> bytes:
+        """One raw command; the start of its RESP reply (up to 256 bytes)."""
+        return _command(self.port, *args, timeout_s=timeout_s)
+
     def flushall(self) -> None:
         """Empty every database (between tests sharing one server)."""
         reply = _command(self.port, "FLUSHALL", timeout_s=5.0)
@@ -167,51 +171,141 @@ SLOTS = 16384
 
 
 class RedisCluster:
-    """A Redis Cluster of ``shards`` primaries (no replicas) on free ports, slots split
-    evenly: started with plain ``CLUSTER ADDSLOTSRANGE`` / ``CLUSTER MEET`` (no redis-cli).
-    ``url`` names the first node; a cluster client discovers the rest."""
+    """A Redis Cluster of ``shards`` primaries on free ports, slots split evenly, each with
+    ``replicas`` replicas: started with plain ``CLUSTER ADDSLOTSRANGE`` / ``CLUSTER MEET`` /
+    ``CLUSTER REPLICATE`` (no redis-cli). ``url`` names the first node; a cluster client
+    discovers the rest. ``nodes`` are the primaries as started, ``replicas[i]`` those of
+    ``nodes[i]``; after a failover (a primary killed or hung past ``node_timeout_ms``) a
+    replica serves its slots, which :meth:`primary_of` tells."""
 
-    def __init__(self, shards: int = 3) -> None:
-        # the bus port is given (by default it is port + 10000: maybe taken, or past 65535)
-        self.bus_ports = [free_port() for _ in range(shards)]
-        self.nodes = [RedisServer(extra_args=("--cluster-enabled", "yes",
-                                              "--cluster-port", str(bus),
-                                              "--cluster-config-file", "nodes.conf",
-                                              "--cluster-node-timeout", "2000"))
-                      for bus in self.bus_ports]
+    def __init__(self, shards: int = 3, replicas: int = 0, node_timeout_ms: int = 2000,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        def server(bus: int) -> RedisServer:
+            # the bus port is given (by default it is port + 10000: maybe taken, or past 65535)
+            return RedisServer(extra_args=(
+                "--cluster-enabled", "yes", "--cluster-port", str(bus),
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+                "--repl-diskless-sync-delay", "0",  # a replica syncs at once
+                *extra_args))
+
+        self.bus_ports = [free_port() for _ in range(shards * (1 + replicas))]
+        servers = [server(bus) for bus in self.bus_ports]
+        self.nodes = servers[:shards]
+        self.replicas = [servers[shards + i * replicas:shards + (i + 1) * replicas]
+                         for i in range(shards)]
 
     @property
     def url(self) -> str:
         return self.nodes[0].url
 
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [*self.nodes, *(r for shard in self.replicas for r in shard)]
+
     def start(self, timeout_s: float = 20.0) -> RedisCluster:
-        for node in self.nodes:
+        servers = self.servers
+        for node in servers:
             node.start()
         per = SLOTS // len(self.nodes)
         for i, node in enumerate(self.nodes):
             last = SLOTS - 1 if i == len(self.nodes) - 1 else (i + 1) * per - 1
             _expect_ok(_command(node.port, "CLUSTER", "ADDSLOTSRANGE", str(i * per), str(last)))
-        for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
+            # distinct config epochs, as redis-cli sets them (a failover then wins cleanly)
+            _expect_ok(_command(node.port, "CLUSTER", "SET-CONFIG-EPOCH", str(i + 1)))
+        for node, bus in zip(servers[1:], self.bus_ports[1:], strict=True):
             _expect_ok(_command(self.nodes[0].port, "CLUSTER", "MEET", "127.0.0.1",
                                 str(node.port), str(bus)))
         deadline = time.monotonic() + timeout_s
-        while not all(_command(n.port, "CLUSTER", "INFO", timeout_s=1.0).find(
-                b"cluster_state:ok") != -1 for n in self.nodes):
+        if any(self.replicas):
+            ids = [node_id(node.port) for node in self.nodes]
+            for primary, replicas in zip(ids, self.replicas, strict=True):
+                for replica in replicas:
+                    # (refused until the replica has heard of its primary through the bus)
+                    while not _command(replica.port, "CLUSTER", "REPLICATE", primary,
+                                       timeout_s=1.0).startswith(b"+OK"):
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("a replica did not take its primary")
+                        time.sleep(0.05)
+        while not all(self._ready(n) for n in servers):
             if time.monotonic() > deadline:
                 raise TimeoutError("the Redis Cluster did not reach cluster_state:ok")
             time.sleep(0.05)
         return self
 
+    def _ready(self, node: RedisServer) -> bool:
+        """The node sees every slot served, and a replica has its primary's data."""
+        if _command(node.port, "CLUSTER", "INFO", timeout_s=1.0).find(b"cluster_state:ok") < 0:
+            return False
+        if any(node in replicas for replicas in self.replicas):
+            return b"master_link_status:up" in info(node.port, "replication")
+        return True
+
+    def primary_of(self, shard: int) -> RedisServer | None:
+        """The server that serves ``shard``'s slots as a primary now, if one answers."""
+        for server in (self.nodes[shard], *self.replicas[shard]):
+            if server.running and role(server.port) == b"master":
+                return server
+        return None
+
+    def synced(self, shard: int) -> bool:
+        """Every running replica of ``shard`` has all its primary wrote so far."""
+        primary = self.primary_of(shard)
+        if primary is None:
+            return False
+        want = _field(info(primary.port, "replication"), b"master_repl_offset")
+        return all(_field(info(r.port, "replication"), b"slave_repl_offset") == want
+                   for r in (self.nodes[shard], *self.replicas[shard])
+                   if r is not primary and r.running and role(r.port) == b"slave")
+
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in self.servers:
             node.stop()
 
     def __enter__(self) -> RedisCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        for node in self.nodes:
+        for node in self.servers:
             node.__exit__(None, None, None)
+
+
+def node_id(port: int) -> str:
+    """A cluster node's id (``CLUSTER MYID``)."""
+    reply = _command(port, "CLUSTER", "MYID", timeout_s=1.0)
+    return reply.split(b"\r\n")[1].decode()
+
+
+def info(port: int, section: str, timeout_s: float = 1.0) -> bytes:
+    """``INFO section``, whole (it can be longer than one read)."""
+    payload = f"*2\r\n$4\r\nINFO\r\n${len(section)}\r\n{section}\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(payload)
+        data = sock.recv(65536)
+        header, _, body = data.partition(b"\r\n")
+        size = int(header[1:])
+        while len(body) < size + 2:
+            more = sock.recv(65536)
+            if not more:
+                break
+            body += more
+        return body[:size]
+
+
+def role(port: int) -> bytes | None:
+    """``master`` or ``slave`` (INFO replication), None from a server that does not answer
+    (hung)."""
+    try:
+        return _field(info(port, "replication", timeout_s=0.5), b"role")
+    except OSError:
+        return None
+
+
+def _field(text: bytes, name: bytes) -> bytes | None:
+    for line in text.splitlines():
+        if line.startswith(name + b":"):
+            return line.split(b":", 1)[1].strip()
+    return None
 
 
 def _expect_ok(reply: bytes) -> None:

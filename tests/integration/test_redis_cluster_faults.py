@@ -2,8 +2,11 @@
 node is its own failure domain. Tenants on the healthy shards keep their exact global
 limits, and what is owed to Redis reaches the healthy shards while the hung one is retried.
 
-Every pause here stays under the cluster's node timeout (2 s), so the other shards keep
-serving (past it, the cluster as a whole refuses commands: Redis's own full coverage)."""
+Every pause on the ``cluster`` fixture stays under its node timeout (2 s), so the other
+shards keep serving (past it, the cluster as a whole refuses commands: Redis's own full
+coverage). The ``replicated`` fixture gives each primary a replica, promoted when its
+primary is gone for its node timeout (1 s), and lets the other shards serve meanwhile
+(``cluster-require-full-coverage no``, as the README recommends)."""
 
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.redis_server import RedisCluster, RedisServer
+from bench.redis_server import RedisCluster, RedisServer, role
 from extproc.config import RedisSettings
 from extproc.wiring import redis_client
-from limiter import Admit, Cost, Rate, TenantPolicy
+from limiter import Admit, Cost, Rate, Reject, TenantPolicy
 from limiter.breaker import CircuitBreaker
+from limiter.outcome import Reason
 from limiter.stores import FailoverStore, FailurePolicy, StoreUnavailable
 from limiter.stores.redis_store import RedisStore
 
@@ -34,6 +38,13 @@ _ids = itertools.count()
 @pytest.fixture
 def cluster() -> Iterator[RedisCluster]:
     with RedisCluster(3) as running:  # its own: these tests hang its nodes
+        yield running
+
+
+@pytest.fixture
+def replicated() -> Iterator[RedisCluster]:
+    with RedisCluster(3, replicas=1, node_timeout_ms=1000,
+                      extra_args=("--cluster-require-full-coverage", "no")) as running:
         yield running
 
 
@@ -256,3 +267,143 @@ async def test_every_node_gone_is_served_by_the_failure_policy(cluster):
         await asyncio.sleep(0.3)  # (the client refreshes its slot table at most 1/s)
     assert store.breakers_open() >= 1
     await close(store)
+
+
+def on_node(store: FailoverStore, node: RedisServer, not_on: RedisServer | None = None) -> str:
+    """A tenant whose keys live on ``node`` (or, with ``not_on``, anywhere else)."""
+    for name in (f"t{i}" for i in range(1000)):
+        port = int(store.primary.domain(name).rsplit(":", 1)[1])
+        if (port != not_on.port) if not_on is not None else (port == node.port):
+            return name
+    raise AssertionError("no tenant maps there")
+
+
+async def lease_keys(cluster: RedisCluster) -> list[bytes]:
+    """Every lease set left in the cluster (an empty one is deleted)."""
+    client = redis_client(RedisSettings(url=cluster.nodes[1].url, cluster=True,
+                                        timeout_ms=1000))
+    try:
+        keys = await client.keys("*:leases", target_nodes=client.PRIMARIES)
+    finally:
+        await client.aclose()
+    return [key for found in (keys.values() if isinstance(keys, dict) else [keys])
+            for key in (found if isinstance(found, list) else [found])]
+
+
+async def test_a_primary_killed_fails_over_to_its_replica(replicated, monkeypatch):
+    """SIGKILL a primary with a replica: its tenants go to the failure policy until the
+    replica is promoted and the client reads the new slot table (no restart), the other
+    shards' tenants never do; leases the dead primary took but never replicated are
+    re-asserted by the replica holding them, so nobody is admitted on top of them; the
+    dead node's breaker is forgotten, and nothing is left once every lease is released."""
+    from limiter.stores import failover as module
+
+    monkeypatch.setattr(module, "BREAKER_IDLE_MS", 300)
+    cluster = replicated
+    primary, replica = cluster.nodes[0], cluster.replicas[0][0]
+    a_store, b_store = (failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2))
+    await a_store.in_flight("t0")
+    await b_store.in_flight("t0")
+    a, b = on_node(a_store, primary), on_node(a_store, primary, not_on=primary)
+    held = [lease()]
+    assert isinstance(await a_store.admit(a, POLICY, COST, held[0]), Admit)
+    await until_true(lambda: cluster.synced(0))
+    replica.pause()  # the primary drops its replica: what it admits now is never replicated
+    assert primary.command("CLIENT", "KILL", "TYPE", "replica").startswith(b":1")
+    held.append(lease())
+    assert isinstance(await a_store.admit(a, POLICY, COST, held[1]), Admit)  # a's limit: 2
+    primary.kill()
+    killed = time.monotonic()
+    replica.resume()
+    answered = None
+    while answered is None:
+        assert time.monotonic() - killed < 10, "the replica's slots never came back"
+        for store in (a_store, b_store):  # the healthy shard's tenant: exact, in Redis
+            healthy = lease()
+            assert isinstance(await store.admit(b, POLICY, COST, healthy), Admit)
+            assert store.debug()["held"][healthy] == "primary"
+            assert await store.release(b, POLICY, healthy, 1)
+        with contextlib.suppress(StoreUnavailable):  # fail_closed, until a's slot answers
+            answered = await a_store.admit(a, POLICY, COST, lease())
+        await asyncio.sleep(0.05)
+    # the promoted replica lacked held[1]: Redis said so (LeasesLost), a_store put it back
+    assert a_store.primary.domain(a) == f"127.0.0.1:{replica.port}"
+    assert isinstance(answered, Reject) and answered.reason == Reason.CONCURRENCY
+    assert isinstance(await b_store.admit(a, POLICY, COST, lease()), Reject)
+    assert await a_store.in_flight(a) == 2
+    await asyncio.sleep(0.4)
+    assert a_store.breakers_open() == b_store.breakers_open() == 0  # the dead node's: gone
+    for held_id in held:
+        assert await a_store.release(a, POLICY, held_id, 5)
+    for store in (a_store, b_store):
+        await until(lambda store=store: _idle(store))
+    assert await b_store.in_flight(a) == 0 and await b_store.in_flight(b) == 0
+    assert await lease_keys(cluster) == []
+    for store in (a_store, b_store):
+        await close(store)
+
+
+async def test_a_primary_hung_past_the_node_timeout_is_failed_over_and_rejoins(replicated):
+    """SIGSTOP a primary for longer than the node timeout: its replica is promoted while it
+    is frozen, and it rejoins as a replica when it resumes, running first what was queued
+    on it meanwhile. Two replicas of kvgate admitting the same tenant all along never hold
+    more than its limit between them, before, during or after the split, and nothing is
+    left once every lease is released."""
+    cluster = replicated
+    primary, replica = cluster.nodes[0], cluster.replicas[0][0]
+    stores = [failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2)]
+    for store in stores:
+        await store.in_flight("t0")
+    a = on_node(stores[0], primary)
+    first = lease()
+    assert isinstance(await stores[0].admit(a, POLICY, COST, first), Admit)
+    held: dict[str, FailoverStore] = {first: stores[0]}
+    await until_true(lambda: cluster.synced(0))
+    peak = 0
+
+    async def admit_all() -> None:
+        nonlocal peak
+        for store in stores:
+            lease_id = lease()
+            with contextlib.suppress(StoreUnavailable):
+                if isinstance(await store.admit(a, POLICY, COST, lease_id), Admit):
+                    held[lease_id] = store
+        peak = max(peak, len(held))
+        assert peak <= POLICY.max_concurrency
+
+    primary.pause()
+    paused = time.monotonic()
+    try:
+        while role(replica.port) != b"master" or time.monotonic() - paused < 4:
+            assert time.monotonic() - paused < 10, "the replica was never promoted"
+            await admit_all()
+            await asyncio.sleep(0.05)
+    finally:
+        primary.resume()
+    while role(primary.port) != b"slave" or not cluster.synced(0):  # it rejoined
+        await admit_all()
+        await asyncio.sleep(0.05)
+    for _ in range(10):
+        await admit_all()
+    assert peak == len(held) == POLICY.max_concurrency  # admitted up to the limit, exactly
+    assert await stores[1].in_flight(a) == len(held)
+    for lease_id, store in held.items():
+        await store.release(a, POLICY, lease_id, 5)
+    for store in stores:
+        await until(lambda store=store: _idle(store))
+    assert await stores[1].in_flight(a) == 0
+    assert await lease_keys(cluster) == []
+    for store in stores:
+        await close(store)
+
+
+async def _idle(store: FailoverStore) -> bool:
+    return store.idle()
+
+
+async def until_true(check, within_s: float = 5.0) -> None:
+    """``until`` for a plain (blocking, quick) check."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
