@@ -783,7 +783,9 @@ class AgentSettings(_Strict):
 class RedisSettings(_Strict):
     """Shared limits across replicas and worker processes; absent = in-memory (one process)."""
 
-    url: str = Field(description="redis://host:port/db; with cluster, any one node")
+    url: str = Field(description="redis://host:port/db; with cluster, a name that reaches "
+                     "any node (one node's address: a process that starts while it is down "
+                     "cannot reach the cluster)")
     cluster: bool = Field(
         False, description="the url names a node of a Redis Cluster: every key of a tenant "
         "(and of a pool's fair queue) shares one hash tag, so each call runs on one shard"
