@@ -39,6 +39,13 @@ class PromptCosts:
         self.backlog_chars = 0  # handed to the thread and not yet counted
         self._thread: ThreadPoolExecutor | None = None  # started by the first long prompt
 
+    def at_once(self, model: Model, request: InferenceRequest) -> Cost | None:
+        """The cost of a request whose prompt is short enough to count in place (almost
+        all of them: no coroutine for those), else None: ``await price(...)``."""
+        if self.pricer.long_prompt_chars(model, request, LONG_PROMPT_CHARS):
+            return None
+        return self.pricer.price(model, request)
+
     async def price(self, model: Model, request: InferenceRequest) -> Cost:
         pricer = self.pricer
         chars = pricer.long_prompt_chars(model, request, LONG_PROMPT_CHARS)

@@ -215,7 +215,7 @@ class Director:
         watch: Watch,
     ) -> Admission | Reject:
         pool, model = self.pricer.resolve(request.model)
-        cost = await self.costs.price(model, request)
+        cost = self.costs.at_once(model, request) or await self.costs.price(model, request)
         klass = self.classifier.classify(
             tenant, requested=requested_class, path=request.path, prompt_tokens=cost.prompt_tokens
         )
@@ -494,28 +494,25 @@ class Director:
         ``used_tokens``; unknown: the estimate stands). One that was never ``sent``
         upstream (its routing reply never reached Envoy) used nothing: its KV is freed as
         a reservation that never ran (not counted as drained, nothing learned from it)."""
-        try:
-            await self._release(admission, used_tokens, output_tokens, sent)
-        finally:
-            self._leave(admission.tenant.name)
-
-    async def _release(self, admission: Admission, used_tokens: int | None,
-                       output_tokens: int | None, sent: bool) -> None:
-        self.leases.closed(admission.lease_id)
-        if sent:
-            admission.scheduler.release(admission.lease_id, self.clock(),
-                                        output_tokens=output_tokens)
-        else:
-            admission.scheduler.release(admission.lease_id, self.clock(), completed=False)
-        self.kick(admission.pool)
         tenant = admission.tenant
-        await self.store.release(tenant.name, self.tenants.policy(tenant),
-                                 admission.lease_id, used_tokens)
-        if admission.charged is not None and used_tokens is not None and (
-                output_tokens is not None):
-            real = self.config.queue.price(max(0, used_tokens - output_tokens), output_tokens)
-            await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
-                                                     admission.charged_weight)
+        try:
+            self.leases.closed(admission.lease_id)
+            if sent:
+                admission.scheduler.release(admission.lease_id, self.clock(),
+                                            output_tokens=output_tokens)
+            else:
+                admission.scheduler.release(admission.lease_id, self.clock(), completed=False)
+            self.kick(admission.pool)
+            await self.store.release(tenant.name, self.tenants.policy(tenant),
+                                     admission.lease_id, used_tokens)
+            if admission.charged is not None and used_tokens is not None and (
+                    output_tokens is not None):
+                real = self.config.queue.price(max(0, used_tokens - output_tokens),
+                                               output_tokens)
+                await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
+                                                         admission.charged_weight)
+        finally:
+            self._leave(tenant.name)
 
     def first_token(self, admission: Admission) -> None:
         """The response has started: the engine is done prefilling this request, which
