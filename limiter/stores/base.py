@@ -9,6 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from limiter.decision import TenantPolicy
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import Admit, Cost, Reject
+from limiter.stores.slots import SlotMap
 
 
 class StoreUnavailable(Exception):
@@ -95,6 +96,23 @@ class SharedStore(LimiterStore, Protocol):
     def domain(self, tenant: str) -> str:
         """What fails together with ``tenant``'s state: the Redis Cluster node serving its
         keys' slot ("" for a single Redis, one domain for every tenant)."""
+        ...
+
+    @property
+    def cluster(self) -> bool:
+        """Whether tenants spread over the shards of a Redis Cluster (which fails over)."""
+        ...
+
+    def slot(self, tenant: str) -> int:
+        """The Redis Cluster hash slot of ``tenant``'s state."""
+        ...
+
+    async def slot_map(self) -> SlotMap | None:
+        """Which node serves each slot as primary now (one call); None without a cluster."""
+        ...
+
+    async def reread_slots(self) -> None:
+        """Route calls by the cluster's slot table as it is now (a failover was seen)."""
         ...
 
 

@@ -27,6 +27,15 @@ does not know. (With several replicas Redis's count includes the others' leases,
 check can miss a loss; the repair loop's re-assert then closes the gap within
 ``REPAIR_PAUSE_S`` of Redis answering, or — on a replica that saw no call fail — the next
 renewal, which re-asserts too.)
+
+On a Redis Cluster a failover can lose writes the same way: the replica promoted may lack
+the last ones its primary acknowledged (replication is asynchronous) — leases, releases,
+cancels — and a process that made no call to that shard meanwhile saw no failure. So the
+store watches the cluster's slot map (one ``CLUSTER NODES`` every ``WATCH_PAUSE_S``, every
+``WATCH_SUSPECT_PAUSE_S`` while a primary is flagged failing): where a slot's primary
+changed, it re-asserts its leases of the tenants there and sends their releases, cancels and
+usage charges of the last ``RECENT_MS`` again (each is idempotent: a lease Redis no longer
+has is not released, refunded or charged twice). Nothing is logged without a cluster.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import Any
@@ -49,6 +58,7 @@ from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reje
 from limiter.share import scale_policy
 from limiter.stores.base import Fairness, LeasesLost, SharedStore, StoreUnavailable
 from limiter.stores.memory import MemoryFairness, MemoryStore
+from limiter.stores.slots import SlotMap
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +74,22 @@ LOCAL_POLICIES = 16_384
 that renames its tenants every day would add new ones for good)."""
 REPAIR_BATCH = 64
 """Repair calls sent at once (each takes a pooled connection)."""
+WATCH_PAUSE_S = 1.0
+"""How often a cluster's slot map is read (one small call), to see failovers."""
+WATCH_SUSPECT_PAUSE_S = 0.1
+"""… and while the node asked flags a primary as failing (or none answers): a promotion
+is then seen this soon, before most other processes' clients read the new slot table."""
+REREAD_MS = 5_000
+"""After a failover is seen, a repair round that fails re-reads the slot table first (at
+most every ``WATCH_SUSPECT_PAUSE_S``) for this long: the nodes learn of a promotion one
+after the other, and the client may have read the table from one that had not yet."""
+RECENT_MS = 20_000
+"""How long a confirmed release, cancel or usage charge is kept, to send again should its
+tenant's primary change (the promoted replica may lack it): longer than a failure takes to
+be suspected with Redis's default ``cluster-node-timeout`` (15 s); none is dropped while
+a primary is suspected."""
+RECENT_MAX = 65_536
+"""… and at most this many (the oldest go first)."""
 _FAILURES = (StoreUnavailable, TimeoutError, OSError)
 _REQUEST_LIMITS = (Reason.REQUESTS, Reason.WINDOW, Reason.SHAPING)
 """Refusals the headers-phase peek may repeat until their retry time: they count requests."""
@@ -86,7 +112,7 @@ class _Held:
     unsure: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Owed:
     """A release (with the tokens used), a cancel, or the quota usage of an admission
     Redis never saw, that Redis has not confirmed yet."""
@@ -138,7 +164,16 @@ class FailoverStore:
         self._counts: Counter[str] = Counter()  # tenant → leases held (Redis needs as many)
         self._owed: dict[str, _Owed] = {}  # lease id → what Redis still has to be told
         self._reassert = False  # a call failed: Redis may have lost (or never had) leases
+        self._moved: set[str] = set()  # tenants whose slot's primary changed: re-assert
         self._repairer: asyncio.Task[None] | None = None
+        # a cluster's failovers (see the module docstring): the slot map watch, started by
+        # the first call, and what Redis confirmed lately, to send again after one
+        self._cluster = primary.cluster
+        self._watch_due = self._cluster
+        self._watcher: asyncio.Task[None] | None = None
+        self._suspect = False  # a primary is flagged failing: keep every recent entry
+        self._reread_until = self._reread_at = 0  # (ms) see REREAD_MS
+        self._recent: deque[tuple[int, str, _Owed]] = deque(maxlen=RECENT_MAX)
         self._blocked: dict[str, tuple[int, Reject]] = {}  # tenant → (until ms, rejection)
 
     # -- the LimiterStore protocol ---------------------------------------------------------
@@ -179,7 +214,7 @@ class FailoverStore:
             if isinstance(error, LeasesLost):  # Redis restarted: put ours back, then retry
                 with contextlib.suppress(*_FAILURES):
                     async with asyncio.timeout(self.timeout_s):
-                        await self._reassert_all()
+                        await self._reassert_leases()
                 ok, result, error = await self._try(tenant, call)
         except asyncio.CancelledError:
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
@@ -224,6 +259,9 @@ class FailoverStore:
             )
             if not ok:
                 self._owe(lease_id, _Owed(tenant, policy, cancel=False, used_tokens=used_tokens))
+            elif self._cluster:
+                self._confirmed(lease_id,
+                                _Owed(tenant, policy, cancel=False, used_tokens=used_tokens))
             return bool(result) if ok else True
         return True
 
@@ -263,10 +301,12 @@ class FailoverStore:
 
     async def close(self) -> None:
         """Send what is still owed (briefly), then close the primary."""
-        if self._repairer is not None:
-            self._repairer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._repairer
+        self._watch_due = False
+        for task in (self._watcher, self._repairer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         with contextlib.suppress(*_FAILURES):
             async with asyncio.timeout(REPAIR_TIMEOUT_S):
                 await self._settle()
@@ -285,7 +325,7 @@ class FailoverStore:
 
     def idle(self) -> bool:
         """Nothing held and nothing owed to Redis (tests, and a drained replica)."""
-        return not self._held and not self._owed and not self._reassert
+        return not self._held and not self._owed and not self._reassert and not self._moved
 
     def debug(self) -> dict[str, Any]:
         return {"held": {k: v.place for k, v in self._held.items()},
@@ -341,15 +381,21 @@ class FailoverStore:
 
     async def _repair(self) -> None:
         """Until Redis has been told everything: send what is owed, re-assert leases."""
-        while self._owed or self._reassert:
+        while self._owed or self._reassert or self._moved:
             try:
                 async with asyncio.timeout(REPAIR_TIMEOUT_S):
                     await self._settle()
                     if self._reassert:
-                        await self._reassert_all()
+                        await self._reassert_leases()
+                    elif self._moved:
+                        await self._reassert_leases(set(self._moved))
             except _FAILURES as error:
                 log.debug("shared store repair failed, will retry: %r", error)
-            if self._owed or self._reassert:
+                now = self.clock_ms()
+                if (now < self._reread_until
+                        and now - self._reread_at >= WATCH_SUSPECT_PAUSE_S * 1000):
+                    await self._reread()  # (it may have gone to the old primary)
+            if self._owed or self._reassert or self._moved:
                 await asyncio.sleep(REPAIR_PAUSE_S)
 
     async def _settle(self) -> None:
@@ -364,6 +410,8 @@ class FailoverStore:
                 await self.primary.release(owed.tenant, owed.policy, lease_id, owed.used_tokens)
             if self._owed.get(lease_id) is owed:
                 del self._owed[lease_id]
+            if self._cluster:
+                self._confirmed(lease_id, owed)
 
         batch = list(self._owed.items())[:REPAIR_BATCH]
         for key, owed in batch:  # round robin: if these fail (a shard down), the next round
@@ -374,21 +422,27 @@ class FailoverStore:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _reassert_all(self) -> None:
-        """Put every lease this store holds into Redis; from then on each counts there. A
+    async def _reassert_leases(self, tenants: set[str] | None = None) -> None:
+        """Put every lease this store holds (of ``tenants`` only, if given: those whose
+        slot moved to another primary) into Redis; from then on each counts there. A
         tenant's leases are adopted as soon as its own call succeeds: one shard down must
         not leave the others' leases counted in memory (and released only there) while
         Redis holds them too."""
-        self._reassert = False
-        held = dict(self._held)
+        if tenants is None:
+            self._reassert = False
+            self._moved.clear()  # (all of them)
+            held = dict(self._held)
+        else:
+            self._moved -= tenants
+            held = {k: v for k, v in self._held.items() if v.tenant in tenants}
         by_tenant: dict[str, list[str]] = {}
         for lease_id, lease in held.items():
             by_tenant.setdefault(lease.tenant, []).append(lease_id)
-        tenants = list(by_tenant.items())
+        groups = list(by_tenant.items())
         failed: BaseException | None = None
         try:
-            for start in range(0, len(tenants), REPAIR_BATCH):  # one call per tenant
-                batch = tenants[start:start + REPAIR_BATCH]
+            for start in range(0, len(groups), REPAIR_BATCH):  # one call per tenant
+                batch = groups[start:start + REPAIR_BATCH]
                 results = await asyncio.gather(
                     *(self.primary.renew(tenant, ids, reassert=True) for tenant, ids in batch),
                     return_exceptions=True)
@@ -401,7 +455,10 @@ class FailoverStore:
             if failed is not None:
                 raise failed
         except BaseException:
-            self._reassert = True
+            if tenants is None:
+                self._reassert = True
+            else:
+                self._moved |= tenants
             self._need_repair()  # (also when the admission path's own re-assert timed out)
             raise
 
@@ -415,6 +472,73 @@ class FailoverStore:
             await self.local.release(held.tenant, self._local(held.policy), lease_id, 0)
         held.place = "primary"
 
+    # -- a cluster's failovers: what the promoted replica may lack -------------------------
+
+    def _confirmed(self, key: str, owed: _Owed) -> None:
+        """Redis (a cluster) confirmed ``owed``: kept ``RECENT_MS``, to send again should the
+        tenant's primary change before it reached the replica."""
+        now = self.clock_ms()
+        recent = self._recent
+        if not self._suspect:
+            while recent and now - recent[0][0] > RECENT_MS:
+                recent.popleft()
+        recent.append((now, key, owed))
+
+    def _start_watch(self) -> None:
+        self._watch_due = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Read the cluster's slot map now and then (see the module docstring); where a
+        slot's primary changed, put back what its new primary may lack."""
+        seen: SlotMap | None = None
+        while True:
+            now: SlotMap | None = None
+            try:
+                async with asyncio.timeout(REPAIR_TIMEOUT_S):
+                    now = await self.primary.slot_map()
+                if now is not None and seen is not None and now.ranges != seen.ranges:
+                    await self._failed_over(seen, now)
+            except _FAILURES as error:
+                log.debug("Redis Cluster slot map unavailable, will retry: %r", error)
+            except Exception:  # (an unexpected reply: the watch must go on)
+                log.exception("Redis Cluster failover watch failed, will retry")
+            if now is not None:
+                seen = now
+            self._suspect = now is None or now.suspect
+            await asyncio.sleep(WATCH_SUSPECT_PAUSE_S if self._suspect else WATCH_PAUSE_S)
+
+    async def _failed_over(self, old: SlotMap, new: SlotMap) -> None:
+        """Slots changed primary (a failover, or slots migrated): re-assert this store's
+        leases of their tenants, and send their recent releases and cancels again, along
+        the new slot table."""
+        self._reread_until = self.clock_ms() + REREAD_MS
+        await self._reread()
+        slot = self.primary.slot
+        tenants = {held.tenant for held in self._held.values()}
+        tenants.update(owed.tenant for _at, _key, owed in self._recent)
+        moved = {t for t in tenants if old.primary(slot(t)) != new.primary(slot(t))}
+        if not moved:
+            return
+        holding = {tenant for tenant in moved if self._counts.get(tenant)}
+        self._moved |= holding
+        again = [(key, owed) for _at, key, owed in self._recent if owed.tenant in moved]
+        for key, owed in again:
+            self._owe(key, owed)
+        log.info("Redis Cluster slots moved to another primary: re-asserting the leases of "
+                 "%d tenants, sending %d recent releases and cancels again",
+                 len(holding), len(again))
+        self._need_repair()
+
+    async def _reread(self) -> None:
+        """Route calls by the cluster's slot table as it is now."""
+        self._reread_at = self.clock_ms()
+        try:
+            async with asyncio.timeout(REPAIR_TIMEOUT_S):
+                await self.primary.reread_slots()
+        except _FAILURES as error:  # (the client's own refresh follows a failed call)
+            log.debug("Redis Cluster slot table not reread: %r", error)
+
     # -- plumbing --------------------------------------------------------------------------
 
     async def _try(
@@ -422,6 +546,8 @@ class FailoverStore:
     ) -> tuple[bool, Any, BaseException | None]:
         """(True, result, None) from the primary, or (False, None, why): ``why`` is None
         when the breaker of ``tenant``'s domain skipped the call (it never reached Redis)."""
+        if self._watch_due:
+            self._start_watch()
         domain = self.primary.domain(tenant)
         breaker = self._breaker(tenant, domain)
         self._used_ms[domain] = now_ms = self.clock_ms()

@@ -27,11 +27,13 @@ together, in one script call (see :meth:`RedisStore.release`).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from limiter.calendar import Period
@@ -53,6 +55,7 @@ from limiter.rates import Rate, require_int
 from limiter.stores.base import LeasesLost, StoreUnavailable
 from limiter.stores.redis_pipe import FAILURES, Scripts
 from limiter.stores.redis_scripts import SCRIPTS
+from limiter.stores.slots import SlotMap, parse_nodes
 
 TTL_SLACK_MS = 60_000
 """How long a key outlives the moment it would be back to its default state: covers the
@@ -70,6 +73,8 @@ _MAX_BACKLOG = 2**20
 _PERIOD_CODES = {"d": Period.DAY, "m": Period.MONTH}
 RELEASE_BATCH = 256
 """Most releases sent in one script call."""
+SLOT_MAP_TRIES = 3
+"""Cluster nodes asked at most, one after the other, for one slot map (see ``slot_map``)."""
 
 
 def _check_bucket(name: str, rate: Rate | None, capacity: int | None) -> list[int]:
@@ -196,6 +201,8 @@ class RedisStore:
         self._scripts = Scripts(client, SCRIPTS)
         # a Redis Cluster client's node lookup (None for a single Redis: one failure domain)
         self._node_of = getattr(client, "get_node_from_key", None)
+        self._asked: str | None = None  # the node whose slot map came last (asked first)
+        self._shunned: str | None = None  # the node that failed to answer last (asked last)
         self._keys: dict[str, tuple[str, ...]] = {}  # tenant → its keys
         self._senders: set[asyncio.Task[None]] = set()  # release calls under way
         # (tenant, policy) → releases waiting for the call under way (see release)
@@ -217,6 +224,50 @@ class RedisStore:
         except Exception:  # no slot table yet (or a slot not covered)
             return ""
         return "" if node is None else str(node.name)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the client is a Redis Cluster's (tenants spread over its shards)."""
+        return self._node_of is not None
+
+    def slot(self, tenant: str) -> int:
+        """The hash slot of the tenant's keys (one hash tag: one slot)."""
+        return key_slot(self._tenant_keys(tenant)[0].encode())
+
+    async def slot_map(self) -> SlotMap | None:
+        """Which node serves each slot as primary, as one node of the cluster sees it now
+        (one ``CLUSTER NODES`` call); None without a cluster. The node that answered last
+        time is asked first (one node per process, a random one among the primaries the
+        client knows), then others, and one that failed last, last: a node down or hung
+        does not stop the watch."""
+        if self._node_of is None:
+            return None
+        client: Any = self._client  # (a RedisCluster)
+        nodes = list(client.get_primaries())
+        random.shuffle(nodes)
+        nodes.sort(key=lambda node: (node.name != self._asked, node.name == self._shunned))
+        failure: BaseException = StoreUnavailable("no cluster node known yet")
+        for node in nodes[:SLOT_MAP_TRIES]:
+            self._asked, self._shunned = None, node.name  # (stays so if cut short)
+            try:
+                reply = await client.execute_command("CLUSTER", "NODES", target_nodes=node)
+            except FAILURES as exc:
+                failure = exc
+                continue
+            self._asked, self._shunned = node.name, None
+            return parse_nodes(reply)
+        raise StoreUnavailable(f"redis CLUSTER NODES failed: {failure}") from failure
+
+    async def reread_slots(self) -> None:
+        """Make the cluster client read the slot table now (a failover was seen): its own
+        refresh, after a call failed, comes at most once a second, and may have just read
+        the table from before the promotion."""
+        manager = getattr(self._client, "nodes_manager", None)
+        if manager is not None:
+            try:
+                await manager.initialize()
+            except FAILURES as exc:
+                raise StoreUnavailable(f"redis slot table refresh failed: {exc}") from exc
 
     def _head(self) -> list[int | str]:
         now: int | str = "" if self._clock is None else self._clock()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -407,3 +408,106 @@ async def until_true(check, within_s: float = 5.0) -> None:
     while not check():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
+
+
+async def cut_replica_link(cluster: RedisCluster, shard: int = 0) -> None:
+    """From now on what the shard's primary writes never reaches its replica (paused, its
+    link dropped), as when a primary dies with writes it has not replicated yet; the
+    replica resumes once the primary is killed, and is promoted in its place."""
+    await until_true(lambda: cluster.synced(shard))
+    cluster.replicas[shard][0].pause()
+    assert cluster.nodes[shard].command("CLIENT", "KILL", "TYPE", "replica").startswith(b":1")
+
+
+def kill_primary(cluster: RedisCluster, shard: int = 0) -> None:
+    cluster.nodes[shard].kill()
+    cluster.replicas[shard][0].resume()
+
+
+async def promoted(cluster: RedisCluster, shard: int = 0) -> float:
+    """Wait for the replica's promotion; when it was seen."""
+    replica = cluster.replicas[shard][0]
+    await until_true(lambda: role(replica.port) == b"master", within_s=10)
+    return time.monotonic()
+
+
+async def test_leases_the_new_primary_lacks_are_put_back_though_no_call_failed(replicated):
+    """A primary dies with two leases it never replicated, and the kvgate process holding
+    them makes no call to that shard: nothing told it, so nothing put them back until its
+    next renewal (lease_ttl_s / 3, 20 s by default) and another process was admitted on
+    top of them (4 held against a limit of 2). The topology watch sees the slots' new
+    primary and puts them back within a few seconds of the promotion."""
+    cluster = replicated
+    a_store, b_store = (failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2))
+    await a_store.in_flight("t0")
+    await b_store.in_flight("t0")
+    a = on_node(a_store, cluster.nodes[0])
+    await asyncio.sleep(0.1)  # (a's watch has read the slot map)
+    await cut_replica_link(cluster)
+    held = [lease(), lease()]
+    for lease_id in held:
+        assert isinstance(await a_store.admit(a, POLICY, COST, lease_id), Admit)
+    kill_primary(cluster)
+    since = await promoted(cluster)
+    refused = None
+    while refused is None:  # b asks for a's tenant; what it gets it gives back at once
+        assert time.monotonic() - since < 3, "the lost leases were never put back"
+        with contextlib.suppress(StoreUnavailable):  # (until b reads the new slot table)
+            got = await b_store.admit(a, POLICY, COST, lease())
+            if isinstance(got, Admit):
+                assert await b_store.release(a, POLICY, got.lease_id, 1)
+            else:
+                refused = got
+        await asyncio.sleep(0.05)
+    assert refused.reason == Reason.CONCURRENCY
+    assert await b_store.in_flight(a) == 2
+    assert isinstance(await b_store.admit(a, POLICY, COST, lease()), Reject)
+    for lease_id in held:
+        assert await a_store.release(a, POLICY, lease_id, 5)
+    for store in (a_store, b_store):
+        await until(lambda store=store: _idle(store))
+    assert await b_store.in_flight(a) == 0
+    assert await lease_keys(cluster) == []
+    for store in (a_store, b_store):
+        await close(store)
+
+
+async def test_releases_and_cancels_the_new_primary_lacks_are_sent_again(replicated):
+    """A primary dies with a release and a cancel it acknowledged but never replicated:
+    their leases held a concurrency slot each on the promoted replica until lease_ttl_s
+    (60 s by default). The store sends its recent releases and cancels of the tenants
+    whose primary changed again: the slots are free within a few seconds of the
+    promotion, and what the resent ones settle counts once (a release Redis already had
+    is not refunded twice)."""
+    cluster = replicated
+    policy = dataclasses.replace(POLICY, daily_token_quota=100_000)
+    a_store, b_store = (failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2))
+    await a_store.in_flight("t0")
+    await b_store.in_flight("t0")
+    a = on_node(a_store, cluster.nodes[0])
+    early, released, cancelled = lease(), lease(), lease()
+    assert isinstance(await a_store.admit(a, policy, COST, early), Admit)
+    assert await a_store.release(a, policy, early, 5)  # replicated: its resend does nothing
+    for lease_id in (released, cancelled):
+        assert isinstance(await a_store.admit(a, policy, COST, lease_id), Admit)
+    await asyncio.sleep(0.1)  # (a's watch has read the slot map)
+    await cut_replica_link(cluster)
+    assert await a_store.release(a, policy, released, 7)
+    await a_store.cancel(a, policy, cancelled)
+    await until(lambda: _idle(a_store))  # the cancel reached the primary
+    kill_primary(cluster)
+    await promoted(cluster)
+
+    async def free() -> bool:
+        with contextlib.suppress(StoreUnavailable):  # (until b reads the new slot table)
+            return await b_store.primary.in_flight(a) == 0  # (the store's says 0 on failure)
+        return False
+
+    await until(free, within_s=3)
+    usage = await b_store.primary.usage(a, policy)
+    assert usage["quotas"]["daily"]["used"] == 5 + 7  # the cancelled one: refunded
+    for store in (a_store, b_store):
+        await until(lambda store=store: _idle(store))
+    assert await lease_keys(cluster) == []
+    for store in (a_store, b_store):
+        await close(store)
