@@ -395,6 +395,8 @@ class FailoverStore:
                 if (now < self._reread_until
                         and now - self._reread_at >= WATCH_SUSPECT_PAUSE_S * 1000):
                     await self._reread()  # (it may have gone to the old primary)
+            except Exception:  # (an unexpected reply or error: what is owed must still go)
+                log.exception("shared store repair failed, will retry")
             if self._owed or self._reassert or self._moved:
                 await asyncio.sleep(REPAIR_PAUSE_S)
 
@@ -538,6 +540,8 @@ class FailoverStore:
                 await self.primary.reread_slots()
         except _FAILURES as error:  # (the client's own refresh follows a failed call)
             log.debug("Redis Cluster slot table not reread: %r", error)
+        except Exception:  # (best effort, on the cluster client's internals: never fatal)
+            log.exception("Redis Cluster slot table not reread")
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -207,6 +207,37 @@ async def test_release_timed_out_on_a_paused_redis_is_sent_again(server, raw):
     await store.close()
 
 
+async def test_an_unexpected_error_in_a_repair_round_does_not_end_the_repair(server, raw,
+                                                                              caplog):
+    """The repair loop is what sends owed releases: an error that is no Redis failure (a
+    client library's surprise) is logged and retried, not left to end the loop — the
+    lease then stayed held in Redis until its TTL."""
+    store = failover(server, "local")
+    held = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
+    server.pause()
+    try:
+        await store.release("acme", SLOW, held, COST.tokens)  # owed: Redis did not answer
+    finally:
+        server.resume()
+    release, surprises = store.primary.release, [RuntimeError("surprise")]
+
+    async def surprising_release(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if surprises:
+            raise surprises.pop()
+        return await release(*args, **kwargs)
+
+    store.primary.release = surprising_release  # type: ignore[method-assign]
+    deadline = time.monotonic() + 2
+    while await raw.zcard(store.primary.keys("acme")[4]):
+        assert time.monotonic() < deadline, "the lease stayed in Redis"
+        await asyncio.sleep(0.02)
+    assert not surprises
+    assert "shared store repair failed, will retry" in caplog.text
+    await settle(store)
+    await store.close()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_restart_with_leases_held_keeps_concurrency_exact(server, raw, policy):
     # the first call after a restart also reloads the scripts (NOSCRIPT): room on a busy box
