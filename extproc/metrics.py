@@ -221,7 +221,8 @@ class Metrics:
             "(the thread was too far behind: chars per token, corrected by the usage).",
             ["counted"], self.registry,
         )
-        self.long_prompts.values = {("tokenizer",): 0, ("estimate",): 0}  # alertable from 0
+        for how in ("tokenizer", "estimate"):  # exported at 0 from the start: alertable
+            self.long_prompts.add((how,), 0)
         self.in_flight = Tally(
             "kvgate_in_flight_requests",
             "Admitted requests not yet finished, by tenant.",
