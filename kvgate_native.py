@@ -1,7 +1,7 @@
 """kvgate's optional compiled hot path: build it (``python -m kvgate_native``), and load it.
 
-The request path's synchronous modules (pricing, placement, limiter math, reply building,
-response metering) are compiled with mypyc into ``build/native/``; ``extproc`` and
+The request path's synchronous modules (pricing, placement, limiter math, reply and refusal
+building, response metering) are compiled with mypyc into ``build/native/``; ``extproc`` and
 ``limiter`` put that folder first on their package ``__path__`` when it is there and was
 built from exactly the sources beside it (sha256 of every module of both packages).
 Otherwise, or with ``KVGATE_NATIVE=0``, they run as plain Python, identical in behaviour:
@@ -34,6 +34,7 @@ MODULES = (  # the synchronous request path; no ``async def`` allowed (see above
     "extproc.metrics",
     "extproc.openai",
     "extproc.pricing",
+    "extproc.rejections",
     "extproc.scheduler",
     "extproc.tenants",
     "extproc.tokens",
