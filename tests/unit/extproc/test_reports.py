@@ -85,6 +85,16 @@ async def test_a_wrong_key_is_forbidden_and_the_connection_kept():
     assert stream.done == [] and stream.first == 1
 
 
+async def test_header_names_match_whatever_their_case_and_a_key_sent_twice_is_refused():
+    stream = Stream()
+    mixed = (b"POST /done/lease-1 HTTP/1.1\r\nHost: kvgate\r\nX-Kvgate-Report-Key: {key}\r\n"
+             b"Content-Length: 2\r\n\r\n{}")
+    twice = report("/first/lease-1", "{key}", extra=b"x-kvgate-report-key: {key}\r\n")
+    codes, closed, errors = await exchange(mixed + twice, lease_stream=stream)
+    assert codes == [204, 403] and not closed and not errors
+    assert len(stream.done) == 1 and stream.first == 0
+
+
 HOSTILE = {
     "not POST": b"GET /done/lease-1 HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
     "request line": b"POST /done/lease-1\r\ncontent-length: 0\r\n\r\n",
@@ -95,6 +105,7 @@ HOSTILE = {
     "length over the limit": b"POST /done/x HTTP/1.1\r\ncontent-length: 65537\r\n\r\n",
     "head never ends": b"POST /done/x HTTP/1.1\r\n" + b"x-pad: y\r\n" * 1000,
     "unknown kind": report("/gone/lease-1", "{key}"),
+    "length twice": report("/done/lease-1", "{key}", b"{}", extra=b"Content-Length: 2\r\n"),
 }
 
 
