@@ -5,10 +5,11 @@
 What ``bench.overhead`` cannot separate: of an ext_proc process's CPU per request, how much
 is kvgate's request path itself. One request here is what the shipped configuration does
 with one (headers as attributes on the body message): Envoy's one message parsed as gRPC's
-deserializer does (``parse``), ``ExternalProcessor.Process`` on it up to the routing reply; the Lua meter's ``done`` report, as the bytes
-Envoy's HTTP/1.1 codec sends, through the report port's parser; then the stream's end and
-the release. Both orders of the last two are timed: the report usually comes first, and when
-it comes after, the release waits for it in a task.
+deserializer does (``parse``); ``ExternalProcessor.Process`` on it up to the routing reply;
+the Lua meter's ``done`` report, as the bytes Envoy's HTTP/1.1 codec sends, through the
+report port's parser; then the stream's end and the release. Both orders of the last two
+are timed: the report usually comes first, and when it comes after, the release waits for
+it in a task.
 
 The same config as ``bench.overhead`` (one tenant with limits it never reaches, one pool of
 one KV-aware engine kept freshly scraped and nearly empty), so every request is admitted at
