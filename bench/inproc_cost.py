@@ -36,7 +36,7 @@ from bench.overhead import API_KEY, BODY, LIMITS, MODEL
 from extproc.config import hash_api_key, parse_config
 from extproc.datalayer.endpoints import EndpointStore, ScrapeResult
 from extproc.datalayer.metrics import EngineMetrics
-from extproc.messages import parse_request
+from extproc.messages import ATTRIBUTES_NAMESPACE, attribute_names, parse_request
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk, _ReportProtocol
 from extproc.server import ExternalProcessor
@@ -59,14 +59,15 @@ def config():
     })
 
 
-def envoy_message() -> pb.ProcessingRequest:
+def envoy_message(class_header: str) -> pb.ProcessingRequest:
     """The body message with the headers kvgate reads as attributes, as Envoy sends it."""
     message = pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True))
-    fields = message.attributes["envoy.filters.http.ext_proc"].fields
-    fields["request.path"].string_value = "/v1/chat/completions"
-    fields["request.method"].string_value = "POST"
-    fields["request.headers['authorization']"].string_value = f"Bearer {API_KEY}"
-    fields["request.headers['x-request-id']"].string_value = "5f0c1e0e-2c4b-4b0e-9f43-d2a7"
+    fields = message.attributes[ATTRIBUTES_NAMESPACE].fields
+    attribute = {header: name for name, header in attribute_names(class_header).items()}
+    for header, value in ((":path", "/v1/chat/completions"), (":method", "POST"),
+                          ("authorization", f"Bearer {API_KEY}"),
+                          ("x-request-id", "5f0c1e0e-2c4b-4b0e-9f43-d2a7")):
+        fields[attribute[header]].string_value = value
     return message
 
 
@@ -102,7 +103,7 @@ class Bench:
         self.processor = ExternalProcessor(self.director, self.metrics, cfg, self.desk)
         self.port = _ReportProtocol(self.desk.receive)
         self.port.connection_made(_Transport())  # type: ignore[arg-type]
-        self.wire = envoy_message().SerializeToString()
+        self.wire = envoy_message(cfg.classification.header).SerializeToString()
 
     async def scraped(self) -> None:
         await self.endpoints.set_endpoints("bench", [ENGINE])
