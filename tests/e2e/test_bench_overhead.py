@@ -158,3 +158,7 @@ def test_ratios_and_report(rows):
     assert "| kvgate | 16 |" in text and "| kvgate s32 | 16 |" in text
     assert "at an equal request rate" in text
     assert "32" in result["streams"]
+    # the TTFT ratio also round by round (the rounds are the noise a reader judges it by)
+    rounds = result["streams"]["32"]["ttft_vs_floor"]["by_round"]
+    assert len(rounds) == 2 and all(r > 0 for r in rounds)
+    assert "round by round" in text
