@@ -492,6 +492,33 @@ def test_an_endpoint_takes_two_unstarted_requests_and_interactive_one_more():
     assert isinstance(place_band(sched, snap, 1), Placement)
 
 
+def test_the_unstarted_limit_grows_only_while_the_engine_keeps_nothing_waiting():
+    """Each scrape that finds nothing waiting in the engine although the limit held work back
+    since the one before doubles how far the limit is raised; more than ``max_unstarted``
+    waiting halves it; a few waiting (an engine between its steps) leaves it be."""
+    sched = scheduler()
+
+    def scraped(waiting=0):  # a new scrape round (taken before the requests below were sent)
+        return snapshot(state("e1", 0.1, waiting=waiting))
+
+    for lease in ("x1", "x2"):
+        sched.reserve(lease, "a", "e1", 10, NOW, band=1, prompt_tokens=5)
+    assert place_band(sched, scraped(), 1).reason == "pool_saturated"  # held back
+    assert sched.holds["engine_queue"] == 1
+    assert isinstance(place_band(sched, scraped(), 1), Placement)  # nothing waited: +1
+    assert sched.gate_growth["e1"] == 1
+    sched.reserve("x3", "a", "e1", 10, NOW, band=1, prompt_tokens=5)
+    assert place_band(sched, scraped(), 1).reason == "pool_saturated"
+    assert isinstance(place_band(sched, scraped(), 1), Placement)
+    assert sched.gate_growth["e1"] == 2
+    sched.reserve("x4", "a", "e1", 10, NOW, band=1, prompt_tokens=5)
+    assert place_band(sched, scraped(waiting=2), 1).reason == "pool_saturated"
+    assert place_band(sched, scraped(waiting=2), 1).reason == "pool_saturated"
+    assert sched.gate_growth["e1"] == 2  # two waiting: neither grown nor halved
+    place_band(sched, scraped(waiting=3), 1)
+    assert sched.gate_growth["e1"] == 1  # the engine queues more than the limit allows
+
+
 def test_the_engines_waiting_count_marks_non_streamed_requests_started():
     sched = scheduler()
     sched.reserve("s", "a", "e1", 10, NOW - 2, band=1, prompt_tokens=5)
