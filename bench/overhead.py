@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import copy
 import json
-import math
 import os
 import platform
 import re
@@ -819,7 +818,7 @@ def stream_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             pairs = zip(kvgate.get("ttft_p50_ms_by_window", []),
                         floor.get("ttft_p50_ms_by_window", []), strict=False)
             entry["ttft_vs_floor"]["by_round"] = [ours / theirs for ours, theirs in pairs
-                                                  if theirs and not math.isnan(ours / theirs)]
+                                                  if ours > 0 and theirs > 0]  # (NaN: no)
         out[str(tokens)] = entry
     return out
 
