@@ -199,9 +199,9 @@ def _http_ok(url: str) -> bool:
 class Child:
     """A Python subprocess of the benchmark; its output is kept for error messages."""
 
-    def __init__(self, name: str, args: Sequence[str]):
+    def __init__(self, name: str, args: Sequence[str], prefix: Sequence[str] = ()):
         self.name = name
-        self.command = [sys.executable, *args]
+        self.command = [*prefix, sys.executable, *args]  # prefix: a wrapper (valgrind)
         self.process: subprocess.Popen[bytes] | None = None
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
 
@@ -377,37 +377,47 @@ class Gateway:
     commands: dict[str, str] = field(default_factory=dict)
 
 
-def _start_kvgate(config: dict[str, Any], workdir: Path) -> Child:
+def _start_kvgate(config: dict[str, Any], workdir: Path, prefix: Sequence[str] = ()) -> Child:
     path = workdir / "kvgate.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     health = f"http://127.0.0.1:{config['server']['admin_port']}/healthz"
     args = ["-m", "extproc.cli", "--log-level", "warning", "serve", "-c", str(path)]
-    return Child("kvgate", args).start(lambda: _http_ok(health))
+    return Child("kvgate", args, prefix).start(lambda: _http_ok(health), _start_s(prefix))
 
 
-def _start_minimal(grpc_port: int, stats_port: int, cpu_policy: str) -> Child:
+def _start_minimal(grpc_port: int, stats_port: int, cpu_policy: str,
+                   prefix: Sequence[str] = ()) -> Child:
     args = ["-m", "bench.minimal_extproc", "--port", str(grpc_port),
             "--stats-port", str(stats_port), "--cpu-policy", cpu_policy]
-    return Child("minimal ext_proc", args).start(lambda: _port_accepts(stats_port))
+    return Child("minimal ext_proc", args, prefix).start(lambda: _port_accepts(stats_port),
+                                                         _start_s(prefix))
 
 
-def _start_ext_proc(mode: str, config: dict[str, Any], workdir: Path
+def _start_s(prefix: Sequence[str]) -> float:
+    """How long a start may take: a wrapper such as valgrind slows it ~50×."""
+    return 600 if prefix else 30
+
+
+def _start_ext_proc(mode: str, config: dict[str, Any], workdir: Path, prefix: Sequence[str] = ()
                     ) -> tuple[Child, Counters] | None:
     """kvgate or the floor, listening where the config's bootstrap sends ext_proc."""
     if mode.startswith("kvgate"):
-        return _start_kvgate(config, workdir), kvgate_counters(config["server"]["admin_port"])
+        return (_start_kvgate(config, workdir, prefix),
+                kvgate_counters(config["server"]["admin_port"]))
     if mode == "minimal":
         stats_port = free_port()
         child = _start_minimal(config["server"]["grpc_port"], stats_port,
-                               config["server"]["cpu_policy"])
+                               config["server"]["cpu_policy"], prefix)
         return child, minimal_counters(stats_port)
     return None
 
 
 @contextlib.contextmanager
 def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch",
-            ms_per_token: float = 0) -> Iterator[Gateway]:
-    """Start what ``mode`` needs, its own engine included; stop it all on exit."""
+            ms_per_token: float = 0, ext_proc_prefix: Sequence[str] = ()) -> Iterator[Gateway]:
+    """Start what ``mode`` needs, its own engine included; stop it all on exit.
+    ``ext_proc_prefix``: a command the ext_proc process runs under (``bench.instructions``:
+    valgrind)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     with contextlib.ExitStack() as stack:
@@ -424,7 +434,7 @@ def gateway(mode: str, *, layout: str = "split", cpu_policy: str = "batch",
         config = kvgate_config(f"{engine.host}:{engine.port}", free_port(), free_port(),
                                redis_url, cpu_policy,
                                attributes=False if mode == "kvgate_headers" else None)
-        started = _start_ext_proc(mode, config, workdir)
+        started = _start_ext_proc(mode, config, workdir, ext_proc_prefix)
         if started is not None:
             child, gw.counters = started
             if redis_url is not None:

@@ -37,30 +37,38 @@ _CODES = {
 
 def ratelimit_headers(remaining: Remaining) -> dict[str, str]:
     """OpenAI's ``x-ratelimit-*`` family, for the dimensions this tenant has."""
-    headers: dict[str, str] = {}
-    for kind, limit, left, reset in (
-        ("requests", remaining.request_limit, remaining.requests_remaining,
-         remaining.requests_reset_ms),
-        ("tokens", remaining.token_limit, remaining.tokens_remaining, remaining.tokens_reset_ms),
-        ("quota", remaining.quota_limit, remaining.quota_remaining, remaining.quota_reset_ms),
-    ):
-        if limit is None:
-            continue
-        headers[f"x-ratelimit-limit-{kind}"] = str(limit)
-        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, left or 0))
-        headers[f"x-ratelimit-reset-{kind}"] = format_duration(reset or 0)
+    headers = admitted_ratelimit_headers(remaining)
+    _add_family(headers, _QUOTA_NAMES, remaining.quota_limit, remaining.quota_remaining,
+                remaining.quota_reset_ms)
     return headers
 
 
 def admitted_ratelimit_headers(remaining: Remaining) -> dict[str, str]:
     """What an admitted response carries (requests and tokens; the quota family only on
     its refusals): the headroom right after this admission."""
-    if remaining.request_limit is None and remaining.token_limit is None:
-        return {}
-    headers = ratelimit_headers(remaining)
-    for kind in ("limit", "remaining", "reset"):
-        headers.pop(f"x-ratelimit-{kind}-quota", None)
+    headers: dict[str, str] = {}
+    _add_family(headers, _REQUEST_NAMES, remaining.request_limit, remaining.requests_remaining,
+                remaining.requests_reset_ms)
+    _add_family(headers, _TOKEN_NAMES, remaining.token_limit, remaining.tokens_remaining,
+                remaining.tokens_reset_ms)
     return headers
+
+
+def _add_family(headers: dict[str, str], names: tuple[str, str, str], limit: int | None,
+                left: int | None, reset_ms: int | None) -> None:
+    if limit is not None:
+        headers[names[0]] = str(limit)
+        headers[names[1]] = str(max(0, left or 0))
+        headers[names[2]] = format_duration(reset_ms or 0)
+
+
+def _family(kind: str) -> tuple[str, str, str]:
+    return (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}",
+            f"x-ratelimit-reset-{kind}")
+
+
+_REQUEST_NAMES, _TOKEN_NAMES, _QUOTA_NAMES = (_family(kind)
+                                              for kind in ("requests", "tokens", "quota"))
 
 
 def retry_headers(retry_after_ms: int) -> dict[str, str]:

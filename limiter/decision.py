@@ -133,6 +133,14 @@ def _scheduled_by(policy: TenantPolicy) -> tuple[Any, ...]:
             policy.shaping_rate, policy.shaping_backlog)
 
 
+def _view_of(state: tuple[int, Rate, int] | None) -> BucketView | None:
+    """A bucket's view from ``(capacity, rate, level_scaled)`` remembered earlier."""
+    if state is None:
+        return None
+    limit, available, reset_ms = bucket_view(state[0], state[1], state[2])
+    return BucketView(limit, available, reset_ms)
+
+
 def _bucket_view(bucket: TokenBucket | None, now_ms: int) -> BucketView | None:
     return None if bucket is None else BucketView(*bucket.view(now_ms))
 
@@ -430,11 +438,7 @@ class TenantLimiter:
         token_state = None if tokens is None else (tokens.capacity, tokens.rate,
                                                    tokens.level_scaled)
         quotas = self._quota_views(now_ms) if self.policy._quotas else []
-        return lambda: remaining_of(
-            None if request_state is None else BucketView(*bucket_view(*request_state)),
-            None if token_state is None else BucketView(*bucket_view(*token_state)),
-            quotas,
-        )
+        return lambda: remaining_of(_view_of(request_state), _view_of(token_state), quotas)
 
     def _new_lease(self, cost: Cost, quotas: list[QuotaView], now_ms: int) -> _Lease:
         expires = None if self.lease_ttl_ms is None else now_ms + self.lease_ttl_ms

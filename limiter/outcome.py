@@ -213,14 +213,18 @@ def remaining_of(
     requests: BucketView | None, tokens: BucketView | None, quotas: Sequence[QuotaView]
 ) -> Remaining:
     """The ``x-ratelimit-*`` view of raw state (negative availability shows as 0)."""
-    fields: list[int | None] = []
-    for view in (requests, tokens):
-        fields += [None] * 3 if view is None else [view.limit, max(0, view.available),
-                                                   view.reset_ms]
-    quota = tightest(quotas)
-    if quota is not None:
-        fields += [quota.limit, quota.remaining, quota.reset_ms]
-    return Remaining(*fields)
+    quota = tightest(quotas) if quotas else None
+    return Remaining(
+        None if requests is None else requests.limit,
+        None if requests is None else max(0, requests.available),
+        None if requests is None else requests.reset_ms,
+        None if tokens is None else tokens.limit,
+        None if tokens is None else max(0, tokens.available),
+        None if tokens is None else tokens.reset_ms,
+        None if quota is None else quota.limit,
+        None if quota is None else quota.remaining,
+        None if quota is None else quota.reset_ms,
+    )
 
 
 def wait_reject(waits: Sequence[tuple[Reason, int]], remaining: Remaining) -> Reject:
