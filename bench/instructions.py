@@ -19,7 +19,14 @@ under the ratio of CPU time, not a prediction of it (both are in the results). P
 file (``self``): where the instructions ran — the interpreter, gRPC, upb, kvgate's
 compiled modules (mypyc).
 
-Needs ``valgrind`` (Debian: ``apt-get install valgrind``). About 2 minutes per mode.
+``--simulate`` also runs valgrind's cache and branch-predictor models (generic ones, not this
+machine's CPU): data accesses, cache misses and mispredicted branches per request, to see
+whether what makes a request slower than its instruction count says is a working set that
+outgrew the caches or branches the predictor misses (the interpreter's dispatch is an
+indirect branch per bytecode).
+
+Needs ``valgrind`` (Debian: ``apt-get install valgrind``). About a minute per mode, twice
+that with ``--simulate``.
 """
 
 from __future__ import annotations
@@ -40,13 +47,18 @@ from bench import overhead
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP_S = 10.0  # under callgrind: the interpreter's caches and gRPC's pools fill slowly
+SIMULATED = ("Dr/Dw data reads/writes; I1mr, D1mr/D1mw first-level instruction and data "
+             "cache misses; ILmr, DLmr/DLmw last-level misses; Bc/Bcm conditional branches "
+             "and mispredicted ones; Bi/Bim indirect branches and mispredicted ones")
 _NAME = re.compile(r"^(c?)(ob|fn)=(?:\((\d+)\))?\s*(.*)$")
 
 
-def callgrind_prefix(out_dir: Path) -> list[str]:
+def callgrind_prefix(out_dir: Path, simulate: bool = False) -> list[str]:
     if shutil.which("valgrind") is None:
         raise SystemExit("bench.instructions needs valgrind (apt-get install valgrind)")
-    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/cg.%p"]
+    models = "yes" if simulate else "no"
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/cg.%p",
+            f"--cache-sim={models}", f"--branch-sim={models}"]
 
 
 def _control(pid: int, *args: str) -> None:
@@ -66,11 +78,13 @@ def dumped(pid: int, out_dir: Path, label: str) -> Callable[[float], Awaitable[P
     return window
 
 
-def self_by_object(dump: Path) -> collections.Counter[str]:
-    """Instructions run in each object file's own code (calls' inclusive lines skipped)."""
+def own_costs(dump: Path) -> dict[str, collections.Counter[str]]:
+    """Each event's count (``Ir``: instructions; with ``--simulate``, ``SIMULATED`` too) in
+    each object file's own code, calls' inclusive lines skipped: event → object → count."""
     names: dict[tuple[str, str], str] = {}
     current = "?"
-    found: collections.Counter[str] = collections.Counter()
+    events: list[str] = ["Ir"]
+    found: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     skip_next = False
     for line in dump.read_text(errors="replace").splitlines():
         named = _NAME.match(line)
@@ -81,11 +95,14 @@ def self_by_object(dump: Path) -> collections.Counter[str]:
             if kind == "ob" and not callee:
                 current = Path(name).name or "?"
             continue
-        if line.startswith("calls="):
+        if line.startswith("events:"):
+            events = line.split()[1:]
+        elif line.startswith("calls="):
             skip_next = True  # the next cost line is the call's inclusive cost
         elif line[:1].isdigit() or line[:1] in "+-*":
-            if not skip_next and len(parts := line.split()) >= 2:
-                found[current] += int(parts[1])
+            if not skip_next:  # a position, then the events' counts (trailing zeros left out)
+                for event, count in zip(events, line.split()[1:], strict=False):
+                    found[event][current] += int(count)
             skip_next = False
     return found
 
@@ -97,11 +114,12 @@ def _short(obj: str) -> str:
     return obj.split(".cpython-")[0].split(".so")[0]
 
 
-def measure_mode(mode: str, seconds: float, concurrency: int, work: Path) -> dict[str, Any]:
+def measure_mode(mode: str, seconds: float, concurrency: int, work: Path,
+                 simulate: bool = False) -> dict[str, Any]:
     out_dir = work / mode
     out_dir.mkdir()
     with overhead.gateway(mode, layout="none",
-                          ext_proc_prefix=callgrind_prefix(out_dir)) as gw:
+                          ext_proc_prefix=callgrind_prefix(out_dir, simulate)) as gw:
         pid = gw.pids["ext_proc"]
         loaded_path: list[Path] = []
 
@@ -111,12 +129,15 @@ def measure_mode(mode: str, seconds: float, concurrency: int, work: Path) -> dic
         window = asyncio.run(overhead.measure(gw, concurrency, WARMUP_S, seconds, loaded))
         idle_path = asyncio.run(dumped(pid, out_dir, "idle")(seconds))
         requests = len(window.load.latencies)
-        loaded_ir, idle_ir = self_by_object(loaded_path[0]), self_by_object(idle_path)
-    by_object = {_short(o): (loaded_ir[o] - idle_ir[o]) / requests for o in loaded_ir}
+        loaded, idle = own_costs(loaded_path[0]), own_costs(idle_path)
+    by_object = {_short(o): (loaded["Ir"][o] - idle["Ir"][o]) / requests for o in loaded["Ir"]}
+    per_request = {event: (sum(loaded[event].values()) - sum(idle[event].values())) / requests
+                   for event in loaded}
     return {"mode": mode, "requests": requests, "errors": sum(
                 n for status, n in window.load.statuses.items() if status != 200),
             "instructions_per_request": sum(by_object.values()),
-            "idle_instructions_per_s": sum(idle_ir.values()) / seconds,
+            "idle_instructions_per_s": sum(idle["Ir"].values()) / seconds,
+            "events_per_request": per_request,
             "by_object": dict(sorted(by_object.items(), key=lambda kv: -kv[1]))}
 
 
@@ -134,18 +155,36 @@ def table(rows: list[dict[str, Any]]) -> Iterator[str]:
                f" | {ratio} | " + " | ".join(cells) + " |")
 
 
+def simulated_table(rows: list[dict[str, Any]]) -> Iterator[str]:
+    """With ``--simulate``: the other events per request (``SIMULATED`` says which is what)."""
+    events = [e for e in rows[0]["events_per_request"] if e != "Ir"]
+    if not events:
+        return
+    yield "| mode | " + " | ".join(events) + " |"
+    yield "|---|" + "---:|" * len(events)
+    for r in rows:
+        yield f"| {r['mode']} | " + " | ".join(
+            f"{r['events_per_request'].get(e, 0):.0f}" for e in events) + " |"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.instructions",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--modes", type=lambda t: t.split(","), default=["minimal", "kvgate"])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--simulate", action="store_true",
+                        help="valgrind's cache and branch models too (~2× slower)")
     parser.add_argument("--out", type=Path, default=RESULTS / "instructions.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvgate-callgrind-") as tmp:
-        rows = [measure_mode(mode, args.seconds, args.concurrency, Path(tmp))
+        rows = [measure_mode(mode, args.seconds, args.concurrency, Path(tmp), args.simulate)
                 for mode in args.modes]
     lines = list(table(rows))
+    simulated = list(simulated_table(rows))
+    if simulated:
+        lines += ["", f"Per request, from valgrind's models (not this CPU's): {SIMULATED}.",
+                  "", *simulated]
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"seconds": args.seconds, "concurrency": args.concurrency,
@@ -153,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.with_suffix(".md").write_text(
         "# ext_proc instructions per request (callgrind)\n\n"
         f"`.venv/bin/python -m bench.instructions --modes {','.join(args.modes)} "
-        f"--seconds {args.seconds:g} --concurrency {args.concurrency}`\n\n"
+        f"--seconds {args.seconds:g} --concurrency {args.concurrency}"
+        f"{' --simulate' if args.simulate else ''}`\n\n"
         + "\n".join(lines) + "\n")
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
