@@ -108,7 +108,8 @@ def own_costs(dump: Path) -> dict[str, collections.Counter[str]]:
 
 
 def _short(obj: str) -> str:
-    """``cygrpc.cpython-311-x86_64-linux-gnu.so`` → ``cygrpc``; mypyc's runtime → ``mypyc``."""
+    """``cygrpc.cpython-311-x86_64-linux-gnu.so`` → ``cygrpc``; the shared library of
+    kvgate's compiled modules → ``kvgate (mypyc)``."""
     if "__mypyc" in obj:
         return "kvgate (mypyc)"
     return obj.split(".cpython-")[0].split(".so")[0]
@@ -129,6 +130,9 @@ def measure_mode(mode: str, seconds: float, concurrency: int, work: Path,
         window = asyncio.run(overhead.measure(gw, concurrency, WARMUP_S, seconds, loaded))
         idle_path = asyncio.run(dumped(pid, out_dir, "idle")(seconds))
         requests = len(window.load.latencies)
+        if not requests:
+            raise SystemExit(f"{mode}: no request answered 200 under callgrind "
+                             f"({dict(window.load.statuses)})")
         loaded, idle = own_costs(loaded_path[0]), own_costs(idle_path)
     by_object = {_short(o): (loaded["Ir"][o] - idle["Ir"][o]) / requests for o in loaded["Ir"]}
     per_request = {event: (sum(loaded[event].values()) - sum(idle[event].values())) / requests

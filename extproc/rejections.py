@@ -56,6 +56,7 @@ def admitted_ratelimit_headers(remaining: Remaining) -> dict[str, str]:
 
 def _add_family(headers: dict[str, str], names: tuple[str, str, str], limit: int | None,
                 left: int | None, reset_ms: int | None) -> None:
+    """One dimension's three headers (``names``: limit, remaining, reset), if it has a limit."""
     if limit is not None:
         headers[names[0]] = str(limit)
         headers[names[1]] = str(max(0, left or 0))
