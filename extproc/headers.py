@@ -27,8 +27,11 @@ LB_NAMESPACE = "envoy.lb"
 # An admitted request's x-ratelimit-* values (header name → value), which the rendered route
 # adds to its response (response_headers_to_add with %DYNAMIC_METADATA%): no extra message.
 RATELIMIT_NAMESPACE = "kvgate.ratelimit"
-RATELIMIT_HEADERS = tuple(f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens")
-                          for what in ("limit", "remaining", "reset"))
+# each dimension's (limit, remaining, reset) headers; quota only on refusals
+RATELIMIT_FAMILIES = {kind: tuple(f"x-ratelimit-{what}-{kind}"
+                                  for what in ("limit", "remaining", "reset"))
+                      for kind in ("requests", "tokens", "quota")}
+RATELIMIT_HEADERS = (*RATELIMIT_FAMILIES["requests"], *RATELIMIT_FAMILIES["tokens"])
 # With envoy.request_attributes (no headers phase), Envoy applies no header mutation of
 # kvgate's body-phase reply: the headers kvgate sets upstream go here instead (header name →
 # value), and the pool's attributes route sets them (and drops the client's key).

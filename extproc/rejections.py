@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import orjson
 
+from extproc.headers import RATELIMIT_FAMILIES
 from extproc.openai import BadRequest, error_body
 from limiter import Reason, Reject, Remaining, format_duration
 
@@ -54,7 +55,7 @@ def admitted_ratelimit_headers(remaining: Remaining) -> dict[str, str]:
     return headers
 
 
-def _add_family(headers: dict[str, str], names: tuple[str, str, str], limit: int | None,
+def _add_family(headers: dict[str, str], names: tuple[str, ...], limit: int | None,
                 left: int | None, reset_ms: int | None) -> None:
     """One dimension's three headers (``names``: limit, remaining, reset), if it has a limit."""
     if limit is not None:
@@ -63,12 +64,7 @@ def _add_family(headers: dict[str, str], names: tuple[str, str, str], limit: int
         headers[names[2]] = format_duration(reset_ms or 0)
 
 
-def _family(kind: str) -> tuple[str, str, str]:
-    return (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}",
-            f"x-ratelimit-reset-{kind}")
-
-
-_REQUEST_NAMES, _TOKEN_NAMES, _QUOTA_NAMES = (_family(kind)
+_REQUEST_NAMES, _TOKEN_NAMES, _QUOTA_NAMES = (RATELIMIT_FAMILIES[kind]
                                               for kind in ("requests", "tokens", "quota"))
 
 
