@@ -134,9 +134,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _release(self, stream: RequestStream, ending: str | None) -> None:
         """In memory, awaited in place: those stores never wait, so nothing can interrupt
-        the release part way (and a task and a shield per request cost ~30 µs of CPU). Otherwise
-        shielded: a second cancellation must not skip the release; kept in ``releasing`` so
-        a shutdown can wait for it before closing the stores. A response whose meter report
+        the release part way (and a task per request costs CPU). Otherwise a task the RPC
+        does not wait for (nothing can cancel it part way), kept in ``releasing`` so a
+        shutdown can wait for it before closing the stores. A response whose meter report
         has not come yet is released by a task that waits for it first (the RPC ends now)."""
         if ending != "shutdown" and stream.report_pending:
             self._track(self._release_after_report(stream, ending))
@@ -144,7 +144,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if self.director.releases_in_process:
             await stream.close(ending)
             return
-        await asyncio.shield(self._track(stream.close(ending)))
+        self._track(stream.close(ending))
 
     def _track(self, release: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(release)

@@ -90,6 +90,8 @@ class TenantPolicy:
     # certainly passes ``never_fits`` — so the common case skips building its messages.
     _quotas: tuple[tuple[Period, int], ...] = field(init=False, repr=False, compare=False)
     _fits: tuple[float, float, float] = field(init=False, repr=False, compare=False)
+    # hashed once: the Redis store keys its encoded form and its pending releases by policy
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _pair(self, "request_rate", "request_burst")
@@ -109,6 +111,10 @@ class TenantPolicy:
         fits = (_bound(self.max_context_tokens), _bound(*budgets), _bound(*caps))
         object.__setattr__(self, "_quotas", quotas)
         object.__setattr__(self, "_fits", fits)
+        object.__setattr__(self, "_hash", hash((*_scheduled_by(self), self.max_context_tokens)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def quotas(self) -> tuple[tuple[Period, int], ...]:
         """The configured token quotas, daily first (the order every view lists them in)."""

@@ -99,6 +99,12 @@ class SharedStore(LimiterStore, Protocol):
         ...
 
     @property
+    def times_its_calls(self) -> bool:
+        """Whether each call fails by itself (``TimeoutError``) when the store does not
+        answer within its timeout; else :class:`~limiter.stores.FailoverStore` bounds it."""
+        ...
+
+    @property
     def cluster(self) -> bool:
         """Whether tenants spread over the shards of a Redis Cluster (which fails over)."""
         ...

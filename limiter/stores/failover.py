@@ -1,7 +1,8 @@
 """A shared (Redis) store behind a timeout budget, a circuit breaker and a failure policy.
 
-Admission must never hang on Redis: each call gets ``timeout_ms``; failures open the
-breaker, and while it is open the configured policy decides — ``fail_open`` admits
+Admission must never hang on Redis: each call gets ``timeout_ms`` (kept by the Redis store
+itself where it can: ``times_its_calls``; by an ``asyncio.timeout`` here otherwise); failures
+open the breaker, and while it is open the configured policy decides — ``fail_open`` admits
 unlimited, ``fail_closed`` answers 503, ``local`` enforces this replica's share of every
 limit in memory (its concurrency share counts every lease the replica holds, those in
 Redis included). Leases remember which store admitted them, so each is released where it
@@ -169,6 +170,8 @@ class FailoverStore:
         # a cluster's failovers (see the module docstring): the slot map watch, started by
         # the first call, and what Redis confirmed lately, to send again after one
         self._cluster = primary.cluster
+        # the primary's calls fail by themselves past the timeout: no timer per call here
+        self._timed = primary.times_its_calls
         self._watch_due = self._cluster
         self._watcher: asyncio.Task[None] | None = None
         self._suspect = False  # a primary is flagged failing: keep every recent entry
@@ -560,8 +563,11 @@ class FailoverStore:
         if not allowed:
             return False, None, None
         try:
-            async with asyncio.timeout(self.timeout_s):
+            if self._timed:
                 result = await call()
+            else:
+                async with asyncio.timeout(self.timeout_s):
+                    result = await call()
         except LeasesLost as lost:  # an answer, not a failure
             self._report(domain, breaker.success())
             return False, None, lost

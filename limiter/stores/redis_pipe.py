@@ -71,6 +71,11 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
+def _noscript(error: ResponseError) -> bool:
+    """Redis does not have the script (restarted, ``SCRIPT FLUSH``, a promoted replica)."""
+    return str(error).startswith("NOSCRIPT")
+
+
 def _retrieve(done: asyncio.Future[Any]) -> None:
     """A reply nobody waits for: its error, if any, is dropped (no "never retrieved")."""
     if not done.cancelled():
@@ -89,6 +94,7 @@ class _Protocol(asyncio.Protocol):
     """Replies in order to the futures of the commands written, one per command."""
 
     def __init__(self, timeout_s: float | None = None) -> None:
+        self.loop = asyncio.get_running_loop()  # (made by ``create_connection``, on the loop)
         self.reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
@@ -96,21 +102,24 @@ class _Protocol(asyncio.Protocol):
         self.out: list[bytes] = []  # packed this tick, written at its end
         self.out_futures: list[asyncio.Future[Any]] = []  # their replies
         self.flush_scheduled = False
+        # each write's deadline and its commands' futures, oldest first, under one timer
+        # (set for the oldest): not a timer per write
+        self.deadlines: deque[tuple[float, list[asyncio.Future[Any]]]] = deque()
+        self.timer: asyncio.TimerHandle | None = None
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
         """Queue ``command`` for this tick's write; the future gets its reply."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future = self.loop.create_future()
         self.waiting.append(future)
         self.out.append(command)
         self.out_futures.append(future)
         if not self.flush_scheduled:
             self.flush_scheduled = True
-            loop.call_soon(self.flush)
+            self.loop.call_soon(self.flush)
         return future
 
     def flush(self) -> None:
-        """Write the tick's commands; one timer for all of them (not one per call)."""
+        """Write the tick's commands, due to be answered within ``timeout_s``."""
         self.flush_scheduled = False
         out, self.out = self.out, []
         futures, self.out_futures = self.out_futures, []
@@ -118,7 +127,18 @@ class _Protocol(asyncio.Protocol):
             return
         self.transport.write(out[0] if len(out) == 1 else b"".join(out))
         if self.timeout_s is not None:
-            asyncio.get_running_loop().call_later(self.timeout_s, _expire, futures)
+            self.deadlines.append((self.loop.time() + self.timeout_s, futures))
+            if self.timer is None:
+                self.timer = self.loop.call_at(self.deadlines[0][0], self._expire_due)
+
+    def _expire_due(self) -> None:
+        """Fail the commands whose deadline has passed without a reply; wait for the next."""
+        self.timer = None
+        deadlines, now = self.deadlines, self.loop.time()
+        while deadlines and deadlines[0][0] <= now:
+            _expire(deadlines.popleft()[1])
+        if deadlines:
+            self.timer = self.loop.call_at(deadlines[0][0], self._expire_due)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
@@ -196,6 +216,11 @@ class RedisPipe:
                    timeout_s=kw.get("socket_timeout"),
                    connect_timeout_s=kw.get("socket_connect_timeout"))
 
+    @property
+    def timeout_s(self) -> float | None:
+        """How long a call waits for its reply before it fails with ``TimeoutError``."""
+        return self._timeout_s
+
     async def call(self, command: bytes) -> Any:
         """Send one packed command (written with the rest of this tick's) and wait for its
         reply; a Redis error reply is raised as ``ResponseError``, no reply within the
@@ -270,16 +295,39 @@ class Scripts:
                       for name, src in self._sources.items()}
         self._packed_keys: dict[tuple[str, ...], bytes] = {}
 
+    @property
+    def timed(self) -> bool:
+        """Whether :meth:`run` ends within the pipe's timeout (or twice it, see there) on
+        its own, so that a caller needs no timer of its own: an ``asyncio.timeout`` costs
+        more CPU than the call it bounds."""
+        return self.pipe is not None and self.pipe.timeout_s is not None
+
     async def run(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]) -> Any:
+        """The script's reply. Through the pipe, the common case (connected, the script
+        loaded) is one command that the pipe's timer fails with ``TimeoutError`` when
+        Redis does not answer; connecting first, or loading the script again after
+        ``NOSCRIPT``, runs within a timeout of its own (after a quick ``NOSCRIPT``, so
+        within twice the pipe's timeout in all)."""
         pipe = self.pipe
         if pipe is None:
             return await eval_script(self._client, self._shas[name], self._sources[name],
                                      keys, args)
-        try:
-            return await pipe.call(self._pack(name, keys, args, sha=True))
-        except ResponseError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
+        loaded = True
+        sent = pipe.send(self._pack(name, keys, args, sha=True))
+        if sent is not None:
+            try:
+                return await sent
+            except ResponseError as exc:
+                if not _noscript(exc):
+                    raise
+            loaded = False
+        async with asyncio.timeout(pipe.timeout_s):
+            if loaded:
+                try:
+                    return await pipe.call(self._pack(name, keys, args, sha=True))
+                except ResponseError as exc:
+                    if not _noscript(exc):
+                        raise
             return await pipe.call(self._pack(name, keys, args, sha=False))
 
     def send(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]
@@ -296,8 +344,7 @@ class Scripts:
     def _sent(self, done: asyncio.Future[Any], name: str, keys: tuple[str, ...],
               args: Sequence[int | str]) -> None:
         error = None if done.cancelled() else done.exception()
-        if (isinstance(error, ResponseError) and str(error).startswith("NOSCRIPT")
-                and self.pipe is not None):
+        if isinstance(error, ResponseError) and _noscript(error) and self.pipe is not None:
             again = self.pipe.send(self._pack(name, keys, args, sha=False))
             if again is not None:
                 again.add_done_callback(_retrieve)

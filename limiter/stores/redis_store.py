@@ -281,12 +281,18 @@ class RedisStore:
             keys = self._keys[tenant] = tuple(self.keys(tenant))
         return keys
 
+    @property
+    def times_its_calls(self) -> bool:
+        """Whether every call fails by itself when Redis does not answer in time (through
+        the pipe: see :meth:`Scripts.run`); else the caller bounds it (``FailoverStore``)."""
+        return self._scripts.timed
+
     async def _run(
-        self, name: str, tenant: str, args: Sequence[int | str],
-        resend: Sequence[int | str] | None = None,
+        self, name: str, tenant: str, args: Sequence[int | str], resent: bool = False,
     ) -> Any:
-        """Run a script; on a dead connection, once more (with ``resend`` args if given) on
-        a fresh one, after dropping the idle pooled connections: they died with it."""
+        """Run a script; on a dead connection, once more on a fresh one (``resent``: with a
+        last argument 1 added, which tells the script so), after dropping the idle pooled
+        connections: they died with it."""
         run, keys = self._scripts.run, self._tenant_keys(tenant)
         try:
             try:
@@ -295,7 +301,7 @@ class RedisStore:
                 pool = getattr(self._client, "connection_pool", None)  # a cluster has many
                 if pool is not None:
                     await pool.disconnect(inuse_connections=False)
-                return await run(name, keys, args if resend is None else resend)
+                return await run(name, keys, [*args, 1] if resent else args)
         except FAILURES as exc:
             raise StoreUnavailable(f"redis {name} failed: {exc}") from exc
 
@@ -303,7 +309,7 @@ class RedisStore:
         self, name: str, tenant: str, policy: TenantPolicy, extra: Sequence[int | str] = ()
     ) -> tuple[str, Snapshot, list[Any]]:
         args = [*self._head(), _policy_arg(policy), *extra]
-        reply = await self._run(name, tenant, args, resend=[*args, 1])
+        reply = await self._run(name, tenant, args, resent=True)
         return _text(reply[0]), _snapshot(reply[1], policy), reply[2:]
 
     async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
