@@ -40,7 +40,7 @@ from extproc.tenants import Tenants
 from limiter.decision import never_fits
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
-from limiter.stores import LimiterStore, MemoryFairness, MemoryStore
+from limiter.stores import LimiterStore, MemoryFairness
 
 Watch = Callable[[], AbstractContextManager[None]]
 """Entered while a request waits in the queue: cancels the wait if its client goes away."""
@@ -110,8 +110,8 @@ class Director:
         self.store = store
         self.schedulers = schedulers
         self.flows = flows
-        # the in-memory stores never wait: a release then runs to its end where it starts
-        self.releases_in_process = isinstance(store, MemoryStore) and all(
+        # fair-order counters in this process: a release's correction never waits either
+        self._fairness_in_process = all(
             isinstance(flow.fairness, MemoryFairness) for flow in flows.values())
         self._queueing = config.queue.enabled
         self.endpoints = endpoints
@@ -503,8 +503,8 @@ class Director:
             else:
                 admission.scheduler.release(admission.lease_id, self.clock(), completed=False)
             self.kick(admission.pool)
-            await self.store.release(tenant.name, self.tenants.policy(tenant),
-                                     admission.lease_id, used_tokens)
+            self.store.release_soon(tenant.name, self.tenants.policy(tenant),
+                                    admission.lease_id, used_tokens)
             if admission.charged is not None and used_tokens is not None and (
                     output_tokens is not None):
                 real = self.config.queue.price(max(0, used_tokens - output_tokens),
@@ -513,6 +513,12 @@ class Director:
                                                          admission.charged_weight)
         finally:
             self._leave(tenant.name)
+
+    def release_waits(self, admission: Admission) -> bool:
+        """Whether :meth:`release` may wait (else it runs to its end where it starts): only
+        to correct a queued request's fair-order charge in counters shared through Redis.
+        The limits store's part never waits (``release_soon``)."""
+        return admission.charged is not None and not self._fairness_in_process
 
     def first_token(self, admission: Admission) -> None:
         """The response has started: the engine is done prefilling this request, which

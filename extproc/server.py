@@ -133,15 +133,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 await self._release(stream, ending)
 
     async def _release(self, stream: RequestStream, ending: str | None) -> None:
-        """In memory, awaited in place: those stores never wait, so nothing can interrupt
-        the release part way (and a task per request costs CPU). Otherwise a task the RPC
-        does not wait for (nothing can cancel it part way), kept in ``releasing`` so a
-        shutdown can wait for it before closing the stores. A response whose meter report
-        has not come yet is released by a task that waits for it first (the RPC ends now)."""
+        """Awaited in place when the release cannot wait (``Director.release_waits``):
+        nothing can then interrupt it part way, and a task per request costs CPU. Otherwise
+        a task the RPC does not wait for (nothing can cancel it part way), kept in
+        ``releasing`` so a shutdown can wait for it before closing the stores. A response
+        whose meter report has not come yet is released by a task that waits for it first
+        (the RPC ends now)."""
         if ending != "shutdown" and stream.report_pending:
             self._track(self._release_after_report(stream, ending))
             return
-        if self.director.releases_in_process:
+        admission = stream.admission
+        if admission is None or not self.director.release_waits(admission):
             await stream.close(ending)
             return
         self._track(stream.close(ending))

@@ -3,6 +3,7 @@ sits behind them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -52,6 +53,12 @@ class LimiterStore(Protocol):
         """Release a lease exactly once; False if unknown, expired or already released."""
         ...
 
+    def release_soon(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> None:
+        """:meth:`release`, not waiting for the store's answer (the request path's way)."""
+        ...
+
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
         """Undo an admission whose answer never came back: free its lease and refund all it
         charged if it ran, and make sure it charges nothing if it runs later."""
@@ -91,6 +98,12 @@ class SharedStore(LimiterStore, Protocol):
 
     async def close(self) -> None:
         """Release the store's resources (connections)."""
+        ...
+
+    def queue_release(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> asyncio.Future[Any]:
+        """:meth:`release`, sent without waiting: the future gets its answer or failure."""
         ...
 
     def domain(self, tenant: str) -> str:

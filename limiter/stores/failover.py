@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -242,11 +243,65 @@ class FailoverStore:
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
-        held = self._drop(lease_id)
+        held = self._let_go(tenant, policy, lease_id, used_tokens)
         if held is None:
             return False
+        if held.place == "primary" and not held.unsure:
+            owed = _Owed(tenant, policy, cancel=False, used_tokens=used_tokens)
+            ok, result, _error = await self._try(
+                tenant, lambda: self.primary.release(tenant, policy, lease_id, used_tokens)
+            )
+            if not ok:
+                self._owe(lease_id, owed)
+            elif self._cluster:
+                self._confirmed(lease_id, owed)
+            return bool(result) if ok else True
+        return True
+
+    def release_soon(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> None:
+        """:meth:`release` without waiting for Redis's answer (the request path's: no task
+        per release): a release Redis does not confirm is owed, as when :meth:`release`
+        fails, and the breaker learns of it all the same."""
+        held = self._let_go(tenant, policy, lease_id, used_tokens)
+        if held is None or held.place != "primary" or held.unsure:
+            return
+        owed = _Owed(tenant, policy, cancel=False, used_tokens=used_tokens)
+        allowed = self._allow(tenant)
+        if allowed is None:
+            self._owe(lease_id, owed)
+            return
+        sent = self.primary.queue_release(tenant, policy, lease_id, used_tokens)
+        sent.add_done_callback(functools.partial(self._release_answered, allowed, lease_id,
+                                                 owed))
+
+    def _release_answered(self, asked: tuple[str, CircuitBreaker], lease_id: str,
+                          owed: _Owed, answer: asyncio.Future[Any]) -> None:
+        domain, breaker = asked
+        error = (StoreUnavailable("redis release was cancelled") if answer.cancelled()
+                 else answer.exception())
+        if error is None:
+            self._report(domain, breaker.success())
+            if self._cluster:
+                self._confirmed(lease_id, owed)
+            return
+        if not isinstance(error, _FAILURES):  # (a surprise: logged, and owed all the same)
+            log.error("shared store release failed", exc_info=error)
+        self._failed(domain, breaker, error)
+        self._owe(lease_id, owed)
+
+    def _let_go(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> _Held | None:
+        """Forget ``lease_id`` here (None: it was not held), release it where the fallback
+        served it, and owe Redis what it must still learn of it; the caller releases a
+        lease that counts in Redis (``place`` primary, not ``unsure``)."""
+        held = self._drop(lease_id)
+        if held is None:
+            return None
         if held.place == "local":
-            await self.local.release(tenant, self._local(policy), lease_id, used_tokens)
+            self.local.release_soon(tenant, self._local(policy), lease_id, used_tokens)
         if (held.unsure or held.place != "primary") and used_tokens and (
                 policy.daily_token_quota or policy.monthly_token_quota):
             # served while Redis was unreachable (or admitted there without an answer, which
@@ -256,17 +311,7 @@ class FailoverStore:
                       _Owed(tenant, policy, cancel=False, used_tokens=used_tokens, usage=True))
         if held.unsure:  # whatever reached Redis for it is undone there
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
-        elif held.place == "primary":
-            ok, result, _error = await self._try(
-                tenant, lambda: self.primary.release(tenant, policy, lease_id, used_tokens)
-            )
-            if not ok:
-                self._owe(lease_id, _Owed(tenant, policy, cancel=False, used_tokens=used_tokens))
-            elif self._cluster:
-                self._confirmed(lease_id,
-                                _Owed(tenant, policy, cancel=False, used_tokens=used_tokens))
-            return bool(result) if ok else True
-        return True
+        return held
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
         """Renew this store's leases in Redis, putting back any Redis lost (also where no
@@ -553,15 +598,10 @@ class FailoverStore:
     ) -> tuple[bool, Any, BaseException | None]:
         """(True, result, None) from the primary, or (False, None, why): ``why`` is None
         when the breaker of ``tenant``'s domain skipped the call (it never reached Redis)."""
-        if self._watch_due:
-            self._start_watch()
-        domain = self.primary.domain(tenant)
-        breaker = self._breaker(tenant, domain)
-        self._used_ms[domain] = now_ms = self.clock_ms()
-        allowed, transition = breaker.allow(now_ms)
-        self._report(domain, transition)
-        if not allowed:
+        allowed = self._allow(tenant)
+        if allowed is None:
             return False, None, None
+        domain, breaker = allowed
         try:
             if self._timed:
                 result = await call()
@@ -572,13 +612,29 @@ class FailoverStore:
             self._report(domain, breaker.success())
             return False, None, lost
         except _FAILURES as error:
-            self._on_error(error)
-            self._report(domain, breaker.failure(self.clock_ms()), error)
-            self._reassert = True
-            self._need_repair()
+            self._failed(domain, breaker, error)
             return False, None, error
         self._report(domain, breaker.success())
         return True, result, None
+
+    def _allow(self, tenant: str) -> tuple[str, CircuitBreaker] | None:
+        """The domain and breaker of ``tenant`` for a call to the primary; None when the
+        breaker skips the call."""
+        if self._watch_due:
+            self._start_watch()
+        domain = self.primary.domain(tenant)
+        breaker = self._breaker(tenant, domain)
+        self._used_ms[domain] = now_ms = self.clock_ms()
+        allowed, transition = breaker.allow(now_ms)
+        self._report(domain, transition)
+        return (domain, breaker) if allowed else None
+
+    def _failed(self, domain: str, breaker: CircuitBreaker, error: BaseException) -> None:
+        """A call to the primary failed: counted, and Redis may have lost leases."""
+        self._on_error(error)
+        self._report(domain, breaker.failure(self.clock_ms()), error)
+        self._reassert = True
+        self._need_repair()
 
     def _breaker(self, tenant: str, domain: str | None = None) -> CircuitBreaker:
         """The breaker of ``tenant``'s failure domain (a cluster node), made on first use

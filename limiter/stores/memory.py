@@ -116,6 +116,16 @@ class MemoryStore:
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
+        return self._release(tenant, policy, lease_id, used_tokens)
+
+    def release_soon(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> None:
+        self._release(tenant, policy, lease_id, used_tokens)
+
+    def _release(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> bool:
         now_ms = self._clock()
         return self.limiter(tenant, policy, now_ms).release(lease_id, used_tokens, now_ms)
 

@@ -42,7 +42,7 @@ is down when the process starts, or every node is gone) and ``SlotNotCoveredErro
 
 
 async def eval_script(client: Any, sha: bytes, source: bytes, keys: Sequence[str],
-                      args: Sequence[int | str]) -> Any:
+                      args: Sequence[int | str | bytes]) -> Any:
     """Run a script through redis-py's ``client``: ``EVALSHA``, and ``EVAL`` (which loads
     it) on ``NOSCRIPT`` — both routed by the keys, so to the one node that holds them.
 
@@ -76,7 +76,7 @@ def _noscript(error: ResponseError) -> bool:
     return str(error).startswith("NOSCRIPT")
 
 
-def _retrieve(done: asyncio.Future[Any]) -> None:
+def ignore_failure(done: asyncio.Future[Any]) -> None:
     """A reply nobody waits for: its error, if any, is dropped (no "never retrieved")."""
     if not done.cancelled():
         done.exception()
@@ -293,6 +293,10 @@ class Scripts:
         self._sources = {name: src.encode() for name, src in sources.items()}
         self._shas = {name: hashlib.sha1(src).hexdigest().encode()
                       for name, src in self._sources.items()}
+        # each command's start, RESP-encoded once: (EVALSHA sha, EVAL source)
+        self._commands = {name: (b"$7\r\nEVALSHA\r\n" + bulk(self._shas[name]),
+                                 b"$4\r\nEVAL\r\n" + bulk(src))
+                          for name, src in self._sources.items()}
         self._packed_keys: dict[tuple[str, ...], bytes] = {}
 
     @property
@@ -302,7 +306,7 @@ class Scripts:
         more CPU than the call it bounds."""
         return self.pipe is not None and self.pipe.timeout_s is not None
 
-    async def run(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]) -> Any:
+    async def run(self, name: str, keys: tuple[str, ...], args: Sequence[int | str | bytes]) -> Any:
         """The script's reply. Through the pipe, the common case (connected, the script
         loaded) is one command that the pipe's timer fails with ``TimeoutError`` when
         Redis does not answer; connecting first, or loading the script again after
@@ -330,7 +334,7 @@ class Scripts:
                         raise
             return await pipe.call(self._pack(name, keys, args, sha=False))
 
-    def send(self, name: str, keys: tuple[str, ...], args: Sequence[int | str]
+    def send(self, name: str, keys: tuple[str, ...], args: Sequence[int | str | bytes]
              ) -> asyncio.Future[Any] | None:
         """Queue a call without waiting (:meth:`RedisPipe.send`): it runs in Redis after
         every call sent before it. None without an open pipe. A NOSCRIPT answer resends it
@@ -342,14 +346,14 @@ class Scripts:
         return sent
 
     def _sent(self, done: asyncio.Future[Any], name: str, keys: tuple[str, ...],
-              args: Sequence[int | str]) -> None:
+              args: Sequence[int | str | bytes]) -> None:
         error = None if done.cancelled() else done.exception()
         if isinstance(error, ResponseError) and _noscript(error) and self.pipe is not None:
             again = self.pipe.send(self._pack(name, keys, args, sha=False))
             if again is not None:
-                again.add_done_callback(_retrieve)
+                again.add_done_callback(ignore_failure)
 
-    def _pack(self, name: str, keys: tuple[str, ...], args: Sequence[int | str],
+    def _pack(self, name: str, keys: tuple[str, ...], args: Sequence[int | str | bytes],
               sha: bool) -> bytes:
         """``EVALSHA sha numkeys keys… args…`` (``EVAL source …``), the keys packed once."""
         packed = self._packed_keys.get(keys)
@@ -359,10 +363,12 @@ class Scripts:
             packed = self._packed_keys[keys] = bulk(b"%d" % len(keys)) + b"".join(
                 bulk(key.encode()) for key in keys)
         parts = [b"*%d\r\n" % (3 + len(keys) + len(args)),
-                 b"$7\r\nEVALSHA\r\n" + bulk(self._shas[name]) if sha
-                 else b"$4\r\nEVAL\r\n" + bulk(self._sources[name]), packed]
+                 self._commands[name][0 if sha else 1], packed]
         for arg in args:
-            value = arg.encode() if type(arg) is str else b"%d" % arg  # type: ignore[str-bytes-safe]
+            if isinstance(arg, int):
+                value = b"%d" % arg
+            else:
+                value = arg.encode() if isinstance(arg, str) else arg
             parts.append(b"$%d\r\n%b\r\n" % (len(value), value))
         return b"".join(parts)
 

@@ -53,7 +53,7 @@ from limiter.outcome import (
 from limiter.quota import QuotaView
 from limiter.rates import Rate, require_int
 from limiter.stores.base import LeasesLost, StoreUnavailable
-from limiter.stores.redis_pipe import FAILURES, Scripts
+from limiter.stores.redis_pipe import FAILURES, Scripts, ignore_failure
 from limiter.stores.redis_scripts import SCRIPTS
 from limiter.stores.slots import SlotMap, parse_nodes
 
@@ -95,9 +95,10 @@ def _small(name: str, value: int | None) -> int:
 
 
 @lru_cache(maxsize=1024)
-def _policy_arg(policy: TenantPolicy) -> str:
-    """ARGV[4]: the policy as 15 comma-separated integers, 0 for "not configured"."""
-    return ",".join(map(str, _policy_fields(policy)))
+def _policy_arg(policy: TenantPolicy) -> bytes:
+    """ARGV[4]: the policy as 15 comma-separated integers, 0 for "not configured"
+    (encoded once: it goes with every call)."""
+    return ",".join(map(str, _policy_fields(policy))).encode()
 
 
 def _policy_fields(policy: TenantPolicy) -> tuple[int, ...]:
@@ -148,7 +149,8 @@ def _quotas(fields: Sequence[int | None]) -> tuple[QuotaView, ...]:
 
 def _snapshot(packed: bytes | str, policy: TenantPolicy) -> Snapshot:
     """The reply's packed view fields as the same :class:`Snapshot` the memory store builds."""
-    fields = [int(f) if f else None for f in _text(packed).split(",")]
+    parts = packed.split(b",") if isinstance(packed, bytes) else packed.split(",")
+    fields = [int(f) if f else None for f in parts]
     window = None
     if fields[6] is not None and fields[7] is not None and policy.window_limit:
         window = WindowView(policy.window_limit, policy.window_ms or 0, fields[6], fields[7])
@@ -269,7 +271,7 @@ class RedisStore:
             except FAILURES as exc:
                 raise StoreUnavailable(f"redis slot table refresh failed: {exc}") from exc
 
-    def _head(self) -> list[int | str]:
+    def _head(self) -> list[int | str | bytes]:
         now: int | str = "" if self._clock is None else self._clock()
         return [now, self._lease_ttl_ms, self._slack_ms]
 
@@ -288,7 +290,7 @@ class RedisStore:
         return self._scripts.timed
 
     async def _run(
-        self, name: str, tenant: str, args: Sequence[int | str], resent: bool = False,
+        self, name: str, tenant: str, args: Sequence[int | str | bytes], resent: bool = False,
     ) -> Any:
         """Run a script; on a dead connection, once more on a fresh one (``resent``: with a
         last argument 1 added, which tells the script so), after dropping the idle pooled
@@ -306,7 +308,7 @@ class RedisStore:
             raise StoreUnavailable(f"redis {name} failed: {exc}") from exc
 
     async def _run_policy(
-        self, name: str, tenant: str, policy: TenantPolicy, extra: Sequence[int | str] = ()
+        self, name: str, tenant: str, policy: TenantPolicy, extra: Sequence[int | str | bytes] = ()
     ) -> tuple[str, Snapshot, list[Any]]:
         args = [*self._head(), _policy_arg(policy), *extra]
         reply = await self._run(name, tenant, args, resent=True)
@@ -320,7 +322,7 @@ class RedisStore:
         self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
         problem = never_fits(policy, cost)
-        extra: list[int | str] = [
+        extra: list[int | str | bytes] = [
             _small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None), held,
         ]
         code, snap, rest = await self._run_policy("admit", tenant, policy, extra)
@@ -343,12 +345,24 @@ class RedisStore:
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
     ) -> bool:
-        """Coalesced: the first release of a tenant (and policy) is sent on the next loop
-        tick, with every other that comes meanwhile; those that come while that call is
-        under way are sent together when it returns (at most ``RELEASE_BATCH`` a call).
-        Each lease is still released exactly once (the script drops a lease it no longer
-        has), and a failed call fails each of its releases (the failover store then owes
-        each one to Redis, as for a single call)."""
+        return bool(await self.queue_release(tenant, policy, lease_id, used_tokens))
+
+    def release_soon(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> None:
+        """Unconfirmed: a failure is dropped (``FailoverStore.release_soon`` owes it)."""
+        self.queue_release(tenant, policy, lease_id, used_tokens).add_done_callback(ignore_failure)
+
+    def queue_release(
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+    ) -> asyncio.Future[Any]:
+        """The release, sent without waiting; the future gets whether Redis held the lease,
+        or the call's failure. Coalesced: the first release of a tenant (and policy) is
+        sent on the next loop tick, with every other that comes meanwhile; those that come
+        while that call is under way are sent together when it returns (at most
+        ``RELEASE_BATCH`` a call). Each lease is still released exactly once (the script
+        drops a lease it no longer has), and a failed call fails each of its releases (the
+        failover store then owes each one to Redis, as for a single call)."""
         used: int | str = "" if used_tokens is None else min(max(0, used_tokens), _MAX_COUNT)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
@@ -360,7 +374,7 @@ class RedisStore:
             self._senders.add(sender)
             sender.add_done_callback(self._senders.discard)
         waiting.append((lease_id, used, future))
-        return bool(await future)
+        return future
 
     async def _send_releases(
         self, key: tuple[str, TenantPolicy], waiting: list[tuple[str, int | str,
@@ -372,7 +386,7 @@ class RedisStore:
             while waiting:
                 batch = waiting[:RELEASE_BATCH]
                 del waiting[:RELEASE_BATCH]
-                args: list[int | str] = [*self._head(), _policy_arg(policy), ""]
+                args: list[int | str | bytes] = [*self._head(), _policy_arg(policy), ""]
                 for lease_id, used, _future in batch:
                     args += [lease_id, used]
                 try:

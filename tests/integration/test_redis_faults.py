@@ -207,6 +207,43 @@ async def test_release_timed_out_on_a_paused_redis_is_sent_again(server, raw):
     await store.close()
 
 
+async def test_release_soon_returns_at_once_and_redis_applies_it(server, raw):
+    """The request path's release: nothing awaited, and Redis frees the lease and charges
+    what was used as an awaited release does, the breaker told of the answer."""
+    store = failover(server, "local")
+    held = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
+    assert store.release_soon("acme", SLOW, held, 7) is None
+    deadline = time.monotonic() + 1
+    while await raw.zcard(store.primary.keys("acme")[4]) or await quota_used(raw, store) != 7:
+        assert time.monotonic() < deadline, "the release did not reach Redis"
+        await asyncio.sleep(0.02)
+    assert store.idle() and store.breaker.state == "closed"
+    await store.close()
+
+
+async def test_release_soon_on_a_paused_redis_is_owed_and_sent_again(server, raw):
+    store = failover(server, "local")
+    held = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
+    server.pause()
+    try:
+        store.release_soon("acme", SLOW, held, 7)
+        deadline = time.monotonic() + 1
+        while store.idle():  # the pipe's timer fails it: owed
+            assert time.monotonic() < deadline, "the unanswered release was not owed"
+            await asyncio.sleep(0.01)
+    finally:
+        server.resume()
+    deadline = time.monotonic() + 1
+    while await raw.zcard(store.primary.keys("acme")[4]):
+        assert time.monotonic() < deadline, "the lease stayed in Redis"
+        await asyncio.sleep(0.02)
+    await settle(store)
+    assert await quota_used(raw, store) == 7  # charged once
+    await store.close()
+
+
 async def test_an_unexpected_error_in_a_repair_round_does_not_end_the_repair(server, raw,
                                                                               caplog):
     """The repair loop is what sends owed releases: an error that is no Redis failure (a

@@ -499,7 +499,7 @@ def test_policy_bounds_are_checked_before_lua() -> None:
     from limiter.stores.redis_store import _policy_arg
 
     ok = TenantPolicy(token_rate=Rate.per_minute(1.5), token_burst=10**7)
-    assert _policy_arg(ok) == "0,0,0,1,40000,10000000,0,0,0,1000,0,0,0,0,0"
+    assert _policy_arg(ok) == b"0,0,0,1,40000,10000000,0,0,0,1000,0,0,0,0,0"
     with pytest.raises(ValueError, match="2\\^51"):
         _policy_arg(TenantPolicy(token_rate=Rate(1, 60_000), token_burst=10**11))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
@@ -492,25 +494,39 @@ def test_a_missing_upstream_key_fails_at_startup(monkeypatch):
 
 
 async def test_an_in_memory_release_runs_to_its_end_without_waiting():
-    """Why the server awaits it in place, without a task or a shield (server._release):
-    with nothing to wait for, nothing can cancel it part way."""
+    """Why the server awaits it in place, without a task (server._release): with nothing
+    to wait for, nothing can cancel it part way."""
     stream, store = new_stream()
-    assert stream.director.releases_in_process
     await stream.handle(headers_msg())
     await stream.handle(body_msg(chat()))
+    assert stream.admission is not None
+    assert not stream.director.release_waits(stream.admission)
     closing = stream.close("cancelled")
     with pytest.raises(StopIteration):
         closing.send(None)  # done on its first step
     assert not stream.holds_admission and await store.in_flight("acme") == 0
 
 
-def test_a_shared_store_is_released_as_a_shielded_task():
+async def test_only_a_queued_request_may_wait_to_release_with_fair_counters_in_redis():
+    """The limits store's part never waits (``release_soon``); correcting a queued
+    request's charge in fair-order counters shared through Redis does: that release is a
+    task of its own (server._release), which the client going away cannot cut short."""
     from extproc.wiring import build_store
 
+    stream, _store = new_stream()
+    await stream.handle(headers_msg())
+    await stream.handle(body_msg(chat()))
+    admission = stream.admission
+    assert admission is not None and admission.charged is None
+    queued = dataclasses.replace(admission, charged=100)
+    assert not stream.director.release_waits(queued)  # counters in this process
     data = make_config().model_dump(mode="json")
     data["redis"] = {"url": "redis://127.0.0.1:1/0"}
     config = parse_config(data)
-    assert not build_director(config, build_store(config, Metrics())).releases_in_process
+    shared = build_director(config, build_store(config, Metrics()))
+    assert not shared.release_waits(admission)
+    assert shared.release_waits(queued)
+    await stream.close(None)
 
 
 async def test_fail_closed_without_redis_is_503_gateway_unavailable():
