@@ -1,6 +1,7 @@
 """kvgate's own Python per non-streamed request, in process: no gRPC, no Envoy, no sockets.
 
     .venv/bin/python -m bench.inproc_cost [--requests 4000] [--batches 5]
+    .venv/bin/python -m bench.inproc_cost --concurrency 16 [--requests 3200] [--batches 5]
 
 What ``bench.overhead`` cannot separate: of an ext_proc process's CPU per request, how much
 is kvgate's request path itself. One request here is what the shipped configuration does
@@ -16,6 +17,17 @@ one KV-aware engine kept freshly scraped and nearly empty), so every request is 
 once. Requests run one at a time on uvloop: caches stay warm, so these are lower bounds of
 what the same code costs between gRPC's and the kernel's work in a served process. The
 minimum of ``--batches`` batches; prints a table, writes ``bench/results/inproc-cost.{json,md}``.
+
+``--concurrency N`` runs N requests at a time instead, first with the in-memory store, then
+with Redis (a ``redis-server`` started on a free port, kvgate's store as ``redis: {url}``
+builds it), and reports each one's CPU per request (``time.process_time``, which counts the
+Redis client's socket calls too) and their ratio: what the Redis path costs in kvgate's own
+Python, where the requests in flight share its writes as in a served process. Each request
+gets its report first, then its stream's end. The pool's engine queue gate is opened
+(``max_unstarted``: nothing here starts a request, so the gate would hold all but the first
+back); a run in which the failure policy served any admission (Redis too slow for
+``timeout_ms``) is marked, as it did not measure the Redis path. Writes
+``bench/results/inproc-cost-concurrent.{json,md}``.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 import kvgate_native
 from bench.overhead import API_KEY, BODY, LIMITS, MODEL
+from bench.redis_server import RedisServer
 from extproc.config import hash_api_key, parse_config
 from extproc.datalayer.endpoints import EndpointStore, ScrapeResult
 from extproc.datalayer.metrics import EngineMetrics
@@ -40,8 +53,7 @@ from extproc.messages import ATTRIBUTES_NAMESPACE, attribute_names, parse_reques
 from extproc.metrics import Metrics
 from extproc.reports import ReportDesk, _ReportProtocol
 from extproc.server import ExternalProcessor
-from extproc.wiring import build_director
-from limiter.stores import MemoryStore
+from extproc.wiring import build_director, build_store
 
 RESULTS = Path(__file__).parent / "results"
 ENGINE = "127.0.0.1:9"
@@ -50,13 +62,19 @@ USAGE = b'{"usage":{"prompt_tokens":20,"completion_tokens":4,"total_tokens":24},
         b'"events":0,"answered":true}'
 
 
-def config():
-    return parse_config({
+def config(redis_url: str | None = None, max_unstarted: int | None = None):
+    pool = {"name": "bench", "models": [{"name": MODEL, "default_max_tokens": 16}],
+            "endpoints": [ENGINE], "priority_scheduling": True}
+    if max_unstarted is not None:
+        pool["max_unstarted"] = max_unstarted
+    data = {
         "tiers": {"bench": {"limits": LIMITS}},
         "tenants": [{"name": "bench", "tier": "bench", "api_keys": [hash_api_key(API_KEY)]}],
-        "pools": [{"name": "bench", "models": [{"name": MODEL, "default_max_tokens": 16}],
-                   "endpoints": [ENGINE], "priority_scheduling": True}],
-    })
+        "pools": [pool],
+    }
+    if redis_url is not None:
+        data["redis"] = {"url": redis_url}
+    return parse_config(data)
 
 
 def envoy_message(class_header: str) -> pb.ProcessingRequest:
@@ -94,12 +112,13 @@ async def _envoy(message: pb.ProcessingRequest, end: asyncio.Event
 
 
 class Bench:
-    def __init__(self) -> None:
-        cfg = config()
+    def __init__(self, cfg=None) -> None:
+        cfg = cfg or config()
         self.endpoints = EndpointStore()
         self.metrics = Metrics()
         self.desk = ReportDesk(self.metrics)
-        self.director = build_director(cfg, MemoryStore(), self.endpoints)
+        self.director = build_director(cfg, build_store(cfg, self.metrics), self.endpoints,
+                                       metrics=self.metrics)
         self.processor = ExternalProcessor(self.director, self.metrics, cfg, self.desk)
         self.port = _ReportProtocol(self.desk.receive)
         self.port.connection_made(_Transport())  # type: ignore[arg-type]
@@ -143,6 +162,72 @@ class Bench:
         assert not self.director.active
 
 
+    async def request_among_others(self) -> None:
+        """One request while others are in flight: its routing reply, its done report,
+        then its stream's end (and the release)."""
+        message, end = parse_request(self.wire), asyncio.Event()
+        handler = self.processor.Process(_envoy(message, end), None)  # type: ignore[arg-type]
+        reply = await anext(handler)
+        assert isinstance(reply, bytes), reply
+        stream = next(s for s in self.processor.open
+                      if s.admission is not None and s.admission.lease_id.encode() in reply)
+        assert stream.admission is not None
+        self.port.data_received(done_report(stream.admission.lease_id, self.desk.key))
+        end.set()
+        await anext(handler, None)
+
+    def fallbacks(self) -> float:
+        """Admissions the failure policy served (Redis did not answer in time)."""
+        return sum(sample.value for metric in self.metrics.store_fallbacks.collect()
+                   for sample in metric.samples if sample.name.endswith("_total"))
+
+
+async def measure_concurrent(bench: Bench, requests: int, batches: int,
+                             concurrency: int) -> float:
+    """CPU µs per request, ``concurrency`` requests at a time: the minimum of ``batches``
+    batches after one that warms up."""
+    async def client(count: int) -> None:
+        for _ in range(count):
+            await bench.request_among_others()
+
+    best = None
+    for _ in range(batches + 1):
+        await bench.scraped()
+        started = time.process_time()
+        await asyncio.gather(*(client(requests // concurrency) for _ in range(concurrency)))
+        while bench.processor.releasing:
+            await asyncio.gather(*bench.processor.releasing)
+        spent = (time.process_time() - started) / (requests // concurrency * concurrency)
+        best = spent if best is None else min(best, spent)
+    await asyncio.sleep(0.05)  # the last releases' answers
+    assert not bench.director.active, bench.director.active
+    assert best is not None
+    return best * 1e6
+
+
+async def concurrent_rows(requests: int, batches: int, concurrency: int
+                          ) -> dict[str, dict[str, float]]:
+    rows = {}
+    memory = Bench(config(max_unstarted=1000))
+    rows["memory"] = {"cpu_us": await measure_concurrent(memory, requests, batches,
+                                                         concurrency), "fallbacks": 0.0}
+    with RedisServer() as server:
+        redis = Bench(config(server.url, max_unstarted=1000))
+        cpu = await measure_concurrent(redis, requests, batches, concurrency)
+        rows["redis"] = {"cpu_us": cpu, "fallbacks": redis.fallbacks()}
+        await redis.director.store.close()
+    return rows
+
+
+def concurrent_table(rows: dict[str, dict[str, float]]) -> str:
+    memory = rows["memory"]["cpu_us"]
+    lines = [f"{'store':8} {'CPU µs/request':>15} {'÷ memory':>9} {'fallback admissions':>20}"]
+    for store, row in rows.items():
+        lines.append(f"{store:8} {row['cpu_us']:15.1f} {row['cpu_us'] / memory:9.2f} "
+                     f"{row['fallbacks']:20.0f}")
+    return "\n".join(lines)
+
+
 async def measure(requests: int, batches: int) -> dict[str, list[float]]:
     bench = Bench()
     await bench.scraped()
@@ -174,8 +259,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.inproc_cost", description=__doc__)
     parser.add_argument("--requests", type=int, default=4000, help="per batch")
     parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="requests at a time, memory and Redis (default: one at a time, "
+                             "memory, by stage)")
     args = parser.parse_args()
     uvloop.install()
+    if args.concurrency:
+        concurrent_main(args)
+        return
     rows = asyncio.run(measure(args.requests, args.batches))
     command = "python -m bench.inproc_cost " + " ".join(sys.argv[1:])
     text = (f"µs per request, minimum of {args.batches} batches of {args.requests}; "
@@ -187,6 +278,24 @@ def main() -> None:
          "rows": rows}, indent=1) + "\n")
     (RESULTS / "inproc-cost.md").write_text(f"# kvgate's Python per request, in process\n\n"
                                             f"`.venv/bin/{command.strip()}`\n\n```\n{text}\n```\n")
+
+
+def concurrent_main(args: argparse.Namespace) -> None:
+    rows = asyncio.run(concurrent_rows(args.requests, args.batches, args.concurrency))
+    command = "python -m bench.inproc_cost " + " ".join(sys.argv[1:])
+    text = (f"CPU µs per request, {args.concurrency} at a time, minimum of {args.batches} "
+            f"batches of {args.requests}; hot path: {kvgate_native.status()}\n\n"
+            f"{concurrent_table(rows)}")
+    if rows["redis"]["fallbacks"]:
+        text += "\n\nThe failure policy served admissions: the Redis row is not the Redis path."
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "inproc-cost-concurrent.json").write_text(json.dumps(
+        {"command": command, "hot_path": kvgate_native.status(), "rows": rows}, indent=1)
+        + "\n")
+    (RESULTS / "inproc-cost-concurrent.md").write_text(
+        f"# kvgate's Python per request, in process, {args.concurrency} at a time\n\n"
+        f"`.venv/bin/{command.strip()}`\n\n```\n{text}\n```\n")
 
 
 if __name__ == "__main__":
