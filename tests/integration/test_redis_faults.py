@@ -190,20 +190,28 @@ async def test_a_usage_charge_resent_after_the_lease_ttl_is_counted_once(server,
     await store.close()
 
 
-async def test_release_timed_out_on_a_paused_redis_is_sent_again(server, raw):
+@pytest.mark.parametrize("soon", [False, True], ids=["awaited", "release_soon"])
+async def test_release_timed_out_on_a_paused_redis_is_sent_again(server, raw, soon):
+    """Awaited, or as the request path releases (``release_soon``: nothing awaited, the
+    pipe's timer fails it): owed, sent again once Redis answers, charged once."""
     store = failover(server, "local")
     held = lease()
     assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
     server.pause()
     try:
-        await store.release("acme", SLOW, held, COST.tokens)
+        if soon:
+            assert store.release_soon("acme", SLOW, held, 7) is None
+            deadline = time.monotonic() + 1
+            while store.idle():
+                assert time.monotonic() < deadline, "the unanswered release was not owed"
+                await asyncio.sleep(0.01)
+        else:
+            await store.release("acme", SLOW, held, 7)
     finally:
         server.resume()
-    deadline = time.monotonic() + 1
-    while await raw.zcard(store.primary.keys("acme")[4]):
-        assert time.monotonic() < deadline, "the lease stayed in Redis"
-        await asyncio.sleep(0.02)
+    await until_released(raw, store)
     await settle(store)
+    assert await quota_used(raw, store) == 7
     await store.close()
 
 
@@ -214,34 +222,22 @@ async def test_release_soon_returns_at_once_and_redis_applies_it(server, raw):
     held = lease()
     assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
     assert store.release_soon("acme", SLOW, held, 7) is None
+    await until_released(raw, store)
     deadline = time.monotonic() + 1
-    while await raw.zcard(store.primary.keys("acme")[4]) or await quota_used(raw, store) != 7:
-        assert time.monotonic() < deadline, "the release did not reach Redis"
+    while await quota_used(raw, store) != 7 or not store.idle():
+        assert time.monotonic() < deadline, "the release's charge did not reach Redis"
         await asyncio.sleep(0.02)
-    assert store.idle() and store.breaker.state == "closed"
+    assert store.breaker.state == "closed"
     await store.close()
 
 
-async def test_release_soon_on_a_paused_redis_is_owed_and_sent_again(server, raw):
-    store = failover(server, "local")
-    held = lease()
-    assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
-    server.pause()
-    try:
-        store.release_soon("acme", SLOW, held, 7)
-        deadline = time.monotonic() + 1
-        while store.idle():  # the pipe's timer fails it: owed
-            assert time.monotonic() < deadline, "the unanswered release was not owed"
-            await asyncio.sleep(0.01)
-    finally:
-        server.resume()
-    deadline = time.monotonic() + 1
+async def until_released(raw: aioredis.Redis, store: FailoverStore, within_s: float = 1.0
+                         ) -> None:
+    """Redis holds no lease of acme's, within a bound."""
+    deadline = time.monotonic() + within_s
     while await raw.zcard(store.primary.keys("acme")[4]):
         assert time.monotonic() < deadline, "the lease stayed in Redis"
         await asyncio.sleep(0.02)
-    await settle(store)
-    assert await quota_used(raw, store) == 7  # charged once
-    await store.close()
 
 
 async def test_an_unexpected_error_in_a_repair_round_does_not_end_the_repair(server, raw,
@@ -265,10 +261,7 @@ async def test_an_unexpected_error_in_a_repair_round_does_not_end_the_repair(ser
         return await release(*args, **kwargs)
 
     store.primary.release = surprising_release  # type: ignore[method-assign]
-    deadline = time.monotonic() + 2
-    while await raw.zcard(store.primary.keys("acme")[4]):
-        assert time.monotonic() < deadline, "the lease stayed in Redis"
-        await asyncio.sleep(0.02)
+    await until_released(raw, store, within_s=2)
     assert not surprises
     assert "shared store repair failed, will retry" in caplog.text
     await settle(store)
