@@ -106,6 +106,10 @@ class SharedStore(LimiterStore, Protocol):
         """:meth:`release`, sent without waiting: the future gets its answer or failure."""
         ...
 
+    async def settle_releases(self) -> None:
+        """Wait until every release queued so far (:meth:`queue_release`) has its answer."""
+        ...
+
     def domain(self, tenant: str) -> str:
         """What fails together with ``tenant``'s state: the Redis Cluster node serving its
         keys' slot ("" for a single Redis, one domain for every tenant)."""

@@ -348,8 +348,10 @@ class FailoverStore:
         return {**local, "store": f"unavailable ({self.policy.value})"}
 
     async def close(self) -> None:
-        """Send what is still owed (briefly), then close the primary."""
+        """Wait for the answers to the releases sent (``release_soon``: one that failed is
+        owed then), send what is still owed (briefly), then close the primary."""
         self._watch_due = False
+        await self.primary.settle_releases()
         for task in (self._watcher, self._repairer):
             if task is not None:
                 task.cancel()

@@ -442,11 +442,15 @@ class RedisStore:
             self._scripts.forget(tuple(self.keys(tenant)))
         return forgotten
 
+    async def settle_releases(self) -> None:
+        """Wait until every release queued so far has its answer (or its failure)."""
+        while self._senders:
+            await asyncio.gather(*self._senders, return_exceptions=True)
+
     async def close(self) -> None:
         """Close the client this store was given (the store owns it from then on), once
         the release calls under way have their answers."""
-        if self._senders:
-            await asyncio.gather(*self._senders, return_exceptions=True)
+        await self.settle_releases()
         await self._scripts.close()
         try:
             await self._client.aclose()

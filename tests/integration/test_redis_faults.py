@@ -231,6 +231,21 @@ async def test_release_soon_returns_at_once_and_redis_applies_it(server, raw):
     await store.close()
 
 
+async def test_closing_right_after_release_soon_leaves_no_lease(server, raw):
+    """A shutdown: the store closes while the request path's releases are on their way;
+    they reach Redis first (its lease would otherwise hold a concurrency slot for
+    ``lease_ttl_s``)."""
+    store = failover(server, "local")
+    held = [lease() for _ in range(2)]
+    for lease_id in held:
+        assert isinstance(await store.admit("acme", SLOW, COST, lease_id), Admit)
+    for lease_id in held:
+        store.release_soon("acme", SLOW, lease_id, 7)
+    await store.close()
+    assert not await raw.zcard(store.primary.keys("acme")[4])
+    assert await quota_used(raw, store) == 14
+
+
 async def until_released(raw: aioredis.Redis, store: FailoverStore, within_s: float = 1.0
                          ) -> None:
     """Redis holds no lease of acme's, within a bound."""
