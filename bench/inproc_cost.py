@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import uvloop
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -46,7 +47,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 import kvgate_native
 from bench.overhead import API_KEY, BODY, LIMITS, MODEL
 from bench.redis_server import RedisServer
-from extproc.config import hash_api_key, parse_config
+from extproc.config import Config, hash_api_key, parse_config
 from extproc.datalayer.endpoints import EndpointStore, ScrapeResult
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.messages import ATTRIBUTES_NAMESPACE, attribute_names, parse_request
@@ -62,12 +63,12 @@ USAGE = b'{"usage":{"prompt_tokens":20,"completion_tokens":4,"total_tokens":24},
         b'"events":0,"answered":true}'
 
 
-def config(redis_url: str | None = None, max_unstarted: int | None = None):
-    pool = {"name": "bench", "models": [{"name": MODEL, "default_max_tokens": 16}],
+def config(redis_url: str | None = None, max_unstarted: int | None = None) -> Config:
+    pool: dict[str, Any] = {"name": "bench", "models": [{"name": MODEL, "default_max_tokens": 16}],
             "endpoints": [ENGINE], "priority_scheduling": True}
     if max_unstarted is not None:
         pool["max_unstarted"] = max_unstarted
-    data = {
+    data: dict[str, Any] = {
         "tiers": {"bench": {"limits": LIMITS}},
         "tenants": [{"name": "bench", "tier": "bench", "api_keys": [hash_api_key(API_KEY)]}],
         "pools": [pool],
@@ -112,7 +113,7 @@ async def _envoy(message: pb.ProcessingRequest, end: asyncio.Event
 
 
 class Bench:
-    def __init__(self, cfg=None) -> None:
+    def __init__(self, cfg: Config | None = None) -> None:
         cfg = cfg or config()
         self.endpoints = EndpointStore()
         self.metrics = Metrics()

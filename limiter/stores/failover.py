@@ -267,29 +267,31 @@ class FailoverStore:
         held = self._let_go(tenant, policy, lease_id, used_tokens)
         if held is None or held.place != "primary" or held.unsure:
             return
-        owed = _Owed(tenant, policy, cancel=False, used_tokens=used_tokens)
+        owed = functools.partial(_Owed, tenant, policy, cancel=False, used_tokens=used_tokens)
         allowed = self._allow(tenant)
         if allowed is None:
-            self._owe(lease_id, owed)
+            self._owe(lease_id, owed())
             return
         sent = self.primary.queue_release(tenant, policy, lease_id, used_tokens)
         sent.add_done_callback(functools.partial(self._release_answered, allowed, lease_id,
                                                  owed))
 
     def _release_answered(self, asked: tuple[str, CircuitBreaker], lease_id: str,
-                          owed: _Owed, answer: asyncio.Future[Any]) -> None:
+                          owed: Callable[[], _Owed], answer: asyncio.Future[Any]) -> None:
+        """``owed`` makes the release's record: kept only after a cluster's confirmation or
+        a failure (none is made for a single Redis's usual answer)."""
         domain, breaker = asked
         error = (StoreUnavailable("redis release was cancelled") if answer.cancelled()
                  else answer.exception())
         if error is None:
             self._report(domain, breaker.success())
             if self._cluster:
-                self._confirmed(lease_id, owed)
+                self._confirmed(lease_id, owed())
             return
         if not isinstance(error, _FAILURES):  # (a surprise: logged, and owed all the same)
             log.error("shared store release failed", exc_info=error)
         self._failed(domain, breaker, error)
-        self._owe(lease_id, owed)
+        self._owe(lease_id, owed())
 
     def _let_go(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
