@@ -45,6 +45,7 @@ MODULES = (  # the synchronous request path; no ``async def`` allowed (see above
     "limiter.outcome",
     "limiter.quota",
     "limiter.rates",
+    "limiter.stores.redis_codec",
 )
 PACKAGES = ("extproc", "limiter")
 MANIFEST = "manifest.json"
@@ -72,12 +73,12 @@ def source_hashes() -> dict[str, str]:
 
 
 def activate(package: str, path: list[str]) -> None:
-    """Called first thing by ``extproc/__init__.py`` and ``limiter/__init__.py``: serve the
-    package's compiled modules from the build folder, when there is a usable build."""
+    """Called first thing by each package with compiled modules (``extproc``, ``limiter``,
+    ``limiter.stores``): serve them from the build folder, when there is a usable build."""
     build = usable_build()
     if build is None:
         return
-    path.insert(0, str(build / package))
+    path.insert(0, str(build.joinpath(*package.split("."))))
     runtime = str(build / RUNTIME)  # mypyc's shared module, imported by top-level name
     if runtime not in sys.path:
         sys.path.append(runtime)  # (not the build folder: its package folders would shadow)
@@ -149,6 +150,7 @@ def build(out: Path) -> None:
         suffix = _abi()
         for module in MODULES:
             relative = Path(*module.split(".")).with_suffix(suffix)
+            (out / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.move(work / relative, out / relative)
         for runtime in work.glob(f"*__mypyc{suffix}"):
             shutil.move(runtime, out / RUNTIME / runtime.name)

@@ -15,6 +15,10 @@ every store answers with the core's types. The Redis classes import ``redis`` la
 
 from typing import Any
 
+import kvgate_native
+
+kvgate_native.activate(__name__, __path__)  # compiled modules, when built (make native)
+
 from limiter.stores.base import Fairness, LeasesLost, LimiterStore, StoreUnavailable
 from limiter.stores.failover import FailoverFairness, FailoverStore, FailurePolicy
 from limiter.stores.memory import MemoryFairness, MemoryStore

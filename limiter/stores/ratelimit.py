@@ -227,11 +227,11 @@ _ALGO_CODES = {"token_bucket": "t", "sliding_window": "s", "fixed_window": "f"}
 
 
 def _hit_args(hit: Hit) -> list[int | str]:
-    from limiter.stores.redis_store import _check_bucket
+    from limiter.stores.redis_codec import check_bucket
 
     limit = hit.limit
     if limit.algorithm == "token_bucket":
-        amount, period, capacity = _check_bucket(hit.key, limit.rate(), limit.capacity)
+        amount, period, capacity = check_bucket(hit.key, limit.rate(), limit.capacity)
     else:
         amount, period, capacity = 0, 0, limit.capacity
     flags = ("s" if hit.shadow else "") + ("d" if limit.debt else "") or "-"

@@ -28,6 +28,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from limiter.stores.redis_codec import bulk, pack, packed_keys, script_command
+
 try:
     import hiredis
 except ImportError:  # (a dependency: redis[hiredis]) without it, redis-py does every call
@@ -54,21 +56,6 @@ async def eval_script(client: Any, sha: bytes, source: bytes, keys: Sequence[str
         return await client.evalsha(sha, len(keys), *keys, *args)
     except NoScriptError:
         return await client.eval(source, len(keys), *keys, *args)
-
-
-def pack(*parts: bytes) -> bytes:
-    """One RESP command from already-encoded arguments."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out.append(b"$%d\r\n" % len(part))
-        out.append(part)
-        out.append(b"\r\n")
-    return b"".join(out)
-
-
-def bulk(value: bytes) -> bytes:
-    """One argument in RESP (to splice into a command packed ahead of time)."""
-    return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
 def _noscript(error: ResponseError) -> bool:
@@ -360,17 +347,8 @@ class Scripts:
         if packed is None:
             if len(self._packed_keys) >= 65_536:  # keys name tenants or pools: a bound anyway
                 self._packed_keys.clear()
-            packed = self._packed_keys[keys] = bulk(b"%d" % len(keys)) + b"".join(
-                bulk(key.encode()) for key in keys)
-        parts = [b"*%d\r\n" % (3 + len(keys) + len(args)),
-                 self._commands[name][0 if sha else 1], packed]
-        for arg in args:
-            if isinstance(arg, int):
-                value = b"%d" % arg
-            else:
-                value = arg.encode() if isinstance(arg, str) else arg
-            parts.append(b"$%d\r\n%b\r\n" % (len(value), value))
-        return b"".join(parts)
+            packed = self._packed_keys[keys] = packed_keys(keys)
+        return script_command(self._commands[name][0 if sha else 1], packed, len(keys), args)
 
     def forget(self, keys: tuple[str, ...]) -> None:
         """Drop the packed form of ``keys`` (a tenant no longer configured)."""

@@ -6,7 +6,7 @@ the in-memory one. Python builds every message and view from the raw numbers ret
 (:mod:`limiter.outcome`); the scripts only decide and count.
 
 **Numbers.** Lua numbers are doubles, exact for integers below 2^53. The bounds (checked in
-Python before a policy is sent, see ``redis_store._policy_fields``):
+Python before a policy is sent, see ``redis_codec.policy_fields``):
 
 - a bucket's full level ``capacity × period_ms ≤ 2^51``, ``amount ≤ 2^51``,
   ``period_ms ≤ 2^26``; debt is saturated at ``-2^51`` scaled units. So every level, deficit

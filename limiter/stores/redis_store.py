@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Iterable, Sequence
-from functools import lru_cache
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -38,21 +37,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from limiter.calendar import Period
 from limiter.decision import TenantPolicy, never_fits
-from limiter.outcome import (
-    Admit,
-    BucketView,
-    Cost,
-    Reason,
-    Reject,
-    ShapingView,
-    Snapshot,
-    WindowView,
-    quota_reject,
-    wait_reject,
-)
-from limiter.quota import QuotaView
-from limiter.rates import Rate, require_int
+from limiter.outcome import Admit, Cost, Reject, Snapshot, quota_reject, wait_reject
+from limiter.rates import require_int
 from limiter.stores.base import LeasesLost, StoreUnavailable
+from limiter.stores.redis_codec import MAX_COUNT, policy_arg, small, snapshot, text, waits
 from limiter.stores.redis_pipe import FAILURES, Scripts, ignore_failure
 from limiter.stores.redis_scripts import SCRIPTS
 from limiter.stores.slots import SlotMap, parse_nodes
@@ -66,109 +54,11 @@ _KEY_SUFFIXES = (
     "tb:req", "tb:tok", "win", "win:meta", "leases", "leases:meta", "q:day", "q:month",
     "cancelled", "herd", "shape",
 )
-_MAX_FULL = 2**51
-_MAX_PERIOD_MS = 2**26
-_MAX_COUNT = 2**50
-_MAX_BACKLOG = 2**20
 _PERIOD_CODES = {"d": Period.DAY, "m": Period.MONTH}
 RELEASE_BATCH = 256
 """Most releases sent in one script call."""
 SLOT_MAP_TRIES = 3
 """Cluster nodes asked at most, one after the other, for one slot map (see ``slot_map``)."""
-
-
-def _check_bucket(name: str, rate: Rate | None, capacity: int | None) -> list[int]:
-    """A bucket's ARGV, after checking it stays exact in Lua doubles."""
-    if rate is None or capacity is None:
-        return [0, 0, 0]
-    if rate.period_ms > _MAX_PERIOD_MS or rate.amount > _MAX_FULL:
-        raise ValueError(f"{name}: rate {rate} is too fine-grained for exact Lua arithmetic")
-    if capacity * rate.period_ms > _MAX_FULL:
-        raise ValueError(f"{name}: capacity × period_ms must be ≤ 2^51 for exact Lua math")
-    return [rate.amount, rate.period_ms, capacity]
-
-
-def _small(name: str, value: int | None) -> int:
-    if value is not None and value > _MAX_COUNT:
-        raise ValueError(f"{name} must be ≤ 2^50 for exact Lua arithmetic, got {value}")
-    return value or 0
-
-
-@lru_cache(maxsize=1024)
-def _policy_arg(policy: TenantPolicy) -> bytes:
-    """ARGV[4]: the policy as 15 comma-separated integers, 0 for "not configured"
-    (encoded once: it goes with every call)."""
-    return ",".join(map(str, _policy_fields(policy))).encode()
-
-
-def _policy_fields(policy: TenantPolicy) -> tuple[int, ...]:
-    """The policy as the scripts read it, checked to stay exact in Lua doubles."""
-    return (
-        *_check_bucket("request bucket", policy.request_rate, policy.request_burst),
-        *_check_bucket("token bucket", policy.token_rate, policy.token_burst),
-        _small("window_limit", policy.window_limit),
-        _small("window_ms", policy.window_ms),
-        _small("max_concurrency", policy.max_concurrency),
-        _small("concurrency_retry_ms", policy.concurrency_retry_ms),
-        _small("daily_token_quota", policy.daily_token_quota),
-        _small("monthly_token_quota", policy.monthly_token_quota),
-        *_check_shaper(policy.shaping_rate, policy.shaping_backlog),
-    )
-
-
-def _check_shaper(rate: Rate | None, backlog: int | None) -> list[int]:
-    """The shaper's ARGV: every slot sum and rescale then stays below 2^53 in Lua."""
-    if rate is None or backlog is None:
-        return [0, 0, 0]
-    if rate.amount > _MAX_PERIOD_MS or rate.period_ms > _MAX_PERIOD_MS:
-        raise ValueError(f"shaper: rate {rate} is too fine-grained for exact Lua arithmetic")
-    if backlog > _MAX_BACKLOG:
-        raise ValueError(f"shaping backlog must be ≤ {_MAX_BACKLOG}, got {backlog}")
-    return [rate.amount, rate.period_ms, backlog]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _bucket(fields: Sequence[int | None]) -> BucketView | None:
-    limit, available, reset = fields
-    if limit is None or available is None or reset is None:
-        return None
-    return BucketView(limit, available, reset)
-
-
-def _quotas(fields: Sequence[int | None]) -> tuple[QuotaView, ...]:
-    views = []
-    for period, chunk in ((Period.DAY, fields[0:4]), (Period.MONTH, fields[4:8])):
-        limit, used, reset, start = chunk
-        if limit is not None and used is not None and reset is not None and start is not None:
-            views.append(QuotaView(period, limit, used, reset, start))
-    return tuple(views)
-
-
-def _snapshot(packed: bytes | str, policy: TenantPolicy) -> Snapshot:
-    """The reply's packed view fields as the same :class:`Snapshot` the memory store builds."""
-    parts = packed.split(b",") if isinstance(packed, bytes) else packed.split(",")
-    fields = [int(f) if f else None for f in parts]
-    window = None
-    if fields[6] is not None and fields[7] is not None and policy.window_limit:
-        window = WindowView(policy.window_limit, policy.window_ms or 0, fields[6], fields[7])
-    return Snapshot(
-        requests=_bucket(fields[0:3]),
-        tokens=_bucket(fields[3:6]),
-        window=window,
-        quotas=_quotas(fields[8:16]),
-        in_flight=fields[16] or 0,
-        max_concurrency=policy.max_concurrency,
-        shaping=None if fields[17] is None or fields[18] is None
-        or policy.shaping_backlog is None
-        else ShapingView(policy.shaping_backlog, fields[17], fields[18]),
-    )
-
-
-def _waits(extra: Sequence[Any]) -> list[tuple[Reason, int]]:
-    return [(Reason(_text(extra[i])), int(extra[i + 1])) for i in range(0, len(extra), 2)]
 
 
 def _tenant_tag(prefix: str, tenant: str) -> str:
@@ -310,20 +200,20 @@ class RedisStore:
     async def _run_policy(
         self, name: str, tenant: str, policy: TenantPolicy, extra: Sequence[int | str | bytes] = ()
     ) -> tuple[str, Snapshot, list[Any]]:
-        args = [*self._head(), _policy_arg(policy), *extra]
+        args = [*self._head(), policy_arg(policy), *extra]
         reply = await self._run(name, tenant, args, resent=True)
-        return _text(reply[0]), _snapshot(reply[1], policy), reply[2:]
+        return text(reply[0]), snapshot(reply[1], policy), reply[2:]
 
     async def check_requests(self, tenant: str, policy: TenantPolicy) -> Reject | None:
         code, snap, extra = await self._run_policy("check", tenant, policy)
-        return wait_reject(_waits(extra), snap.remaining()) if code == "wait" else None
+        return wait_reject(waits(extra), snap.remaining()) if code == "wait" else None
 
     async def admit(
         self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
     ) -> Admit | Reject:
         problem = never_fits(policy, cost)
         extra: list[int | str | bytes] = [
-            _small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None), held,
+            small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None), held,
         ]
         code, snap, rest = await self._run_policy("admit", tenant, policy, extra)
         if code == "dup":
@@ -335,11 +225,11 @@ class RedisStore:
         if code == "static" and problem is not None:
             return Reject(problem[0], None, snap.remaining(), problem[1])
         if code == "quota":
-            failing = {_PERIOD_CODES[_text(kind)] for kind in rest}
+            failing = {_PERIOD_CODES[text(kind)] for kind in rest}
             views = [view for view in snap.quotas if view.period in failing]
             return quota_reject(views, cost.tokens, snap.remaining())
         if code == "wait":
-            return wait_reject(_waits(rest), snap.remaining())
+            return wait_reject(waits(rest), snap.remaining())
         return Admit(lease_id, cost, snap.remaining(), int(rest[0]) if rest else 0)
 
     async def release(
@@ -363,7 +253,7 @@ class RedisStore:
         ``RELEASE_BATCH`` a call). Each lease is still released exactly once (the script
         drops a lease it no longer has), and a failed call fails each of its releases (the
         failover store then owes each one to Redis, as for a single call)."""
-        used: int | str = "" if used_tokens is None else min(max(0, used_tokens), _MAX_COUNT)
+        used: int | str = "" if used_tokens is None else min(max(0, used_tokens), MAX_COUNT)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         key = (tenant, policy)
@@ -386,7 +276,7 @@ class RedisStore:
             while waiting:
                 batch = waiting[:RELEASE_BATCH]
                 del waiting[:RELEASE_BATCH]
-                args: list[int | str | bytes] = [*self._head(), _policy_arg(policy), ""]
+                args: list[int | str | bytes] = [*self._head(), policy_arg(policy), ""]
                 for lease_id, used, _future in batch:
                     args += [lease_id, used]
                 try:
@@ -414,12 +304,12 @@ class RedisStore:
         (served while it was unreachable): once per ``usage_id``, however often it is sent
         within an hour (the lease TTL would be too short: the answer to an applied charge
         lost, and Redis unreachable again past it, and the resend counted twice)."""
-        used = min(max(0, used_tokens), _MAX_COUNT)
-        await self._run("release", tenant, [*self._head(), _policy_arg(policy), "u", usage_id,
+        used = min(max(0, used_tokens), MAX_COUNT)
+        await self._run("release", tenant, [*self._head(), policy_arg(policy), "u", usage_id,
                                             used])
 
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
-        args = [*self._head(), _policy_arg(policy), "c", lease_id, 0]
+        args = [*self._head(), policy_arg(policy), "c", lease_id, 0]
         await self._run("release", tenant, args)
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:

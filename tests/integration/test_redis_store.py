@@ -495,15 +495,6 @@ async def test_memory_and_redis_satisfy_the_protocol(client: aioredis.Redis) -> 
     assert isinstance(MemoryStore(), LimiterStore)
 
 
-def test_policy_bounds_are_checked_before_lua() -> None:
-    from limiter.stores.redis_store import _policy_arg
-
-    ok = TenantPolicy(token_rate=Rate.per_minute(1.5), token_burst=10**7)
-    assert _policy_arg(ok) == b"0,0,0,1,40000,10000000,0,0,0,1000,0,0,0,0,0"
-    with pytest.raises(ValueError, match="2\\^51"):
-        _policy_arg(TenantPolicy(token_rate=Rate(1, 60_000), token_burst=10**11))
-
-
 async def test_timing_one_admission(client: aioredis.Redis) -> None:
     """Not a benchmark: a sanity bound (one round trip, ~0.1 ms of Lua) that catches a
     script accidentally going O(n) in the window or lease sets."""
