@@ -74,6 +74,9 @@ BREAKER_IDLE_MS = 10_000
 LOCAL_POLICIES = 16_384
 """Scaled policies cached at most (one per distinct policy: per-tenant limits of a config
 that renames its tenants every day would add new ones for good)."""
+CLOSE_REPAIR_S = 2.0
+"""How long closing keeps sending what is owed to Redis (a blip at shutdown: a SIGTERM while
+Redis is paused or restarting must not drop releases, cancels and usage charges)."""
 REPAIR_BATCH = 64
 """Repair calls sent at once (each takes a pooled connection)."""
 WATCH_PAUSE_S = 1.0
@@ -351,7 +354,8 @@ class FailoverStore:
 
     async def close(self) -> None:
         """Wait for the answers to the releases sent (``release_soon``: one that failed is
-        owed then), send what is still owed (briefly), then close the primary."""
+        owed then), send what is still owed — every batch, retried for up to
+        ``CLOSE_REPAIR_S`` (logged if some is left), then close the primary."""
         self._watch_due = False
         await self.primary.settle_releases()
         for task in (self._watcher, self._repairer):
@@ -359,9 +363,25 @@ class FailoverStore:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        with contextlib.suppress(*_FAILURES):
-            async with asyncio.timeout(REPAIR_TIMEOUT_S):
-                await self._settle()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_REPAIR_S
+        while self._owed and loop.time() < deadline:  # every batch, until Redis confirms
+            try:
+                async with asyncio.timeout(min(REPAIR_TIMEOUT_S, deadline - loop.time())):
+                    await self._settle()
+            except _FAILURES as error:
+                log.debug("shared store repair at close failed, will retry: %r", error)
+                await asyncio.sleep(REPAIR_PAUSE_S)
+            except Exception:  # (an unexpected reply: what is owed must still go)
+                log.exception("shared store repair at close failed, will retry")
+                await asyncio.sleep(REPAIR_PAUSE_S)
+        if self._owed:
+            kinds = Counter("cancel" if o.cancel else "usage" if o.usage else "release"
+                            for o in self._owed.values())
+            log.warning("shared store closed with %s not confirmed by Redis after %g s: "
+                        "their leases expire within the lease TTL; usage not charged",
+                        ", ".join(f"{n} {kind}(s)" for kind, n in sorted(kinds.items())),
+                        CLOSE_REPAIR_S)
         await self.primary.close()
 
     def forget(self, tenants: Iterable[str]) -> list[str]:

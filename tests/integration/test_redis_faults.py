@@ -246,6 +246,49 @@ async def test_closing_right_after_release_soon_leaves_no_lease(server, raw):
     assert await quota_used(raw, store) == 14
 
 
+QUOTA_ONLY = TenantPolicy(daily_token_quota=10**9)
+
+
+async def test_closing_during_a_redis_blip_still_sends_everything_owed(server, raw, caplog):
+    """A SIGTERM while Redis is paused: closing keeps sending what is owed (more than one
+    repair batch of it) until Redis answers, so no release, cancel or usage charge is
+    dropped; what could not be sent at all is logged."""
+    store = failover(server, "local")
+    held = [lease() for _ in range(3)]
+    for lease_id in held:
+        assert isinstance(await store.admit("acme", QUOTA_ONLY, COST, lease_id), Admit)
+    server.pause()
+    try:
+        for lease_id in held:
+            store.release_soon("acme", QUOTA_ONLY, lease_id, 10)
+        for _ in range(100):  # served by the fallback: 100 usage charges owed
+            lease_id = lease()
+            assert isinstance(await store.admit("acme", QUOTA_ONLY, COST, lease_id), Admit)
+            store.release_soon("acme", QUOTA_ONLY, lease_id, 10)
+        assert len(store._owed) > 64
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, server.resume)
+        await store.close()
+    finally:
+        if server.running:
+            server.resume()
+    assert not store._owed
+    assert not await raw.zcard(store.primary.keys("acme")[4])
+    assert await quota_used(raw, store) == 30 + 100 * 10
+
+
+async def test_closing_with_redis_down_logs_what_it_could_not_send(server, raw, caplog,
+                                                                   monkeypatch):
+    monkeypatch.setattr("limiter.stores.failover.CLOSE_REPAIR_S", 0.2)
+    store = failover(server, "local")
+    held = lease()
+    assert isinstance(await store.admit("acme", QUOTA_ONLY, COST, held), Admit)
+    server.kill()
+    store.release_soon("acme", QUOTA_ONLY, held, 10)
+    await store.close()
+    assert "1 release(s) not confirmed by Redis" in caplog.text
+
+
 async def until_released(raw: aioredis.Redis, store: FailoverStore, within_s: float = 1.0
                          ) -> None:
     """Redis holds no lease of acme's, within a bound."""
