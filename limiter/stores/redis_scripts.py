@@ -56,6 +56,7 @@ _CORE = r"""
 local KREQ, KTOK, KWIN, KWMETA = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local KLEASES, KLMETA, KCANCEL, KHERD = KEYS[5], KEYS[6], KEYS[9], KEYS[10]
 local KSHAPE = KEYS[11]
+local KGONE, KGMETA = KEYS[12], KEYS[13]
 local LEASE_TTL, SLACK = tonumber(ARGV[2]), tonumber(ARGV[3])
 local LMAX = 2251799813685248  -- 2^51: saturation bound for a bucket's debt
 
@@ -86,10 +87,41 @@ local function leases_purge(t)
   if #dead > 0 then
     redis.call('ZREMRANGEBYSCORE', KLEASES, '-inf', cutoff)
     for i = 1, #dead, 1000 do
-      redis.call('HDEL', KLMETA, unpack(dead, i, math.min(i + 999, #dead)))
+      local ids = {unpack(dead, i, math.min(i + 999, #dead))}
+      -- an expired lease's record is kept a lease TTL ("gone"): if its holder is alive (it
+      -- could not renew: Redis was unreachable) its re-assert puts the record back, so its
+      -- release settles the reservation rather than charging its usage on top of it
+      local metas = redis.call('HMGET', KLMETA, unpack(ids))
+      for j, id in ipairs(ids) do
+        if metas[j] then
+          redis.call('ZADD', KGONE, str(t + LEASE_TTL), id)
+          redis.call('HSET', KGMETA, id, metas[j])
+        end
+      end
+      redis.call('HDEL', KLMETA, unpack(ids))
+    end
+    if redis.call('EXISTS', KGONE) == 1 then
+      redis.call('PEXPIRE', KGONE, str(LEASE_TTL + SLACK))
+      redis.call('PEXPIRE', KGMETA, str(LEASE_TTL + SLACK))
     end
   end
   return redis.call('ZCARD', KLEASES)
+end
+
+-- the record of an expired lease (see leases_purge), taken back (nil: none kept)
+local function gone_take(lease, t)
+  local old = redis.call('ZRANGEBYSCORE', KGONE, '-inf', str(t))
+  if #old > 0 then
+    redis.call('ZREMRANGEBYSCORE', KGONE, '-inf', str(t))
+    for i = 1, #old, 1000 do
+      redis.call('HDEL', KGMETA, unpack(old, i, math.min(i + 999, #old)))
+    end
+  end
+  if not redis.call('ZSCORE', KGONE, lease) then return nil end
+  local meta = redis.call('HGET', KGMETA, lease)
+  redis.call('ZREM', KGONE, lease)
+  redis.call('HDEL', KGMETA, lease)
+  return meta
 end
 
 -- tombstones of cancelled admissions (see the module docstring)
@@ -756,22 +788,30 @@ local last = ARGV[OP] == 'u' and 0 or #ARGV  -- usage: charged above, no lease t
 for i = OP + 1, last, 2 do
   local lease, used_arg = ARGV[i], ARGV[i + 1]
   if cancel then cancel_mark(lease, NOW) end
-  if redis.call('ZREM', KLEASES, lease) == 0 then
+  local held = redis.call('ZREM', KLEASES, lease) == 1
+  -- expired while its holder could not renew it (Redis unreachable longer than the lease
+  -- TTL): no slot to free, but its reservation is still settled against what it used
+  local meta = nil
+  if held then
+    meta = redis.call('HGET', KLMETA, lease)
+    redis.call('HDEL', KLMETA, lease)
+  else
+    meta = gone_take(lease, NOW)
+  end
+  if not held and not meta then
     table.insert(out, 0)
   else
-    table.insert(out, 1)
-    any = true
-    local meta = redis.call('HGET', KLMETA, lease)
-    redis.call('HDEL', KLMETA, lease)
+    table.insert(out, held and 1 or 0)
+    any = any or held
     local started = meta and lease_start(meta)
     -- a cancelled admission's time, or a request that used nothing (it left the queue, or
     -- it was a GET), says nothing of durations (TenantLimiter.release)
-    if started and not cancel and used_arg ~= '0' then
+    if held and started and not cancel and used_arg ~= '0' then
       H = herd()
       herd_observe(H, NOW - started)
     end
     local slot, slot_a, slot_p = lease_slot(meta)
-    if slot and st.sh and slot_a == st.sh.a and slot_p == st.sh.p then
+    if held and slot and st.sh and slot_a == st.sh.a and slot_p == st.sh.p then
       sh_give_back(st.sh, slot, NOW)  -- not sent yet (its client left): a hole
     end
     -- tokens:tb:day:month[:requests:req:win:ts:slot m:f:a:p:start]; a re-asserted lease
@@ -841,6 +881,10 @@ for i = 5, #ARGV do
   local held = redis.call('ZSCORE', KLEASES, ARGV[i])
   if held or (reassert and not cancelled(ARGV[i], NOW)) then
     redis.call('ZADD', KLEASES, str(NOW + LEASE_TTL), ARGV[i])
+    if not held then  -- expired while its holder could not renew it: its record back
+      local meta = gone_take(ARGV[i], NOW)
+      if meta then redis.call('HSET', KLMETA, ARGV[i], meta) end
+    end
     renewed = renewed + 1
   end
 end

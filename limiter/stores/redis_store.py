@@ -52,7 +52,7 @@ Redis's own clock."""
 
 _KEY_SUFFIXES = (
     "tb:req", "tb:tok", "win", "win:meta", "leases", "leases:meta", "q:day", "q:month",
-    "cancelled", "herd", "shape",
+    "cancelled", "herd", "shape", "gone", "gone:meta",
 )
 _PERIOD_CODES = {"d": Period.DAY, "m": Period.MONTH}
 RELEASE_BATCH = 256

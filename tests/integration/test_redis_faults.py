@@ -500,3 +500,37 @@ async def test_a_removed_tenant_is_forgotten_once_nothing_is_owed_to_redis(serve
     assert tuple(store.primary.keys("gone")) not in store.primary._scripts._packed_keys
     assert await quota_used(raw, store, "gone") == 7 + 5  # Redis keeps it for a re-add
     await store.close()
+
+
+@pytest.mark.parametrize("released", ["during the outage", "after it"])
+async def test_an_outage_longer_than_the_lease_ttl_still_charges_the_usage_once(
+        server, raw, released):
+    """Redis unreachable longer than ``lease_ttl``: the lease of a request still running
+    expires there (nobody could renew it). Its release — owed during the outage, or made
+    after the lease was re-asserted — settles its reservation against what it used: the
+    quota counts its usage once, not the reservation, nor the reservation plus the usage."""
+    settings = RedisSettings(url=server.url, timeout_ms=50, failure_policy="local")
+    store = FailoverStore(RedisStore(redis_client(settings), lease_ttl_ms=1000),
+                          policy=FailurePolicy.LOCAL, timeout_s=0.05,
+                          breaker=CircuitBreaker(3, 200))
+    policy = TenantPolicy(daily_token_quota=10**9, token_rate=Rate(1, HOUR_MS),
+                          token_burst=10**6)
+    held = lease()
+    assert isinstance(await store.admit("acme", policy, Cost(500, 500), held), Admit)
+    assert await quota_used(raw, store) == 1000  # the reservation
+    server.pause()
+    try:
+        await store.renew("acme", [held])  # fails: re-asserted once Redis answers
+        if released == "during the outage":
+            store.release_soon("acme", policy, held, 100)
+        await asyncio.sleep(1.5)  # past the lease TTL
+    finally:
+        server.resume()
+    await asyncio.sleep(0.3)
+    if released == "after it":
+        store.release_soon("acme", policy, held, 100)
+    await store.primary.settle_releases()
+    await settle(store)
+    assert await quota_used(raw, store) == 100
+    assert not await raw.zcard(store.primary.keys("acme")[4])
+    await store.close()
