@@ -18,7 +18,7 @@ Python before a policy is sent, see ``redis_codec.policy_fields``):
 - numbers go to Redis through ``string.format('%.0f')`` (``tostring`` would print
   ``1.8e+12``), and come back as integer replies (exact: they are whole doubles < 2^53).
 
-**Keys** (``KEYS[1..8]``, one hash tag per tenant, every key with a PEXPIRE to when it would
+**Keys** (``KEYS[1..13]``, one hash tag per tenant, every key with a PEXPIRE to when it would
 be back to its default state, plus ``SLACK`` ms): ``tb:req`` and ``tb:tok`` hashes
 ``{l, t, a, p, c}`` (scaled level, last ms, and the rate/capacity it was computed with, to
 rescale on a policy change; a full bucket is deleted: missing = full); ``win`` a ZSET of
@@ -35,6 +35,11 @@ policy they were promised under (``pol``) and the observed mean request duration
 formed from an epoch), the rate it was computed with, and its holes as ``"m:f,…"``; a lease
 charged a slot keeps it in its meta (``…:m:f:a:p``), so a release before the slot starts
 gives it back.
+``gone`` and ``gone:meta`` (a ZSET lease_id → when its record goes, and lease_id → meta):
+the records of leases that expired, kept one lease TTL. A holder that could not renew (Redis
+unreachable past the TTL) re-asserts its lease with its record, and a release that finds
+the lease expired settles the reservation all the same: neither the whole reservation
+nor the usage on top of it stays charged.
 
 **Calls whose answer is lost.** kvgate stops waiting for Redis after its budget (20 ms), but
 a command already sent still runs when Redis gets to it (a paused or overloaded server).
