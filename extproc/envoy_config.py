@@ -122,7 +122,17 @@ REFUSAL_MESSAGES = {
     "upgrade_failed": "connection upgrades (WebSocket and the like) are not supported: send a "
                       "plain HTTP/1.1 or HTTP/2 request",
     "low_version": "HTTP/1.0 is not supported: send HTTP/1.1 or HTTP/2",
+    # Envoy answers these with a bare status and no body: say what was wrong
+    "absolute_path_rejected": "the request target must be a path such as "
+                              "/v1/chat/completions (not '*' or an absolute URI)",
+    "missing_host_header": "the request has no Host header (HTTP/1.1 requires one)",
 }
+# Envoy's HTTP/1 codec answers a transfer-encoding other than chunked with 501 Not
+# Implemented: a 5xx (so openai-python retries it, twice) for a request that can never
+# succeed. Answered as the client fault it is.
+BAD_TRANSFER_ENCODING = ("http1.invalid_transfer_encoding",
+                         "transfer-encoding must be chunked (or absent): a compressed or other "
+                         "transfer coding is not supported; send the body as plain JSON")
 OVERLOAD_MESSAGE = "the gateway is short of memory; retry later"
 EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
 RATE_LIMITED_MESSAGE = "rate limit exceeded; retry after the time in retry-after"
@@ -481,15 +491,21 @@ def _local_reply_config() -> Any:
     own = _ENVOY_OWN_REPLY
     do_not_retry = [_header_option(k, v) for k, v in DO_NOT_RETRY.items()]
 
-    def refusal(condition: str, message: str) -> Any:
-        """A client fault Envoy answers with no body (or only a status phrase): say it."""
+    def refusal(condition: str, message: str, status: int | None = None) -> Any:
+        """A client fault Envoy answers with no body (or only a status phrase): say it
+        (with ``status``: as that status, a 4xx, instead of Envoy's)."""
         return ResponseMapper(filter=_cel_filter(f"{own} && {condition}"),
                               body=DataSource(inline_string=message),
                               body_format_override=_json_error_format("invalid_request_error"),
-                              headers_to_add=do_not_retry)
+                              headers_to_add=do_not_retry,
+                              **({} if status is None else {"status_code": status}))
+
+    bad_te_details, bad_te_message = BAD_TRANSFER_ENCODING
 
     return LocalReplyConfig(
         mappers=[
+            # before the >= 500 mapper: a client's unknown transfer-encoding is its fault
+            refusal(f"response.code_details == '{bad_te_details}'", bad_te_message, 400),
             # ext_proc could not reach kvgate, the stream failed or a message timed out:
             # Envoy's body is empty, so say what happened.
             ResponseMapper(

@@ -455,8 +455,13 @@ def test_a_path_the_engine_would_route_elsewhere_is_sent_as_kvgate_metered_it(st
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
      b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 403,
      "upgrades (WebSocket"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n"
+     b"Authorization: Bearer " + KEYS["acme"].encode() + b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 400,
+     "transfer-encoding must be chunked"),  # Envoy's own answer: 501, retried by clients
+    (b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404, "must be a path"),
+    (b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n", 400, "no Host header"),
 ], ids=["header-too-large", "malformed-header", "http-1.0", "body-over-buffer", "nul-in-path",
-        "websocket"])
+        "websocket", "transfer-encoding", "asterisk-target", "no-host"])
 def test_envoys_own_replies_arrive_whole(stack, request_bytes, status, says):
     got, headers, body = json_reply(raw_exchange(stack, request_bytes))
     assert (got, body["error"]["code"]) == (status, status)
