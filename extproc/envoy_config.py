@@ -121,7 +121,7 @@ MALFORMED_MESSAGE = ("malformed HTTP request: the gateway could not parse its re
 REFUSAL_MESSAGES = {
     "upgrade_failed": "connection upgrades (WebSocket and the like) are not supported: send a "
                       "plain HTTP/1.1 or HTTP/2 request",
-    "low_version": "HTTP/1.0 is not supported: send HTTP/1.1 or HTTP/2",
+    "low_version": "only HTTP/1.1 and HTTP/2 are supported: send one of them",
     # Envoy answers these with a bare status and no body: say what was wrong
     "absolute_path_rejected": "the request target must be a path such as "
                               "/v1/chat/completions (not '*' or an absolute URI)",

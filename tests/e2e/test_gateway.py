@@ -445,7 +445,7 @@ def test_a_path_the_engine_would_route_elsewhere_is_sent_as_kvgate_metered_it(st
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431,
      "Too Large"),
     (b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n", 400, "malformed HTTP request"),
-    (b"GET /v1/models HTTP/1.0\r\n\r\n", 426, "HTTP/1.0 is not supported"),
+    (b"GET /v1/models HTTP/1.0\r\n\r\n", 426, "only HTTP/1.1 and HTTP/2 are supported"),
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
      b"Authorization: Bearer " + KEYS["acme"].encode() + b"\r\n\r\n"
      + b"%x\r\n" % (MAX_BODY + 200_000) + b"x" * (MAX_BODY + 200_000) + b"\r\n0\r\n\r\n", 413,
