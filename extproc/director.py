@@ -300,11 +300,11 @@ class Director:
                 with watch():
                     await asyncio.sleep(decision.hold_ms / 1000)
             except BaseException:  # the client left: its slot goes back
-                await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
+                self.store.release_soon(tenant.name, policy, lease_id, 0)
                 raise
             finally:
                 self.leases.closed(lease_id)
-        await self.store.release(tenant.name, policy, lease_id, 0)
+        self.store.release_soon(tenant.name, policy, lease_id, 0)
         return [(m.name, pool.name) for pool in self.config.pools for m in pool.models], decision
 
     def _route(
@@ -410,7 +410,7 @@ class Director:
             route = route_now()
             if isinstance(route, Reject):
                 outcome: Admission | Reject = route
-                await self.store.release(tenant.name, policy, lease_id, 0)
+                self.store.release_soon(tenant.name, policy, lease_id, 0)
             else:
                 route.streamed = streamed
                 if route.placed is not None:
@@ -418,7 +418,7 @@ class Director:
                 outcome = await self._settle(tenant, klass, route, lease_id, decision, watch)
         except BaseException:
             self.leases.closed(lease_id)
-            await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
+            self.store.release_soon(tenant.name, policy, lease_id, 0)
             raise
         if isinstance(outcome, Reject):
             self.leases.closed(lease_id)
@@ -443,10 +443,10 @@ class Director:
             with watch():
                 placed = await flow.wait(item, waiter)
         except BaseException:
-            await asyncio.shield(self.store.release(tenant.name, policy, lease_id, 0))
+            self.store.release_soon(tenant.name, policy, lease_id, 0)
             raise
         if isinstance(placed, Reject):
-            await self.store.release(tenant.name, policy, lease_id, 0)
+            self.store.release_soon(tenant.name, policy, lease_id, 0)
         return placed
 
     def _price(self, cost: Cost) -> int:
