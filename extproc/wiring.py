@@ -101,7 +101,9 @@ def build_fairness(config: Config, pool: str) -> Fairness:
 
     shared = RedisFairness(redis_client(config.redis), pool=pool, prefix=config.redis.prefix,
                            lag_tokens=lag)
-    return FailoverFairness(shared, config.redis.timeout_ms / 1000, lag_tokens=lag)
+    breaker = CircuitBreaker(config.redis.breaker_failures, config.redis.breaker_open_ms)
+    return FailoverFairness(shared, config.redis.timeout_ms / 1000, lag_tokens=lag,
+                            breaker=breaker)
 
 
 def build_director(

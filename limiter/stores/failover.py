@@ -46,10 +46,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from limiter.breaker import CircuitBreaker, Transition
 from limiter.clock import monotonic_ms
@@ -58,9 +59,12 @@ from limiter.fairness import DEFAULT_LAG
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reject
 from limiter.share import scale_policy
-from limiter.stores.base import Fairness, LeasesLost, SharedStore, StoreUnavailable
+from limiter.stores.base import LeasesLost, SharedStore, StoreUnavailable
 from limiter.stores.memory import MemoryFairness, MemoryStore
 from limiter.stores.slots import SlotMap
+
+if TYPE_CHECKING:
+    from limiter.stores.fairness import RedisFairness
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,9 @@ that renames its tenants every day would add new ones for good)."""
 CLOSE_REPAIR_S = 2.0
 """How long closing keeps sending what is owed to Redis (a blip at shutdown: a SIGTERM while
 Redis is paused or restarting must not drop releases, cancels and usage charges)."""
+UNDO_FOR_S = 600
+"""How long a fair-queue choice that timed out keeps being undone in Redis (the counters'
+default TTL: after that Redis has forgotten them anyway)."""
 REPAIR_BATCH = 64
 """Repair calls sent at once (each takes a pooled connection)."""
 WATCH_PAUSE_S = 1.0
@@ -704,39 +711,80 @@ class FailoverStore:
 
 class FailoverFairness:
     """Fair-queue counters in Redis (one global weighted order across replicas), falling back
-    to this process's own counters while Redis is unreachable, so dispatch never stalls."""
+    to this process's own counters while Redis is unreachable, so dispatch never stalls.
 
-    def __init__(self, shared: Fairness, timeout_s: float, lag_tokens: int = DEFAULT_LAG):
+    Behind a circuit breaker of its own (the store's settings): while Redis is failing, a
+    dispatch decision would otherwise wait out ``timeout_s`` first, every time. A choice
+    that timed out may still run in Redis later (a paused Redis runs what was queued) and
+    charge a tenant the fallback did not serve: it is undone there once Redis answers, and
+    the tenant served instead charged (:meth:`RedisFairness.undo`), retried every
+    ``REPAIR_PAUSE_S`` for up to ``UNDO_FOR_S``."""
+
+    def __init__(self, shared: RedisFairness, timeout_s: float, lag_tokens: int = DEFAULT_LAG,
+                 breaker: CircuitBreaker | None = None,
+                 clock_ms: Callable[[], int] = monotonic_ms):
         self.shared = shared
         self.local = MemoryFairness(lag_tokens=lag_tokens)
         self.timeout_s = timeout_s
+        self.breaker = breaker or CircuitBreaker()
+        self.clock_ms = clock_ms
+        self._undos: set[asyncio.Task[None]] = set()
+
+    async def _try(self, call: Callable[[], Awaitable[Any]]) -> tuple[bool, Any, bool]:
+        """(answered, result, asked): ``asked`` is False when the breaker skipped the call
+        (it never reached Redis)."""
+        if not self.breaker.allow(self.clock_ms())[0]:
+            return False, None, False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                result = await call()
+        except (StoreUnavailable, TimeoutError):
+            self.breaker.failure(self.clock_ms())
+            return False, None, True
+        self.breaker.success()
+        return True, result, True
 
     async def activate(self, tenant: str) -> None:
         await self.local.activate(tenant)
-        with contextlib.suppress(StoreUnavailable, TimeoutError):
-            async with asyncio.timeout(self.timeout_s):
-                await self.shared.activate(tenant)
+        await self._try(lambda: self.shared.activate(tenant))
 
     async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await self.shared.choose(offers)
-        except (StoreUnavailable, TimeoutError):
-            return await self.local.choose(offers)
+        decision = uuid.uuid4().hex
+        answered, chosen, asked = await self._try(lambda: self.shared.choose(offers, decision))
+        if answered:
+            return chosen
+        chosen = await self.local.choose(offers)
+        if asked:  # it may run in Redis yet
+            self._undo_soon(decision, chosen)
+        return chosen
+
+    def _undo_soon(self, decision: str, chosen: QueuedRequest | None) -> None:
+        task = asyncio.create_task(self._undo(decision, chosen))
+        self._undos.add(task)
+        task.add_done_callback(self._undos.discard)
+
+    async def _undo(self, decision: str, chosen: QueuedRequest | None) -> None:
+        """Sent until Redis answers (each try idempotent), for up to ``UNDO_FOR_S``."""
+        until = self.clock_ms() + UNDO_FOR_S * 1000
+        while True:
+            with contextlib.suppress(StoreUnavailable, TimeoutError):
+                async with asyncio.timeout(REPAIR_TIMEOUT_S):
+                    await self.shared.undo(decision, chosen)
+                return
+            if self.clock_ms() >= until:
+                log.warning("fair queue: a choice Redis did not answer in time was not undone "
+                            "there (its charge stays)")
+                return
+            await asyncio.sleep(REPAIR_PAUSE_S)
 
     async def correct(self, tenant: str, tokens: int, weight: float) -> None:
         """Best effort: a correction lost to an outage only delays the share's convergence."""
         await self.local.correct(tenant, tokens, weight)
-        with contextlib.suppress(StoreUnavailable, TimeoutError):
-            async with asyncio.timeout(self.timeout_s):
-                await self.shared.correct(tenant, tokens, weight)
+        await self._try(lambda: self.shared.correct(tenant, tokens, weight))
 
     async def counters(self) -> dict[str, float]:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await self.shared.counters()
-        except (StoreUnavailable, TimeoutError):
-            return await self.local.counters()
+        answered, counters, _ = await self._try(self.shared.counters)
+        return counters if answered else await self.local.counters()
 
     def forget(self, tenants: Iterable[str]) -> None:
         names = list(tenants)
@@ -744,4 +792,12 @@ class FailoverFairness:
         self.shared.forget(names)
 
     async def close(self) -> None:
+        """Undos still owed get up to ``CLOSE_REPAIR_S`` (as the store's releases do)."""
+        if self._undos:
+            _, left = await asyncio.wait(set(self._undos), timeout=CLOSE_REPAIR_S)
+            for task in left:
+                task.cancel()
+            if left:
+                log.warning("fair queue: %d choice(s) Redis did not answer were not undone "
+                            "there before closing (their charges stay)", len(left))
         await self.shared.close()

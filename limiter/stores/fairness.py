@@ -11,7 +11,9 @@ tenants in one global weighted order. ``activate``, ``choose`` and ``correct`` a
 Lua script each; a ``choose`` that says "wait" writes nothing. A ``choose`` among a single
 fitting offer has only one answer, so on a standalone Redis (the pipe of
 :mod:`limiter.stores.redis_pipe`) its charge is queued without waiting for the reply: the
-dispatcher of a queue that holds one tenant's requests makes no round trip.
+dispatcher of a queue that holds one tenant's requests makes no round trip. A ``choose``
+given a decision id is recorded (the pool's last ``DECISIONS``) so that ``undo`` can take it
+back when its answer came too late (the caller dispatched something else meanwhile).
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ from limiter.stores.base import StoreUnavailable
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
+DECISIONS = 256
+"""Decisions of a pool Redis keeps a record of, for an undo (one comes right after its
+choose on the same connection, behind at most what other replicas sent meanwhile)."""
 
 _LUA_HEAD = r"""
 local KC, KV, KSEEN, KF = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local KD, KU = KEYS[5], KEYS[6]  -- recent decisions (a list), undone decisions (a hash)
 local TTL = tonumber(ARGV[1])
+local DECISIONS = """ + str(DECISIONS) + r"""
 local function str(x) return string.format('%.0f', x) end
 local t = redis.call('TIME')
 local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -58,6 +65,7 @@ local function touch(tenant)
   redis.call('PEXPIRE', KSEEN, str(TTL))
   if redis.call('EXISTS', KC) == 1 then redis.call('PEXPIRE', KC, str(TTL)) end
   if redis.call('EXISTS', KF) == 1 then redis.call('PEXPIRE', KF, str(TTL)) end
+  if redis.call('EXISTS', KD) == 1 then redis.call('PEXPIRE', KD, str(TTL)) end
 end
 """
 
@@ -71,11 +79,15 @@ return str(c)
 """
 
 # ARGV: [1] ttl ms, [2] rebase_at, [3] lag (counter units), then per offer (tenant, charge,
-# enqueued rank, band, fits 0/1). Returns the 0-based index of the chosen offer, or -1 (wait:
-# nothing is written). The rule is limiter.fairness.pick, the charge VirtualCounters._charge.
+# enqueued rank, band, fits 0/1), last the decision's id ('': none). Returns the 0-based index
+# of the chosen offer, or -1 (wait, or a decision already undone: nothing is written). The
+# rule is limiter.fairness.pick, the charge VirtualCounters._charge. A decision with an id is
+# recorded (the last DECISIONS of the pool), for _UNDO.
 _CHOOSE = _LUA_HEAD + r"""
 local REBASE, LAG = tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = (#ARGV - 3) / 5
+local D = ARGV[#ARGV]
+if D ~= '' and redis.call('HEXISTS', KU, D) == 1 then return -1 end
+local n = (#ARGV - 4) / 5
 local tenants = {}
 for i = 1, n do tenants[i] = ARGV[5 * i - 1] end
 local counters = redis.call('HMGET', KC, unpack(tenants))
@@ -113,6 +125,11 @@ if bb == 0 then
   if f < low then f = low end
   redis.call('HSET', KF, tenant, str(f + charge))
 end
+if D ~= '' then
+  redis.call('LPUSH', KD, D .. ' ' .. str(charge) .. ' ' .. (bb == 0 and '1' or '0') .. ' '
+             .. tenant)
+  redis.call('LTRIM', KD, 0, DECISIONS - 1)
+end
 V = m
 if V >= REBASE then
   local shift = math.floor(REBASE / 2)
@@ -147,6 +164,44 @@ return 1
 """
 
 
+# ARGV: [1] ttl ms, [2] decision id, [3] the tenant served instead ('': none), [4] its charge
+# (counter units). A choose that timed out: its charge is taken back if it ran (its record is
+# among the recent decisions), else its id is tombstoned for TTL so that it writes nothing
+# when it runs; the tenant served instead is charged as _CORRECT would. Once per id: a
+# repeated undo changes nothing. Returns 1 if the choose had run.
+_UNDO = _LUA_HEAD + r"""
+local D = ARGV[2]
+if redis.call('HEXISTS', KU, D) == 1 then return 0 end
+redis.call('HSET', KU, D, '1')
+redis.call('PEXPIRE', KU, str(TTL))
+local ran = 0
+for _, entry in ipairs(redis.call('LRANGE', KD, 0, -1)) do
+  local id, charge, first, tenant = string.match(entry, '^(%S+) (%d+) ([01]) (.*)$')
+  if id == D then
+    ran = 1
+    redis.call('LREM', KD, 1, entry)
+    local c = redis.call('HGET', KC, tenant)
+    if c then
+      c = math.max(0, tonumber(c) - tonumber(charge))
+      redis.call('HSET', KC, tenant, str(c))
+      local f = redis.call('HGET', KF, tenant)
+      if f then  -- (never above the total, as in _CORRECT)
+        f = tonumber(f) - (first == '1' and tonumber(charge) or 0)
+        redis.call('HSET', KF, tenant, str(math.min(f, c)))
+      end
+    end
+    break
+  end
+end
+local tenant = ARGV[3]
+if tenant ~= '' then
+  local c = redis.call('HGET', KC, tenant)
+  if c then redis.call('HSET', KC, tenant, str(tonumber(c) + tonumber(ARGV[4]))) end
+  touch(tenant)
+end
+return ran
+"""
+
 def _hash_tag(prefix: str, pool: str) -> str:
     """``{prefix:fair:pool}`` with braces escaped: all of a pool's keys in one cluster slot."""
     safe = pool.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
@@ -158,7 +213,9 @@ class RedisFairness:
 
     Keys (one hash tag per pool, Redis Cluster safe): ``…:c`` hash tenant → counter (all its
     work), ``…:v`` the virtual time, ``…:seen`` zset tenant → last use (ms), ``…:f`` hash
-    tenant → band-0 counter. Each use refreshes every key's TTL (``ttl_ms``); a tenant unused
+    tenant → band-0 counter; for :meth:`undo`, ``…:d`` a list of the recent decisions and
+    ``…:u`` a hash of the undone decision ids (its own TTL, from the latest undo). Each use
+    refreshes every key's TTL (``ttl_ms``); a tenant unused
     for ``ttl_ms`` is forgotten (both counters), which is the same as activating it afresh
     (any debt it still had is forgiven). Times for the TTL come from Redis ``TIME``.
 
@@ -195,9 +252,11 @@ class RedisFairness:
         self._owns_client = owns_client
         base = f"{prefix}:{_hash_tag(prefix, pool)}"
         self._keys = (f"{base}:c", f"{base}:v", f"{base}:seen", f"{base}:f")
+        # the scripts' keys: the pool's, then its recent decisions and undone ones (_UNDO)
+        self._all_keys = (*self._keys, f"{base}:d", f"{base}:u")
         # one pipelined connection on a standalone Redis (see limiter.stores.redis_pipe)
         self._scripts = Scripts(client, {"activate": _ACTIVATE, "choose": _CHOOSE,
-                                         "correct": _CORRECT})
+                                         "correct": _CORRECT, "undo": _UNDO})
 
     def keys(self) -> list[str]:
         """The pool's keys: counters hash, virtual time, last-seen zset, band-0 counters."""
@@ -205,16 +264,17 @@ class RedisFairness:
 
     async def _call(self, what: str, args: Sequence[int | str]) -> Any:
         try:
-            return await self._scripts.run(what, self._keys, args)
+            return await self._scripts.run(what, self._all_keys, args)
         except self._errors as exc:
             raise StoreUnavailable(f"redis fairness {what} failed: {exc}") from exc
 
     async def activate(self, tenant: str) -> None:
         await self._call("activate", [self._ttl_ms, tenant])
 
-    async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
+    async def choose(self, offers: Sequence[Offer], decision: str = "") -> QueuedRequest | None:
         """Pick one of ``offers`` and charge its tenant (:func:`limiter.fairness.pick`); None
-        when none may go now, and then nothing changes."""
+        when none may go now, and then nothing changes. A ``decision`` id makes the choice
+        undoable (:meth:`undo`) should its answer not come in time."""
         if not offers:
             return None
         # enqueue times only break ties: their ranks compare the same and stay exact in Lua
@@ -223,12 +283,14 @@ class RedisFairness:
         for offer in offers:
             args += [offer.item.tenant, charge_of(offer.item), rank[offer.item.enqueued_ms],
                      require_int("band", offer.band, 0), int(bool(offer.fits))]
+        args.append(decision)
         if len(offers) == 1 and offers[0].fits:
             # One offer that fits: the script always picks it (nothing to compare it with:
             # it is eligible by its own counter), so its charge is only queued on the pipe,
             # ahead of any later call, and the dispatcher goes on without a round trip. A
             # charge lost to an outage is like a lost correction: convergence is slower.
-            sent = self._scripts.send("choose", self._keys, args)
+            args[-1] = ""  # (never undone: no record)
+            sent = self._scripts.send("choose", self._all_keys, args)
             if sent is not None:
                 return offers[0].item
         index = int(await self._call("choose", args))
@@ -239,6 +301,14 @@ class RedisFairness:
         when it has no counter."""
         if tokens:
             await self._call("correct", [self._ttl_ms, tenant, units(tokens, weight)])
+
+    async def undo(self, decision: str, instead: QueuedRequest | None) -> bool:
+        """The choice ``decision`` got no answer in time and the caller chose ``instead``
+        without Redis: take back the charge it made if it ran, else make sure it writes
+        nothing when it runs, and charge ``instead``'s tenant. Idempotent per ``decision``.
+        True when the choice had run."""
+        tenant, charge = ("", 0) if instead is None else (instead.tenant, charge_of(instead))
+        return bool(await self._call("undo", [self._ttl_ms, decision, tenant, charge]))
 
     async def counters(self) -> dict[str, float]:
         try:

@@ -8,6 +8,7 @@ One redis-server serves the module (FLUSHALL between tests); the failure test ru
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,8 +21,16 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
 from bench.redis_server import RedisServer
+from limiter.breaker import CircuitBreaker
 from limiter.fairness import DEFAULT_LAG, MAX_CHARGE, SCALE
-from limiter.stores import Fairness, MemoryFairness, RedisFairness, StoreUnavailable
+from limiter.fairqueue import Offer
+from limiter.stores import (
+    FailoverFairness,
+    Fairness,
+    MemoryFairness,
+    RedisFairness,
+    StoreUnavailable,
+)
 from tests.limiter_support import fairness_step, fairness_steps
 from tests.unit.limiter.test_fairness import (
     INTERACTIVE,
@@ -209,3 +218,53 @@ async def test_redis_errors_become_store_unavailable() -> None:
                 await call
         await fair.close()
     assert isinstance(fair, Fairness)
+
+
+# --- a paused Redis: the failover's breaker, and choices that timed out ---------------------
+
+
+async def test_choices_a_paused_redis_runs_late_charge_only_what_was_served(
+    redis_server: RedisServer,
+) -> None:
+    """A choice that timed out runs in Redis once it answers: it is undone there and the
+    request the fallback dispatched is charged instead. After ``breaker_failures`` timeouts
+    the breaker keeps decisions from waiting on Redis at all."""
+    redis_server.flushall()
+    client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.1,
+                                     socket_connect_timeout=0.1, retry=Retry(NoBackoff(), 0))
+    fair = FailoverFairness(shared(client), 0.1, breaker=CircuitBreaker(3, 60_000))
+    for tenant in "AB":
+        await fair.activate(tenant)
+    for n in range(5):  # A far ahead in Redis: Redis would pick B, the fallback takes turns
+        await fair.shared.choose(offers(req(f"a-{n}", "A", 1000, band=1)))
+    before = await fair.shared.counters()
+    queue = {t: [req(f"{t}{n}", t, 100, at=n, weight=1, band=1) for n in range(6)] for t in "AB"}
+    served = {"A": 0.0, "B": 0.0}
+    redis_server.pause()
+    try:
+        start = time.monotonic()
+        for n in range(6):
+            chosen = await fair.choose([Offer(q[0], 1, True) for q in queue.values()])
+            assert chosen is not None
+            queue[chosen.tenant].remove(chosen)
+            if n < 3:  # the breaker's 3 failures reached Redis; the rest stayed local
+                served[chosen.tenant] += chosen.cost
+        assert time.monotonic() - start < 0.5  # 3 waits of 100 ms, not 6
+    finally:
+        redis_server.resume()
+    for _ in range(50):
+        await asyncio.sleep(0.05)
+        if not fair._undos:
+            break
+    after = await fair.shared.counters()
+    assert {t: after[t] - before[t] for t in "AB"} == served
+    assert served["A"] and served["B"]
+    # an undo sent again changes nothing; a choice undone before it runs writes nothing
+    assert await fair.shared.undo("never-ran", None) is False
+    assert await fair.shared.undo("never-ran", None) is False
+    x = req("x", "A", 100, weight=1, band=1)
+    assert await fair.shared.choose([Offer(x, 1, True), Offer(req("y", "B", 1, band=1), 1, True)],
+                                    "never-ran") is None
+    assert await fair.shared.counters() == after
+    await fair.close()
+    await client.aclose()
