@@ -35,6 +35,10 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
 
+# the longest duration a config may give: Envoy's own end at 10,000 years, and a larger
+# timedelta cannot be made at all (`kvgate render-envoy` failed with a traceback)
+MAX_DURATION_S = 10 * 365 * 86400  # ten years
+
 # how long before Envoy's message timeout every wait kvgate holds must end: Envoy's timer
 # starts when it sends the message, kvgate's deadline when the request is queued, and
 # kvgate's refusal (503 or 429 with Retry-After) must reach Envoy before Envoy's own 504
@@ -43,9 +47,11 @@ TIMEOUT_MARGIN_S = 1.0
 
 class _Strict(BaseModel):
     """Unknown keys are errors: a typo in a limit must not silently mean 'unlimited'. A key
-    an earlier release had says what became of it (``REMOVED``)."""
+    an earlier release had says what became of it (``REMOVED``). Numbers are finite: YAML's
+    ``.inf`` passed every ``gt``/``ge`` bound and then failed `kvgate serve` (a traceback
+    building the rate) or `kvgate render-envoy`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     REMOVED: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
@@ -297,7 +303,8 @@ class Dns(_Strict):
 
     hostname: str = Field(min_length=1)
     port: int = Field(gt=0, lt=65536)
-    interval_s: PositiveFloat = Field(5.0, description="how often to re-resolve")
+    interval_s: PositiveFloat = Field(5.0, le=MAX_DURATION_S,
+                                      description="how often to re-resolve")
 
 
 class Watermarks(_Strict):
@@ -726,14 +733,16 @@ class EnvoySettings(_Strict):
         None, description="TLS to kvgate (set when server.tls is); null = plaintext"
     )
     message_timeout_s: PositiveFloat = Field(
-        1000, description="per ext_proc message; must outlast the longest queueing"
+        1000, le=MAX_DURATION_S, description="per ext_proc message; must outlast the longest "
+        "queueing"
     )
     route_timeout_s: float = Field(
-        0, ge=0, description="whole upstream request; 0 = none (long generations)"
+        0, ge=0, le=MAX_DURATION_S, description="whole upstream request; 0 = none (long "
+        "generations)"
     )
-    connect_timeout_s: PositiveFloat = 2.0
+    connect_timeout_s: PositiveFloat = Field(2.0, le=MAX_DURATION_S)
     request_headers_timeout_s: PositiveFloat = Field(
-        10, description="a client must send its request headers within this, or Envoy "
+        10, le=MAX_DURATION_S, description="a client must send its request headers within this, or Envoy "
         "answers 408 and closes: a client trickling headers cannot hold a connection open"
     )
     max_heap_mb: int = Field(

@@ -333,3 +333,25 @@ def test_a_redis_prefix_with_a_brace_is_refused():
     assert found == ["redis.prefix: '{x}' has a brace: the prefix is part of each tenant's "
                      "hash tag ({prefix:tenant}), and a brace in it would put every tenant's "
                      "keys on one Redis Cluster slot"]
+
+
+def test_infinite_and_out_of_range_numbers_are_problems_not_tracebacks(tmp_path):
+    """YAML's .inf passed every gt/ge bound: `kvgate check` said OK, then `kvgate serve`
+    failed building the rate and `kvgate render-envoy` making a timedelta (tracebacks); a
+    finite duration past Envoy's range rendered a bootstrap Envoy refused."""
+    data = {**GOOD, "tiers": {"gold": {"weight": float("inf"),
+                                       "limits": {"requests_per_second": float("inf")}}},
+            "envoy": {"message_timeout_s": float("inf"), "route_timeout_s": 4e11,
+                      "connect_timeout_s": 1e300}}
+    assert problems(data) == [
+        "envoy.message_timeout_s: Input should be a finite number",
+        "envoy.route_timeout_s: Input should be less than or equal to 315360000",
+        "envoy.connect_timeout_s: Input should be less than or equal to 315360000",
+        "tiers.gold.weight: Input should be a finite number",
+        "tiers.gold.limits.requests_per_second: Input should be a finite number",
+    ]
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(GOOD) + "envoy: {route_timeout_s: .inf}\n")
+    assert main(["render-envoy", str(path), "-o", str(tmp_path / "envoy.yaml")]) == 2
+    assert not (tmp_path / "envoy.yaml").exists()
+
