@@ -29,7 +29,7 @@ from pydantic import (
 
 from extproc import yaml_input
 from extproc.config_check import explain
-from limiter.fairness import DEFAULT_LAG
+from limiter.fairness import DEFAULT_LAG, MIN_WEIGHT
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -140,7 +140,8 @@ Overflow = Literal["queue", "reject", "degrade"]
 
 
 class Tier(_Strict):
-    weight: PositiveFloat = 1.0
+    weight: float = Field(1.0, ge=MIN_WEIGHT, description="share under contention (fair "
+                          "queue); at least 0.000001")
     limits: Limits = Limits()
     overflow: Overflow = Field(
         "queue", description="a request the busy pool cannot place now: 'queue' waits in the "

@@ -38,6 +38,7 @@ from extproc.rejections import RecentRejections
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tenants import Tenants
 from limiter.decision import never_fits
+from limiter.fairness import max_price
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
 from limiter.stores import LimiterStore, MemoryFairness
@@ -378,7 +379,7 @@ class Director:
             if isinstance(waited, Reject):
                 self.leases.closed(lease_id)
                 return waited
-            placed, charged = waited, self._price(route.cost)
+            placed, charged = waited, self._price(route.cost, weight)
         return Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
@@ -434,7 +435,7 @@ class Director:
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
         item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens,
                              self.tenants.weight(tenant), now, deadline,
-                             price=self._price(route.cost))
+                             price=self._price(route.cost, self.tenants.weight(tenant)))
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
                         route.queued_for, prompt_tokens=route.cost.prompt_tokens,
                         streamed=route.streamed)
@@ -449,9 +450,13 @@ class Director:
             self.store.release_soon(tenant.name, policy, lease_id, 0)
         return placed
 
-    def _price(self, cost: Cost) -> int:
-        """What the fair order charges: prompt and (reserved) output at their prices."""
-        return self.config.queue.price(cost.prompt_tokens, cost.max_output_tokens)
+    def _price(self, cost: Cost, weight: float) -> int:
+        """What the fair order charges: prompt and (reserved) output at their prices, at
+        most what one charge may add to the counter of a tenant of ``weight``
+        (``max_price``): a larger one raised in the dispatcher, on every try, and the pool's
+        queue placed no one (of any tenant) until that request's deadline."""
+        return min(self.config.queue.price(cost.prompt_tokens, cost.max_output_tokens),
+                   max_price(weight))
 
     def _place(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, band: int
@@ -507,8 +512,9 @@ class Director:
                                     admission.lease_id, used_tokens)
             if admission.charged is not None and used_tokens is not None and (
                     output_tokens is not None):
-                real = self.config.queue.price(max(0, used_tokens - output_tokens),
-                                               output_tokens)
+                real = min(self.config.queue.price(max(0, used_tokens - output_tokens),
+                                                   output_tokens),
+                           max_price(admission.charged_weight))
                 await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
                                                          admission.charged_weight)
         finally:

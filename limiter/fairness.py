@@ -57,8 +57,8 @@ from collections.abc import Iterable, Sequence
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.rates import require_int
 
-__all__ = ["DEFAULT_LAG", "MAX_CHARGE", "REBASE_AT", "SCALE", "VirtualCounters", "charge_of",
-           "pick", "units"]
+__all__ = ["DEFAULT_LAG", "MAX_CHARGE", "MIN_WEIGHT", "REBASE_AT", "SCALE", "VirtualCounters",
+           "charge_of", "max_price", "pick", "units"]
 
 SCALE = 1000
 """Counter units per token per unit of weight."""
@@ -73,6 +73,18 @@ DEFAULT_LAG = 2048
 def units(tokens: int, weight: float) -> int:
     """``tokens`` (may be negative) in counter units for a tenant of ``weight``."""
     return round(tokens * SCALE / weight)
+
+
+MIN_WEIGHT = 1e-6
+"""The smallest weight a tenant may have: one whose :func:`max_price` is a token at least
+(a thousand, in fact), so its requests are never charged less than other tenants'."""
+
+
+def max_price(weight: float) -> int:
+    """The largest price in tokens one request of a tenant of ``weight`` may be charged:
+    :func:`charge_of` refuses more than ``MAX_CHARGE`` units. A caller pricing requests caps
+    them at this (a huge request, a tiny weight), rather than have the choice raise."""
+    return int(MAX_CHARGE * weight) // SCALE
 
 
 def price_of(item: QueuedRequest) -> int:

@@ -355,3 +355,8 @@ def test_infinite_and_out_of_range_numbers_are_problems_not_tracebacks(tmp_path)
     assert main(["render-envoy", str(path), "-o", str(tmp_path / "envoy.yaml")]) == 2
     assert not (tmp_path / "envoy.yaml").exists()
 
+
+def test_a_tier_weight_too_small_for_the_fair_counters_is_a_problem():
+    data = {**GOOD, "tiers": {"gold": {"weight": 1e-9}}}
+    assert problems(data) == ["tiers.gold.weight: Input should be greater than or equal to "
+                              "0.000001"]

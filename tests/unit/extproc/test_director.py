@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
@@ -174,3 +175,43 @@ async def test_unknown_model_is_404(model):
     with pytest.raises(BadRequest) as info:
         await director.admit(director.authenticate(f"Bearer {KEY}"), request(model=model))
     assert info.value.status == 404
+
+
+async def test_a_request_too_costly_for_its_tenants_weight_does_not_wedge_the_queue():
+    """price · 1000 / weight past the fair counters' range raised in the dispatcher on every
+    try: nobody in the pool was placed until that request's deadline (503 for all)."""
+    cfg = parse_config({
+        "tiers": {"tiny": {"weight": 0.0001}, "normal": {}},
+        "classes": {"interactive": {"priority": 0, "deadline_s": 5}, "batch": {"priority": 1}},
+        "tenants": [{"name": "small", "tier": "tiny", "api_keys": [hash_api_key("k1")]},
+                    {"name": "big", "tier": "normal", "api_keys": [hash_api_key("k2")]}],
+        "pools": [{"name": "p", "models": ["m"], "endpoints": ["127.0.0.1:1"],
+                   "max_unstarted": None}],
+    })
+    endpoints = EndpointStore()
+    await endpoints.set_endpoints("p", ["127.0.0.1:1"])
+
+    async def scrape(usage):
+        await endpoints.apply([ScrapeResult("127.0.0.1:1", time.monotonic(), EngineMetrics(
+            kv_cache_usage=usage, kv_capacity_tokens=10_000_000, num_requests_running=0,
+            num_requests_waiting=0))])
+
+    await scrape(0.99)  # saturated: both queue
+    director = build_director(cfg, MemoryStore(), endpoints)
+    director.flows["p"].start()
+    body = parse_body("/v1/chat/completions", orjson.dumps(
+        {"model": "m", "max_tokens": 60_000, "messages": [{"content": "x"}]}))
+    tasks = [asyncio.create_task(director.admit(director.authenticate(f"Bearer {key}"), body))
+             for key in ("k1", "k2")]
+    await asyncio.sleep(0.2)
+    await scrape(0.0)
+    director.kick("p")
+    try:
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    finally:
+        await director.flows["p"].stop()
+    assert all(isinstance(o, Admission) for o in outcomes), outcomes
+    for outcome in outcomes:
+        await director.release(outcome, None)
+    scheduler = director.schedulers["p"]
+    assert not scheduler.reservations and not any(scheduler.committed.values())
