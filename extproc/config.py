@@ -726,8 +726,21 @@ class ExtProcTls(_Strict):
 class EnvoySettings(_Strict):
     """What ``kvgate render-envoy`` puts into the Envoy bootstrap."""
 
-    listen_host: str = "127.0.0.1"
+    listen_host: str = Field("127.0.0.1", description="the address Envoy's listener binds: "
+                             "an IP address (Envoy refuses a name there)")
     listen_port: int = Field(10000, ge=0, lt=65536)
+
+    @field_validator("listen_host")
+    @classmethod
+    def _listen_ip(cls, value: str) -> str:
+        """A name (``localhost``) passed `kvgate check` and rendered a bootstrap Envoy
+        refused to start on: "malformed IP address"."""
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address: Envoy's listener binds an "
+                             "address, not a name (127.0.0.1, 0.0.0.0, ::)") from None
+        return value
     admin_port: int = Field(9901, ge=0, lt=65536)
     ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate")
     ext_proc_tls: ExtProcTls | None = Field(

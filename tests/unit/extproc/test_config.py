@@ -360,3 +360,13 @@ def test_a_tier_weight_too_small_for_the_fair_counters_is_a_problem():
     data = {**GOOD, "tiers": {"gold": {"weight": 1e-9}}}
     assert problems(data) == ["tiers.gold.weight: Input should be greater than or equal to "
                               "0.000001"]
+
+
+def test_envoys_listen_host_must_be_an_ip_address():
+    """Envoy refuses a name there ("malformed IP address"): `kvgate check` said OK and
+    `kvgate render-envoy` wrote a bootstrap Envoy would not start on."""
+    assert problems({**GOOD, "envoy": {"listen_host": "localhost"}}) == [
+        "envoy.listen_host: 'localhost' is not an IP address: Envoy's listener binds an "
+        "address, not a name (127.0.0.1, 0.0.0.0, ::)"]
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        assert parse_config({**GOOD, "envoy": {"listen_host": host}}).envoy.listen_host == host
