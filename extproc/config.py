@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -54,6 +55,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     REMOVED: ClassVar[dict[str, str]] = {}
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic reads true as 1 for a number, and YAML reads yes, on and true as true:
+        ``max_concurrency: yes`` was a limit of 1, without a word."""
+        if isinstance(value, bool) and info.field_name is not None and _numeric_only(
+                cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{str(value).lower()} is a boolean (YAML reads yes, no, on and "
+                             "off as booleans); give a number")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _removed(cls, data: Any) -> Any:
@@ -61,6 +73,16 @@ class _Strict(BaseModel):
         if gone:
             raise ValueError("; ".join(f"{key}: removed, {cls.REMOVED[key]}" for key in gone))
         return data
+
+
+@functools.cache
+def _numeric_only(annotation: Any) -> bool:
+    """Whether a field takes numbers but no boolean (``int | None`` does, ``bool`` not)."""
+    def kinds(hint: Any) -> set[Any]:
+        return {hint} | {kind for arg in get_args(hint) for kind in kinds(arg)}
+
+    found = kinds(annotation)
+    return bool(found & {int, float}) and bool not in found
 
 
 class SlidingWindow(_Strict):

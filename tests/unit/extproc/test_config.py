@@ -370,3 +370,16 @@ def test_envoys_listen_host_must_be_an_ip_address():
         "address, not a name (127.0.0.1, 0.0.0.0, ::)"]
     for host in ("0.0.0.0", "::", "10.1.2.3"):
         assert parse_config({**GOOD, "envoy": {"listen_host": host}}).envoy.listen_host == host
+
+
+def test_a_boolean_is_no_number():
+    """YAML reads yes/on/true as true and pydantic read true as 1: `max_concurrency: yes`
+    was a limit of 1, `kvgate check` saying OK. Boolean fields still take booleans."""
+    data = {**GOOD, "tiers": {"gold": {"limits": {"max_concurrency": True}}},
+            "server": {"reload_poll_s": False},
+            "pools": [{**GOOD["pools"][0], "priority_scheduling": True, "max_in_flight": True}]}
+    assert problems(data) == [
+        f"{path}: {value} is a boolean (YAML reads yes, no, on and off as booleans); give a "
+        "number" for path, value in (("server.reload_poll_s", "false"),
+                                     ("tiers.gold.limits.max_concurrency", "true"),
+                                     ("pools[0].max_in_flight", "true"))]
