@@ -778,8 +778,9 @@ class EnvoySettings(_Strict):
     )
     connect_timeout_s: PositiveFloat = Field(2.0, le=MAX_DURATION_S)
     request_headers_timeout_s: PositiveFloat = Field(
-        10, le=MAX_DURATION_S, description="a client must send its request headers within this, or Envoy "
-        "answers 408 and closes: a client trickling headers cannot hold a connection open"
+        10, le=MAX_DURATION_S, description="a client must send its request headers within "
+        "this, or Envoy answers 408 and closes: a client trickling headers cannot hold a "
+        "connection open"
     )
     max_heap_mb: int = Field(
         1024, ge=32, description="Envoy's heap cap (MiB; set it to about 75% of the memory "
