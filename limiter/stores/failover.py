@@ -122,6 +122,9 @@ class _Held:
     policy: TenantPolicy
     place: str  # "primary" | "local" | "open"
     unsure: bool = False
+    # a re-assert of it got no answer, so it may still land in Redis: its release goes
+    # there too, wherever it counts now
+    reasserted: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -323,6 +326,8 @@ class FailoverStore:
                       _Owed(tenant, policy, cancel=False, used_tokens=used_tokens, usage=True))
         if held.unsure:  # whatever reached Redis for it is undone there
             self._owe(lease_id, _Owed(tenant, policy, cancel=True))
+        elif held.reasserted and held.place != "primary":  # (see _unanswered)
+            self._owe(lease_id, _Owed(tenant, policy, cancel=False))
         return held
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
@@ -530,6 +535,8 @@ class FailoverStore:
                 for (_tenant, ids), result in zip(batch, results, strict=True):
                     if isinstance(result, BaseException):  # its shard is down: next round
                         failed = failed or result
+                        for lease_id in ids:
+                            self._unanswered(lease_id, held[lease_id])
                         continue
                     for lease_id in ids:  # in Redis now, whatever another shard does
                         await self._adopt(lease_id, held[lease_id])
@@ -542,6 +549,16 @@ class FailoverStore:
                 self._moved |= tenants
             self._need_repair()  # (also when the admission path's own re-assert timed out)
             raise
+
+    def _unanswered(self, lease_id: str, held: _Held) -> None:
+        """A re-assert of ``lease_id`` got no answer: it may still run in Redis (a slow or
+        paused Redis runs what it was sent) and put the lease back after its release, which
+        then held its slot until the lease TTL. One released meanwhile is released there
+        again; one still held is released there too when it ends."""
+        if self._held.get(lease_id) is held:
+            held.reasserted = True
+        else:
+            self._owe(lease_id, _Owed(held.tenant, held.policy, cancel=held.unsure))
 
     async def _adopt(self, lease_id: str, held: _Held) -> None:
         """A re-asserted lease counts in Redis now; one released meanwhile is released there

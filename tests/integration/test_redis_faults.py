@@ -49,6 +49,15 @@ def server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+async def raw_debug() -> AsyncIterator[tuple[RedisServer, aioredis.Redis]]:
+    """A server that takes ``DEBUG SLEEP`` (busy, not stopped: what it was sent runs after)."""
+    with RedisServer(extra_args=("--enable-debug-command", "yes")) as srv:
+        client = aioredis.Redis.from_url(srv.url, socket_timeout=5)
+        yield srv, client
+        await client.aclose()
+
+
+@pytest.fixture
 async def raw(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(server.url, socket_timeout=5)
     yield client
@@ -361,6 +370,39 @@ async def test_renewal_puts_back_leases_redis_lost(server, raw):
         assert await store.release("acme", SLOW, lease_id, 1)
     await settle(store)
     assert not await raw.zcard(store.primary.keys("acme")[4])
+    await store.close()
+
+
+async def test_a_reassert_answered_late_leaves_no_lease_released_meanwhile(raw_debug):
+    """A re-assert that got no answer in time still runs once Redis answers (a busy Redis
+    runs what it was sent): a lease released meanwhile, here one the fallback admitted while
+    the breaker was open, must not be left in Redis (under ``DEBUG SLEEP`` and load, two
+    leases were once left there, holding their slots until the lease TTL)."""
+    server, raw = raw_debug
+    store = failover(server, "local")
+    first = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, first), Admit)
+    leases_key = store.primary.keys("acme")[4]
+    await store.renew("acme", [first])  # the renewal script loaded (else: NOSCRIPT, late)
+    busy = asyncio.create_task(raw.execute_command("DEBUG", "SLEEP", "1"))
+    await asyncio.sleep(0.05)
+    for _ in range(3):  # renewals that fail: the breaker opens, nothing is owed
+        await store.renew("acme", [first])
+    local = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, local), Admit)
+    assert store.debug()["held"][local] == "local"
+    await asyncio.sleep(0.3)  # the repair loop's re-asserts time out, and run after the sleep
+    assert await store.release("acme", SLOW, local, 1)
+    await busy
+    for _ in range(100):  # the repairs: what is owed sent, the held lease re-asserted
+        debug = store.debug()
+        if not debug["owed"] and not debug["reassert"]:
+            break
+        await asyncio.sleep(0.02)
+    assert await raw.zrange(leases_key, 0, -1) == [first.encode()]
+    assert await store.release("acme", SLOW, first, 1)
+    await settle(store)
+    assert not await raw.zcard(leases_key)
     await store.close()
 
 
