@@ -469,10 +469,15 @@ class _Reading:
     def total(self, families: Families) -> int | None:
         """A count's total over engines; None when the body had none.
 
-        Finite values can still add up to infinity, which ``round`` would raise on.
+        Finite values can still add up to infinity, which ``round`` would raise on. A
+        negative count (a gauge that underflowed) is a problem, not a count: the scheduler
+        divides by the largest waiting or running count plus one, which -1 makes zero.
         """
         picked = self.per_group(families)
         if picked is None:
+            return None
+        if (least := min(picked[1].values())) < 0:
+            self.problems.append(f"{picked[0]} is {least}, not a count")
             return None
         total = sum(picked[1].values())
         if math.isfinite(total):

@@ -30,6 +30,7 @@ from extproc.datalayer.metrics import (
     CACHE_CONFIG,
     KV_USAGE,
     RUNNING,
+    WAITING,
     WANTED,
     EngineMetrics,
     Sample,
@@ -281,6 +282,18 @@ def test_sums_and_capacities_that_would_overflow_are_problems_not_exceptions() -
     result = parse_vllm_metrics(body)
     assert result.kv_capacity_tokens == 8 and result.kv_cache_usage == 0.5
     assert result.kv_used_tokens == 4
+
+
+def test_a_negative_count_is_a_problem_not_a_count() -> None:
+    """A gauge that underflowed (-1 waiting, -1 running) made the scheduler's ranking divide
+    by zero (its largest count plus one): every placement on two such endpoints failed."""
+    body = (f'{RUNNING}{{engine="0"}} -1\n{RUNNING}{{engine="1"}} 2\n'
+            f"{WAITING}{ENGINE} -1\n{KV_USAGE}{ENGINE} 0.25\n")
+    result = parse_vllm_metrics(body)
+    assert (result.num_requests_running, result.num_requests_waiting) == (None, None)
+    assert result.kv_cache_usage == 0.25
+    assert any(p.endswith("is -1.0, not a count") for p in result.problems)
+    assert parse_vllm_metrics(f"{WAITING}{ENGINE} -0\n").num_requests_waiting == 0
 
 
 def test_no_names_reads_nothing() -> None:
