@@ -548,9 +548,12 @@ class PoolScheduler:
         """A scrape round ended: read what it says about the requests sent (started, the
         engine's sequence limit, its queue) now rather than at the next placement, which
         may come long after (the last of a burst would otherwise be seen started only at
-        its end, and a start read late makes the learned decode rate too fast)."""
+        its end, and a start read late makes the learned decode rate too fast). A pool
+        that is not KV-aware builds no view, so it forgets endpoints gone here."""
         if self.config.kv_aware:
             self._view(snapshot)
+        else:
+            self._forget_gone({s.address for s in snapshot.endpoints(self.config.name)})
 
     def _view(self, snapshot: StoreSnapshot) -> _PoolView:
         """The pool's endpoints as of ``snapshot``, built once per snapshot (a scrape round

@@ -807,3 +807,19 @@ def test_endpoints_dns_dropped_are_forgotten_once_nothing_runs_there():
               sched.prefill_tokens, sched.seq_caps)
     assert all(old not in table for table in tables)
     assert new in sched.seq_caps
+
+
+def test_a_pool_that_is_not_kv_aware_forgets_endpoints_dns_dropped_too():
+    """Such a pool places by in-flight count and never builds a view of a snapshot, where
+    gone endpoints were forgotten: each rollout's old addresses stayed in its tables."""
+    sched = scheduler(kv_aware=False)
+    old, new = "10.0.0.1:8000", "10.0.0.2:8000"
+    assert place(sched, snapshot(state(old, 0.1))).endpoints == [old]
+    sched.reserve("r1", "a", old, 100, NOW, prompt_tokens=50)
+    sched.observe(StoreSnapshot(2, {"p": {new: state(new, 0.1)}}))
+    assert sched.in_flight[old] == 1  # still running there: kept
+    sched.release("r1", NOW + 1)
+    sched.observe(StoreSnapshot(3, {"p": {new: state(new, 0.1)}}))
+    tables = (sched.by_endpoint, sched.in_flight, sched.unstarted, sched.committed,
+              sched.prefill_tokens)
+    assert all(old not in table for table in tables)
