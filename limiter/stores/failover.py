@@ -726,6 +726,17 @@ class FailoverStore:
         return scaled
 
 
+def _log_fairness_breaker(transition: Transition | None,
+                          error: BaseException | None = None) -> None:
+    """One line per change, as the store's breaker logs its own: an operator sees when the
+    fair order went local and when it came back."""
+    if transition is not None:
+        level = logging.INFO if transition.new == "closed" else logging.WARNING
+        log.log(level, "fair queue breaker %s → %s (each replica orders by its own counters "
+                "while it is open)%s", transition.old, transition.new,
+                f": {error!r}" if error else "")
+
+
 class FailoverFairness:
     """Fair-queue counters in Redis (one global weighted order across replicas), falling back
     to this process's own counters while Redis is unreachable, so dispatch never stalls.
@@ -750,15 +761,17 @@ class FailoverFairness:
     async def _try(self, call: Callable[[], Awaitable[Any]]) -> tuple[bool, Any, bool]:
         """(answered, result, asked): ``asked`` is False when the breaker skipped the call
         (it never reached Redis)."""
-        if not self.breaker.allow(self.clock_ms())[0]:
+        allowed, transition = self.breaker.allow(self.clock_ms())
+        _log_fairness_breaker(transition)
+        if not allowed:
             return False, None, False
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await call()
-        except (StoreUnavailable, TimeoutError):
-            self.breaker.failure(self.clock_ms())
+        except (StoreUnavailable, TimeoutError) as error:
+            _log_fairness_breaker(self.breaker.failure(self.clock_ms()), error)
             return False, None, True
-        self.breaker.success()
+        _log_fairness_breaker(self.breaker.success())
         return True, result, True
 
     async def activate(self, tenant: str) -> None:

@@ -224,7 +224,7 @@ async def test_redis_errors_become_store_unavailable() -> None:
 
 
 async def test_choices_a_paused_redis_runs_late_charge_only_what_was_served(
-    redis_server: RedisServer,
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A choice that timed out runs in Redis once it answers: it is undone there and the
     request the fallback dispatched is charged instead. After ``breaker_failures`` timeouts
@@ -250,6 +250,7 @@ async def test_choices_a_paused_redis_runs_late_charge_only_what_was_served(
             if n < 3:  # the breaker's 3 failures reached Redis; the rest stayed local
                 served[chosen.tenant] += chosen.cost
         assert time.monotonic() - start < 0.5  # 3 waits of 100 ms, not 6
+        assert "fair queue breaker closed → open" in caplog.text
     finally:
         redis_server.resume()
     for _ in range(50):
