@@ -40,7 +40,7 @@ from extproc.tenants import Tenants
 from limiter.decision import never_fits
 from limiter.fairness import max_price
 from limiter.fairqueue import QueuedRequest
-from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject
+from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject, refuse
 from limiter.stores import LimiterStore, MemoryFairness
 
 Watch = Callable[[], AbstractContextManager[None]]
@@ -84,6 +84,23 @@ class Route:
     streamed: bool = True  # its first token is seen before it ends
 
 
+# Retry-After for a request refused because this process is shutting down while it waited
+# in the queue: another replica (or this one restarted) takes it (a held one gets the rest
+# of its wait, after which its tenant's shaper had sent it)
+SHUTDOWN_RETRY_MS = 1000
+
+
+def _resolve(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _shutting_down(retry_after_ms: int) -> Reject:
+    """The 503 for a request still waiting when the shutdown's grace passed."""
+    return refuse(Reason.SATURATED, "this gateway replica is shutting down; retry",
+                  max(1, retry_after_ms))
+
+
 class Director:
     def __init__(
         self,
@@ -124,6 +141,10 @@ class Director:
         # tenant → its requests between the start of their admission and the end of their
         # release (or refusal): a tenant a reload removed is not forgotten while it has one
         self._busy: dict[str, int] = {}
+        # shaped requests waiting for their departure slot: a shutdown's grace wakes them
+        # (``refuse_waiting``) to answer them rather than leave gRPC to cut them
+        self._holds: set[asyncio.Future[bool]] = set()
+        self._refusing_waits = False  # set once the shutdown's grace has passed
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration's live sections (``extproc.reload.LIVE``: tenants,
@@ -407,7 +428,11 @@ class Director:
         try:
             if decision.hold_ms:
                 with watch():
-                    await asyncio.sleep(decision.hold_ms / 1000)
+                    left_ms = await self._hold(decision.hold_ms)
+                if left_ms is not None:  # shutting down: answered, its slot given back
+                    self.leases.closed(lease_id)
+                    self.store.release_soon(tenant.name, policy, lease_id, 0)
+                    return _shutting_down(left_ms)
             route = route_now()
             if isinstance(route, Reject):
                 outcome: Admission | Reject = route
@@ -425,12 +450,47 @@ class Director:
             self.leases.closed(lease_id)
         return outcome
 
+    async def _hold(self, hold_ms: int) -> int | None:
+        """Wait ``hold_ms`` for a departure slot; None once it came, or the ms still to go
+        when a shutdown's grace passed first (``refuse_waiting``): the request is then
+        answered, not cut."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + hold_ms / 1000
+        if not self._refusing_waits:
+            held: asyncio.Future[bool] = loop.create_future()
+            timer = loop.call_later(hold_ms / 1000, _resolve, held, False)
+            self._holds.add(held)
+            try:
+                if not await held:
+                    return None
+            finally:
+                timer.cancel()
+                self._holds.discard(held)
+        return max(0, round((until - loop.time()) * 1000))
+
+    def refuse_waiting(self) -> int:
+        """Shutdown, once the grace has passed: answer every request still waiting — held
+        for its departure slot, or in a pool's queue — with a 503 and its Retry-After, and
+        any that comes to wait from now on. They were never sent upstream; gRPC would
+        otherwise cut their streams a moment later, and their clients got Envoy's bare
+        "admission control is unavailable" 503 with no Retry-After. Returns how many."""
+        self._refusing_waits = True
+        refused = sum(flow.refuse_all("shutting down") for flow in self.flows.values())
+        for held in list(self._holds):
+            if not held.done():
+                held.set_result(True)
+                refused += 1
+        return refused
+
     async def _wait(
         self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, watch: Watch
     ) -> Placement | Reject:
         """Queue until the dispatcher reserves KV under ``lease_id`` or the class deadline
         passes; the tenant's limits are given back in full if it never runs."""
         flow = self.flows[route.scheduler.config.name]
+        if self._refusing_waits:  # shutting down: it would be cut before a place frees
+            self.store.release_soon(tenant.name, self.tenants.policy(tenant), lease_id, 0)
+            return _shutting_down(SHUTDOWN_RETRY_MS)
         now = flow.clock_ms()
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
         item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens,

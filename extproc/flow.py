@@ -130,9 +130,18 @@ class FlowController:
 
     async def stop(self) -> None:
         await cancel(self._task)
-        for item in list(self.queue.items()):
+        self.refuse_all("shutting down")
+
+    def refuse_all(self, why: str) -> int:
+        """Answer every queued request with its refusal (a shutdown: at the end of the
+        grace, while their streams are still open to carry it); returns how many."""
+        items = list(self.queue.items())
+        for item in items:
             self.queue.remove(item.id)
-            self._answer(item, self._refusal(item, "shutting down"), "shutdown")
+            self._answer(item, self._refusal(item, why), "shutdown")
+        if items:
+            self._gauge()
+        return len(items)
 
     async def _run(self) -> None:
         while True:

@@ -577,7 +577,10 @@ class KvgateServer:
         stopping = asyncio.ensure_future(server.stop(grace + CUT_MARGIN_S if grace else 0))
         done, _ = await asyncio.wait({stopping}, timeout=grace)
         if not done and self._processor is not None:
-            self._processor.cut = len(self._processor.open)
+            # requests still queued or held for their slot were never sent upstream: they
+            # get kvgate's 503 with its Retry-After in the margin, not a cut stream
+            refused = self.director.refuse_waiting()
+            self._processor.cut = max(0, len(self._processor.open) - refused)
         await stopping
 
     async def serve_forever(self) -> None:
