@@ -22,6 +22,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MAX_DEBT_SCALED = 2**51
+"""The deepest a bucket's debt goes, in scaled units: the Redis scripts saturate there
+(``LMAX``, to stay exact in Lua doubles), so the in-memory bucket does too, or the two
+stores answer a huge charge on a slow rate with waits years apart."""
+
+
 def bucket_view(capacity: int, rate: Rate, level_scaled: int) -> tuple[int, int, int]:
     """``(capacity, available, reset_ms)`` of a bucket at a known scaled level (a pure
     function, so the numbers can be taken later from a level remembered now)."""
@@ -107,7 +113,8 @@ class TokenBucket:
         if type(amount) is not int or amount < 0:
             require_int("amount", amount, 0)
         self._advance(now_ms)
-        self.level_scaled -= amount * self.rate.period_ms
+        self.level_scaled = max(-MAX_DEBT_SCALED,
+                                self.level_scaled - amount * self.rate.period_ms)
 
     def reset_ms(self, now_ms: int) -> int:
         """Ms until the bucket is full again (``x-ratelimit-reset-*``)."""
@@ -126,7 +133,8 @@ class TokenBucket:
         # Floor division rounds debt further down: a reload never hands out free tokens.
         level = self.level_scaled * rate.period_ms // self.rate.period_ms
         self.rate, self.capacity = rate, capacity
-        self.level_scaled = self.full_scaled if was_full else min(level, self.full_scaled)
+        self.level_scaled = (self.full_scaled if was_full
+                             else max(-MAX_DEBT_SCALED, min(level, self.full_scaled)))
 
 
 class SlidingWindow:

@@ -213,6 +213,27 @@ async def test_absurd_hits_are_answered_alike_in_redis_and_memory(hits, redis):
     assert runs[0] == runs[1]
 
 
+async def test_a_huge_debt_on_a_slow_rate_is_answered_alike_in_redis_and_memory(redis):
+    """7 an hour charged 2^32-1 hits: Redis saturates the debt at -2^51 scaled units, and
+    memory went on (a retry-after of ~70,000 years against Redis's ~10,000)."""
+    settings = RateLimitSettings.model_validate({"domains": [{"domain": "d", "descriptors": [
+        {"key": "slow", "rate_limit": {"unit": "hour", "requests_per_unit": 7, "debt": True}},
+    ]}]})
+    runs = []
+    for kind in ("memory", "redis"):
+        clock = Clock()
+        service = RateLimitService(settings, counters(kind, redis, clock), timeout_s=1)
+        answers = []
+        for hits in (2**32 - 1, 0, 1):
+            response = await ask(service, descriptor(("slow", "v"), hits=hits), domain="d")
+            answers.append((summary(response), [(h.key, h.value)
+                                                for h in response.response_headers_to_add]))
+            clock.now += 1000
+        runs.append(answers)
+        await service.close()
+    assert runs[0] == runs[1]
+
+
 async def test_a_call_timed_out_on_a_paused_redis_charges_nothing(redis):
     # hour-long windows: no window may roll over while Redis is paused, or "unchanged" is moot
     settings = RateLimitSettings.model_validate(json.loads(json.dumps(ALGORITHMS).replace(

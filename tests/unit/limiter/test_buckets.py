@@ -118,6 +118,19 @@ def test_token_bucket_refund_capped_and_charge_into_debt() -> None:
     assert bucket.reset_ms(0) == 1500
 
 
+def test_token_bucket_debt_saturates_where_the_redis_script_does() -> None:
+    """An RLS debt rule of 7 an hour charged 2^32-1 hits: the Redis script stops the debt at
+    -2^51 scaled units (exact Lua doubles); memory went on, answering a wait 7x longer."""
+    from limiter.buckets import MAX_DEBT_SCALED
+
+    bucket = TokenBucket(Rate(7, 3_600_000), capacity=7, now_ms=0)
+    bucket.charge(2**32 - 1, 0)
+    assert bucket.level_scaled == -MAX_DEBT_SCALED
+    assert bucket.wait_ms(1, 0) == ceil_div(MAX_DEBT_SCALED + 3_600_000, 7)
+    bucket.reconfigure(Rate(1, 3_600_000), 7, 0)  # a reload keeps it within the bound too
+    assert bucket.level_scaled == -MAX_DEBT_SCALED
+
+
 def test_token_bucket_time_going_backwards_is_no_elapsed_time() -> None:
     bucket = TokenBucket(Rate(1, 100), capacity=10, now_ms=10_000)
     bucket.consume(10, 10_000)
