@@ -77,6 +77,26 @@ def redis_server() -> Iterator[RedisServer]:
         yield srv
 
 
+def queue_config(api_key: str, limits: dict[str, Any] | None = None,
+                 pool: dict[str, Any] | None = None) -> Any:
+    """One tenant (``acme``, ``api_key``) and one pool of one engine, with interactive and
+    batch classes of 30 s deadlines and no aging: the queueing tests' gateway."""
+    from extproc.config import hash_api_key, parse_config
+
+    return parse_config({
+        "server": {"grpc_port": free_port(), "admin_port": 0},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "scrape": {"interval_s": 0.05},
+        "queue": {"aging_s": None},
+        "classes": {"interactive": {"priority": 0, "deadline_s": 30},
+                    "batch": {"priority": 5, "deadline_s": 30}},
+        "tiers": {"t": {"limits": limits} if limits else {}},
+        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(api_key)]}],
+        "pools": [{"name": "one", "models": [{"name": "tiny-llama"}],
+                   "endpoints": [f"127.0.0.1:{free_port()}"], **(pool or {})}],
+    })
+
+
 def store_section(request: pytest.FixtureRequest, timeout_ms: int = 250) -> dict[str, Any]:
     """In a fixture parametrized ``["memory", "redis"]``: the config's ``redis`` section on
     the module's real redis-server for ``redis``, nothing (the in-memory store) for

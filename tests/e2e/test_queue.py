@@ -12,9 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port
+from tests.conftest import queue_config
 
 pytestmark = pytest.mark.e2e
 
@@ -29,19 +28,8 @@ ENGINE = {"ms_per_token": 20, "kv_blocks": 8, "block_size": 16}  # a request run
 
 @pytest.fixture(scope="module")
 def stack():
-    config = parse_config({
-        "server": {"grpc_port": free_port(), "admin_port": 0},
-        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
-        "scrape": {"interval_s": 0.05},
-        "queue": {"aging_s": None},
-        "classes": {"interactive": {"priority": 0, "deadline_s": 30},
-                    "batch": {"priority": 5, "deadline_s": 30}},
-        "tiers": {"t": {}},
-        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
-        "pools": [{"name": "one", "models": [{"name": "tiny-llama"}],
-                   "endpoints": [f"127.0.0.1:{free_port()}"], "priority_scheduling": True,
-                   "watermarks": {"high": 0.45, "critical": 0.45}}],
-    })
+    config = queue_config(KEY, pool={"priority_scheduling": True,
+                                     "watermarks": {"high": 0.45, "critical": 0.45}})
     with local_stack(config, engine_options=ENGINE) as running:
         yield running
 

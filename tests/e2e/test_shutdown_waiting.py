@@ -11,9 +11,8 @@ import time
 import httpx
 import pytest
 
-from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port
+from tests.conftest import queue_config
 
 pytestmark = pytest.mark.e2e
 
@@ -29,21 +28,6 @@ def send(url: str, n: int, results: dict[int, httpx.Response]) -> threading.Thre
     thread = threading.Thread(target=run)
     thread.start()
     return thread
-
-
-def config(limits: dict, engine: dict | None = None) -> object:
-    return parse_config({
-        "server": {"grpc_port": free_port(), "admin_port": 0},
-        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
-        "scrape": {"interval_s": 0.05},
-        "queue": {"aging_s": None},
-        "classes": {"interactive": {"priority": 0, "deadline_s": 30},
-                    "batch": {"priority": 5, "deadline_s": 30}},
-        "tiers": {"t": {"limits": limits}},
-        "tenants": [{"name": "acme", "tier": "t", "api_keys": [hash_api_key(KEY)]}],
-        "pools": [{"name": "one", "models": [{"name": "tiny-llama"}],
-                   "endpoints": [f"127.0.0.1:{free_port()}"], **(engine or {})}],
-    })
 
 
 def waiting_at_the_grace(stack, sent: int) -> list[httpx.Response]:
@@ -73,7 +57,7 @@ def assert_answered_by_kvgate(refused: list[httpx.Response], waiting: int) -> No
 
 
 def test_requests_held_by_the_shaper_at_the_grace_get_a_503_with_retry_after():
-    cfg = config({"shaping": {"requests_per_second": 0.2, "backlog": 5}})
+    cfg = queue_config(KEY, {"shaping": {"requests_per_second": 0.2, "backlog": 5}})
     with local_stack(cfg, engine_options={"ms_per_token": 1}) as stack:
         # the first departs at once, the next two are held 5 s and 10 s: past the grace
         assert_answered_by_kvgate(waiting_at_the_grace(stack, 3), 2)
@@ -81,8 +65,8 @@ def test_requests_held_by_the_shaper_at_the_grace_get_a_503_with_retry_after():
 
 def test_requests_in_the_fair_queue_at_the_grace_get_a_503_with_retry_after():
     # one request at a time fits the engine's KV (test_queue.py): the others queue
-    cfg = config({}, {"priority_scheduling": True,
-                      "watermarks": {"high": 0.45, "critical": 0.45}})
+    cfg = queue_config(KEY, pool={"priority_scheduling": True,
+                                  "watermarks": {"high": 0.45, "critical": 0.45}})
     # the first runs ~3 s, past the grace (cut: Envoy answers it); two wait in the queue
     with local_stack(cfg, engine_options={"ms_per_token": 30, "kv_blocks": 8,
                                           "block_size": 16}) as stack:
