@@ -64,6 +64,10 @@ log = logging.getLogger(__name__)
 
 LOCAL = "local"
 ACCEPT = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # vLLM's classic text format
+# A GPU page past this is refused unread: a node's agent serves a few dozen readings (8 GPUs
+# of 7 MIG slots: ~30 KB), and parsing runs on the event loop every admission shares (an
+# 18 MB page of 100,000 readings held it 1.3 s a round, and every placement then read them all)
+MAX_GPU_PAGE_BYTES = 256 * 1024
 
 UpdateHook = Callable[[StoreSnapshot], Awaitable[None] | None]
 Scraped = tuple[float, EngineMetrics | None, str | None, bool]  # when, metrics, error, reached
@@ -320,12 +324,16 @@ class Scraper:
                 return candidate
         return url
 
-    async def _fetch(self, url: str) -> str:
-        """GET ``url``'s body, bounded by the semaphore (waiting) and the timeout (not)."""
+    async def _fetch(self, url: str, limit: int | None = None) -> str:
+        """GET ``url``'s body, bounded by the semaphore (waiting) and the timeout (not);
+        a body over ``limit`` bytes is a ``ScrapeError``, found before it is all read."""
         async with self._semaphore:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
             async with self._client().get(url, timeout=timeout) as response:
-                body = await response.read()
+                if limit is None:
+                    body = await response.read()
+                else:
+                    body = await _read_at_most(response, limit, url)
                 if response.status != 200:
                     raise ScrapeError(f"HTTP {response.status} from {url}")
         return body.decode("utf-8", errors="replace")
@@ -358,7 +366,7 @@ class Scraper:
                     raise RuntimeError("no local GPU reader (NVML unavailable)")
                 readings = await self.gpu_reader.read(self.timeout_s)
             else:
-                readings = parse_gpu_metrics(await self._fetch(target))
+                readings = parse_gpu_metrics(await self._fetch(target, MAX_GPU_PAGE_BYTES))
         except Exception as exc:
             if target not in self._failing_gpu_targets:
                 log.warning("GPU source %s failed: %s", target, _describe(exc, self.timeout_s))
@@ -412,6 +420,19 @@ def _figures(metrics: EngineMetrics) -> tuple[object, ...]:
 
 class ScrapeError(Exception):
     """A scrape that got an answer, but not metrics."""
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int, url: str) -> bytes:
+    """The body, or ``ScrapeError`` as soon as it is known to pass ``limit`` bytes (from its
+    ``content-length`` or as it arrives): a huge answer costs neither memory nor parsing."""
+    if (response.content_length or 0) > limit:
+        raise ScrapeError(f"{url} answered {response.content_length} bytes (over {limit})")
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            raise ScrapeError(f"{url} answered over {limit} bytes")
+    return bytes(body)
 
 
 async def _gather(scrapes: list[Awaitable[Scraped]]) -> list[Scraped]:

@@ -23,7 +23,12 @@ from aiohttp import web
 from extproc.datalayer.agent import start_agent
 from extproc.datalayer.endpoints import EndpointState, EndpointStore, StoreSnapshot
 from extproc.datalayer.metrics import VLLM, parse_metrics
-from extproc.datalayer.scraper import GpuSource, Scraper, ScrapeSettings
+from extproc.datalayer.scraper import (
+    MAX_GPU_PAGE_BYTES,
+    GpuSource,
+    Scraper,
+    ScrapeSettings,
+)
 from extproc.engine.server import EngineHandle, start_engine
 from tests.paths import DATA
 from tests.unit.extproc.datalayer.test_nvml import GPUS, FakeGpuReader
@@ -489,6 +494,42 @@ async def test_a_hung_local_gpu_read_does_not_hold_the_round(engine: EngineHandl
     finally:
         reader.gate.set()
         await scraper.stop()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_oversized_gpu_page_is_refused_unread(engine: EngineHandle,
+                                                       chunked: bool) -> None:
+    """A broken or hostile agent's huge page is no reading: parsing it would hold the event
+    loop every admission shares (and each placement would then read every GPU in it)."""
+    line = 'kvgate_gpu_memory_{}_bytes{{gpu="{}",uuid="GPU-{}",name="x",mig_instance=""}} {}\n'
+    page = "".join(line.format("used", i, i, 1) + line.format("total", i, i, 100)
+                   for i in range(MAX_GPU_PAGE_BYTES // 100)).encode()
+    assert len(page) > MAX_GPU_PAGE_BYTES
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=page)
+        response = web.StreamResponse()  # no content-length: found as it arrives
+        await response.prepare(request)
+        for at in range(0, len(page), 32 * 1024):
+            await response.write(page[at:at + 32 * 1024])
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", huge)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    agent_url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+    store = await one_engine_store(engine)
+    scraper = Scraper(store, timeout_s=2.0, gpu_sources={"chat": agent_url})
+    try:
+        state = (await scraper.scrape_once()).get("chat", address(engine))
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
+    assert state.healthy and state.gpus == () and state.gpus_read_at is None
+    assert agent_url in scraper._failing_gpu_targets
 
 
 def test_gpu_source_specs() -> None:
