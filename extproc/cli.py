@@ -242,10 +242,13 @@ def _kvgate_ports(config: Config, worker: int = 0) -> list[tuple[str, int, str]]
 
 def _port_overlap(config: Config, workers: int) -> str | None:
     """Two settings whose ports the workers would share (admin_port + i meeting
-    report_port + j, say): one line saying so, or None."""
+    report_port + j, or the gRPC port, say): one line saying so, or None. The gRPC port
+    is among them, shared by every worker as one setting: admin_port + i or report_port + i
+    meeting it passed the free-port check (one port, free once) and the worker then died at
+    start, address in use, with a traceback and exit 1."""
     owners: dict[int, str] = {}
     for i in range(workers):
-        for _host, port, what in _kvgate_ports(config, i)[1:]:  # the gRPC port is shared
+        for _host, port, what in _kvgate_ports(config, i):
             if port and owners.setdefault(port, what) != what:
                 return (f"--workers {workers}: {owners[port]} and {what} both take port {port} "
                         f"(each worker i listens on admin_port + i and report_port + i); move "

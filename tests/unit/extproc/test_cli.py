@@ -615,6 +615,26 @@ def test_each_worker_takes_its_own_report_port_and_ranges_that_meet_are_refused(
     assert for_worker(parse_config(data), 3).server.report_port == 0
 
 
+@pytest.mark.parametrize("setting", ["admin_port", "report_port"])
+def test_a_worker_port_that_meets_the_grpc_port_is_refused(setting):
+    """admin_port + 1 (or report_port + 1) on the gRPC port passed the free-port check:
+    worker 1 died at start (address in use) with a traceback, and serve exited 1."""
+    from extproc.cli import _port_overlap
+
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["redis"] = {"url": "redis://127.0.0.1:1"}
+    data["server"] = {"grpc_port": 9001, "admin_port": 9100, "report_port": 9200,
+                      setting: 9000}
+    config = parse_config(data)
+    assert _port_overlap(config, 2) == (
+        f"--workers 2: server.grpc_port and server.{setting} both take port 9001 (each "
+        "worker i listens on admin_port + i and report_port + i); move one of them further "
+        "apart")
+    assert _port_overlap(config, 1) is None  # one worker: 9000 is its own
+    data["server"][setting] = 9001  # one process, the same port twice
+    assert "both take port 9001" in (_port_overlap(parse_config(data), 1) or "")
+
+
 def _sighup_ignored(pid: int) -> bool:
     """Whether the process ignores SIGHUP (``SigIgn`` in /proc: signal 1 is bit 0)."""
     status = Path(f"/proc/{pid}/status").read_text()
