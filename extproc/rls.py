@@ -223,19 +223,14 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         try:
             async with asyncio.timeout(self.timeout_s):
                 verdicts = await self.counters.hit(domain, hits, call_id)
+        except asyncio.CancelledError:
+            # Envoy gave up first (its ratelimit timeout, 100 ms, is below a redis.timeout_ms
+            # above it): the call may still run in Redis, so it is undone like one that timed
+            # out. Uncancelled, some such charges stayed and others never ran, none counted.
+            self._failed(domain, hits, call_id, "the call was abandoned by Envoy")
+            raise
         except (StoreUnavailable, TimeoutError, OSError) as exc:
-            if len(self._cancels) < MAX_PENDING_CANCELS:
-                task = asyncio.create_task(self._cancel(domain, hits, call_id))
-                self._cancels.add(task)
-                task.add_done_callback(self._cancels.discard)
-            if not self._failing:  # one line per outage: every call of a busy one failed
-                self._failing = True
-                log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides "
-                            "until it answers (kvgate_ratelimit_descriptors_total{code=\"error\"} "
-                            "counts the calls)", exc)
-            if self.metrics is not None:
-                label = domain if domain in self.domains else "other"
-                self.metrics.ratelimit.add((label, "error"), len(hits))
+            self._failed(domain, hits, call_id, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
             raise  # abort raises; this keeps the type checker informed
         if self._failing:
@@ -244,6 +239,21 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
                      "meanwhile)", self._uncancelled)
             self._uncancelled = 0
         return verdicts
+
+    def _failed(self, domain: str, hits: list[Hit], call_id: str, why: object) -> None:
+        """A call without an answer: its cancel sent, the outage logged and counted."""
+        if len(self._cancels) < MAX_PENDING_CANCELS:
+            task = asyncio.create_task(self._cancel(domain, hits, call_id))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+        if not self._failing:  # one line per outage: every call of a busy one failed
+            self._failing = True
+            log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides "
+                        "until it answers (kvgate_ratelimit_descriptors_total{code=\"error\"} "
+                        "counts the calls)", why)
+        if self.metrics is not None:
+            label = domain if domain in self.domains else "other"
+            self.metrics.ratelimit.add((label, "error"), len(hits))
 
     async def _cancel(self, domain: str, hits: list[Hit], call_id: str) -> None:
         """Undo a call that may still run in the store, until the store confirms."""

@@ -287,3 +287,38 @@ async def test_an_outage_is_logged_once_and_its_cancels_are_bounded(redis, caplo
     assert len(failed) == 1
     assert any("ratelimit store answers again" in r.getMessage() for r in caplog.records)
     await service.close()
+
+
+async def test_a_call_envoy_abandons_on_a_paused_redis_charges_nothing(redis):
+    """Envoy's ratelimit timeout (100 ms) is below a redis.timeout_ms above it: Envoy reset
+    the call first, gRPC cancelled it, and no cancel was sent. The first such call ran in
+    Redis once it resumed and stayed charged; the others never ran; none was counted."""
+    settings = RateLimitSettings.model_validate({"domains": [{"domain": "d", "descriptors": [
+        {"key": "tokens", "rate_limit": {"unit": "hour", "requests_per_unit": 10**9,
+                                         "debt": True, "algorithm": "fixed_window"}}]}]})
+    client = redis_client(RedisSettings(url=redis.url, timeout_ms=250))
+    service = RateLimitService(settings, RedisRateCounters(client, prefix="abandoned"),
+                               timeout_s=0.25)
+
+    async def remaining() -> int:
+        check = await ask(service, descriptor(("tokens", "t"), hits=0), domain="d")
+        return check.statuses[0].limit_remaining
+
+    before = await remaining()  # (a warm connection: the first call is written at once)
+    redis.pause()
+    try:
+        calls = [asyncio.create_task(ask(service, descriptor(("tokens", "t"), hits=100),
+                                         domain="d")) for _ in range(5)]
+        await asyncio.sleep(0.1)  # Envoy's RATELIMIT_TIMEOUT: it resets each call
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(0.3)
+    finally:
+        redis.resume()
+    for _ in range(200):  # the cancels go out in the background
+        if not service._cancels:
+            break
+        await asyncio.sleep(0.02)
+    assert await remaining() == before
+    await service.close()
