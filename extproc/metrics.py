@@ -158,6 +158,19 @@ class PoolCollector(Collector):
         yield family
 
 
+class Collected(Collector):
+    """Every family of a registry, read at one instant, for ``generate_latest`` to format
+    on another thread: the collectors read live state, so they run on the event loop, but
+    formatting is ~60% of a scrape's time (at 20,000 tenants: ~0.5 s of ~0.8 s for a ~10 MB
+    page) and held every admission behind it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.families = list(registry.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
 ENDPOINT_HELP = {
     "usage": "KV cache usage (0-1) each endpoint reported at its last successful scrape.",
     "waiting": "Requests waiting in each endpoint's engine (vllm:num_requests_waiting).",

@@ -36,7 +36,7 @@ from extproc.director import Director
 from extproc.duplex import DuplexStream
 from extproc.http_port import serve_http
 from extproc.logs import quiet_grpc_write_failures
-from extproc.metrics import Metrics
+from extproc.metrics import Collected, Metrics
 from extproc.reload import ConfigFile, plan
 from extproc.reports import ReportDesk
 from extproc.rls import SERVICE as RLS_SERVICE
@@ -407,7 +407,9 @@ class KvgateServer:
         )
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
+        """Collected here, formatted on a thread (``Collected``): admissions wait for the
+        collectors only, not for the text of every series."""
+        body = await asyncio.to_thread(generate_latest, Collected(self.metrics.registry))
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, _request: web.Request) -> web.Response:

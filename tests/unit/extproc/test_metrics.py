@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.datalayer.endpoints import EndpointState
 from extproc.datalayer.metrics import EngineMetrics
-from extproc.metrics import NONE, OTHER, Metrics, metric_names
+from extproc.metrics import NONE, OTHER, Collected, Metrics, metric_names
 from tests.paths import REPO
 
 ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
@@ -154,3 +154,11 @@ def test_the_readme_lists_every_metric() -> None:
     assert exported <= listed, f"not in the README: {sorted(exported - listed)}"
     assert listed <= exported | {"kvgate_decisions_total", "kvgate_tokens_total"}, (
         f"in the README, not exported: {sorted(listed - exported)}")
+
+
+def test_collected_families_format_as_the_registry_does() -> None:
+    """``/metrics`` formats what it collected on a thread: the same page as formatting the
+    registry itself."""
+    metrics = Metrics()
+    metrics.ratelimit.add(("d", "ok"), 3)
+    assert generate_latest(Collected(metrics.registry)) == generate_latest(metrics.registry)
