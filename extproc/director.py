@@ -400,7 +400,8 @@ class Director:
             if isinstance(waited, Reject):
                 self.leases.closed(lease_id)
                 return waited
-            placed, charged = waited, self._price(route.cost, weight)
+            placed, charged = waited, self._price(route.cost.prompt_tokens,
+                                                  route.cost.max_output_tokens, weight)
         return Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
@@ -493,9 +494,10 @@ class Director:
             return _shutting_down(SHUTDOWN_RETRY_MS)
         now = flow.clock_ms()
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
-        item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens,
-                             self.tenants.weight(tenant), now, deadline,
-                             price=self._price(route.cost, self.tenants.weight(tenant)))
+        weight = self.tenants.weight(tenant)
+        item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens, weight, now,
+                             deadline, price=self._price(route.cost.prompt_tokens,
+                                                         route.cost.max_output_tokens, weight))
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
                         route.queued_for, prompt_tokens=route.cost.prompt_tokens,
                         streamed=route.streamed)
@@ -510,13 +512,13 @@ class Director:
             self.store.release_soon(tenant.name, policy, lease_id, 0)
         return placed
 
-    def _price(self, cost: Cost, weight: float) -> int:
-        """What the fair order charges: prompt and (reserved) output at their prices, at
-        most what one charge may add to the counter of a tenant of ``weight``
-        (``max_price``): a larger one raised in the dispatcher, on every try, and the pool's
-        queue placed no one (of any tenant) until that request's deadline."""
-        return min(self.config.queue.price(cost.prompt_tokens, cost.max_output_tokens),
-                   max_price(weight))
+    def _price(self, prompt_tokens: int, output_tokens: int, weight: float) -> int:
+        """What the fair order charges (at admission: the reserved output; at the end: the
+        used one): prompt and output at their prices, at most what one charge may add to
+        the counter of a tenant of ``weight`` (``max_price``): a larger one raised in the
+        dispatcher, on every try, and the pool's queue placed no one (of any tenant) until
+        that request's deadline."""
+        return min(self.config.queue.price(prompt_tokens, output_tokens), max_price(weight))
 
     def _place(
         self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, band: int
@@ -572,9 +574,8 @@ class Director:
                                     admission.lease_id, used_tokens)
             if admission.charged is not None and used_tokens is not None and (
                     output_tokens is not None):
-                real = min(self.config.queue.price(max(0, used_tokens - output_tokens),
-                                                   output_tokens),
-                           max_price(admission.charged_weight))
+                real = self._price(max(0, used_tokens - output_tokens), output_tokens,
+                                   admission.charged_weight)
                 await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
                                                          admission.charged_weight)
         finally:

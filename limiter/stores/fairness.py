@@ -289,8 +289,9 @@ class RedisFairness:
             # it is eligible by its own counter), so its charge is only queued on the pipe,
             # ahead of any later call, and the dispatcher goes on without a round trip. A
             # charge lost to an outage is like a lost correction: convergence is slower.
-            args[-1] = ""  # (never undone: no record)
-            sent = self._scripts.send("choose", self._all_keys, args)
+            # (never undone, so no record; without a pipe the call below waits, and keeps
+            # its id: it is the one an undo may then need)
+            sent = self._scripts.send("choose", self._all_keys, [*args[:-1], ""])
             if sent is not None:
                 return offers[0].item
         index = int(await self._call("choose", args))
