@@ -308,6 +308,20 @@ class Metrics:
             ["pool", "event"],
             registry=self.registry,
         )
+        self.queue_breaker = Gauge(
+            "kvgate_queue_breaker_open",
+            "1 while a pool's fair order is decided by this process's own counters because "
+            "Redis does not answer (its breaker open or half-open); 0 when Redis orders it.",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.queue_fallbacks = Counter(
+            "kvgate_queue_fallback_choices_total",
+            "Fair-queue choices made by this process's own counters because Redis did not "
+            "answer in time or its breaker was open.",
+            ["pool"],
+            registry=self.registry,
+        )
         self.decision_seconds = Timings(
             "kvgate_admission_seconds",
             "Time to decide admission (store round trip and any queueing included).",

@@ -92,7 +92,7 @@ def build_rate_counters(config: Config) -> RateCounters:
     return RedisRateCounters(redis_client(config.redis), prefix=config.redis.prefix)
 
 
-def build_fairness(config: Config, pool: str) -> Fairness:
+def build_fairness(config: Config, pool: str, metrics: Metrics) -> Fairness:
     """Who goes next in a pool's queue: counters shared through Redis when configured."""
     lag = config.queue.share_lag_tokens
     if config.redis is None:
@@ -102,8 +102,13 @@ def build_fairness(config: Config, pool: str) -> Fairness:
     shared = RedisFairness(redis_client(config.redis), pool=pool, prefix=config.redis.prefix,
                            lag_tokens=lag)
     breaker = CircuitBreaker(config.redis.breaker_failures, config.redis.breaker_open_ms)
-    return FailoverFairness(shared, config.redis.timeout_ms / 1000, lag_tokens=lag,
-                            breaker=breaker)
+    state = metrics.queue_breaker.labels(pool)
+    state.set(0)
+    return FailoverFairness(
+        shared, config.redis.timeout_ms / 1000, lag_tokens=lag, breaker=breaker,
+        on_transition=lambda transition: state.set(int(transition.new != "closed")),
+        on_fallback=metrics.queue_fallbacks.labels(pool).inc,
+    )
 
 
 def build_director(
@@ -123,8 +128,8 @@ def build_director(
     weights = {t.name: tenants.weight(t) for t in config.tenants}
     schedulers = {p.name: PoolScheduler(p, weights, config.scrape.staleness_s)
                   for p in config.pools}
-    flows = {name: FlowController(scheduler, build_fairness(config, name), config, endpoints,
-                                  metrics, rng, clock)
+    flows = {name: FlowController(scheduler, build_fairness(config, name, metrics), config,
+                                  endpoints, metrics, rng, clock)
              for name, scheduler in schedulers.items()}
     pricer = Pricer(config)
     return Director(config, tenants=tenants, pricer=pricer,

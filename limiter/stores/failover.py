@@ -726,15 +726,13 @@ class FailoverStore:
         return scaled
 
 
-def _log_fairness_breaker(transition: Transition | None,
-                          error: BaseException | None = None) -> None:
+def _log_fairness_breaker(transition: Transition, error: BaseException | None = None) -> None:
     """One line per change, as the store's breaker logs its own: an operator sees when the
     fair order went local and when it came back."""
-    if transition is not None:
-        level = logging.INFO if transition.new == "closed" else logging.WARNING
-        log.log(level, "fair queue breaker %s → %s (each replica orders by its own counters "
-                "while it is open)%s", transition.old, transition.new,
-                f": {error!r}" if error else "")
+    level = logging.INFO if transition.new == "closed" else logging.WARNING
+    log.log(level, "fair queue breaker %s → %s (each replica orders by its own counters "
+            "while it is open)%s", transition.old, transition.new,
+            f": {error!r}" if error else "")
 
 
 class FailoverFairness:
@@ -750,29 +748,42 @@ class FailoverFairness:
 
     def __init__(self, shared: RedisFairness, timeout_s: float, lag_tokens: int = DEFAULT_LAG,
                  breaker: CircuitBreaker | None = None,
-                 clock_ms: Callable[[], int] = monotonic_ms):
+                 clock_ms: Callable[[], int] = monotonic_ms,
+                 on_transition: Callable[[Transition], None] | None = None,
+                 on_fallback: Callable[[], None] | None = None):
+        """``on_transition`` hears each change of the breaker's state and ``on_fallback``
+        each choice made by this process's own counters (the metrics)."""
         self.shared = shared
         self.local = MemoryFairness(lag_tokens=lag_tokens)
         self.timeout_s = timeout_s
         self.breaker = breaker or CircuitBreaker()
         self.clock_ms = clock_ms
+        self.on_transition = on_transition
+        self.on_fallback = on_fallback
         self._undos: set[asyncio.Task[None]] = set()
 
     async def _try(self, call: Callable[[], Awaitable[Any]]) -> tuple[bool, Any, bool]:
         """(answered, result, asked): ``asked`` is False when the breaker skipped the call
         (it never reached Redis)."""
         allowed, transition = self.breaker.allow(self.clock_ms())
-        _log_fairness_breaker(transition)
+        self._changed(transition)
         if not allowed:
             return False, None, False
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await call()
         except (StoreUnavailable, TimeoutError) as error:
-            _log_fairness_breaker(self.breaker.failure(self.clock_ms()), error)
+            self._changed(self.breaker.failure(self.clock_ms()), error)
             return False, None, True
-        _log_fairness_breaker(self.breaker.success())
+        self._changed(self.breaker.success())
         return True, result, True
+
+    def _changed(self, transition: Transition | None, error: BaseException | None = None
+                 ) -> None:
+        if transition is not None:
+            _log_fairness_breaker(transition, error)
+            if self.on_transition is not None:
+                self.on_transition(transition)
 
     async def activate(self, tenant: str) -> None:
         await self.local.activate(tenant)
@@ -783,6 +794,8 @@ class FailoverFairness:
         answered, chosen, asked = await self._try(lambda: self.shared.choose(offers, decision))
         if answered:
             return chosen
+        if self.on_fallback is not None:
+            self.on_fallback()
         chosen = await self.local.choose(offers)
         if asked:  # it may run in Redis yet
             self._undo_soon(decision, chosen)

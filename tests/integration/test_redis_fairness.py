@@ -269,3 +269,41 @@ async def test_choices_a_paused_redis_runs_late_charge_only_what_was_served(
     assert await fair.shared.counters() == after
     await fair.close()
     await client.aclose()
+
+
+async def test_a_pools_fair_order_on_its_own_counters_shows_in_its_metrics() -> None:
+    """``kvgate_queue_breaker_open{pool}`` is 1 while the pool's fair order is this
+    process's own, and each choice made so is counted, as the store's breaker is."""
+    from extproc.config import hash_api_key, parse_config
+    from extproc.metrics import Metrics
+    from extproc.wiring import build_fairness
+
+    with RedisServer() as server:
+        config = parse_config({
+            "redis": {"url": server.url, "timeout_ms": 100, "breaker_failures": 2,
+                      "breaker_open_ms": 60_000},
+            "tiers": {"t": {}},
+            "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
+            "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
+        })
+        metrics = Metrics()
+        fair = build_fairness(config, "one", metrics)
+
+        def sample(name: str) -> float | None:
+            return metrics.registry.get_sample_value(name, {"pool": "one"})
+
+        def two(n: object) -> list[Offer]:  # two tenants: a choice Redis must make
+            return offers(req(f"a{n}", "A", 10, band=1), req(f"b{n}", "B", 10, band=1))
+
+        assert sample("kvgate_queue_breaker_open") == 0
+        assert await fair.choose(two("x")) is not None
+        assert sample("kvgate_queue_fallback_choices_total") == 0
+        server.pause()
+        try:
+            for n in range(4):  # two reach Redis and time out, then the breaker skips it
+                assert await fair.choose(two(n)) is not None
+            assert sample("kvgate_queue_breaker_open") == 1
+            assert sample("kvgate_queue_fallback_choices_total") == 4
+        finally:
+            server.resume()
+        await fair.close()
