@@ -542,8 +542,14 @@ class Pool(_Strict):
 
     @model_validator(mode="after")
     def _some_endpoints(self) -> Pool:
+        """Exactly one source of endpoints. With both, discovery, routing and the rendered
+        Envoy cluster used the DNS answers alone: the listed engines never got a request
+        (every request a 503 while the DNS name had no engine), without a word."""
         if not self.endpoints and self.dns is None:
             raise ValueError("give endpoints (ip:port list) or dns")
+        if self.endpoints and self.dns is not None:
+            raise ValueError("give endpoints or dns, not both: with dns the endpoints listed "
+                             "would never be used")
         return self
 
     @field_validator("gpu_source")

@@ -383,3 +383,14 @@ def test_a_boolean_is_no_number():
         "number" for path, value in (("server.reload_poll_s", "false"),
                                      ("tiers.gold.limits.max_concurrency", "true"),
                                      ("pools[0].max_in_flight", "true"))]
+
+
+def test_a_pool_takes_endpoints_or_dns_not_both():
+    """With both, discovery, routing and the rendered Envoy cluster used the DNS answers
+    alone: the listed engines never got a request, and `kvgate check` said OK."""
+    pool = {**GOOD["pools"][0], "dns": {"hostname": "vllm.svc", "port": 8000}}
+    assert problems({**GOOD, "pools": [pool]}) == [
+        "pools[0]: give endpoints or dns, not both: with dns the endpoints listed would "
+        "never be used"]
+    del pool["endpoints"]
+    assert parse_config({**GOOD, "pools": [pool]}).pools[0].dns is not None
