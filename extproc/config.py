@@ -1051,6 +1051,7 @@ class Config(_Strict):
                 if tenant.overflow == "degrade":
                     yield f"tenants[{i}].overflow: 'degrade' needs a pool with a degradation plan"
         yield from self._limits_errors()
+        yield from self._ratelimit_domain_errors()
         for path, name in self.classification.path_classes.items():
             if name not in self.classes:
                 yield f"classification.path_classes.{path}: unknown class {name!r}"
@@ -1116,6 +1117,19 @@ class Config(_Strict):
                         and not tier_of_overrides):  # its tenants may set the rate
                     yield (f"{where}.limits.{burst}: needs {rate} (a burst of no rate "
                            "limits nothing)")
+
+    def _ratelimit_domain_errors(self) -> Iterable[str]:
+        """``envoy.ratelimit_domain`` must name a domain of ``ratelimit.domains``: the
+        rendered filter asks kvgate's own RLS, which answers every call of a domain it has
+        no rules for OK, so a typo there limited nothing (and cost two gRPC calls a request)
+        while `kvgate check` said OK."""
+        domain = self.envoy.ratelimit_domain
+        known = [d.domain for d in self.ratelimit.domains]
+        if domain is not None and domain not in known:
+            yield (f"envoy.ratelimit_domain: {domain!r} is not a domain of ratelimit.domains "
+                   f"(known: {', '.join(sorted(known)) or 'none'}): kvgate's Rate Limit "
+                   "Service answers every call of a domain it has no rules for OK, so the "
+                   "rendered filter would limit nothing")
 
     def _class_range_errors(self, i: int, tenant: Tenant) -> Iterable[str]:
         """A tenant's ``max_class`` may not be less important than its ``default_class``:

@@ -394,3 +394,18 @@ def test_a_pool_takes_endpoints_or_dns_not_both():
         "never be used"]
     del pool["endpoints"]
     assert parse_config({**GOOD, "pools": [pool]}).pools[0].dns is not None
+
+
+def test_envoys_ratelimit_domain_must_have_rules():
+    """The rendered ratelimit filter asks kvgate's own RLS, which answers a domain it has no
+    rules for OK: a typo in either name limited nothing, and `kvgate check` said OK."""
+    rules = {"domains": [{"domain": "kvgte", "descriptors": [
+        {"key": "tenant", "rate_limit": {"unit": "minute", "requests_per_unit": 1}}]}]}
+    data = {**GOOD, "envoy": {"ratelimit_domain": "kvgate"}, "ratelimit": rules}
+    assert problems(data) == [
+        "envoy.ratelimit_domain: 'kvgate' is not a domain of ratelimit.domains (known: "
+        "kvgte): kvgate's Rate Limit Service answers every call of a domain it has no rules "
+        "for OK, so the rendered filter would limit nothing"]
+    assert "(known: none)" in problems({**GOOD, "envoy": {"ratelimit_domain": "kvgate"}})[0]
+    rules["domains"][0]["domain"] = "kvgate"
+    assert parse_config(data).envoy.ratelimit_domain == "kvgate"
