@@ -214,6 +214,27 @@ class Classification(_Strict):
         8192, description="prompts longer than this drop one class (null = never)"
     )
 
+    @field_validator("path_classes")
+    @classmethod
+    def _routed_paths(cls, rules: dict[str, str]) -> dict[str, str]:
+        """A rule is matched against the path as kvgate routes it (one of the paths it lets
+        through: no query, no trailing slash). Any other key — ``/v1/embeddings/``, a path
+        kvgate answers 404 — matched no request: the rule did nothing, without a word."""
+        from extproc.openai import ROUTES, route_path
+
+        bad = [path for path in rules if path not in ROUTES]
+        if bad:
+            raise ValueError("; ".join(_unrouted(path, route_path(path), ROUTES)
+                                       for path in bad))
+        return rules
+
+
+def _unrouted(path: str, routed: str, routes: Iterable[str]) -> str:
+    """Why a ``path_classes`` key never matches, and the key that would."""
+    hint = (f"did you mean {routed!r}?" if routed in routes
+            else f"kvgate lets through only {', '.join(routes)}")
+    return f"{path!r} is never a request's path, so this rule would do nothing ({hint})"
+
 
 class QueueSettings(_Strict):
     """The fair queue that holds requests while the pool is saturated."""

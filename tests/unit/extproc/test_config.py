@@ -409,3 +409,18 @@ def test_envoys_ratelimit_domain_must_have_rules():
     assert "(known: none)" in problems({**GOOD, "envoy": {"ratelimit_domain": "kvgate"}})[0]
     rules["domains"][0]["domain"] = "kvgate"
     assert parse_config(data).envoy.ratelimit_domain == "kvgate"
+
+
+def test_a_path_class_rule_names_a_path_requests_carry():
+    """Rules are matched against the path as kvgate routes it: a key with a trailing slash,
+    no leading one, or a path kvgate answers 404 matched no request (embeddings ran as
+    interactive work through the real Envoy), and `kvgate check` said OK."""
+    rules = {"/v1/embeddings/": "batch", "/v1/responses": "batch"}
+    assert problems({**GOOD, "classification": {"path_classes": rules}}) == [
+        "classification.path_classes: '/v1/embeddings/' is never a request's path, so this "
+        "rule would do nothing (did you mean '/v1/embeddings'?); '/v1/responses' is never a "
+        "request's path, so this rule would do nothing (kvgate lets through only "
+        "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health)"]
+    rules = {"/v1/embeddings": "batch", "/v1/models": "offline"}
+    config = parse_config({**GOOD, "classification": {"path_classes": rules}})
+    assert config.classification.path_classes == rules
