@@ -35,9 +35,36 @@ STAND_INS: dict[str, Callable[[str], Any]] = {  # valid, unique, and referring t
 def explain(data: Any, error: ValidationError, root: type[BaseModel]) -> list[str]:
     """``error``'s field problems, then the cross-reference problems of ``data``."""
     found = _field_problems(error, root)
-    for problem in [*_reference_problems(data, error, root), *_duplicate_descriptors(data)]:
+    for problem in [*_reference_problems(data, error, root), *_duplicate_descriptors(data),
+                    *_duplicate_pools(data)]:
         if problem not in found:
             found.append(problem)
+    return found
+
+
+def _duplicate_pools(data: Any) -> list[str]:
+    """Pool names and models given twice, read from the file as written: a pool whose own
+    check fails (no endpoints, an engine that takes no priority) is taken out before the
+    cross-references, so a second pool of its name, or serving its model, was reported
+    only once it was fixed."""
+    found: list[str] = []
+    names: set[str] = set()
+    owners: dict[str, str] = {}
+    for p, pool in _items(data.get("pools") if isinstance(data, dict) else None):
+        name = pool.get("name")
+        if not isinstance(name, str) or not name:
+            continue
+        if name in names:
+            found.append(f"pools[{p}].name: duplicate pool {name!r}")
+        names.add(name)
+        for m, model in enumerate(pool.get("models") or []):
+            model = model.get("name") if isinstance(model, dict) else model
+            if not isinstance(model, str) or not model:
+                continue
+            if model in owners:
+                found.append(f"pools[{p}].models[{m}]: {model!r} already served by "
+                             f"{owners[model]!r}")
+            owners[model] = name  # as Config's own check names the owner
     return found
 
 

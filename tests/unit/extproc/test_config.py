@@ -290,15 +290,16 @@ def test_knobs_that_would_do_nothing_or_misroute_are_problems():
         "nothing)",
         "tenants[0].max_class: 'batch' is less important than its default_class "
         "'interactive': every request would be lowered to 'batch'"]
+    duplicate = "pools[1].name: duplicate pool 'p'"  # reported beside the broken pool too
     assert problems(data) == [
         "pools[0].degradation: set fallback_model or max_tokens_cap: a plan with neither "
-        "serves nothing a cheaper way (and counts as no plan)", *burst_problems]
+        "serves nothing a cheaper way (and counts as no plan)", *burst_problems, duplicate]
     del data["pools"][0]["degradation"]
     assert problems(data) == [
         "pools[0]: gpus: set gpu_source ('local' or a kvgate agent URL) to read them from",
-        *burst_problems]
+        *burst_problems, duplicate]
     del data["pools"][0]["gpus"]
-    assert problems(data) == [*burst_problems, "pools[1].name: duplicate pool 'p'"]
+    assert problems(data) == [*burst_problems, duplicate]
     # a tier's burst for the tenants that set the rate themselves is fine
     data["tenants"][0] = {**GOOD["tenants"][0], "limits": {"requests_per_second": 1,
                                                             "tokens_per_minute": 10}}
@@ -424,3 +425,22 @@ def test_a_path_class_rule_names_a_path_requests_carry():
     rules = {"/v1/embeddings": "batch", "/v1/models": "offline"}
     config = parse_config({**GOOD, "classification": {"path_classes": rules}})
     assert config.classification.path_classes == rules
+
+
+def test_a_pool_named_twice_is_reported_while_one_of_the_two_is_broken():
+    """A pool whose own check fails is taken out before the cross-references: a second pool
+    of its name, or serving its model, was reported only once the first problem was fixed
+    (README: fixing one layer never uncovers the next)."""
+    pool = GOOD["pools"][0]
+    data = {**GOOD, "pools": [pool, {**pool, "endpoints": [], "models": ["m", "m2"]},
+                              {**pool, "name": "q", "models": ["m2"]}]}
+    assert problems(data) == [
+        "pools[1]: give endpoints (ip:port list) or dns",
+        "pools[1].name: duplicate pool 'p'",
+        "pools[1].models[0]: 'm' already served by 'p'",
+        "pools[2].models[0]: 'm2' already served by 'p'"]
+    data["pools"][1]["endpoints"] = ["127.0.0.1:8001"]  # the same problems, in the same words
+    assert problems(data) == [
+        "pools[1].name: duplicate pool 'p'",
+        "pools[1].models[0]: 'm' already served by 'p'",
+        "pools[2].models[0]: 'm2' already served by 'p'"]
