@@ -39,6 +39,7 @@ PositiveInt = Annotated[int, Field(gt=0)]
 # the longest duration a config may give: Envoy's own end at 10,000 years, and a larger
 # timedelta cannot be made at all (`kvgate render-envoy` failed with a traceback)
 MAX_DURATION_S = 10 * 365 * 86400  # ten years
+MAX_DURATION_MS = MAX_DURATION_S * 1000  # … for the settings given in milliseconds
 
 # how long before Envoy's message timeout every wait kvgate holds must end: Envoy's timer
 # starts when it sends the message, kvgate's deadline when the request is queued, and
@@ -89,7 +90,7 @@ class SlidingWindow(_Strict):
     """A second shaping stage: at most ``requests`` in any window of ``window_ms``."""
 
     requests: PositiveInt
-    window_ms: PositiveInt = 1000
+    window_ms: PositiveInt = Field(1000, le=MAX_DURATION_MS)
 
 
 class Shaping(_Strict):
@@ -185,9 +186,10 @@ class RequestClass(_Strict):
 
     priority: int = Field(0, description="vLLM priority: lower is served earlier")
     deadline_s: PositiveFloat = Field(
-        30, description="longest wait in the queue; then 503 (pool) or 429 (tenant's share)"
+        30, le=MAX_DURATION_S,
+        description="longest wait in the queue; then 503 (pool) or 429 (tenant's share)"
     )
-    aging_s: PositiveFloat | None = Field(
+    aging_s: Annotated[float, Field(gt=0, le=MAX_DURATION_S)] | None = Field(
         None, description="this class's aging period (default: from queue.aging_s); set it "
         "explicitly to null to never promote this class"
     )
@@ -260,6 +262,8 @@ class QueueSettings(_Strict):
             return value
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ValueError(f"must be a number of seconds > 0, 'auto' or null, got {value!r}")
+        if value > MAX_DURATION_S:
+            raise ValueError(f"must be at most {MAX_DURATION_S} s (ten years), got {value!r}")
         return value
 
     prompt_price: float = Field(
@@ -536,10 +540,10 @@ class Pool(_Strict):
         "step of batch prefill; null = no such limit"
     )
     prefill_clear_hold_s: float = Field(
-        3.0, ge=0, description="lower-band work that has waited this long in kvgate's queue "
-        "may use an endpoint kept clear by prefill_clear_share while no band-0 request is "
-        "prefilling anywhere in the pool: keeping endpoints clear then costs no batch "
-        "throughput once batch prefill outgrows the other endpoints"
+        3.0, ge=0, le=MAX_DURATION_S, description="lower-band work that has waited this long "
+        "in kvgate's queue may use an endpoint kept clear by prefill_clear_share while no "
+        "band-0 request is prefilling anywhere in the pool: keeping endpoints clear then costs "
+        "no batch throughput once batch prefill outgrows the other endpoints"
     )
     gpu_source: str | None = Field(
         None, description="'local' (NVML in this process) or a kvgate agent URL, {ip} allowed"
@@ -727,16 +731,16 @@ class Server(_Strict):
     max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
     chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")
     shutdown_grace_s: float = Field(
-        30, ge=0, description="on SIGTERM, how long open streams may finish"
+        30, ge=0, le=MAX_DURATION_S, description="on SIGTERM, how long open streams may finish"
     )
     drain_delay_s: float = Field(
-        0, ge=0, description="on SIGTERM, how long kvgate still takes new streams after it "
-        "reports not ready (/readyz 503, gRPC health NOT_SERVING), so load balancers and "
-        "Envoy's health checks see it first; the grace counts from its end"
+        0, ge=0, le=MAX_DURATION_S, description="on SIGTERM, how long kvgate still takes new "
+        "streams after it reports not ready (/readyz 503, gRPC health NOT_SERVING), so load "
+        "balancers and Envoy's health checks see it first; the grace counts from its end"
     )
     reload_poll_s: float = Field(
-        2.0, ge=0, description="how often `kvgate serve` checks its config file for changes "
-        "and reloads it (SIGHUP reloads at once); 0 = on SIGHUP only"
+        2.0, ge=0, le=MAX_DURATION_S, description="how often `kvgate serve` checks its config "
+        "file for changes and reloads it (SIGHUP reloads at once); 0 = on SIGHUP only"
     )
     log_format: Literal["plain", "json"] = Field(
         "plain", description="log lines as text, or one JSON object per line "
@@ -835,13 +839,15 @@ class EnvoySettings(_Strict):
 class ScrapeSettings(_Strict):
     """How kvgate reads vLLM /metrics (and GPU readings) from every endpoint."""
 
-    interval_s: PositiveFloat = Field(0.1, description="one round of scrapes every this long")
-    timeout_s: PositiveFloat = Field(0.5, description="per scrape")
+    interval_s: PositiveFloat = Field(0.1, le=MAX_DURATION_S,
+                                      description="one round of scrapes every this long")
+    timeout_s: PositiveFloat = Field(0.5, le=MAX_DURATION_S, description="per scrape")
     max_concurrency: PositiveInt = Field(16, description="scrapes in flight at once")
     unhealthy_after: PositiveInt = Field(
         3, description="consecutive unreachable scrapes (refused, reset, DNS gone) → unhealthy; "
         "a slow scrape only ages the last reading")
-    staleness_s: PositiveFloat = Field(2.0, description="older metrics exclude the endpoint")
+    staleness_s: PositiveFloat = Field(2.0, le=MAX_DURATION_S,
+                                       description="older metrics exclude the endpoint")
     metrics_path: str = "/metrics"
 
 
@@ -850,7 +856,7 @@ class AgentSettings(_Strict):
 
     host: str = "0.0.0.0"
     port: int = Field(9400, ge=0, lt=65536)
-    interval_s: PositiveFloat = 1.0
+    interval_s: PositiveFloat = Field(1.0, le=MAX_DURATION_S)
 
 
 class RedisSettings(_Strict):
@@ -875,7 +881,8 @@ class RedisSettings(_Strict):
                              "hash tag ({prefix:tenant}), and a brace in it would put every "
                              "tenant's keys on one Redis Cluster slot")
         return value
-    timeout_ms: PositiveInt = Field(20, description="budget for one Redis call")
+    timeout_ms: PositiveInt = Field(20, le=MAX_DURATION_MS,
+                                    description="budget for one Redis call")
     failure_policy: Literal["fail_open", "fail_closed", "local"] = Field(
         "local", description="what admission does while Redis is unreachable"
     )
@@ -884,9 +891,11 @@ class RedisSettings(_Strict):
         "gives each 1/replicas of every limit"
     )
     breaker_failures: PositiveInt = Field(3, description="consecutive failures that open it")
-    breaker_open_ms: PositiveInt = Field(500, description="how long before one probe retries")
+    breaker_open_ms: PositiveInt = Field(500, le=MAX_DURATION_MS,
+                                         description="how long before one probe retries")
     lease_ttl_s: PositiveFloat = Field(
-        60, description="a concurrency slot's lease; renewed while the stream lives"
+        60, le=MAX_DURATION_S,
+        description="a concurrency slot's lease; renewed while the stream lives"
     )
 
     @field_validator("url")

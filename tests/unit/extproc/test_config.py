@@ -444,3 +444,30 @@ def test_a_pool_named_twice_is_reported_while_one_of_the_two_is_broken():
         "pools[1].name: duplicate pool 'p'",
         "pools[1].models[0]: 'm' already served by 'p'",
         "pools[2].models[0]: 'm2' already served by 'p'"]
+
+
+def test_every_duration_is_at_most_ten_years():
+    """The README says so, but only Envoy's timeouts and the DNS interval were bounded: a
+    `redis.lease_ttl_s` of 1e300 passed `kvgate check`, and then every Redis admission
+    failed (PEXPIRE out of range), serving every tenant by the failure policy for good."""
+    huge, huge_ms = 1e300, 10**20
+    data = {**GOOD,
+            "server": {"shutdown_grace_s": huge, "drain_delay_s": huge, "reload_poll_s": huge},
+            "scrape": {"interval_s": huge, "timeout_s": huge, "staleness_s": huge},
+            "agent": {"interval_s": huge},
+            "redis": {"url": "redis://10.0.0.1:6379", "timeout_ms": huge_ms,
+                      "breaker_open_ms": huge_ms, "lease_ttl_s": huge},
+            "queue": {"aging_s": huge},
+            "classes": {"interactive": {"aging_s": huge, "deadline_s": huge}},
+            "tiers": {"gold": {"limits": {"sliding_window": {"requests": 1,
+                                                             "window_ms": huge_ms}}}},
+            "pools": [{**GOOD["pools"][0], "prefill_clear_hold_s": huge}]}
+    found = problems(data)
+    bounded = [p.partition(":")[0] for p in found
+               if "less than or equal to 315360000" in p or "(ten years)" in p]
+    assert bounded == [
+        "server.shutdown_grace_s", "server.drain_delay_s", "server.reload_poll_s",
+        "redis.timeout_ms", "redis.breaker_open_ms", "redis.lease_ttl_s", "scrape.interval_s",
+        "scrape.timeout_s", "scrape.staleness_s", "queue.aging_s", "agent.interval_s",
+        "tiers.gold.limits.sliding_window.window_ms", "classes.interactive.deadline_s",
+        "classes.interactive.aging_s", "pools[0].prefill_clear_hold_s"]
