@@ -655,7 +655,7 @@ class PoolScheduler:
         usage = state.kv_cache_usage
         if usage is not None and usage >= marks.critical:
             return False
-        gpu = state.gpu_memory_used_ratio
+        gpu = state.current_gpu_memory_used_ratio(self.staleness_s)
         if gpu is not None and gpu >= marks.gpu_memory_critical:
             return False
         return marks.max_waiting is None or _metric(state, "num_requests_waiting") <= (

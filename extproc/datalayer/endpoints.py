@@ -87,13 +87,27 @@ class EndpointState:
         ratios = [r for g in self.gpus if (r := g.memory_used_ratio) is not None]
         return max(ratios) if ratios else None
 
+    def current_gpu_memory_used_ratio(self, staleness_s: float = DEFAULT_STALENESS_S
+                                      ) -> float | None:
+        """``gpu_memory_used_ratio``, or None (unknown, as without NVML) when the GPUs were
+        read more than ``staleness_s`` before the engine's last scrape. A failing GPU source
+        (an agent hung or gone, a local read timing out) keeps its last reading so that a
+        blip changes nothing, but kept for good it would hold a full GPU's endpoint forever,
+        or keep sending work to one that filled since."""
+        if self.gpus_read_at is None or self.scraped_at is None:
+            return None
+        if self.scraped_at - self.gpus_read_at > staleness_s:
+            return None
+        return self.gpu_memory_used_ratio
+
 
 @dataclass(frozen=True, slots=True)
 class ScrapeResult:
     """One round's outcome for one address: metrics or an error, and maybe GPU readings.
 
     ``gpus`` None means "no GPU reading this round" (no source, or the source failed): the
-    previous readings are kept and age through ``gpus_read_at``. ``reached`` marks an error
+    previous readings are kept and age through ``gpus_read_at`` (past the staleness bound
+    they count as none: ``current_gpu_memory_used_ratio``). ``reached`` marks an error
     from an engine that was there (timed out, answered HTTP 500 or not metrics): it does not
     count towards unhealthy.
     """

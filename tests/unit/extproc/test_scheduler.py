@@ -34,7 +34,8 @@ def state(address, usage, *, waiting=0, running=0, scraped_at=NOW - 0.05, health
                             num_requests_running=running, kv_capacity_tokens=capacity)
     gpus = () if gpu_used is None else (
         GpuReading(0, "GPU-0", "H200", int(gpu_used * 100), 100),)
-    return EndpointState(address, "p", metrics, scraped_at, 0, healthy, capacity, gpus)
+    return EndpointState(address, "p", metrics, scraped_at, 0, healthy, capacity, gpus,
+                         None if gpu_used is None else scraped_at)
 
 
 def snapshot(*states):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import struct
 import threading
@@ -20,9 +21,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from extproc.config import hash_api_key, parse_config
 from extproc.datalayer.agent import start_agent
 from extproc.datalayer.endpoints import EndpointState, EndpointStore, StoreSnapshot
 from extproc.datalayer.metrics import VLLM, parse_metrics
+from extproc.datalayer.nvml import GpuReading
 from extproc.datalayer.scraper import (
     MAX_GPU_PAGE_BYTES,
     GpuSource,
@@ -30,6 +33,8 @@ from extproc.datalayer.scraper import (
     ScrapeSettings,
 )
 from extproc.engine.server import EngineHandle, start_engine
+from extproc.scheduler import PoolScheduler
+from limiter import Reject
 from tests.paths import DATA
 from tests.unit.extproc.datalayer.test_nvml import GPUS, FakeGpuReader
 
@@ -477,6 +482,44 @@ async def test_a_failing_gpu_source_keeps_old_readings_and_logs_once(
     assert state.gpus == tuple(GPUS) and state.gpus_read_at == first.gpus_read_at
     assert state.healthy  # GPU trouble is not endpoint trouble
     assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
+
+
+async def test_a_gpu_reading_kept_past_the_staleness_bound_is_unknown(
+        engine: EngineHandle) -> None:
+    """An agent that stops answering leaves its last reading in the store; within
+    ``staleness_s`` it still holds a full GPU's endpoint, past it the GPU is unknown (as
+    without NVML) instead of holding it for good, or trusting an old low reading."""
+    GiB = 1 << 30
+    reader = FakeGpuReader([GpuReading(0, "GPU-aaaa", "H200", 139 * GiB, 141 * GiB)])
+    agent = await start_agent(reader=reader)
+    store = await one_engine_store(engine)
+    now = [1000.0]
+    scraper = Scraper(store, timeout_s=2.0, gpu_sources={"chat": agent.metrics_url},
+                      clock=lambda: now[0])
+    pool = parse_config({
+        "tiers": {"t": {}},
+        "tenants": [{"name": "x", "tier": "t", "api_keys": [hash_api_key("k")]}],
+        "pools": [{"name": "chat", "models": ["m"], "endpoints": [address(engine)],
+                   "gpu_source": agent.metrics_url}],
+    }).pools[0]
+    scheduler = PoolScheduler(pool, {"x": 1.0}, staleness_s=2.0)
+
+    async def placed_after(seconds: float) -> bool:
+        now[0] += seconds
+        snapshot = await scraper.scrape_once()
+        return not isinstance(scheduler.place("x", 10, snapshot, now[0], random.Random(1)),
+                              Reject)
+
+    try:
+        assert not await placed_after(0)  # 98.6% used: held
+        await agent.stop()
+        assert not await placed_after(1.5)  # the agent is gone; its reading is 1.5 s old
+        assert await placed_after(1.0)  # 2.5 s old: unknown, the engine's own figures rule
+        state = scraper.store.snapshot().get("chat", address(engine))
+        assert state.gpus and state.current_gpu_memory_used_ratio(2.0) is None
+    finally:
+        await scraper.stop()
+        await agent.stop()
 
 
 async def test_a_hung_local_gpu_read_does_not_hold_the_round(engine: EngineHandle) -> None:
