@@ -147,7 +147,12 @@ class NvmlReader:
                 mig_handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except nvml.NVMLError:
                 continue  # an empty slot answers NVML_ERROR_NOT_FOUND
-            yield self._reading(mig_handle, slot, parent)
+            try:
+                yield self._reading(mig_handle, slot, parent)
+            except nvml.NVMLError as exc:
+                # a slice destroyed mid-read, or one sick: only it is left out, not the
+                # slices after it (their endpoints would lose their own watermark)
+                log.debug("NVML: MIG slot %d of GPU %d did not answer: %s", slot, parent, exc)
 
     def _reading(self, handle: Any, index: int, parent: int | None = None) -> GpuReading:
         nvml = self.nvml

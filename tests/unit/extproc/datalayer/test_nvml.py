@@ -169,6 +169,19 @@ def test_nvml_reader_walks_gpus_and_mig_instances() -> None:
     assert [r.key for r in readings] == ["0", "1", "1:0", "1:2"]
 
 
+def test_a_mig_slice_that_fails_mid_read_hides_only_itself() -> None:
+    """A slice destroyed between its handle and its memory query (or sick) is left out; the
+    slices after it on the same GPU are still read, each its endpoint's own watermark."""
+
+    class SliceGone(StubNvml):
+        def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+            if handle == ("mig", 1, 0):
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+            return super().nvmlDeviceGetMemoryInfo(handle)
+
+    assert [r.key for r in NvmlReader(SliceGone()).read()] == ["0", "1", "1:2"]
+
+
 def test_open_gpu_reader_with_working_nvml(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
         reader = open_gpu_reader(StubNvml())
