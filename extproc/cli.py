@@ -425,6 +425,7 @@ def _agent(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     port = settings.port if args.port is None else args.port
     ensure_free(host, port, "agent port (--port, agent.port)")
+    reader = open_gpu_reader()  # before the loop: SIGTERM still ends it while NVML starts
 
     async def serve() -> None:
         task = asyncio.current_task()
@@ -433,7 +434,7 @@ def _agent(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_agent(host, port, open_gpu_reader(), settings.interval_s)
+            await run_agent(host, port, reader, settings.interval_s)
 
     asyncio.run(serve())
     return 0

@@ -18,7 +18,10 @@ Labels: ``gpu`` is the physical GPU's NVML index (also on MIG instances),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,6 +38,9 @@ MEMORY_USED = "kvgate_gpu_memory_used_bytes"
 MEMORY_TOTAL = "kvgate_gpu_memory_total_bytes"
 UTILIZATION = "kvgate_gpu_utilization_ratio"
 LABELS = ("gpu", "uuid", "name", "mig_instance")
+# NVML's start (``nvmlInit`` and a first read) on a healthy node takes well under a second,
+# several seconds on many GPUs without the persistence daemon; past this it is taken as hung
+OPEN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,9 @@ class AsyncGpuReader:
     A driver in trouble can make an NVML call hang. The caller gets ``TimeoutError`` after
     ``timeout_s`` and moves on, while the hung read keeps its thread; the next call waits on
     that same read instead of starting another, so hung reads never pile up threads.
+    The thread is a daemon of its own, not the event loop's executor: ``asyncio.run`` waits
+    for the executor's threads as it ends, so a read hung in the driver kept ``kvgate serve``
+    and ``kvgate agent`` from exiting after SIGTERM until they were killed.
     """
 
     def __init__(self, reader: GpuReader):
@@ -86,12 +95,39 @@ class AsyncGpuReader:
 
     async def read(self, timeout_s: float) -> list[GpuReading]:
         if self._pending is None or self._pending.done():
-            self._pending = asyncio.ensure_future(asyncio.to_thread(self.reader.read))
+            self._pending = self._start()
             self._pending.add_done_callback(_retrieve)
         # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
         # that lands as the read completes, and the task that awaited it then never stops
         async with asyncio.timeout(timeout_s):
             return await asyncio.shield(self._pending)
+
+
+    def _start(self) -> asyncio.Future[list[GpuReading]]:
+        """One read in a daemon thread; its outcome settles the returned future."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[GpuReading]] = loop.create_future()
+
+        def run() -> None:
+            try:
+                outcome: list[GpuReading] | Exception = self.reader.read()
+            except Exception as exc:
+                outcome = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed while the read hung
+                loop.call_soon_threadsafe(_settle, future, outcome)
+
+        threading.Thread(target=run, name="kvgate-gpu-read", daemon=True).start()
+        return future
+
+
+def _settle(future: asyncio.Future[list[GpuReading]],
+            outcome: list[GpuReading] | Exception) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _retrieve(future: asyncio.Future[list[GpuReading]]) -> None:
@@ -179,12 +215,28 @@ def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def open_gpu_reader(nvml: Any = pynvml) -> NvmlReader | None:
+def open_gpu_reader(nvml: Any = pynvml, timeout_s: float = OPEN_TIMEOUT_S
+                    ) -> NvmlReader | None:
     """An ``NvmlReader`` if NVML works and sees a GPU, else ``None`` and one log line.
 
     Never raises: a host without GPUs is a supported configuration (gateway mode reads GPUs
-    through agents), so the line is a warning that says what is off, not an error.
+    through agents), so the line is a warning that says what is off, not an error. Nor
+    hangs: NVML is opened in a daemon thread, and one that has not answered in ``timeout_s``
+    is left there, as no NVML (a sick driver held ``kvgate serve`` with a local GPU source,
+    and ``kvgate agent``, before their ports ever opened).
     """
+    opened: queue.SimpleQueue[NvmlReader | None] = queue.SimpleQueue()
+    threading.Thread(target=lambda: opened.put(_open(nvml)), name="kvgate-nvml-open",
+                     daemon=True).start()
+    try:
+        return opened.get(timeout=timeout_s)
+    except queue.Empty:
+        log.warning("NVML did not answer within %gs: no local GPU readings on this host",
+                    timeout_s)
+        return None
+
+
+def _open(nvml: Any) -> NvmlReader | None:
     try:
         nvml.nvmlInit()
     except Exception as exc:

@@ -195,6 +195,27 @@ def test_open_gpu_reader_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     assert len(caplog.records) == 1 and "libnvidia-ml.so.1" in caplog.text
 
 
+def test_open_gpu_reader_gives_up_on_an_nvml_that_hangs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A sick driver can hang ``nvmlInit`` itself: the process starts without GPU readings
+    (one warning) instead of never opening its ports."""
+    released = threading.Event()
+
+    class Hung(StubNvml):
+        def nvmlInit(self) -> None:
+            released.wait(timeout=30)
+
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
+            assert open_gpu_reader(Hung(), timeout_s=0.2) is None
+    finally:
+        released.set()
+    assert time.monotonic() - started < 5
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "did not answer" in record.getMessage()
+
+
 async def test_a_hung_read_times_out_and_is_not_started_twice() -> None:
     reader = FakeGpuReader(gate=threading.Event())
     threaded = AsyncGpuReader(reader)
@@ -341,6 +362,66 @@ def test_kvgate_agent_command_serves_metrics_without_a_gpu():
         output = agent.communicate(timeout=10)[0].decode()
     assert agent.returncode == 0
     assert output.count("NVML") >= 1  # one clear line saying the GPU signal is absent
+
+
+HANGING_NVML = """
+import sys, threading
+from types import SimpleNamespace
+import pynvml
+
+reads = []
+def memory(handle):
+    reads.append(handle)
+    if len(reads) > 1:  # the start's read answers, every later one hangs in the "driver"
+        threading.Event().wait()
+    return SimpleNamespace(used=5, total=100)
+def no_mig(handle):
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+pynvml.nvmlInit = pynvml.nvmlShutdown = lambda: None
+pynvml.nvmlDeviceGetCount = lambda: 1
+pynvml.nvmlDeviceGetHandleByIndex = lambda index: index
+pynvml.nvmlDeviceGetMemoryInfo = memory
+pynvml.nvmlDeviceGetUUID = lambda handle: "GPU-0"
+pynvml.nvmlDeviceGetName = lambda handle: "stub"
+pynvml.nvmlDeviceGetUtilizationRates = lambda handle: SimpleNamespace(gpu=1, memory=0)
+pynvml.nvmlDeviceGetMigMode = no_mig
+from extproc.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kvgate_agent_exits_on_sigterm_while_an_nvml_read_hangs() -> None:
+    """The agent serves "NVML did not answer" while a read hangs, and SIGTERM still ends it:
+    the hung read's thread must not be one ``asyncio.run`` waits for at exit."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from extproc.ports import free_port
+
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-c", HANGING_NVML, "agent", "--host",
+                              "127.0.0.1", "--port", str(port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+                if "did not answer" in page:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the agent did not report the hung read"
+            time.sleep(0.1)
+        agent.terminate()
+        output = agent.communicate(timeout=10)[0].decode()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+    assert agent.returncode == 0, output
 
 
 async def test_a_read_cancelled_as_it_completes_stays_cancelled() -> None:
