@@ -417,11 +417,11 @@ def _watch_workers(processes: list[Any], stopping: Callable[[], bool]) -> int:
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from extproc.config import AgentSettings
+    from extproc.config import AgentSettings, load_agent_settings
     from extproc.datalayer.agent import run_agent
     from extproc.datalayer.nvml import open_gpu_reader
 
-    settings = load_config(args.config).agent if args.config else AgentSettings()
+    settings = load_agent_settings(args.config) if args.config else AgentSettings()
     host = args.host or settings.host
     port = settings.port if args.port is None else args.port
     ensure_free(host, port, "agent port (--port, agent.port)")

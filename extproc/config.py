@@ -1287,6 +1287,30 @@ def load_config(path: str | Path) -> Config:
     return parse_config(data, str(path), found)
 
 
+class AgentFile(BaseModel):
+    """What ``kvgate agent -c FILE`` reads of a config file: its ``agent:`` section alone.
+
+    A GPU node's agent needs no tiers, tenants or pools, and should not have to hold the
+    tenants' key hashes to set its port: a file of the one section is whole, and the
+    gateway's own file serves as well, its other sections left unread."""
+
+    model_config = ConfigDict(extra="ignore")
+    agent: AgentSettings = AgentSettings()
+
+
+def load_agent_settings(path: str | Path) -> AgentSettings:
+    """The ``agent:`` section of the config file at ``path`` (see ``AgentFile``)."""
+    data, found = read_config_data(path)
+    data = data if data is not None else {}
+    try:
+        settings = AgentFile.model_validate(data).agent
+    except ValidationError as exc:
+        raise ConfigError(str(path), [*found, *explain(data, exc, AgentFile)]) from None
+    if found:
+        raise ConfigError(str(path), list(found))
+    return settings
+
+
 EXAMPLE_CONFIG = Path(__file__).parent / "examples" / "kvgate.yaml"
 
 

@@ -401,6 +401,17 @@ def test_agent_on_a_port_in_use_is_one_line(taken):
     assert "already in use" in line
 
 
+def test_agent_reads_a_file_of_its_own_section_alone(tmp_path, taken):
+    """A GPU node's agent needs no tiers, tenants or pools (nor the tenants' key hashes):
+    its file was refused for lacking them, so ``agent.port`` could only be set from the
+    gateway's whole config. The section is still checked."""
+    path = write(tmp_path, {"agent": {"host": "127.0.0.1", "port": taken}})
+    assert "already in use" in one_line_error(kvgate("agent", "-c", str(path)))
+    broken = write(tmp_path, {"agent": {"port": 99999}}, "broken.yaml")
+    done = kvgate("agent", "-c", str(broken))
+    assert done.returncode == 2 and "agent.port" in done.stderr, done.stderr
+
+
 # -- --version and --help ---------------------------------------------------------------------
 
 
