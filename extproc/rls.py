@@ -55,12 +55,16 @@ MAX_UINT32 = 2**32 - 1
 # The most a proto Duration may hold (10,000 years, google/protobuf/duration.proto): a reset
 # further away (a debt rule charged an absurd usage) is answered as this.
 MAX_DURATION_MS = 315_576_000_000 * 1000
-CANCEL_TRIES = 20
+# a cancel is retried until the store confirms it: a call queued in a Redis paused for
+# longer than any fixed number of tries runs when Redis resumes, and its charge stayed. The
+# pause between tries doubles up to the longest, far below the call's record (CALL_TTL_MS,
+# 10 s), so a cancel lands while the record of a late call that just ran still lives.
 CANCEL_PAUSE_S = 0.25
+CANCEL_MAX_PAUSE_S = 2.0
 # cancels retried at once, at most: past it (a long outage under load) a failed call's
 # charge may stay in the store, which only errs on the strict side (Envoy denied the
 # request already, under failure_mode_deny); without a bound each failed call kept a task
-# and a connection attempt alive for ~15 s
+# and a connection attempt alive for as long as the outage
 MAX_PENDING_CANCELS = 1024
 _UNITS = {name.lower(): number for name, number in rls_pb2.RateLimitResponse.RateLimit.Unit.items()}
 
@@ -142,7 +146,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         self._ids = itertools.count()
         self._cancels: set[asyncio.Task[None]] = set()
         self._failing = False  # the store's last call failed: logged once per outage
-        self._uncancelled = 0  # cancels given up on in this outage
+        self._uncancelled = 0  # calls left uncancelled in this outage (past the bound)
 
     def attach(self, server: grpc.aio.Server) -> None:
         """Serve on ``server`` (kvgate's gRPC port, beside ext_proc): the generated
@@ -246,6 +250,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             task = asyncio.create_task(self._cancel(domain, hits, call_id))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
+        else:
+            self._uncancelled += 1
+            if self._uncancelled == 1:  # one line per outage (a busy one skips thousands)
+                log.error("ratelimit call %s cannot be cancelled (%d cancels already wait "
+                          "for the store): its charge may stay; further ones are counted, "
+                          "not logged, until the store answers", call_id, MAX_PENDING_CANCELS)
         if not self._failing:  # one line per outage: every call of a busy one failed
             self._failing = True
             log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides "
@@ -256,19 +266,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             self.metrics.ratelimit.add((label, "error"), len(hits))
 
     async def _cancel(self, domain: str, hits: list[Hit], call_id: str) -> None:
-        """Undo a call that may still run in the store, until the store confirms."""
-        for _ in range(CANCEL_TRIES):
+        """Undo a call that may still run in the store, until the store confirms: however
+        long Redis stays paused, the late call runs when it resumes (see CANCEL_PAUSE_S)."""
+        pause = CANCEL_PAUSE_S
+        while True:
             try:
                 async with asyncio.timeout(max(self.timeout_s or 0, 0.5)):
                     await self.counters.cancel(domain, hits, call_id)
                 return
             except (StoreUnavailable, TimeoutError, OSError):
-                await asyncio.sleep(CANCEL_PAUSE_S)
-        self._uncancelled += 1
-        if self._uncancelled == 1:  # one line per outage (a busy one gives up on thousands)
-            log.error("ratelimit call %s could not be cancelled (the store is still "
-                      "unreachable): its charge may stay; further ones are counted, not "
-                      "logged, until the store answers", call_id)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, CANCEL_MAX_PAUSE_S)
 
     async def close(self) -> None:
         for task in list(self._cancels):

@@ -259,6 +259,38 @@ async def test_a_call_timed_out_on_a_paused_redis_charges_nothing(redis):
     await service.close()
 
 
+async def test_a_call_timed_out_on_a_long_paused_redis_charges_nothing(redis, monkeypatch):
+    """The cancel gave up after 20 tries (~5 s with a 20 ms timeout_ms); the call, queued in
+    the paused Redis, ran when it resumed and its charge stayed. The pauses are shortened
+    here: the cancel now gives up never, and retries at most every CANCEL_MAX_PAUSE_S."""
+    from extproc import rls
+
+    monkeypatch.setattr(rls, "CANCEL_PAUSE_S", 0.01)
+    monkeypatch.setattr(rls, "CANCEL_MAX_PAUSE_S", 0.1, raising=False)
+    settings = RateLimitSettings.model_validate({"domains": [{"domain": "d", "descriptors": [
+        {"key": "tokens", "rate_limit": fixed(10**6, "hour", debt=True)}]}]})
+    client = redis_client(RedisSettings(url=redis.url, timeout_ms=50))
+    service = RateLimitService(settings, RedisRateCounters(client, prefix="long"),
+                               timeout_s=0.05)
+
+    async def remaining() -> int:
+        check = await ask(service, descriptor(("tokens", "t"), hits=0), domain="d")
+        return check.statuses[0].limit_remaining
+
+    before = await remaining()  # (a warm connection: the call is written at once)
+    redis.pause()
+    try:
+        with pytest.raises(Aborted):
+            await ask(service, descriptor(("tokens", "t"), hits=100), domain="d")
+        await asyncio.sleep(2.0)  # 20 tries of 0.05 + 0.01 s: the old cancel gave up
+    finally:
+        redis.resume()
+    await cancels_sent(service)
+    assert not service._cancels
+    assert await remaining() == before
+    await service.close()
+
+
 async def cancels_sent(service: RateLimitService, within_s: float = 4.0) -> None:
     """Wait for the cancels of failed calls, which go out in the background."""
     for _ in range(int(within_s / 0.02)):
