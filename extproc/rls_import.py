@@ -78,6 +78,7 @@ def _descriptor(item: Any, where: str, algorithm: str, notes: list[str]) -> dict
         elif key not in DESCRIPTOR_KEYS and key not in UNSUPPORTED:
             raise RatelimitImportError(f"{where}: unknown key {key!r}")
     out: dict[str, Any] = {"key": item.get("key")}
+    _scalar(item, "value", where)
     if item.get("value") not in (None, ""):
         out["value"] = str(item["value"])
         if "*" in out["value"][:-1]:
@@ -114,6 +115,15 @@ def _limit(spec: Any, where: str, algorithm: str) -> dict[str, Any]:
     if not out.get("unlimited"):
         out["algorithm"] = algorithm
     return out
+
+
+def _scalar(spec: dict[str, Any], key: str, where: str) -> None:
+    """A list or mapping where a Go string goes is an error there (that service refuses the
+    file); ``str()`` made ``value: [a, b]`` the value ``"['a', 'b']"``, which no descriptor
+    Envoy sends matches: the limit silently never applied."""
+    if isinstance(spec.get(key), list | dict):
+        kind = "a list" if isinstance(spec[key], list) else "a mapping"
+        raise RatelimitImportError(f"{where}.{key}: expected a string, got {kind}")
 
 
 def _boolean(spec: dict[str, Any], key: str, where: str) -> None:

@@ -66,6 +66,13 @@ def test_several_files_and_another_algorithm(tmp_path: Path, capsys):
      "descriptors[0].rate_limit: unlimited: true takes no unit"),
     ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1, "
      "name: a, replaces: [{name: a}]}\n", "replaces names this limit itself ('a')"),
+    # a Go string holds neither: imported as "['a', 'b']", a value nothing matches
+    ("domain: d\ndescriptors:\n  - key: k\n    value: [a, b]\n"
+     "    rate_limit: {unit: second, requests_per_unit: 1}\n",
+     "descriptors[0].value: expected a string, got a list"),
+    ("domain: d\ndescriptors:\n  - key: k\n    descriptors:\n      - key: j\n"
+     "        value: {a: 1}\n        rate_limit: {unit: second, requests_per_unit: 1}\n",
+     "descriptors[0].descriptors[0].value: expected a string, got a mapping"),
     # it would switch nothing off: a typo
     ("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1, "
      "name: a}\n  - key: j\n    rate_limit: {unit: second, requests_per_unit: 1, "
