@@ -37,4 +37,10 @@ RATELIMIT_HEADERS = (*RATELIMIT_FAMILIES["requests"], *RATELIMIT_FAMILIES["token
 # value), and the pool's attributes route sets them (and drops the client's key).
 UPSTREAM_HEADERS_NAMESPACE = "kvgate.headers"
 UPSTREAM_HEADERS = ("x-kvgate-tenant", "x-kvgate-class", "x-kvgate-priority", "authorization")
-RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate", RATELIMIT_NAMESPACE)
+# where the Lua meter finds the most a request can have used ("prompt:output" tokens), to
+# hold the usage it publishes for Envoy's rate limit filter to that (a namespace of its own:
+# a concatenated message's "kvgate" entry would replace the routing reply's whole one)
+BOUND_NAMESPACE = "kvgate.bound"
+# every namespace kvgate's replies set: Envoy drops the others (ext_proc's
+# receiving_namespaces), and the meter never saw kvgate.bound
+RECEIVING_NAMESPACES = (LB_NAMESPACE, "kvgate", RATELIMIT_NAMESPACE, BOUND_NAMESPACE)

@@ -16,6 +16,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.headers import (
+    BOUND_NAMESPACE,
     DESTINATION_HEADER,
     EXT_PROC_HEADERS,
     KVGATE_HEADER_PREFIX,
@@ -186,10 +187,6 @@ _routing_parts: dict[tuple[str, str, int, int, str, str, str], Parts] = {}
 _body_parts: dict[tuple[bool, int], Parts] = {}
 # the usage bound's size
 _bound_parts: dict[int, Parts] = {}
-# where the meter finds the most a request can have used ("prompt:output" tokens), to hold
-# the usage it publishes for Envoy's rate limit filter to that (a namespace of its own: a
-# concatenated message's "kvgate" entry would replace the routing reply's whole one)
-BOUND_NAMESPACE = "kvgate.bound"
 
 
 def route_request(

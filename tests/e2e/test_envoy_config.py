@@ -144,8 +144,9 @@ def test_ext_proc_filter_settings(example: Config) -> None:
     assert "max_message_timeout" not in ext_proc  # kvgate never extends a message's timeout
     assert ext_proc["allow_mode_override"] is True
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == [
-        # x-ratelimit-* response headers; the upstream headers of the attributes route
-        "envoy.lb", "kvgate", "kvgate.ratelimit", "kvgate.headers"]
+        # x-ratelimit-* response headers; the meter's usage bound; the upstream headers of
+        # the attributes route
+        "envoy.lb", "kvgate", "kvgate.ratelimit", "kvgate.bound", "kvgate.headers"]
     assert hcm["stat_prefix"] == "kvgate_gateway"
     assert (hcm["normalize_path"], hcm["merge_slashes"]) == (True, True)
     assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"

@@ -11,6 +11,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import parse_config
+from extproc.envoy_config import ext_proc_filter_config, render_bootstrap
 from extproc.metrics import Metrics
 from extproc.openai import Usage
 from extproc.reports import ReportDesk
@@ -224,6 +225,11 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     prompt_max = max(16 * cost.prompt_tokens, cost.prompt_tokens + 4096)
     assert bound["usage"].string_value == f"{prompt_max}:{cost.max_output_tokens}"
     assert "kvgate" in reply.dynamic_metadata.fields  # not replaced by the bound's message
+    # Envoy drops a namespace its ext_proc filter does not receive: the bound never reached
+    # the meter, which published an engine's absurd count unbounded
+    accepted = ext_proc_filter_config(render_bootstrap(make_config()))[
+        "metadata_options"]["receiving_namespaces"]["untyped"]
+    assert set(reply.dynamic_metadata.fields) <= set(accepted)
 
 
 @pytest.mark.parametrize(("streamed", "first", "report", "used", "basis"), [
