@@ -21,6 +21,10 @@
 -- count is held to what the request can have used (kvgate.bound's "prompt:output", set
 -- by kvgate on admission), as kvgate holds the charge it settles itself: an engine's
 -- absurd count would otherwise lock the tenant out of the Rate Limit Service's limits.
+-- Before the body is read, an answer (2xx) publishes as its total what kvgate charges an
+-- answer it cannot meter (the bound's ":prompt:output" that follow: what kvgate
+-- reserved): a client that hangs up mid-answer ends this script before its end, and Envoy
+-- still runs the stream-done charge, which then spent nothing.
 -- With "sse-strip" it also removes the usage-only event kvgate asked the engine for when
 -- the client did not ask for it.
 -- Unfinished events are held back only while stripping, and only up to the end of the
@@ -158,7 +162,7 @@ local COUNTS = {"prompt_tokens", "completion_tokens", "total_tokens"}
 -- The usage's counts, each held to kvgate's bound when it set one (total: the two held
 -- counts' sum, or held to the two bounds' sum).
 local function bounded(counts, bound)
-  local prompt_max, output_max = string.match(bound or "", "^(%d+):(%d+)$")
+  local prompt_max, output_max = string.match(bound or "", "^(%d+):(%d+)")
   if prompt_max == nil then return counts end
   prompt_max, output_max = tonumber(prompt_max), tonumber(output_max)
   local prompt, output = tonumber(counts.prompt_tokens), tonumber(counts.completion_tokens)
@@ -192,6 +196,23 @@ local function publish(handle, usage)
   end
 end
 
+-- What kvgate charges an answer it cannot meter, published as the total until the real
+-- usage replaces it (publish): a client that leaves mid-answer is charged it too, as
+-- kvgate charges it (its prompt before a stream's first chunk, then its reservation).
+local function provisional(handle, tokens)
+  handle:streamInfo():dynamicMetadata():set("kvgate.usage", "total_tokens",
+                                            string.format("%d", tokens))
+end
+
+-- kvgate's reservation, from kvgate.bound's usage ("prompt_max:output_max:prompt:output"):
+-- the prompt and the output cap, or nil without one.
+local function reserved(handle)
+  local bound = handle:streamInfo():dynamicMetadata():get("kvgate.bound")
+  local prompt, output = string.match(bound and bound.usage or "", "^%d+:%d+:(%d+):(%d+)$")
+  if prompt == nil then return nil end
+  return tonumber(prompt), tonumber(output)
+end
+
 function envoy_on_response(handle)
   local meta = handle:streamInfo():dynamicMetadata():get("kvgate")
   if meta == nil or meta.meter == nil or meta.meter == "" then return end
@@ -212,12 +233,16 @@ function envoy_on_response(handle)
   if state.strip then -- the stripped body is shorter than any length the engine declared
     handle:headers():remove("content-length")
   end
+  local prompt, output = reserved(handle)
+  if not answered then prompt = nil end
+  if prompt ~= nil then provisional(handle, stream and prompt or prompt + output) end
   local first = true
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
     if size > 0 and stream and first then
       first = false
       report(handle, meta, "first", "")
+      if prompt ~= nil then provisional(handle, prompt + output) end
     end
     if size > 0 and readable then
       local bytes = chunk:getBytes(0, size)
@@ -233,6 +258,8 @@ function envoy_on_response(handle)
     end
   end
   if limited then state.usage = NOTHING end
+  -- an answer that ended without a usage the meter could read: its reservation, as kvgate
+  if prompt ~= nil and state.usage == nil then provisional(handle, prompt + output) end
   report(handle, meta, "done",
          '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events ..
          ',"answered":' .. tostring(answered) .. '}')

@@ -51,7 +51,7 @@ from extproc.rejections import (
     unavailable,
 )
 from extproc.reports import ReportDesk
-from limiter import Reject
+from limiter import Cost, Reject
 from limiter.stores import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ log = logging.getLogger(__name__)
 # Never sent upstream: a client's routing header (and every x-kvgate-* header it sent), and
 # the tenant's API key — the routing reply sets the pool's own key where it has one.
 STRIPPED_HEADERS = (DESTINATION_HEADER, "authorization")
+
+
+def _usage_bound(cost: Cost) -> str:
+    """kvgate.bound's usage for the Lua meter: ``prompt_max:output_max`` (what the request can
+    have used; the usage it publishes is held to it), then ``:prompt:output``, the
+    reservation, which it publishes until the real usage comes: a client that left
+    mid-answer was charged nothing by the Rate Limit Service's stream-done charge."""
+    return "{}:{}:{}:{}".format(*usage_ceiling(cost), cost.prompt_tokens, cost.max_output_tokens)
 
 
 @functools.cache
@@ -264,7 +272,7 @@ class RequestStream:
             admission.pool, admission.lease_id, body, in_body_phase,
             self.director.upstream_authorization.get(admission.pool),
             meter, self.desk.address, self.desk.key,
-            "{}:{}".format(*usage_ceiling(admission.cost)) if meter else "",
+            _usage_bound(admission.cost) if meter else "",
         ) + messages.ratelimit_metadata(admitted_ratelimit_headers(admission.admit.remaining))
 
     # -- the response, as Envoy's Lua meter reports it --------------------------------------

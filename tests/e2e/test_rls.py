@@ -33,7 +33,7 @@ from tests.rls_support import descriptor
 pytestmark = pytest.mark.e2e
 
 DOMAIN = "kvgate"
-KEYS = {"reqs": "sk-rls-reqs", "toks": "sk-rls-toks"}
+KEYS = {"reqs": "sk-rls-reqs", "toks": "sk-rls-toks", "cut": "sk-rls-cut"}
 TOKENS_PER_MINUTE = 60
 PROMPT = "hello there gateway"  # the simulated engine counts 3 prompt tokens
 
@@ -159,6 +159,42 @@ def test_tokens_per_minute_is_charged_real_usage_and_blocks_once_spent(stack):
     assert refused.status_code == 429
     # the tokens of debt plus the one the check needs, at one token a second
     assert debt * 1000 <= int(refused.headers["retry-after-ms"]) <= (debt + 1) * 1000
+
+
+def test_an_answer_the_client_cuts_off_is_charged_as_kvgate_charges_it(stack):
+    """A client that hung up mid-answer ended the Lua meter before it published a usage, and
+    Envoy's stream-done charge (which still runs) spent nothing: an answer cut off just
+    before its end was free of the tokens-per-minute limit. The meter publishes kvgate's
+    reservation first, which kvgate charges itself for an answer cut off (cut_off)."""
+    server = stack.kvgate.server
+
+    def charged() -> int:  # by kvgate itself, for this tenant
+        return sum(value for labels, value in server.metrics.tokens_used.values.items()
+                   if labels[0] == "cut")
+
+    assert tokens_left(stack, "cut") == TOKENS_PER_MINUTE
+    cut_before = server.metrics.charges.values.get(("cut_off",), 0)
+    body = {"model": "tiny", "max_tokens": 1000, "stream": True,  # 2 s of answer
+            "messages": [{"role": "user", "content": PROMPT}]}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", content=orjson.dumps(body),
+                      headers={"authorization": f"Bearer {KEYS['cut']}",
+                               "content-type": "application/json"}, timeout=30) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    hung_up = time.monotonic()
+    assert wait_for(lambda: charged() > 0)
+    assert server.metrics.charges.values.get(("cut_off",), 0) == cut_before + 1
+    reserved = charged()
+    assert reserved > 1000
+    # the bucket refills a token a second from the charge, and goes into debt for it
+    assert wait_for(lambda: tokens_left(stack, "cut") == 0)
+    refused = chat(stack, "cut", 1)
+    assert refused.status_code == 429, refused.text
+    debt_ms = int(refused.headers["retry-after-ms"])
+    waited_ms = (time.monotonic() - hung_up) * 1000
+    # the debt plus the one token the check needs, at one a second
+    assert (reserved - TOKENS_PER_MINUTE) * 1000 - waited_ms <= debt_ms - 1000
+    assert debt_ms <= (reserved - TOKENS_PER_MINUTE + 1) * 1000
 
 
 # -- an imported envoyproxy/ratelimit config, through Envoy, beside its hand-written twin -------

@@ -223,7 +223,9 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     bound = reply.dynamic_metadata.fields["kvgate.bound"].struct_value.fields
     cost = stream.admission.cost
     prompt_max = max(16 * cost.prompt_tokens, cost.prompt_tokens + 4096)
-    assert bound["usage"].string_value == f"{prompt_max}:{cost.max_output_tokens}"
+    # then the reservation, which it publishes until the usage comes (a cut answer's charge)
+    assert bound["usage"].string_value == (f"{prompt_max}:{cost.max_output_tokens}:"
+                                           f"{cost.prompt_tokens}:{cost.max_output_tokens}")
     assert "kvgate" in reply.dynamic_metadata.fields  # not replaced by the bound's message
     # Envoy drops a namespace its ext_proc filter does not receive: the bound never reached
     # the meter, which published an engine's absurd count unbounded
