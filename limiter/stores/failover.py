@@ -513,7 +513,8 @@ class FailoverStore:
         slot moved to another primary) into Redis; from then on each counts there. A
         tenant's leases are adopted as soon as its own call succeeds: one shard down must
         not leave the others' leases counted in memory (and released only there) while
-        Redis holds them too."""
+        Redis holds them too. A round cut short (its caller's budget ran out) marks the
+        leases whose renewals were under way as unanswered: Redis may run them yet."""
         if tenants is None:
             self._reassert = False
             self._moved.clear()  # (all of them)
@@ -526,12 +527,15 @@ class FailoverStore:
             by_tenant.setdefault(lease.tenant, []).append(lease_id)
         groups = list(by_tenant.items())
         failed: BaseException | None = None
+        sent: list[str] = []  # leases whose renewals are under way
         try:
             for start in range(0, len(groups), REPAIR_BATCH):  # one call per tenant
                 batch = groups[start:start + REPAIR_BATCH]
+                sent = [lease_id for _tenant, ids in batch for lease_id in ids]
                 results = await asyncio.gather(
                     *(self.primary.renew(tenant, ids, reassert=True) for tenant, ids in batch),
                     return_exceptions=True)
+                sent = []
                 for (_tenant, ids), result in zip(batch, results, strict=True):
                     if isinstance(result, BaseException):  # its shard is down: next round
                         failed = failed or result
@@ -543,6 +547,8 @@ class FailoverStore:
             if failed is not None:
                 raise failed
         except BaseException:
+            for lease_id in sent:  # cut short: each renewal may still run in Redis
+                self._unanswered(lease_id, held[lease_id])
             if tenants is None:
                 self._reassert = True
             else:

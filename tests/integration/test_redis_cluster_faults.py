@@ -197,6 +197,42 @@ async def test_what_is_owed_to_a_healthy_shard_is_sent_while_another_hangs(clust
     await close(store)
 
 
+async def test_a_reassert_cut_short_still_releases_what_it_put_back(cluster, monkeypatch):
+    """A re-assert round cut short by its budget (a repair round's, or an admission's after
+    LeasesLost: a shard slow to answer, as one just resumed is) had its renewals in Redis
+    but marked none of their leases: one the fallback admitted and released meanwhile was
+    released in memory only, and Redis held it (a concurrency slot) until the lease TTL.
+    Seen under load: 2-14 slots per tenant after a shard paused 0.5 s under fail_open."""
+    from limiter.stores import failover as module
+
+    monkeypatch.setattr(module, "REPAIR_TIMEOUT_S", 0.1)
+    store = failover(cluster, "fail_open", failures=1, timeout_ms=300)
+    a, node_a, _b, _ = await on_two_nodes(store, cluster)
+    renew = store.primary.renew
+
+    async def slow_renew(tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
+        await renew(tenant, lease_ids, reassert=reassert)  # it runs in Redis...
+        await asyncio.sleep(1)  # ... and its answer is late: past the round's budget
+
+    node_a.pause()
+    try:
+        timed_out, passed = lease(), lease()
+        assert isinstance(await store.admit(a, POLICY, COST, timed_out), Admit)  # opens it
+        assert isinstance(await store.admit(a, POLICY, COST, passed), Admit)  # never asked
+        assert store.debug()["held"][passed] == "open"
+        monkeypatch.setattr(store.primary, "renew", slow_renew)
+    finally:
+        node_a.resume()
+    await asyncio.sleep(0.3)  # repair rounds put both back in Redis, each cut short
+    assert await store.primary.in_flight(a) == 2
+    for held in (timed_out, passed):
+        assert await store.release(a, POLICY, held, 1)
+    monkeypatch.setattr(store.primary, "renew", renew)
+    await until(lambda: _idle(store), within_s=3.0)
+    assert await store.primary.in_flight(a) == 0
+    await close(store)
+
+
 async def test_a_node_no_tenant_maps_to_any_more_is_forgotten(cluster, monkeypatch):
     """After a failover a node's slots are served elsewhere: its breaker, open when it went,
     had nothing left to probe it and kept kvgate_store_breaker_open at 1 for good (a false
