@@ -139,6 +139,13 @@ class _Owed:
     usage: bool = False
 
 
+def _vaguer(owed: _Owed, known: _Owed) -> bool:
+    """``owed`` and ``known`` are both the lease's release, and only ``known`` carries the
+    tokens used."""
+    return (not owed.cancel and not owed.usage and not known.usage
+            and owed.used_tokens is None and known.used_tokens is not None)
+
+
 USAGE_SUFFIX = ":usage"
 """Appended to a lease id: the key under which its quota usage is owed (and marked charged
 in Redis), apart from a release or cancel owed for the lease itself."""
@@ -455,7 +462,12 @@ class FailoverStore:
     # -- repairs: what failed calls left to tell Redis -------------------------------------
 
     def _owe(self, lease_id: str, owed: _Owed) -> None:
-        if not (lease_id in self._owed and self._owed[lease_id].cancel):  # a cancel covers all
+        """Owe Redis ``owed`` for ``lease_id``, one record per key: a cancel covers all, and
+        a release that knows no tokens (sent again after a re-assert) leaves in place one
+        that knows them, which releases the lease as well; sent instead, it settled the
+        reservation as if the request had used all of it."""
+        known = self._owed.get(lease_id)
+        if known is None or not (known.cancel or _vaguer(owed, known)):
             self._owed[lease_id] = owed
         self._need_repair()
 

@@ -233,6 +233,49 @@ async def test_a_reassert_cut_short_still_releases_what_it_put_back(cluster, mon
     await close(store)
 
 
+async def test_a_release_owed_keeps_its_tokens_when_a_reassert_answers_after_it(
+        cluster, monkeypatch):
+    """A release owed to Redis (its shard's breaker open) carries the tokens the request
+    used; a re-assert answered after that release owes it again, knowing no tokens, and
+    replaced it: Redis then settled the reservation as if all of it was used (tokens and
+    quota overcharged by reservation minus usage; seen under load after a shard paused
+    0.5 s, 8-26 tokens a tenant)."""
+    from limiter.stores import failover as module
+
+    monkeypatch.setattr(module, "REPAIR_TIMEOUT_S", 5.0)  # (the late answer is not cut)
+    settings = RedisSettings(url=cluster.url, cluster=True, timeout_ms=300)
+    store = FailoverStore(RedisStore(redis_client(settings)), policy=FailurePolicy.LOCAL,
+                          timeout_s=0.3, breaker=CircuitBreaker(1, 10_000))
+    a, node_a, _b, _ = await on_two_nodes(store, cluster)
+    quota = dataclasses.replace(POLICY, daily_token_quota=1_000_000)
+    held = lease()
+    assert isinstance(await store.admit(a, quota, COST, held), Admit)  # reserves 30
+    renew, waiting, answer = store.primary.renew, asyncio.Event(), asyncio.Event()
+
+    async def late_renew(tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
+        await renew(tenant, lease_ids, reassert=reassert)  # it runs in Redis...
+        waiting.set()
+        await answer.wait()  # ... and its answer comes after the release below
+
+    monkeypatch.setattr(store.primary, "renew", late_renew)
+    node_a.pause()
+    try:
+        timed_out = lease()  # opens a's breaker; a re-assert of every lease is due
+        assert isinstance(await store.admit(a, quota, COST, timed_out), Admit)
+    finally:
+        node_a.resume()
+    await asyncio.wait_for(waiting.wait(), 3)
+    assert await store.release(a, quota, held, 5)  # breaker open: owed, with its 5 tokens
+    assert store.debug()["owed"][held] == "release"
+    answer.set()
+    monkeypatch.setattr(store.primary, "renew", renew)
+    await store.release(a, quota, timed_out, 5)  # cancelled there; its 5 tokens charged
+    await until(lambda: _idle(store), within_s=3.0)
+    usage = await store.primary.usage(a, quota)
+    assert usage["quotas"]["daily"]["used"] == 10 and usage["in_flight"] == 0
+    await close(store)
+
+
 async def test_a_node_no_tenant_maps_to_any_more_is_forgotten(cluster, monkeypatch):
     """After a failover a node's slots are served elsewhere: its breaker, open when it went,
     had nothing left to probe it and kept kvgate_store_breaker_open at 1 for good (a false
