@@ -102,7 +102,6 @@ class AsyncGpuReader:
         async with asyncio.timeout(timeout_s):
             return await asyncio.shield(self._pending)
 
-
     def _start(self) -> asyncio.Future[list[GpuReading]]:
         """One read in a daemon thread; its outcome settles the returned future."""
         loop = asyncio.get_running_loop()
