@@ -66,6 +66,11 @@ CANCEL_MAX_PAUSE_S = 2.0
 # request already, under failure_mode_deny); without a bound each failed call kept a task
 # and a connection attempt alive for as long as the outage
 MAX_PENDING_CANCELS = 1024
+# the most descriptors one call may carry, and entries one descriptor: Envoy sends one per
+# rate limit action of the route (a handful); without a bound one hostile call of 100,000
+# held the event loop, every tenant's admissions with it, for 1–2 s
+MAX_DESCRIPTORS = 256
+MAX_ENTRIES = 64
 _UNITS = {name.lower(): number for name, number in rls_pb2.RateLimitResponse.RateLimit.Unit.items()}
 
 
@@ -170,6 +175,11 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         if not request.domain or not request.descriptors:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a rate limit request needs a domain and descriptors")
+        if len(request.descriptors) > MAX_DESCRIPTORS or any(
+                len(d.entries) > MAX_ENTRIES for d in request.descriptors):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a rate limit request may carry at most {MAX_DESCRIPTORS} "
+                                f"descriptors of at most {MAX_ENTRIES} entries each")
         entries = self._plan(request)
         # a descriptor sent twice is one counter charged once with both costs
         hits: dict[str, Hit] = {}
@@ -234,7 +244,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             self._failed(domain, hits, call_id, "the call was abandoned by Envoy")
             raise
         except (StoreUnavailable, TimeoutError, OSError) as exc:
-            self._failed(domain, hits, call_id, exc)
+            self._failed(domain, hits, call_id, exc if str(exc) else repr(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
             raise  # abort raises; this keeps the type checker informed
         if self._failing:

@@ -385,6 +385,24 @@ def test_a_request_without_a_domain_or_descriptors_is_invalid(service, request_)
     assert details == "a rate limit request needs a domain and descriptors"
 
 
+@pytest.mark.parametrize("request_", [
+    rls_pb2.RateLimitRequest(domain="edge", descriptors=[
+        descriptor(("user", f"u{n}")) for n in range(257)]),
+    rls_pb2.RateLimitRequest(domain="edge", descriptors=[
+        descriptor(*[(f"k{n}", "v") for n in range(65)])]),
+], ids=["descriptors", "entries"])
+def test_a_request_past_the_bounds_is_invalid_and_charges_nothing(service, request_):
+    """One hostile call of 100,000 descriptors held the event loop for 1–2 s: Envoy sends a
+    handful, so a call past the bounds is refused before any work."""
+    with pytest.raises(Aborted) as caught:
+        asyncio.run(service.ShouldRateLimit(request_, AbortingContext()))  # type: ignore[arg-type]
+    code, details = caught.value.args
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 256 descriptors of at most 64 entries" in details
+    # nothing was charged: u1's first call leaves 4 of its 5 a minute
+    assert ask(service, descriptor(("user", "u1"))).statuses[0].limit_remaining == 4
+
+
 def test_a_descriptor_value_that_is_not_utf8_is_judged_not_failed(service):
     """Envoy copies header values into descriptor entries as they came. Bytes that are not
     UTF-8 would fail the call's parse, and Envoy lets a failed call through: served over
