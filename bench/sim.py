@@ -247,13 +247,14 @@ class Gated(Policy):
 
     def _pool(self) -> Pool:
         s = self.settings
+        kv = dict(prefill_clear_share=s.prefill_clear_share,
+                  watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark,
+                                        max_waiting=s.max_waiting),
+                  scoring=s.scoring or Scoring()) if s.kv_aware else {}
         return Pool(name="sim", models=[Model(name="m")], endpoints=self.addresses,
                     kv_aware=s.kv_aware, priority_scheduling=s.engine_priority,
                     max_in_flight=s.max_in_flight, reserved_in_flight=s.reserved_in_flight,
-                    prefill_clear_share=s.prefill_clear_share,
-                    watermarks=Watermarks(high=s.high_watermark, critical=s.critical_watermark,
-                                          max_waiting=s.max_waiting),
-                    scoring=s.scoring or Scoring())
+                    **kv)
 
     def backlog(self) -> int:
         return len(self.queue)

@@ -464,6 +464,12 @@ SALTED_BY_DEFAULT = ("vllm",)
 CACHE_SALT_PREFIX = "kvgate-"
 
 
+# the pool settings only a KV-aware pool reads (scraping, KV admission, prefill, GPUs)
+KV_AWARE_ONLY = ("metrics_port", "kv_capacity_tokens", "max_unstarted", "max_num_seqs",
+                 "prefill_clear_share", "max_num_batched_tokens", "prefill_clear_hold_s",
+                 "gpu_source", "gpus", "endpoint_gpus", "watermarks", "scoring")
+
+
 class Pool(_Strict):
     name: str = Field(min_length=1)
     models: list[Model] = Field(min_length=1)
@@ -620,6 +626,23 @@ class Pool(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _kv_settings_need_kv_aware(self) -> Pool:
+        """A pool with ``kv_aware: false`` reads no ``/metrics`` and picks the endpoint with
+        the fewest requests in flight: a KV, prefill or GPU setting given there did nothing,
+        without a word. (Compared with the defaults, not the keys given: a config written
+        back whole, defaults and all, still loads.)"""
+        if not self.kv_aware:
+            fields = type(self).model_fields
+            unused = [name for name in KV_AWARE_ONLY if getattr(self, name)
+                      != fields[name].get_default(call_default_factory=True)]
+            if unused:
+                raise ValueError(f"{', '.join(unused)}: only a kv_aware pool reads "
+                                 f"{'it' if len(unused) == 1 else 'them'} (this one picks the "
+                                 "endpoint with the fewest requests in flight); remove "
+                                 f"{'it' if len(unused) == 1 else 'them'} or set kv_aware: true")
+        return self
+
+    @model_validator(mode="after")
     def _engine_priority(self) -> Pool:
         if self.priority_scheduling and self.engine not in PRIORITY_LOW_FIRST:
             raise ValueError(
@@ -627,6 +650,9 @@ class Pool(_Strict):
                 f"(engines that do: {', '.join(PRIORITY_LOW_FIRST)}); set it to false")
         if self.low_priority_first is not None and self.engine != "sglang":
             raise ValueError("low_priority_first: only SGLang has a choice of priority order")
+        if self.low_priority_first is not None and not self.priority_scheduling:
+            raise ValueError("low_priority_first: kvgate sends a priority only with "
+                             "priority_scheduling: true, so it would do nothing")
         if self.prefix_cache_isolation == "tenant" and self.engine not in CACHE_SALT_ENGINES:
             raise ValueError(
                 f"prefix_cache_isolation: {self.engine} takes no cache_salt (engines that do: "

@@ -307,6 +307,30 @@ def test_knobs_that_would_do_nothing_or_misroute_are_problems():
     parse_config(data)
 
 
+def test_kv_settings_on_a_pool_that_is_not_kv_aware_are_problems():
+    """A pool with kv_aware: false picks by requests in flight and reads no /metrics: a KV,
+    prefill or GPU setting there did nothing; so did low_priority_first without a priority
+    sent. Its defaults stay fine, and so do the in-flight caps it does read."""
+    pool = {**GOOD["pools"][0], "kv_aware": False}
+    assert problems({**GOOD, "pools": [{**pool, "max_unstarted": 4,
+                                         "watermarks": {"high": 0.7}}]}) == [
+        "pools[0]: max_unstarted, watermarks: only a kv_aware pool reads them (this one "
+        "picks the endpoint with the fewest requests in flight); remove them or set "
+        "kv_aware: true"]
+    assert problems({**GOOD, "pools": [{**pool, "gpu_source": "local"}]}) == [
+        "pools[0]: gpu_source: only a kv_aware pool reads it (this one picks the endpoint "
+        "with the fewest requests in flight); remove it or set kv_aware: true"]
+    parse_config({**GOOD, "pools": [{**pool, "max_in_flight": 2, "reserved_in_flight": 1}]})
+    # written back whole (defaults and all: KvgateProcess.write_config), it still loads
+    whole = parse_config({**GOOD, "pools": [pool]}).pools[0].model_dump(exclude_none=True)
+    parse_config({**GOOD, "pools": [whole]})
+    sglang = {**GOOD["pools"][0], "engine": "sglang", "low_priority_first": True}
+    assert problems({**GOOD, "pools": [sglang]}) == [
+        "pools[0]: low_priority_first: kvgate sends a priority only with "
+        "priority_scheduling: true, so it would do nothing"]
+    parse_config({**GOOD, "pools": [{**sglang, "priority_scheduling": True}]})
+
+
 def test_removed_server_keys_say_what_became_of_them():
     assert problems({**GOOD, "server": {"max_stream_seconds": 60}}) == [
         "server: max_stream_seconds: removed, it did nothing (kvgate never extends a "
