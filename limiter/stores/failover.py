@@ -125,6 +125,9 @@ class _Held:
     # a re-assert of it got no answer, so it may still land in Redis: its release goes
     # there too, wherever it counts now
     reasserted: bool = False
+    # served by the failure policy (Redis did not admit it): what it uses is owed to the
+    # quotas apart (idempotent), even once a re-assert made it count in Redis
+    fallback: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -255,7 +258,8 @@ class FailoverStore:
             decision = await self._fallback(tenant, policy, cost, lease_id)
         finally:
             if isinstance(decision, Admit):
-                self._hold(lease_id, _Held(tenant, policy, self._place(), unsure))
+                self._hold(lease_id, _Held(tenant, policy, self._place(), unsure,
+                                           fallback=True))
             elif unsure:  # refused or 503: what Redis may have admitted is undone there
                 self._owe(lease_id, _Owed(tenant, policy, cancel=True))
         return decision
@@ -324,11 +328,13 @@ class FailoverStore:
             return None
         if held.place == "local":
             self.local.release_soon(tenant, self._local(policy), lease_id, used_tokens)
-        if (held.unsure or held.place != "primary") and used_tokens and (
+        if held.fallback and used_tokens and (
                 policy.daily_token_quota or policy.monthly_token_quota):
             # served while Redis was unreachable (or admitted there without an answer, which
             # the cancel below undoes): what it used still counts toward the quotas (tokens
-            # a day or month, which nothing local enforces) once Redis answers
+            # a day or month, which nothing local enforces) once Redis answers. Charged
+            # once by its id, also for a lease a re-assert put in Redis since: Redis cannot
+            # tell such a lease from one a late re-assert put back after its release
             self._owe(lease_id + USAGE_SUFFIX,
                       _Owed(tenant, policy, cancel=False, used_tokens=used_tokens, usage=True))
         if held.unsure:  # whatever reached Redis for it is undone there

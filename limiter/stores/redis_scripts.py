@@ -832,7 +832,6 @@ for i = OP + 1, last, 2 do
       if f[6] == '1' and st.req then tb_refund(st.req, requests, NOW); req_dirty = true end
       if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
     end
-    if not meta and not cancel and used_arg ~= '' then quota_charge(used) end
     if tb == '1' and st.tok then
       if used < reserved then tb_refund(st.tok, reserved - used, NOW)
       elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end

@@ -174,6 +174,23 @@ async def test_tokens_served_while_redis_is_down_count_toward_the_quota_once(ser
     await store.close()
 
 
+async def test_a_release_sent_again_after_a_late_reassert_charges_the_quota_once(server, raw):
+    """A release that ran (its answer lost, so it is owed and sent again), then a re-assert
+    of the lease that landed after it (another pooled connection of a cluster: no order
+    between them) puts the lease back without its record. The release sent again frees it
+    and charges nothing more: it once charged what was used a second time, as for a lease
+    the fallback served (whose usage is owed to the quotas apart, by its own id)."""
+    store = failover(server, "local")
+    held = lease()
+    assert isinstance(await store.admit("acme", SLOW, COST, held), Admit)
+    assert await store.primary.release("acme", SLOW, held, 7)
+    await store.primary.renew("acme", [held], reassert=True)  # late: puts it back bare
+    assert await store.primary.release("acme", SLOW, held, 7)  # the owed one, sent again
+    assert await quota_used(raw, store) == 7
+    assert not await raw.zcard(store.primary.keys("acme")[4])  # no lease left
+    await store.close()
+
+
 async def test_a_usage_charge_resent_is_counted_once(server, raw):
     store = failover(server, "local")
     usage_id = lease() + ":usage"
