@@ -4,7 +4,7 @@ sits behind them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from limiter.decision import TenantPolicy
@@ -108,6 +108,11 @@ class SharedStore(LimiterStore, Protocol):
 
     async def settle_releases(self) -> None:
         """Wait until every release queued so far (:meth:`queue_release`) has its answer."""
+        ...
+
+    def on_connection_lost(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called whenever a connection to the store turns out dead (it
+        may have restarted and forgotten the leases it held)."""
         ...
 
     def domain(self, tenant: str) -> str:

@@ -26,7 +26,9 @@ were admitted; if Redis has fewer it answers :class:`LeasesLost`, the leases are
 at once and the admission is tried again, so nothing is admitted on top of leases Redis
 does not know. (With several replicas Redis's count includes the others' leases, so this
 check can miss a loss; the repair loop's re-assert then closes the gap within
-``REPAIR_PAUSE_S`` of Redis answering, or — on a replica that saw no call fail — the next
+``REPAIR_PAUSE_S`` of Redis answering. A replica that saw no call fail starts it when Redis
+ends one of its connections, as a restart does — an idle one's next call would reconnect
+without an error — or, where Redis lost its data with no connection ended, at the next
 renewal, which re-asserts too.)
 
 On a Redis Cluster a failover can lose writes the same way: the replica promoted may lack
@@ -202,6 +204,8 @@ class FailoverStore:
         self._reread_until = self._reread_at = 0  # (ms) see REREAD_MS
         self._recent: deque[tuple[int, str, _Owed]] = deque(maxlen=RECENT_MAX)
         self._blocked: dict[str, tuple[int, Reject]] = {}  # tenant → (until ms, rejection)
+        self._closing = False
+        primary.on_connection_lost(self._connection_lost)
 
     # -- the LimiterStore protocol ---------------------------------------------------------
 
@@ -382,6 +386,7 @@ class FailoverStore:
         owed then), send what is still owed — every batch, retried for up to
         ``CLOSE_REPAIR_S`` (logged if some is left), then close the primary."""
         self._watch_due = False
+        self._closing = True  # (its connections end now: nothing to put back)
         await self.primary.settle_releases()
         for task in (self._watcher, self._repairer):
             if task is not None:
@@ -700,6 +705,15 @@ class FailoverStore:
         allowed, transition = breaker.allow(now_ms)
         self._report(domain, transition)
         return (domain, breaker) if allowed else None
+
+    def _connection_lost(self) -> None:
+        """Redis ended a connection: it may have restarted empty, and no call of this store
+        need fail for that (the next one reconnects), so the leases held here are put back
+        now — within ``REPAIR_PAUSE_S`` of Redis answering — rather than at their next
+        renewal, while every other replica could be admitted on top of them."""
+        if self._held and not self._closing:
+            self._reassert = True
+            self._need_repair()
 
     def _failed(self, domain: str, breaker: CircuitBreaker, error: BaseException) -> None:
         """A call to the primary failed: counted, and Redis may have lost leases."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -80,8 +80,10 @@ def _expire(futures: list[asyncio.Future[Any]]) -> None:
 class _Protocol(asyncio.Protocol):
     """Replies in order to the futures of the commands written, one per command."""
 
-    def __init__(self, timeout_s: float | None = None) -> None:
+    def __init__(self, timeout_s: float | None = None,
+                 on_lost: Callable[[], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()  # (made by ``create_connection``, on the loop)
+        self.on_lost = on_lost  # Redis ended the connection (not this side)
         self.reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
@@ -153,8 +155,11 @@ class _Protocol(asyncio.Protocol):
                 future.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        ended_by_redis = self.transport is not None  # (``_fail`` clears it: ours)
         self.transport = None
         self._fail(RedisConnectionError(f"redis connection lost: {exc or 'closed by server'}"))
+        if ended_by_redis and self.on_lost is not None:
+            self.on_lost()
 
     def _fail(self, error: BaseException) -> None:
         if self.transport is not None:
@@ -185,6 +190,10 @@ class RedisPipe:
         self._connect_timeout_s = connect_timeout_s
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
+        # called when Redis ends an open connection (a restart ends every one), also with
+        # no call waiting on it: the next call reconnects without an error, so nothing
+        # else would tell its owner that Redis may have lost what it held
+        self.on_lost: Callable[[], None] | None = None
 
     @classmethod
     def from_client(cls, client: Any) -> RedisPipe | None:
@@ -246,7 +255,7 @@ class RedisPipe:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 transport, protocol = await loop.create_connection(
-                    lambda: _Protocol(self._timeout_s), *self._address)
+                    lambda: _Protocol(self._timeout_s, self._lost), *self._address)
                 try:
                     await asyncio.gather(*(protocol.send(command) for command in self._setup))
                 except BaseException:
@@ -258,6 +267,10 @@ class RedisPipe:
             raise RedisConnectionError(f"connecting to redis at {self._address}: {exc}") from exc
         self._protocol = protocol
         return protocol
+
+    def _lost(self) -> None:
+        if self.on_lost is not None:
+            self.on_lost()
 
     def drop(self) -> None:
         """Close the connection (the next call opens a new one)."""

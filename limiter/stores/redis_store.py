@@ -91,6 +91,7 @@ class RedisStore:
         self._slack_ms = require_int("ttl_slack_ms", ttl_slack_ms, 0)
         # EVALSHA, reloading a script on NOSCRIPT (restart, SCRIPT FLUSH)
         self._scripts = Scripts(client, SCRIPTS)
+        self._on_lost: Callable[[], None] = lambda: None  # see on_connection_lost
         # a Redis Cluster client's node lookup (None for a single Redis: one failure domain)
         self._node_of = getattr(client, "get_node_from_key", None)
         self._asked: str | None = None  # the node whose slot map came last (asked first)
@@ -100,6 +101,14 @@ class RedisStore:
         # (tenant, policy) → releases waiting for the call under way (see release)
         self._releases: dict[tuple[str, TenantPolicy], list[tuple[str, int | str,
                                                                   asyncio.Future[Any]]]] = {}
+
+    def on_connection_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever a connection to Redis turns out dead: Redis may have
+        restarted, empty. The pipe tells at once, with no call waiting (a call would then
+        reconnect without an error); redis-py's pooled connections, at the next call."""
+        self._on_lost = callback
+        if self._scripts.pipe is not None:
+            self._scripts.pipe.on_lost = callback
 
     def keys(self, tenant: str) -> list[str]:
         """The tenant's keys in the scripts' KEYS order (e.g. ``kvgate:{kvgate:acme}:tb:req``)."""
@@ -190,6 +199,7 @@ class RedisStore:
             try:
                 return await run(name, keys, args)
             except RedisConnectionError:  # (the pipe reconnects by itself)
+                self._on_lost()
                 pool = getattr(self._client, "connection_pool", None)  # a cluster has many
                 if pool is not None:
                     await pool.disconnect(inuse_connections=False)

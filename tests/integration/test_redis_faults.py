@@ -375,6 +375,34 @@ async def test_restart_with_leases_held_keeps_concurrency_exact(server, raw, pol
     await store.close()
 
 
+@pytest.mark.parametrize("fault", ["restart", "quick restart"])
+async def test_a_restart_puts_back_the_leases_of_a_store_that_made_no_call(server, raw, fault):
+    """Redis restarted empty while this store held leases and sent nothing (a replica whose
+    streams are long and that admits nothing new; or one that did, and whose next call
+    found Redis back already): the end of its connection says Redis may have lost them,
+    and they are back within moments of Redis answering. They used to come back only at
+    the next renewal (``lease_ttl_s / 3``, 20 s by default), while any other replica could
+    admit on top of them."""
+    store = failover(server, "local", timeout_ms=100)
+    held = [lease(), lease()]
+    for lease_id in held:
+        assert isinstance(await store.admit("acme", SLOW, COST, lease_id), Admit)
+    server.kill()
+    if fault == "restart":
+        await asyncio.sleep(0.2)  # Redis down a while: the repair finds it down, retries
+    server.start()
+    key = store.primary.keys("acme")[4]
+    deadline = time.monotonic() + 1.0
+    while await raw.zcard(key) != 2:
+        assert time.monotonic() < deadline, "the leases Redis lost were not put back"
+        await asyncio.sleep(0.02)
+    for lease_id in held:
+        assert await store.release("acme", SLOW, lease_id, 1)
+    await settle(store)
+    assert not await raw.zcard(key)
+    await store.close()
+
+
 async def test_renewal_puts_back_leases_redis_lost(server, raw):
     store = failover(server, "fail_closed")
     held = [lease(), lease()]
