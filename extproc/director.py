@@ -311,9 +311,9 @@ class Director:
     async def _list_models(
         self, tenant: Tenant, watch: Watch,
     ) -> tuple[list[tuple[str, str]], Admit] | Reject:
-        policy = self.tenants.policy(tenant)
         lease_id = self.leases.new_id()
-        decision = await self.store.admit(tenant.name, policy, Cost(0, 0), lease_id)
+        decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), Cost(0, 0),
+                                          lease_id)
         if isinstance(decision, Reject):
             return decision
         if decision.hold_ms:
@@ -322,11 +322,11 @@ class Director:
                 with watch():
                     await asyncio.sleep(decision.hold_ms / 1000)
             except BaseException:  # the client left: its slot goes back
-                self.store.release_soon(tenant.name, policy, lease_id, 0)
+                self._give_back(tenant, lease_id)
                 raise
             finally:
                 self.leases.closed(lease_id)
-        self.store.release_soon(tenant.name, policy, lease_id, 0)
+        self._give_back(tenant, lease_id)
         return [(m.name, pool.name) for pool in self.config.pools for m in pool.models], decision
 
     def _route(
@@ -421,8 +421,8 @@ class Director:
         usual, so no KV is held while it waits. Anything later that says no gives the
         limits back."""
         lease_id = self.leases.new_id()
-        policy = self.tenants.policy(tenant)
-        decision = await self.store.admit(tenant.name, policy, cost, lease_id)
+        decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), cost,
+                                          lease_id)
         if isinstance(decision, Reject):
             return decision
         self.leases.opened(lease_id, tenant.name)  # renewed in the shared store while held
@@ -432,12 +432,12 @@ class Director:
                     left_ms = await self._hold(decision.hold_ms)
                 if left_ms is not None:  # shutting down: answered, its slot given back
                     self.leases.closed(lease_id)
-                    self.store.release_soon(tenant.name, policy, lease_id, 0)
+                    self._give_back(tenant, lease_id)
                     return _shutting_down(left_ms)
             route = route_now()
             if isinstance(route, Reject):
                 outcome: Admission | Reject = route
-                self.store.release_soon(tenant.name, policy, lease_id, 0)
+                self._give_back(tenant, lease_id)
             else:
                 route.streamed = streamed
                 if route.placed is not None:
@@ -445,7 +445,7 @@ class Director:
                 outcome = await self._settle(tenant, klass, route, lease_id, decision, watch)
         except BaseException:
             self.leases.closed(lease_id)
-            self.store.release_soon(tenant.name, policy, lease_id, 0)
+            self._give_back(tenant, lease_id)
             raise
         if isinstance(outcome, Reject):
             self.leases.closed(lease_id)
@@ -490,7 +490,7 @@ class Director:
         passes; the tenant's limits are given back in full if it never runs."""
         flow = self.flows[route.scheduler.config.name]
         if self._refusing_waits:  # shutting down: it would be cut before a place frees
-            self.store.release_soon(tenant.name, self.tenants.policy(tenant), lease_id, 0)
+            self._give_back(tenant, lease_id)
             return _shutting_down(SHUTDOWN_RETRY_MS)
         now = flow.clock_ms()
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
@@ -501,16 +501,24 @@ class Director:
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
                         route.queued_for, prompt_tokens=route.cost.prompt_tokens,
                         streamed=route.streamed)
-        policy = self.tenants.policy(tenant)
         try:
             with watch():
                 placed = await flow.wait(item, waiter)
         except BaseException:
-            self.store.release_soon(tenant.name, policy, lease_id, 0)
+            self._give_back(tenant, lease_id)
             raise
         if isinstance(placed, Reject):
-            self.store.release_soon(tenant.name, policy, lease_id, 0)
+            self._give_back(tenant, lease_id)
         return placed
+
+    def _give_back(self, tenant: Tenant, lease_id: str) -> None:
+        """Give back the limits of a request that never ran (it left its wait, was refused
+        after it, or was a GET), under the tenant's policy *now*: a reload may have come
+        while it waited, and the limits store takes a policy it is passed as the tenant's
+        current one — the one read before the wait would undo the reload for the tenant
+        (a token bucket or shaper the reload added dropped, then started again full or
+        empty by the next admission)."""
+        self.store.release_soon(tenant.name, self.tenants.policy(tenant), lease_id, 0)
 
     def _price(self, prompt_tokens: int, output_tokens: int, weight: float) -> int:
         """What the fair order charges (at admission: the reserved output; at the end: the

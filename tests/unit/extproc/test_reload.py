@@ -4,6 +4,7 @@ refused; the file watch; a removed tenant's requests releasing under its last po
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -397,5 +398,40 @@ async def test_a_tenant_removed_and_added_again_keeps_its_rate_limit(tmp_path: P
         churn.reload(["acme", "gone"])
         refused = await churn.admit("gone")
         assert isinstance(refused, Reject) and refused.reason == "requests"
+    finally:
+        await churn.stop()
+
+
+@pytest.mark.parametrize("waits", ["queued", "shaped"])
+async def test_a_request_leaving_its_wait_after_a_reload_gives_back_under_the_new_limits(
+        tmp_path: Path, waits: str) -> None:
+    """A request waiting in the fair queue (or for its shaper's slot) when a reload added a
+    token rate, whose client then left, gave its limits back under the policy read before
+    the reload: the limits store took that as a change back, dropped the new token bucket,
+    and the next admission started it again full (312 tokens free through Envoy, with
+    Redis as in memory)."""
+    shaping = {"shaping": {"requests_per_second": 1, "backlog": 5}} if waits == "shaped" else {}
+    churn = await Churn(tmp_path / "kvgate.yaml", ["acme"], **shaping).start()
+    try:
+        if waits == "shaped":
+            await churn.release(await churn.admit("acme"))  # the next one waits ~1 s
+        else:
+            await churn.usage(0.99)  # the pool is full: the next one queues
+        left = asyncio.create_task(churn.admit("acme"))
+        await asyncio.sleep(0.02)
+        assert not left.done()
+        churn.limits = {**shaping, "tokens_per_minute": 60, "token_burst": 1000}
+        churn.reload(["acme"])
+        spent = asyncio.create_task(churn.admit("acme"))  # reserves from the new bucket
+        await asyncio.sleep(0.02)
+        available = (await churn.director.usage("acme"))["tokens"]["available"]
+        assert available < 1000
+        left.cancel()  # its client went away
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        assert (await churn.director.usage("acme"))["tokens"]["available"] == available
+        spent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await spent
     finally:
         await churn.stop()
