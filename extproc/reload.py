@@ -37,7 +37,7 @@ class Reload:
     restart: list[str]  # sections the file changed that wait for a restart
     added: list[str]  # tenants
     removed: list[str]
-    changed: list[str]  # tenants whose limits, tier, keys or classes changed
+    changed: list[str]  # tenants whose limits, tier (or its settings), keys or classes changed
 
 
 def plan(running: Config, new: Config, source: str = "<config>") -> Reload:
@@ -64,6 +64,7 @@ def plan(running: Config, new: Config, source: str = "<config>") -> Reload:
         removed=sorted(before.keys() - after.keys()),
         changed=sorted(name for name in after.keys() & before.keys()
                        if after[name] != before[name]
+                       or running.tiers.get(before[name].tier) != new.tiers.get(after[name].tier)
                        or running.limits_for(before[name]) != new.limits_for(after[name])),
     )
 

@@ -43,6 +43,15 @@ def test_plan_names_tenants_added_removed_and_changed() -> None:
     assert change.config.limits_for(change.config.tenants[0]).max_concurrency == 1
 
 
+def test_a_tiers_weight_or_overflow_changed_names_its_tenants_as_changed() -> None:
+    """Applied live, but logged as "changed none" for the tier's tenants before."""
+    running = parse_config(data())
+    for tier in ({"weight": 4}, {"overflow": "reject"}, {"long_prompt_tokens": 100}):
+        new = data()
+        new["tiers"]["gold"] |= tier
+        assert plan(running, parse_config(new)).changed == ["acme", "gone"], tier
+
+
 def test_sections_that_cannot_change_live_keep_their_running_values() -> None:
     running = parse_config({**data(), "server": {"grpc_port": 9001}})
     new = parse_config({**data(), "server": {"grpc_port": 9100},
