@@ -43,8 +43,16 @@ engine sessions): from a client they could replace or extend the prompt kvgate m
 (vLLM prefills ``kv_transfer_params.prompt_token_ids`` instead of the messages; an SGLang
 session prepends its earlier context), or point an engine at another host for its KV, so
 they are refused."""
-TEXT_PARTS = {"text": "text", "refusal": "refusal"}
-"""Content part types that are text, and the field holding it; any other type is media."""
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}
+"""Content part types that are text, and the field holding it; any other type is media. The
+types vLLM renders as text (``thinking`` too: counted as media, a 40,000-character one was
+reserved as ``tokens_per_media_part`` tokens while the engine ran 10,000)."""
+MEDIA_FIELDS = frozenset(("image_url", "image_pil", "image_embeds", "audio_embeds",
+                          "prompt_embeds", "audio_url", "input_audio", "video_url"))
+"""Fields that make a content part without a ``type`` media to vLLM: its request model keeps
+only the media field of such a part (``{"text": "hi", "image_url": "…"}`` is an image there),
+so kvgate counts it as media, never as the text beside it."""
 RENDERED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
 """Chat request fields besides ``messages`` that chat templates render into the prompt."""
 
@@ -305,6 +313,9 @@ def _content_parts(content: Any, param: str, texts: list[str]) -> int:
         if not isinstance(part, dict) or not isinstance(part.get("type", "text"), str):
             raise BadRequest(f"'{param}' parts must be objects with a string 'type'",
                              param=param)
+        if "type" not in part and not MEDIA_FIELDS.isdisjoint(part):
+            media += 1  # an engine reads an untyped part by its media field
+            continue
         key = TEXT_PARTS.get(part.get("type", "text"))
         if key is None:
             media += 1

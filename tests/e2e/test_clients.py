@@ -155,6 +155,18 @@ def test_models_lists_every_pool(stack):
     assert burst(stack, "plain", 1) and asyncio.run(ask_other(stack)) is not None
 
 
+def test_an_untyped_image_part_is_refused_on_a_text_only_model(stack):
+    """vLLM reads a content part without a type by its media field: the text beside it
+    must not carry the image past kvgate's default-deny (it reached the engine)."""
+    api = openai.OpenAI(api_key=KEYS["plain"], base_url=stack.url + "/v1", max_retries=0)
+    part = {"text": "hi", "image_url": "http://example.com/a.png"}
+    with api, pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="tiny-llama", max_tokens=2, messages=[
+            {"role": "user", "content": [part]}])  # type: ignore[list-item]
+    assert refused.value.code == "unsupported_content"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+
+
 async def ask_other(stack) -> str:
     api = client(stack, "plain")
     try:

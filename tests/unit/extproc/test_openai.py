@@ -45,6 +45,22 @@ def test_chat_fields():
     assert request.max_output_tokens == 7
 
 
+def test_content_parts_count_as_vllm_reads_them():
+    """vLLM renders thinking (and input_text, output_text) parts as text, and takes a part
+    without a type by its media field, dropping any text beside it: counted the other way
+    round, 40,000 characters of thinking were reserved as one media part, and an image
+    passed a text-only model as the word beside it."""
+    request = parse({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "thinking", "thinking": "step by step"},
+        {"type": "input_text", "text": "in"}, {"type": "output_text", "text": "out"},
+        {"text": "hi", "image_url": "http://example.com/a.png"},
+        {"input_audio": {"data": "", "format": "wav"}},
+        {"text": "plain"},
+    ]}]})
+    assert request.prompt_texts == ["step by step", "in", "out", "plain"]
+    assert request.media_parts == 2
+
+
 def test_what_chat_templates_render_besides_content_is_counted():
     """Tool schemas, tool calls and documents become prompt tokens too: an agent's tools
     are often thousands of them."""
