@@ -58,6 +58,17 @@ CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams coun
 # How often the tenants reloads removed are looked at again, to forget those with nothing
 # left (a reload looks at once): and the in-memory store's limits that have faded drop
 FORGET_EVERY_S = 2.0
+GRPC_PING_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+)
+"""Envoy pings its ext_proc and RLS connections (every 30 s as rendered) whether or not
+they carry data, and an ext_proc stream carries none while its answer streams back. gRPC's
+defaults (a ping a 5 minutes without data, none at all without calls, 2 strikes) answered
+the fourth ping with GOAWAY ``too_many_pings``, breaking every stream on the connection:
+answers running longer than ~2 minutes were cut (their leases released while the engines
+still ran them), and a request that raced an idle connection's GOAWAY got a 503. Pings a
+second or more apart are taken, with calls or without."""
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -343,6 +354,7 @@ class KvgateServer:
             ("grpc.so_reuseport", int(self.reuse_port)),
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
+            *GRPC_PING_OPTIONS,
         ])
         await self.desk.start(settings.host, settings.report_port, _report_host(settings))
         self._processor = ExternalProcessor(self.director, self.metrics, self.config, self.desk)

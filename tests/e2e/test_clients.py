@@ -16,6 +16,7 @@ import pytest
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
+from extproc.envoy_config import EXT_PROC_CLUSTER, render_bootstrap
 from tests.conftest import free_port, store_section
 
 pytestmark = pytest.mark.e2e
@@ -186,3 +187,33 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def pinging_every(bootstrap: dict[str, Any], interval: str) -> dict[str, Any]:
+    """``bootstrap`` with Envoy pinging its kvgate connections every ``interval`` (30 s as
+    rendered: the same ping, only sooner)."""
+    for cluster in bootstrap["static_resources"]["clusters"]:
+        if cluster["name"] == EXT_PROC_CLUSTER:
+            options = next(iter(cluster["typed_extension_protocol_options"].values()))
+            http2 = options["explicit_http_config"]["http2_protocol_options"]
+            http2["connection_keepalive"]["interval"] = interval
+    return bootstrap
+
+
+def test_an_answer_outlasts_envoys_pings_on_its_quiet_ext_proc_stream():
+    """An ext_proc stream carries nothing while its answer streams back, and Envoy pings
+    the connection all the while: gRPC's default ping policy answered the fourth ping with
+    GOAWAY too_many_pings, cutting answers longer than ~2 minutes (pings every 30 s). Here
+    every 1.5 s: an 8 s answer then saw four, and was cut after ~6 s."""
+    config = clients_config({})
+    bootstrap = pinging_every(render_bootstrap(config), "1.5s")
+    with local_stack(config, engine_options={"ms_per_token": 50}, bootstrap=bootstrap) as stack:
+        api = openai.OpenAI(api_key=KEYS["plain"], base_url=stack.url + "/v1", max_retries=0)
+        with api:
+            chunks = list(api.chat.completions.create(
+                model="tiny-llama", max_tokens=160, stream=True,
+                stream_options={"include_usage": True},
+                messages=[{"role": "user", "content": "take your time"}]))
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 160
+        assert wait_until(lambda: in_flight(stack, "plain") == 0)
