@@ -273,11 +273,7 @@ async def test_a_call_timed_out_on_a_long_paused_redis_charges_nothing(redis, mo
     service = RateLimitService(settings, RedisRateCounters(client, prefix="long"),
                                timeout_s=0.05)
 
-    async def remaining() -> int:
-        check = await ask(service, descriptor(("tokens", "t"), hits=0), domain="d")
-        return check.statuses[0].limit_remaining
-
-    before = await remaining()  # (a warm connection: the call is written at once)
+    before = await tokens_left(service)  # (a warm connection: the call is written at once)
     redis.pause()
     try:
         with pytest.raises(Aborted):
@@ -287,8 +283,14 @@ async def test_a_call_timed_out_on_a_long_paused_redis_charges_nothing(redis, mo
         redis.resume()
     await cancels_sent(service)
     assert not service._cancels
-    assert await remaining() == before
+    assert await tokens_left(service) == before
     await service.close()
+
+
+async def tokens_left(service: RateLimitService) -> int:
+    """What domain ``d``'s ``tokens``/``t`` counter has left (a call that charges nothing)."""
+    check = await ask(service, descriptor(("tokens", "t"), hits=0), domain="d")
+    return check.statuses[0].limit_remaining
 
 
 async def cancels_sent(service: RateLimitService, within_s: float = 4.0) -> None:
@@ -337,11 +339,7 @@ async def test_a_call_envoy_abandons_on_a_paused_redis_charges_nothing(redis):
     service = RateLimitService(settings, RedisRateCounters(client, prefix="abandoned"),
                                timeout_s=0.25)
 
-    async def remaining() -> int:
-        check = await ask(service, descriptor(("tokens", "t"), hits=0), domain="d")
-        return check.statuses[0].limit_remaining
-
-    before = await remaining()  # (a warm connection: the first call is written at once)
+    before = await tokens_left(service)  # (a warm connection: the first call is written at once)
     redis.pause()
     try:
         calls = [asyncio.create_task(ask(service, descriptor(("tokens", "t"), hits=100),
@@ -354,5 +352,5 @@ async def test_a_call_envoy_abandons_on_a_paused_redis_charges_nothing(redis):
     finally:
         redis.resume()
     await cancels_sent(service)
-    assert await remaining() == before
+    assert await tokens_left(service) == before
     await service.close()
