@@ -6,15 +6,20 @@ the real ``envoy --mode validate``."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
+import itertools
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from extproc import cli
-from extproc.config import Config, load_config
+from extproc.config import Config, load_config, parse_config
 from extproc.envoy_config import render_yaml
 from extproc.envoy_proc import validate
 from tests.deploy.manifests import (
@@ -59,6 +64,62 @@ def test_committed_bootstrap_is_a_fresh_render(bootstrap: Path) -> None:
                               bootstrap.parent / "kvgate.yaml") if f.exists())
     assert bootstrap.read_text() == render_yaml(load_config(source)), (
         f"{bootstrap} is stale: kvgate render-envoy {source} -o {bootstrap}")
+
+
+# What of a kvgate config ``kvgate render-envoy`` writes into Envoy's bootstrap (README,
+# *Envoy*): each pool is a cluster and a route, and the classification header is forwarded by
+# name. A change to any of them needs a new render; tenants, tiers and redis: do not.
+RENDERED = ("server:", "envoy:", "pools", "classification.header")
+
+
+def _edited(edit: Callable[[dict[str, Any]], object]) -> str:
+    """The render of base/gateway's config after ``edit`` changed it."""
+    data = yaml.safe_load((DEPLOY / "base" / "gateway" / "config" / "kvgate.yaml").read_text())
+    edit(data := copy.deepcopy(data))
+    return render_yaml(parse_config(data))
+
+
+def test_the_bootstrap_holds_the_pools_and_the_class_header() -> None:
+    """Renaming a pool or moving its engines changes the bootstrap: Envoy running the old one
+    answers that pool's every request 503 (no route, or no engine, for it)."""
+    base = _edited(lambda d: None)
+    assert _edited(lambda d: d["pools"][0].update(name="qwen")) != base
+    assert _edited(lambda d: d["pools"][0]["dns"].update(hostname="vllm.ns.svc.cluster.local")
+                   ) != base
+    assert _edited(lambda d: d.update(classification={"header": "x-class"})) != base
+    # what a render does not read
+    assert _edited(lambda d: d["tenants"].pop()) == base
+    assert _edited(lambda d: d["tiers"]["free"]["limits"].update(max_concurrency=9)) == base
+    assert _edited(lambda d: d["redis"].update(url="redis://elsewhere:6379/0")) == base
+
+
+def rerender_instructions() -> list[tuple[str, str]]:
+    """(where, text) of every passage that says when to render Envoy's bootstrap again: the
+    head comment of each config a committed bootstrap is rendered from, and each paragraph or
+    list item of deploy/README.md that names render-envoy (or a re-render) and a section."""
+    found = []
+    for config in sorted(DEPLOY.rglob("kvgate.yaml")):
+        lines = config.read_text().splitlines()
+        head = "\n".join(itertools.takewhile(lambda line: line.startswith("#"), lines))
+        if "render" in head:
+            found.append((str(config.relative_to(DEPLOY)), " ".join(head.split())))
+    readme = (DEPLOY / "README.md").read_text()
+    for block in re.split(r"\n\s*\n|\n(?=\s*(?:- |\d+\. ))", readme):
+        text = " ".join(block.split())
+        if re.search(r"render-envoy|re-render", text) and "`server:`" in text:
+            found.append(("deploy/README.md", text))
+    return found
+
+
+def test_rerender_instructions_name_every_section_the_bootstrap_holds() -> None:
+    """deploy/ said the bootstrap depended only on server: and envoy:, so an operator who
+    added or renamed a pool in the overlay's config deployed the base's bootstrap, and
+    Envoy answered that pool's every request 503 no healthy upstream."""
+    passages = rerender_instructions()
+    assert len(passages) >= 4
+    for where, text in passages:
+        missing = [s for s in RENDERED if s.rstrip(":") not in text]
+        assert not missing, f"{where}: says when to re-render but not for {missing}: {text}"
 
 
 @pytest.mark.parametrize("bootstrap", BOOTSTRAPS, ids=[str(b.relative_to(DEPLOY))
