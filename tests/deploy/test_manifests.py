@@ -258,6 +258,33 @@ def test_the_service_monitor_finds_every_kvgate(folder: Path) -> None:
         assert scraped, f"{pod.owner['metadata']['name']}: no scraped Service on its admin port"
 
 
+@each_folder
+def test_kvgates_admin_port_is_closed_to_outside_the_cluster(folder: Path) -> None:
+    """The admin port's pages are unauthenticated (tenants' names and usage, the queues):
+    a kvgate that listens on more than loopback has a NetworkPolicy over its pod, and every
+    rule opening the port names in-cluster peers (pods, namespaces), not every address."""
+    objects = render(folder)
+    policies = named(objects, "NetworkPolicy").values()
+    for pod, container, _ in kvgate_containers(objects):
+        where = f"{folder.name}: {ident(pod.owner)}"
+        admin = {(p.get("name"), p["containerPort"]) for p in container.get("ports", [])
+                 if "admin" in p.get("name", "")}
+        if not admin:
+            continue  # a loopback admin port (test_kvgate_config_agrees_with_its_pod)
+        guards = [p for p in policies
+                  if selects(p["spec"]["podSelector"]["matchLabels"], pod.labels)
+                  and "Ingress" in p["spec"]["policyTypes"]]
+        assert guards, f"{where}: no NetworkPolicy covers its admin port"
+        for policy in guards:
+            for rule in policy["spec"].get("ingress", []):
+                ports = {port["port"] for port in rule.get("ports", [])}
+                if rule.get("ports") and not ports & {n for pair in admin for n in pair}:
+                    continue
+                assert rule.get("from"), f"{where}: {ident(policy)} opens it to every address"
+                for peer in rule["from"]:
+                    assert "ipBlock" not in peer, f"{where}: {ident(policy)}: {peer}"
+
+
 def redis_pods(objects: tuple[Object, ...]) -> list[Pod]:
     return [p for p in pods(objects) if any(c["image"].startswith("redis")
                                             for c in p.containers())]
