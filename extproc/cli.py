@@ -240,6 +240,22 @@ def _kvgate_ports(config: Config, worker: int = 0) -> list[tuple[str, int, str]]
     return ports
 
 
+def _replicas_below_workers(config: Config, workers: int) -> str | None:
+    """``redis.replicas`` counts every process sharing the limits, workers included: fewer
+    than ``--workers`` and, while Redis is unreachable, the ``local`` policy lets each
+    worker enforce more than its share (``replicas: 1`` and 4 workers: four times every
+    limit)."""
+    if config.redis is None or config.redis.failure_policy != "local":
+        return None
+    if config.redis.replicas >= workers:
+        return None
+    replicas = config.redis.replicas
+    return (f"--workers {workers}: redis.replicas is {replicas}, but it counts every process "
+            f"sharing the limits (replicas × workers): under failure_policy local each worker "
+            f"would enforce 1/{replicas} of every limit while Redis is unreachable. Set "
+            f"redis.replicas to at least {workers}.")
+
+
 def _port_overlap(config: Config, workers: int) -> str | None:
     """Two settings whose ports the workers would share (admin_port + i meeting
     report_port + j, or the gRPC port, say): one line saying so, or None. The gRPC port
@@ -323,6 +339,10 @@ def _serve(args: argparse.Namespace) -> int:
             "the number of workers. Configure redis.url, or run one worker.",
             file=sys.stderr,
         )
+        return 2
+    too_few = _replicas_below_workers(config, args.workers)
+    if too_few is not None:
+        print(too_few, file=sys.stderr)
         return 2
     overlap = _port_overlap(config, args.workers)
     if overlap is not None:

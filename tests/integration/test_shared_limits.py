@@ -114,7 +114,7 @@ async def test_two_replicas_enforce_one_global_limit(redis_url, tmp_path):
     # a generous Redis budget: on a loaded machine a 50 ms call times out, and its admission
     # (refused, then cancelled) costs the test its count; this test is about the global limit
     shared = config(redis_url, {"requests_per_second": rate, "request_burst": burst},
-                    timeout_ms=250)
+                    timeout_ms=250, replicas=3)
     other = shared.model_copy(update={"server": shared.server.model_copy(
         update={"grpc_port": free_port(), "admin_port": free_port()})})
     # replica b runs two worker processes on one port (SO_REUSEPORT): three processes in all

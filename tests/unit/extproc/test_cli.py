@@ -613,7 +613,7 @@ def test_each_worker_takes_its_own_report_port_and_ranges_that_meet_are_refused(
     from extproc.config import for_worker
 
     data = yaml.safe_load(yaml.safe_dump(GOOD))
-    data["redis"] = {"url": "redis://127.0.0.1:1"}
+    data["redis"] = {"url": "redis://127.0.0.1:1", "replicas": 2}
     data["server"] = {"grpc_port": 9001, "admin_port": 9002, "report_port": 9003}
     config = parse_config(data)
     second = for_worker(config, 1).server
@@ -644,6 +644,22 @@ def test_a_worker_port_that_meets_the_grpc_port_is_refused(setting):
     assert _port_overlap(config, 1) is None  # one worker: 9000 is its own
     data["server"][setting] = 9001  # one process, the same port twice
     assert "both take port 9001" in (_port_overlap(parse_config(data), 1) or "")
+
+
+def test_workers_need_redis_replicas_to_count_them(tmp_path, capsys):
+    """``replicas: 1`` with 4 workers: under the local policy each worker enforced the whole
+    limit while Redis was unreachable, four times it in all."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["redis"] = {"url": "redis://127.0.0.1:1"}
+    assert main(["serve", "-c", str(write(tmp_path, data)), "--workers", "4"]) == 2
+    assert ("redis.replicas is 1, but it counts every process sharing the limits"
+            in capsys.readouterr().err)
+    from extproc.cli import _replicas_below_workers
+
+    data["redis"]["failure_policy"] = "fail_closed"  # no share to get wrong
+    assert _replicas_below_workers(parse_config(data), 4) is None
+    data["redis"] |= {"failure_policy": "local", "replicas": 4}
+    assert _replicas_below_workers(parse_config(data), 4) is None
 
 
 def _sighup_ignored(pid: int) -> bool:
@@ -745,7 +761,8 @@ def test_sighup_every_5_ms_from_the_start_of_kvgate_serve_does_not_end_it(tmp_pa
     data["server"] = {"grpc_port": free_port(), "admin_port": admin,
                       "report_port": _consecutive_free_ports(workers), "reload_poll_s": 0}
     if workers > 1:
-        data["redis"] = {"url": "redis://127.0.0.1:1"}  # never reached: the GOOD pool is idle
+        data["redis"] = {"url": "redis://127.0.0.1:1",  # never reached: the pool is idle
+                         "replicas": workers}
     config = write(tmp_path, data)
     log = tmp_path / "serve.log"
     ready, signal_fd = os.pipe()
