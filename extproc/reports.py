@@ -19,7 +19,8 @@ cluster that goes where the report's ``x-envoy-original-dst-host`` says. A per-p
 in the same metadata keeps anyone else from reporting.
 
 Only Envoy talks to this port: the parser takes what Envoy's HTTP/1.1 codec sends (a sized
-body, keep-alive) and closes the connection on anything else. Anyone else who reaches it
+body, keep-alive) and closes the connection on anything else, or on a report without the
+key (so one without it gets one answer per connection). Anyone else who reaches it
 holds at most :data:`MAX_CONNECTIONS` connections (past them, the one quiet longest is
 closed), none quiet for more than :data:`IDLE_TIMEOUT_S`: Envoy closes its own idle report
 connections well before (``envoy_config.REPORT_IDLE_TIMEOUT``), so kvgate never closes one
@@ -51,7 +52,12 @@ KEY_HEADER = b"x-kvgate-report-key"
 _KEY_FIELD = b"\r\n" + KEY_HEADER + b":"
 _NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
 _BAD = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-_FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\n\r\n"
+_FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+# Answers after which the connection is closed and the rest of its bytes dropped: nothing
+# after a malformed request can be trusted, and a sender without the key gets one answer
+# per connection (answering each of its pipelined requests let one connection that never
+# read hold the event loop for seconds and pile up ~100 MB of answers)
+_LAST_ANSWERS = (_BAD, _FORBIDDEN)
 
 
 class Reported(Protocol):
@@ -237,17 +243,18 @@ class _ReportProtocol(asyncio.Protocol):
         except Exception:
             log.exception("a response report failed")
             answer = _BAD
-        if answer is _BAD:
-            self._fail()
+        if answer in _LAST_ANSWERS:
+            self._fail(answer)
             return False
         assert self._transport is not None
         self._transport.write(answer)
         return True
 
-    def _fail(self) -> None:
-        """Answer 400 and hang up: nothing after a malformed request can be trusted."""
+    def _fail(self, answer: bytes = _BAD) -> None:
+        """Answer (400 unless told) and hang up: nothing after a malformed request, or one
+        without the key, can be trusted."""
         if self._transport is not None:
-            self._transport.write(_BAD)
+            self._transport.write(answer)
             self._transport.close()
             self._transport = None
         self._buffer = b""
