@@ -21,16 +21,17 @@ in the same metadata keeps anyone else from reporting.
 Only Envoy talks to this port: the parser takes what Envoy's HTTP/1.1 codec sends (a sized
 body, keep-alive) and closes the connection on anything else, or on a report without the
 key (so one without it gets one answer per connection). Anyone else who reaches it
-holds at most :data:`MAX_CONNECTIONS` connections (past them, the one quiet longest is
-closed), none quiet for more than :data:`IDLE_TIMEOUT_S`: Envoy closes its own idle report
-connections well before (``envoy_config.REPORT_IDLE_TIMEOUT``), so kvgate never closes one
-Envoy may be sending on.
+holds at most :data:`MAX_CONNECTIONS` connections, or a quarter of the open-files limit
+(past them, the one quiet longest is closed), none quiet for more than
+:data:`IDLE_TIMEOUT_S`: Envoy closes its own idle report connections well before
+(``envoy_config.REPORT_IDLE_TIMEOUT``), so kvgate never closes one Envoy may be sending on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import secrets
 import time
 from collections.abc import Callable
@@ -48,6 +49,7 @@ PARTIAL_TIMEOUT_S = 10.0  # a report begun and not finished within this is dropp
 MAX_REPORT_BYTES = 65536
 IDLE_TIMEOUT_S = 300.0  # a connection quiet this long is closed (Envoy's close at 60 s)
 MAX_CONNECTIONS = 4096  # open at once; one more closes the one quiet longest
+DESCRIPTOR_SHARE = 4  # ... and never more than 1/4 of the process's open-files limit
 KEY_HEADER = b"x-kvgate-report-key"
 _KEY_FIELD = b"\r\n" + KEY_HEADER + b":"
 _NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
@@ -89,6 +91,7 @@ class ReportDesk:
     async def start(self, host: str, port: int, advertise_host: str) -> None:
         loop = asyncio.get_running_loop()
         connections = self._connections
+        connections.most = connection_cap()
         self._server = await loop.create_server(
             lambda: _ReportProtocol(self.receive, connections), host, port)
         bound = self._server.sockets[0].getsockname()[1]
@@ -146,10 +149,23 @@ def parse_done(body: bytes) -> tuple[Usage | None, int, bool]:
             document.get("answered") is not False)
 
 
+def connection_cap() -> int:
+    """How many report connections may be open at once: :data:`MAX_CONNECTIONS`, or a
+    :data:`DESCRIPTOR_SHARE` of the open-files limit when that is lower. At a limit of
+    1024 (a common default soft limit), 1,200 idle connections from anyone who reached
+    the port took every descriptor: the gRPC port, the admin port's probes and the engine
+    scrapes all failed until they went."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, soft // DESCRIPTOR_SHARE))
+
+
 class Connections:
     """The report port's open connections, the one quiet longest first."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int | None = None) -> None:
+        self.most = MAX_CONNECTIONS if most is None else most
         self._quiet_since: dict[_ReportProtocol, float] = {}  # oldest activity first
 
     def active(self, connection: _ReportProtocol) -> None:
@@ -157,7 +173,7 @@ class Connections:
         quiet = self._quiet_since
         quiet.pop(connection, None)
         quiet[connection] = time.monotonic()
-        if len(quiet) > MAX_CONNECTIONS:
+        if len(quiet) > self.most:
             self.close(next(iter(quiet)))
 
     def close_idle(self, idle_s: float) -> None:

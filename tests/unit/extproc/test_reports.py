@@ -196,3 +196,21 @@ async def test_past_the_connection_cap_the_quietest_connection_is_closed(monkeyp
             writer.close()
     finally:
         await desk.stop()
+
+
+async def test_the_connection_cap_leaves_most_descriptors_to_the_other_ports(monkeypatch):
+    """At an open-files limit of 1024, 1,200 idle report connections took every descriptor:
+    the gRPC and admin ports accepted nothing. The cap is now a quarter of the limit."""
+    monkeypatch.setattr(reports.resource, "getrlimit", lambda _which: (16, 1 << 20))
+    desk = ReportDesk()
+    await desk.start("127.0.0.1", 0, "127.0.0.1")
+    host, port = desk.address.split(":")
+    try:
+        opened = [await asyncio.open_connection(host, port) for _ in range(5)]
+        assert await closed_within(opened[0][0], 2.0)  # the fifth of a cap of 4 closed it
+        for reader, _ in opened[1:]:
+            assert not await closed_within(reader, 0.2)
+        for _, writer in opened:
+            writer.close()
+    finally:
+        await desk.stop()
