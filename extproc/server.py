@@ -389,7 +389,7 @@ class KvgateServer:
             self._note_scraped(snapshot)  # until every pool is seen
 
     async def _start_admin(self, host: str, port: int) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[_json_errors])
         app.on_response_prepare.append(_nosniff)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
@@ -698,6 +698,21 @@ def install_uvloop() -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The router's 404 and 405 as JSON, as the port's other answers are (aiohttp's own are
+    plain-text pages); a 405 keeps its ``Allow``."""
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status not in (404, 405):
+            raise
+        allow = {"allow": error.headers["allow"]} if "allow" in error.headers else {}
+        return web.json_response({"error": {"message": error.reason.lower(),
+                                            "type": "invalid_request_error"}},
+                                 status=error.status, headers=allow)
 
 
 async def _nosniff(_request: web.Request, response: web.StreamResponse) -> None:

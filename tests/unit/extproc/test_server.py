@@ -291,7 +291,12 @@ async def test_nothing_on_the_admin_port_changes_state() -> None:
         assert methods <= {"GET", "HEAD"}, methods
         url = f"http://{admin_host(server)}:{server.admin_port}"
         async with httpx.AsyncClient() as client:
-            assert (await client.post(f"{url}/admin/tenants/acme/usage")).status_code == 405
+            refused = await client.post(f"{url}/admin/tenants/acme/usage")
+            assert refused.status_code == 405 and refused.headers["allow"] == "GET,HEAD"
+            assert refused.json()["error"]["message"] == "method not allowed"
+            unknown = await client.get(f"{url}/admin/nothing-here")
+            assert unknown.status_code == 404
+            assert unknown.json()["error"]["message"] == "not found"  # JSON, not a text page
             reply = await client.get(f"{url}/status.json",
                                      headers={"origin": "https://elsewhere.example"})
             assert reply.status_code == 200
