@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from extproc.config import Config
 
 GIE_UPSTREAM_CLUSTER = "original_destination_cluster"
+# Envoy's HTTP/2 flood guard: at most this many frames queued to write on one connection
+# (Envoy's default is 10,000). See :func:`_unlimit_outbound_frames`.
+EXT_PROC_OUTBOUND_FRAMES = 2**31 - 1
 
 
 def _ext_proc_filter(config: Config) -> Any:
@@ -159,9 +162,25 @@ def render_gie_bootstrap(config: Config) -> dict[str, Any]:
 
     rendered = build_gie_bootstrap(config).to_dict(casing=Casing.SNAKE)
     ext_proc_filter_config(rendered).setdefault("failure_mode_allow", False)
+    _unlimit_outbound_frames(rendered)
     order = ["admin", "static_resources"]
     return {key: rendered[key] for key in order if key in rendered} | {
         key: value for key, value in rendered.items() if key not in order}
+
+
+def _unlimit_outbound_frames(rendered: dict[str, Any]) -> None:
+    """Lift Envoy's outbound-frame flood guard on the connection to kvgate. In full duplex
+    Envoy writes kvgate one gRPC message per request body chunk as the client sends it, and
+    a client picks its chunks: an HTTP/2 body in 1-byte DATA frames (150 KB of them,
+    measured on Envoy 1.40) queued past the default 10,000 frames, and Envoy closed the whole
+    connection as a flood: every other request on it was cut. kvgate reads all it is sent;
+    a client's frames stay bounded by its flow-control window (one largest body)."""
+    for cluster in rendered["static_resources"]["clusters"]:
+        if cluster["name"] == EXT_PROC_CLUSTER:
+            options = cluster["typed_extension_protocol_options"]
+            http = options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+            http2 = http["explicit_http_config"]["http2_protocol_options"]
+            http2["max_outbound_frames"] = EXT_PROC_OUTBOUND_FRAMES
 
 
 HEADER = """\

@@ -6,8 +6,10 @@ and response bodies FULL_DUPLEX_STREAMED, trailers sent, an ORIGINAL_DST upstrea
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -229,6 +231,57 @@ def test_client_leaving_mid_stream_releases_once(stack):
     assert tenant == "solo" and used is not None
     assert sum(errors.values()) == cut + 1  # counted as a stream cut short
     assert post(stack, "solo", chat(max_tokens=1)).status_code == 200
+
+
+def send_in_one_byte_frames(stack, body: bytes) -> bytes:
+    """POST ``body`` over HTTP/2 as one DATA frame per byte, all sent at once; what came back."""
+    import h2.config
+    import h2.connection
+
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2c.initiate_connection()
+    h2c.send_headers(1, [(":method", "POST"), (":path", "/v1/chat/completions"),
+                         (":scheme", "http"), (":authority", "gie"),
+                         ("authorization", f"Bearer {KEYS['acme']}")])
+    frames = bytearray()
+    for i, byte in enumerate(body):  # length, type DATA, END_STREAM on the last, stream 1
+        frames += struct.pack(">I", 1)[1:] + bytes([0, i == len(body) - 1]) + \
+            struct.pack(">I", 1) + bytes([byte])
+    with socket.create_connection((stack.envoy.listen_host, stack.envoy.listen_port)) as sock:
+        sock.settimeout(20)
+        sock.sendall(h2c.data_to_send())
+        h2c.receive_data(sock.recv(65536))  # Envoy's SETTINGS: its window holds the body
+        sock.sendall(h2c.data_to_send() + frames)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+            if b'"error"' in received or b"usage" in received:
+                break
+        return received
+
+
+def test_a_body_in_tiny_frames_cuts_no_other_request(stack):
+    """Envoy writes kvgate a message per body chunk the client sends: 120,000 one-byte DATA
+    frames overran Envoy's outbound-frame flood guard on the connection to kvgate, and Envoy
+    closed it, cutting every request in flight on it."""
+    done: dict[str, object] = {}
+
+    def other() -> None:
+        with httpx.stream("POST", stack.url + "/v1/chat/completions",
+                          json=chat(max_tokens=300, stream=True),
+                          headers={"authorization": f"Bearer {KEYS['acme']}"},
+                          timeout=60) as response:
+            done["text"] = b"".join(response.iter_raw())
+
+    streaming = threading.Thread(target=other)
+    streaming.start()
+    time.sleep(0.3)  # under way
+    body = orjson.dumps(chat(max_tokens=1, messages=[
+        {"role": "user", "content": "x" * 120_000}]))
+    answer = send_in_one_byte_frames(stack, body)
+    streaming.join(60)
+    assert done["text"].endswith(b"data: [DONE]\n\n")
+    assert b"usage" in answer  # the tiny-framed request itself was served
 
 
 def test_models_list_is_answered_by_kvgate(stack):
