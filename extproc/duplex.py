@@ -209,7 +209,7 @@ class DuplexStream(RequestStream):
             headers = message.response_headers
             values, _ = messages.header_map(headers, _RESPONSE_HEADERS)
             if self.response is not None:
-                sse = "text/event-stream" in values.get("content-type", "")
+                sse = "text/event-stream" in values.get("content-type", "").lower()
                 self._meter = ResponseMeter(sse=sse, strip=self._strip)
                 self._answered = values.get(":status", "").startswith("2")
             reply = pb.ProcessingResponse()

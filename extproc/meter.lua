@@ -216,9 +216,10 @@ end
 function envoy_on_response(handle)
   local meta = handle:streamInfo():dynamicMetadata():get("kvgate")
   if meta == nil or meta.meter == nil or meta.meter == "" then return end
-  -- a streamed request answered with JSON (an engine's error) is read as JSON
-  local sse = string.find(handle:headers():get("content-type") or "", "text/event-stream", 1,
-                          true) ~= nil
+  -- a streamed request answered with JSON (an engine's error) is read as JSON; a media
+  -- type is case-insensitive
+  local sse = string.find(string.lower(handle:headers():get("content-type") or ""),
+                          "text/event-stream", 1, true) ~= nil
   -- a compressed answer (a proxy's: kvgate asks engines for none) cannot be read or
   -- stripped: it passes untouched, charged its reservation
   local encoding = handle:headers():get("content-encoding") or "identity"

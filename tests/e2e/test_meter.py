@@ -263,6 +263,16 @@ def test_a_stream_split_anywhere_counts_events_and_finds_usage(meter_stack, at):
     assert recorder.first == 1 and recorder.done == [(Usage(13, 4), 5)]
 
 
+def test_an_event_stream_named_in_capitals_is_read_as_one(meter_stack):
+    """A media type is case-insensitive: ``Text/Event-Stream`` was read as JSON (no first
+    report, usage looked for at a JSON body's end)."""
+    body = sse([*(text(i) for i in range(3)), {"choices": [], "usage": USAGE}])
+    got, recorder = exchange(meter_stack, [body], "sse",
+                             content_type=b"Text/Event-Stream; charset=utf-8")
+    assert got == body
+    assert recorder.first == 1 and recorder.done == [(Usage(13, 4), 3)]
+
+
 def test_the_injected_usage_event_is_stripped_and_nothing_else(meter_stack):
     events = [sse([text(i)]).removesuffix(b"data: [DONE]\n\n") for i in range(3)]
     usage_event = b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\n"

@@ -193,10 +193,11 @@ async def test_out_of_order_messages_get_a_clear_400():
     assert parsed(replies[0]).immediate_response.status.code == 400
 
 
-async def test_a_streamed_response_is_echoed_metered_and_ends_the_stream():
+@pytest.mark.parametrize("content_type", ["text/event-stream", "Text/Event-Stream"])
+async def test_a_streamed_response_is_echoed_metered_and_ends_the_stream(content_type):
     stream = new_stream()
     await admitted(stream, chat(stream=True))
-    reply = parsed((await stream.exchange(response_headers("text/event-stream")))[0])
+    reply = parsed((await stream.exchange(response_headers(content_type)))[0])
     added = header_dict(reply.response_headers.response.header_mutation)
     assert "x-ratelimit-remaining-requests" in added
     events = [{"choices": [{"delta": {"content": f"t{i} "}}]} for i in range(3)]
