@@ -426,16 +426,26 @@ class SecretRef(_Strict):
             where = f"environment variable {self.env}"
         else:
             assert self.file is not None
-            try:
-                value = self.file.read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"cannot read {self.file}: {exc.strerror}") from None
+            value = _read_secret(self.file)
             where = str(self.file)
         if not value:
             raise ValueError(f"{where} is empty or not set")
         if not value.isprintable():
             raise ValueError(f"{where} holds characters a header cannot carry")
         return value
+
+
+def _read_secret(path: Path) -> str:
+    """A key file's text, read as a config is (bounded, a pipe not waited on forever): a
+    FIFO named as the file hung `kvgate check` and `kvgate serve`, and ``/dev/zero`` read
+    until memory ran out."""
+    try:
+        raw = yaml_input.read_capped(path)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if len(raw) > yaml_input.MAX_BYTES:
+        raise ValueError(f"{path} is larger than {yaml_input.MAX_BYTES // 2**20} MiB: not a key")
+    return raw.decode("utf-8").strip()
 
 
 def _endpoint(endpoint: str) -> str:

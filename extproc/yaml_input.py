@@ -12,6 +12,10 @@ problems beside the document, for the caller to report with the others.
 
 from __future__ import annotations
 
+import errno
+import os
+import select
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,9 @@ MAX_VALUES = 1_000_000
 """Values (scalars, lists, mappings, keys) with every alias expanded. 40,000 tenants, 7.5 MB,
 are 560,000: aliases may make a document about as costly to validate as the largest file
 accepted, not more."""
+FIFO_WAIT_S = 5.0
+"""How long a FIFO (a named pipe, ``<(…)``, ``/dev/stdin`` piped) may stay silent before it is
+refused: a named pipe nothing writes to blocked ``kvgate check`` forever."""
 MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -39,9 +46,24 @@ class YamlInputError(ValueError):
 
 def read_capped(path: Path) -> bytes:
     """At most :data:`MAX_BYTES` + 1 bytes of the file, in one read: a device or a pipe
-    that never ends (``/dev/zero``) costs that much, not all memory. Raises OSError."""
-    with path.open("rb") as file:
+    that never ends (``/dev/zero``) costs that much, not all memory. Opened without
+    blocking (opening a named pipe waits for a writer), and a pipe that has written
+    nothing within :data:`FIFO_WAIT_S` is refused. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as file:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode) and not _readable_within(fd, FIFO_WAIT_S):
+            raise OSError(errno.ETIMEDOUT, f"a pipe nothing wrote to within {FIFO_WAIT_S:g} s",
+                          str(path))
+        os.set_blocking(fd, True)  # the writer's pace from here: it has started
         return file.read(MAX_BYTES + 1)
+
+
+def _readable_within(fd: int, seconds: float) -> bool:
+    """Whether ``fd`` has data, or its writer has come and gone (end of file), within
+    ``seconds``. A named pipe no writer has opened yet is not readable (Linux)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(seconds * 1000)))
 
 
 def read_text(path: Path) -> str:

@@ -21,7 +21,14 @@ import pytest
 import yaml
 
 from extproc.cli import main
-from extproc.config import EXAMPLE_CONFIG, hash_api_key, load_config, parse_config
+from extproc.config import (
+    EXAMPLE_CONFIG,
+    ConfigError,
+    hash_api_key,
+    load_config,
+    parse_config,
+    upstream_authorizations,
+)
 from extproc.demo import DEMO_KEYS, _engines_line, _limits_line, known_keys
 from extproc.engine.server import EngineProcess
 from extproc.ports import PortInUse
@@ -289,6 +296,36 @@ def test_a_config_too_deep_or_too_large_is_one_problem_for_every_verb(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines() == [
         "/dev/zero: 1 problem(s)", "  larger than 8 MiB, too large for a config"]
+
+
+def test_a_fifo_nothing_writes_to_is_refused_not_waited_on_forever(tmp_path, capsys,
+                                                                   monkeypatch):
+    # `kvgate check FIFO`, `import-ratelimit FIFO` and a FIFO as upstream_api_key.file
+    # blocked in open() until something wrote to it: forever
+    monkeypatch.setattr("extproc.yaml_input.FIFO_WAIT_S", 0.2)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert check_problems(fifo, capsys) == ["cannot read: a pipe nothing wrote to within 0.2 s"]
+    assert main(["import-ratelimit", str(fifo)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvgate import-ratelimit: {fifo}: cannot read: a pipe nothing wrote to within 0.2 s\n")
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["upstream_api_key"] = {"file": str(fifo)}
+    with pytest.raises(ConfigError) as error:
+        upstream_authorizations(parse_config(data, "kvgate.yaml"))
+    assert error.value.problems == [
+        f"pools[0].upstream_api_key: cannot read {fifo}: a pipe nothing wrote to within 0.2 s"]
+
+
+def test_a_config_read_from_a_pipe_that_writes_is_read(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: (time.sleep(0.3),
+                                              fifo.write_text(yaml.safe_dump(GOOD))))
+    writer.start()
+    assert main(["check", str(fifo)]) == 0
+    writer.join()
+    assert capsys.readouterr().out.startswith(f"{fifo}: OK")
 
 
 def test_check_reports_duplicate_keys_with_the_other_problems(tmp_path, capsys):
