@@ -282,6 +282,10 @@ def _render_envoy(args: argparse.Namespace) -> int:
     from extproc.envoy_config import render_to_file, render_yaml
     from extproc.envoy_gie import render_gie_yaml
 
+    if args.output and _same_file(args.config, args.output):
+        print(f"kvgate render-envoy: -o {args.output} is the config file itself: the bootstrap "
+              "would replace it", file=sys.stderr)
+        return 2
     config = load_config(args.config)
     problems = []
     if config.server.body_mode == "full_duplex" and not args.gie:
@@ -308,6 +312,15 @@ def _render_envoy(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render(config))
     return 0
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (a symlink, ``./``, a hard link): ``render-envoy
+    kvgate.yaml -o kvgate.yaml`` replaced the config with the bootstrap, and said it wrote."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing (or unreadable): reading or writing says so
+        return False
 
 
 def _import_ratelimit(args: argparse.Namespace) -> int:

@@ -398,6 +398,18 @@ def test_render_envoy_writes_into_a_fifo_without_replacing_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["envoy.fifo"]
 
 
+def test_render_envoy_refuses_to_write_over_its_own_config(tmp_path):
+    # it replaced the config with the bootstrap, and said "wrote"
+    config = write(tmp_path, GOOD)
+    (tmp_path / "link.yaml").symlink_to(config)
+    (tmp_path / "hard.yaml").hardlink_to(config)
+    for output in (config, tmp_path / "link.yaml", tmp_path / "hard.yaml"):
+        line = one_line_error(kvgate("render-envoy", str(config), "-o", str(output)))
+        assert line == (f"kvgate render-envoy: -o {output} is the config file itself: the "
+                        "bootstrap would replace it")
+        assert yaml.safe_load(config.read_text()) == GOOD
+
+
 def test_render_envoy_to_a_directory_names_it(tmp_path):
     line = one_line_error(kvgate("render-envoy", str(EXAMPLE_CONFIG), "-o", str(tmp_path)))
     assert line == f"kvgate render-envoy: Is a directory: {tmp_path}"
