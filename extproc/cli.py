@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--config", "-c", type=Path, help="reads the agent: section")
     agent.add_argument("--host", help="default 0.0.0.0 (agent.host)")
-    agent.add_argument("--port", type=int, help="default 9400 (agent.port)")
+    agent.add_argument("--port", type=_port, help="default 9400 (agent.port)")
     agent.set_defaults(func=_agent)
 
     demo = commands.add_parser(
@@ -172,6 +172,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=_demo)
     return parser
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 to 65535, as argparse's ``type``: 70000 ended in an OverflowError
+    traceback from bind(), -1 in a resolver's message."""
+    port = int(text) if text.strip().lstrip("+-").isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port (0 to 65535)")
+    return port
 
 
 def _print_config_error(error: ConfigError) -> None:
@@ -272,6 +281,17 @@ def _port_overlap(config: Config, workers: int) -> str | None:
     return None
 
 
+def _port_past_range(config: Config, workers: int) -> str | None:
+    """The last worker's admin_port + i or report_port + i past 65535: one line saying so,
+    or None (it was an OverflowError traceback from the free-port check)."""
+    for _host, port, what in _kvgate_ports(config, workers - 1):
+        if port > 65535:
+            return (f"--workers {workers}: {what} + {workers - 1} is port {port}, past 65535 "
+                    f"(each worker i listens on admin_port + i and report_port + i); lower "
+                    "it or run fewer workers")
+    return None
+
+
 def _ensure_free(ports: list[tuple[str, int, str]]) -> None:
     """Every port free before anything starts: one line naming the setting otherwise."""
     for host, port, what in ports:
@@ -357,7 +377,7 @@ def _serve(args: argparse.Namespace) -> int:
     if too_few is not None:
         print(too_few, file=sys.stderr)
         return 2
-    overlap = _port_overlap(config, args.workers)
+    overlap = _port_overlap(config, args.workers) or _port_past_range(config, args.workers)
     if overlap is not None:
         print(overlap, file=sys.stderr)
         return 2

@@ -450,6 +450,26 @@ def test_agent_on_a_port_in_use_is_one_line(taken):
     assert "already in use" in line
 
 
+@pytest.mark.parametrize("port", ["70000", "-1", "abc"])
+def test_agent_port_outside_0_to_65535_is_a_usage_error(port):
+    # 70000 was an OverflowError traceback from bind() and exit 1
+    done = kvgate("agent", "--host", "127.0.0.1", f"--port={port}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"kvgate agent: error: argument --port: {port} is not a port (0 to 65535)")
+
+
+def test_worker_ports_past_65535_are_refused(tmp_path):
+    # admin_port + i past 65535 was an OverflowError traceback from the free-port check
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["redis"] = {"url": "redis://127.0.0.1:1", "replicas": 4}
+    data["server"] = {"grpc_port": 0, "admin_port": 65534, "report_port": 0}
+    line = one_line_error(kvgate("serve", "-c", str(write(tmp_path, data)), "--workers", "4"))
+    assert line == ("--workers 4: server.admin_port + 3 is port 65537, past 65535 (each worker "
+                    "i listens on admin_port + i and report_port + i); lower it or run fewer "
+                    "workers")
+
+
 def test_agent_reads_a_file_of_its_own_section_alone(tmp_path, taken):
     """A GPU node's agent needs no tiers, tenants or pools (nor the tenants' key hashes):
     its file was refused for lacking them, so ``agent.port`` could only be set from the
