@@ -1311,6 +1311,9 @@ def read_config_data(path: str | Path) -> tuple[Any, list[str]]:
             from None
     except yaml_input.YamlInputError as exc:  # too large, too deep, expands too far
         raise ConfigError(str(path), [str(exc)]) from None
+    except yaml.reader.ReaderError as exc:  # a NUL or control character: no mark, 2 lines
+        raise ConfigError(str(path), [f"character {exc.position + 1}: not valid YAML: "
+                                      f"{exc.reason} #x{exc.character:04x}"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: "

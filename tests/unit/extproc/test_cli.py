@@ -236,6 +236,17 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
     ]
 
 
+def test_a_control_character_is_one_line_naming_where(tmp_path):
+    # PyYAML's reader error was two lines, the second naming "<unicode string>"
+    path = tmp_path / "kvgate.yaml"
+    path.write_bytes(b"tiers: {}\x00\n")
+    done = kvgate("check", str(path))
+    assert done.returncode == 2 and "<unicode string>" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"{path}: 1 problem(s)",
+        "  character 10: not valid YAML: special characters are not allowed #x0000"]
+
+
 def test_the_bundled_config_checks_clean():
     done = kvgate("check", str(EXAMPLE_CONFIG))
     assert done.returncode == 0 and "OK" in done.stdout
