@@ -236,6 +236,9 @@ class TenantLimiter:
         self._shaper: Shaper | None = None
         self._quotas = {period: QuotaCounter(period) for period in Period}
         self._leases: dict[str, _Lease] = {}
+        # leases that expired, kept one lease TTL (until ms, lease): a release that comes
+        # late still settles the reservation against what was used, as the Redis store does
+        self._gone: dict[str, tuple[int, _Lease]] = {}
         self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
         self._promised: dict[Reason, int] = {}  # dimension → its last promised retry slot
         self._mean_ms = 0  # observed mean request duration (limiter.herd), and its samples
@@ -338,11 +341,13 @@ class TenantLimiter:
         """
         if self._next_expiry is None or now_ms < self._next_expiry:
             return len(self._leases)
-        self._leases = {
-            lease_id: lease
-            for lease_id, lease in self._leases.items()
-            if lease.expires_ms is None or lease.expires_ms > now_ms
-        }
+        held: dict[str, _Lease] = {}
+        for lease_id, lease in self._leases.items():
+            if lease.expires_ms is None or lease.expires_ms > now_ms:
+                held[lease_id] = lease
+            elif self.lease_ttl_ms is not None:
+                self._gone[lease_id] = (now_ms + self.lease_ttl_ms, lease)
+        self._leases = held
         expiries = [lease.expires_ms for lease in self._leases.values()]
         self._next_expiry = min((e for e in expiries if e is not None), default=None)
         return len(self._leases)
@@ -466,6 +471,9 @@ class TenantLimiter:
             self.expire_leases(now_ms)
         lease = self._leases.pop(lease_id, None)
         if lease is None:
+            gone = self._take_gone(lease_id, now_ms)
+            if gone is not None:  # no slot to free: its reservation is still settled
+                self._settle(gone, used_tokens, now_ms)
             return False
         if timed and (used_tokens is None or used_tokens > 0):
             # a request that ran (one that used nothing never did: it left the queue, or it
@@ -475,6 +483,21 @@ class TenantLimiter:
         shaper = self._shaper
         if lease.slot is not None and shaper is not None and shaper.rate == lease.slot[1]:
             shaper.give_back(lease.slot[0], now_ms)  # not sent yet (its client left): a hole
+        self._settle(lease, used_tokens, now_ms)
+        return True
+
+    def _take_gone(self, lease_id: str, now_ms: int) -> _Lease | None:
+        """The record of an expired lease still kept (see ``_gone``), taken out; the records
+        past their time are dropped first."""
+        if not self._gone:
+            return None
+        self._gone = {k: v for k, v in self._gone.items() if v[0] > now_ms}
+        kept = self._gone.pop(lease_id, None)
+        return None if kept is None else kept[1]
+
+    def _settle(self, lease: _Lease, used_tokens: int | None, now_ms: int) -> None:
+        """Reconcile a lease's reserved tokens with those used, on the token bucket and
+        the quotas it was charged to."""
         reserved = lease.cost.tokens
         used = reserved if used_tokens is None else max(0, used_tokens)
         if lease.tokens_charged and self._tokens is not None:
@@ -487,7 +510,6 @@ class TenantLimiter:
             for period in lease.quotas_charged:
                 if period in configured:
                     self._quotas[period].reconcile(reserved - used, now_ms)
-        return True
 
     def _waits(self, requests: int, tokens: int | None, now_ms: int) -> list[tuple[Reason, int]]:
         """Every dimension without room for ``requests`` and ``tokens`` now, with its exact

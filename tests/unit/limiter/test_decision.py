@@ -355,3 +355,19 @@ async def test_a_tenant_holding_a_lease_is_not_forgotten() -> None:
     assert store.forget(["acme"]) == []
     await store.release("acme", FORGET, "a", 1)
     assert store.forget(["acme"]) == ["acme"]
+
+
+def test_a_lease_released_after_it_expired_settles_its_reservation_for_one_ttl():
+    """As the Redis store does (its ``gone`` record): an expired lease frees no slot twice,
+    but a release that comes within a lease TTL of the expiry being seen still settles the
+    reservation against what was used; past that, nothing changes. The parity test found
+    the memory store keeping the whole reservation charged where Redis refunded it."""
+    policy = TenantPolicy(daily_token_quota=3000)
+    limiter = TenantLimiter(policy, now_ms=0, lease_ttl_ms=700)
+    for lease_id in ("a", "b"):
+        assert isinstance(limiter.admit(Cost(0, 3), lease_id, 0), Admit)
+    assert limiter.expire_leases(1000) == 0  # both expired, seen at 1000
+    assert limiter.release("a", 1, 1500) is False  # within a TTL of 1000: settled
+    assert limiter.remaining(1500).quota_remaining == 3000 - 1 - 3
+    assert limiter.release("b", 0, 1700) is False  # 1000 + 700: its record is gone
+    assert limiter.remaining(1700).quota_remaining == 3000 - 1 - 3
