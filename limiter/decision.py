@@ -341,6 +341,7 @@ class TenantLimiter:
         """
         if self._next_expiry is None or now_ms < self._next_expiry:
             return len(self._leases)
+        self._prune_gone(now_ms)  # (each record lives one TTL: kept from piling up)
         held: dict[str, _Lease] = {}
         for lease_id, lease in self._leases.items():
             if lease.expires_ms is None or lease.expires_ms > now_ms:
@@ -491,9 +492,13 @@ class TenantLimiter:
         past their time are dropped first."""
         if not self._gone:
             return None
-        self._gone = {k: v for k, v in self._gone.items() if v[0] > now_ms}
+        self._prune_gone(now_ms)
         kept = self._gone.pop(lease_id, None)
         return None if kept is None else kept[1]
+
+    def _prune_gone(self, now_ms: int) -> None:
+        if self._gone:
+            self._gone = {k: v for k, v in self._gone.items() if v[0] > now_ms}
 
     def _settle(self, lease: _Lease, used_tokens: int | None, now_ms: int) -> None:
         """Reconcile a lease's reserved tokens with those used, on the token bucket and
