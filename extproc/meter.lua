@@ -182,14 +182,15 @@ local function bounded(counts, bound)
   return held
 end
 
-local function publish(handle, usage, bound)
+local function publish(handle, usage)
   if usage == nil then return end
   local info = handle:streamInfo():dynamicMetadata()
   local counts = {}
   for _, name in ipairs(COUNTS) do
     counts[name] = string.match(usage, '"' .. name .. '"%s*:%s*(%d+)')
   end
-  counts = bounded(counts, bound)
+  local bound = info:get("kvgate.bound")
+  counts = bounded(counts, bound and bound.usage)
   for _, name in ipairs(COUNTS) do
     if counts[name] ~= nil then info:set("kvgate.usage", name, counts[name]) end
   end
@@ -205,8 +206,9 @@ end
 
 -- kvgate's reservation, from kvgate.bound's usage ("prompt_max:output_max:prompt:output"):
 -- the prompt and the output cap, or nil without one.
-local function reserved(bound)
-  local prompt, output = string.match(bound or "", "^%d+:%d+:(%d+):(%d+)$")
+local function reserved(handle)
+  local bound = handle:streamInfo():dynamicMetadata():get("kvgate.bound")
+  local prompt, output = string.match(bound and bound.usage or "", "^%d+:%d+:(%d+):(%d+)$")
   if prompt == nil then return nil end
   return tonumber(prompt), tonumber(output)
 end
@@ -232,9 +234,7 @@ function envoy_on_response(handle)
   if state.strip then -- the stripped body is shorter than any length the engine declared
     handle:headers():remove("content-length")
   end
-  local bound = handle:streamInfo():dynamicMetadata():get("kvgate.bound")
-  bound = bound and bound.usage  -- read once: the provisional totals and publish use it
-  local prompt, output = reserved(bound)
+  local prompt, output = reserved(handle)
   if not answered then prompt = nil end
   if prompt ~= nil then provisional(handle, stream and prompt or prompt + output) end
   local first = true
@@ -264,5 +264,5 @@ function envoy_on_response(handle)
   report(handle, meta, "done",
          '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events ..
          ',"answered":' .. tostring(answered) .. '}')
-  publish(handle, state.usage, bound)
+  publish(handle, state.usage)
 end
