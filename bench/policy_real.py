@@ -180,7 +180,8 @@ class Tracer:
                                "in_flight": scheduler.in_flight.get(s.address, 0),
                                "unstarted": scheduler.unstarted.get(s.address, 0)}
                               for s in snapshot.endpoints(name)],
-                "output_ratio": scheduler.output_ratio, "decode_rate": scheduler.decode_rate,
+                "output_ratios": dict(scheduler.output_ratios),
+                "decode_rate": scheduler.decode_rate,
                 "queued": [(i.band, i.cost) for i in flow.queue.items()]}
         return {"t": time.monotonic() - self._start, "pools": pools}
 

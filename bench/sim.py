@@ -106,6 +106,12 @@ class Job:
     max_tokens: int
     req: SimRequest | None = None
     engine: int | None = None
+    charged: int = 0  # what its tenant's fair-order counter was charged for it
+    output: int | None = None  # the tokens the engine really produces (None: max_tokens)
+
+    @property
+    def produces(self) -> int:
+        return self.max_tokens if self.output is None else self.output
 
     @property
     def cost(self) -> int:
@@ -114,9 +120,9 @@ class Job:
 
     @property
     def price(self) -> int:
-        """What the fair order charges (kvgate's default prices; every request here uses
-        its whole ``max_tokens``, so the estimate is exact): the unit of the shares."""
-        return QUEUE_PRICES.price(self.prompt, self.max_tokens)
+        """What the fair order charges once the request is corrected to its real usage
+        (kvgate's default prices): the unit of the shares."""
+        return QUEUE_PRICES.price(self.prompt, self.produces)
 
     @property
     def ttft(self) -> float | None:
@@ -264,15 +270,22 @@ class Gated(Policy):
         if self.settings.wfq and not self.queue.queued(job.tenant):
             self.fairness.activate(job.tenant)
         band = spec.band if self.settings.bands else 0
+        # as the director prices it: the output its tenant's requests are expected to make
+        ratio = self.scheduler.output_ratio(job.tenant)
+        job.charged = QUEUE_PRICES.price(job.prompt, math.ceil(job.max_tokens * ratio))
         item = QueuedRequest(job.id, job.tenant, band, job.cost, self.sim.tenants[job.tenant],
-                             _ms(now), NEVER_MS, price=job.price)
+                             _ms(now), NEVER_MS, price=job.charged)
         self.jobs[job.id] = job
         self.queue.push(item, _ms(now))
         self.dispatch(now)
 
     def on_finish(self, job: Job, now: float) -> None:
-        # as the meter reports the engine's usage: every request makes its max_tokens
-        self.scheduler.release(job.id, now, output_tokens=job.max_tokens)
+        """As the director releases a request: the engine's usage teaches the scheduler,
+        and the fair-order charge is corrected to it."""
+        self.scheduler.release(job.id, now, output_tokens=job.produces)
+        if self.settings.wfq:
+            self.fairness.correct(job.tenant, job.price - job.charged,
+                                  self.sim.tenants[job.tenant])
         self.dispatch(now)
 
     def on_first_token(self, job: Job, now: float) -> None:
@@ -370,7 +383,7 @@ class Simulation:
 
     def submit(self, job: Job, engine: int, priority: int, now: float) -> None:
         job.engine = engine
-        job.req = self.engines[engine].submit(job.prompt, job.max_tokens, priority, now, job.id)
+        job.req = self.engines[engine].submit(job.prompt, job.produces, priority, now, job.id)
         self.by_req[id(job.req)] = job
 
     def _admitted(self, req: SimRequest, waited: float) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -164,7 +165,8 @@ class Director:
     def forget_retired(self) -> list[str]:
         """Forget the tenants reloads removed that have nothing left: no request admitted,
         queued or on its way through admission, nothing owed to the shared store. Their
-        policies, weights, the fair queue's counters and this process's limits state go
+        policies, weights, the fair queue's counters, the schedulers' learned output ratios
+        and this process's limits state go
         (the in-memory store keeps a tenant's limits while Redis would: see
         ``MemoryStore``); a tenant configured again later starts from what the limits store
         has. Returns the tenants forgotten; the others are asked about again next time."""
@@ -173,6 +175,8 @@ class Director:
         if forgotten:
             for flow in self.flows.values():
                 flow.fairness.forget(forgotten)
+            for scheduler in self.schedulers.values():
+                scheduler.forget(forgotten)
             self.tenants.forget(forgotten)
             self._reweigh()
         return forgotten
@@ -392,16 +396,16 @@ class Director:
         # concurrency slot for another replica while it still held its place
         self.leases.opened(lease_id, tenant.name)
         if placed is None:
+            price = self._queue_price(tenant, route, weight)
             try:
-                waited = await self._wait(tenant, klass, route, lease_id, watch)
+                waited = await self._wait(tenant, klass, route, lease_id, price, watch)
             except BaseException:
                 self.leases.closed(lease_id)
                 raise
             if isinstance(waited, Reject):
                 self.leases.closed(lease_id)
                 return waited
-            placed, charged = waited, self._price(route.cost.prompt_tokens,
-                                                  route.cost.max_output_tokens, weight)
+            placed, charged = waited, price
         return Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
@@ -484,10 +488,12 @@ class Director:
         return refused
 
     async def _wait(
-        self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, watch: Watch
+        self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, price: int,
+        watch: Watch,
     ) -> Placement | Reject:
-        """Queue until the dispatcher reserves KV under ``lease_id`` or the class deadline
-        passes; the tenant's limits are given back in full if it never runs."""
+        """Queue until the dispatcher reserves KV under ``lease_id`` (charging its tenant's
+        fair-order counter ``price``) or the class deadline passes; the tenant's limits are
+        given back in full if it never runs."""
         flow = self.flows[route.scheduler.config.name]
         if self._refusing_waits:  # shutting down: it would be cut before a place frees
             self._give_back(tenant, lease_id)
@@ -496,8 +502,7 @@ class Director:
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
         weight = self.tenants.weight(tenant)
         item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens, weight, now,
-                             deadline, price=self._price(route.cost.prompt_tokens,
-                                                         route.cost.max_output_tokens, weight))
+                             deadline, price=price)
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
                         route.queued_for, prompt_tokens=route.cost.prompt_tokens,
                         streamed=route.streamed)
@@ -520,8 +525,22 @@ class Director:
         empty by the next admission)."""
         self.store.release_soon(tenant.name, self.tenants.policy(tenant), lease_id, 0)
 
+    def _queue_price(self, tenant: Tenant, route: Route, weight: float) -> int:
+        """What the fair order charges a queued request when it is dispatched: its prompt
+        and the share of its ``max_tokens`` its tenant's requests are expected to produce
+        (the scheduler's learned :meth:`~extproc.scheduler.PoolScheduler.output_ratio`),
+        corrected to its real usage when it ends. Charging all of ``max_tokens`` made a
+        tenant that sets it far above its answers swing its counter by the difference at
+        every dispatch and end: refunded, it came back far behind the others and its batch
+        work went ahead of their interactive work (``bench.inflated_max_tokens``). Cheaper
+        only for a tenant whose answers are short: one that sends a long one is expected to
+        again at once."""
+        ratio = route.scheduler.output_ratio(tenant.name)
+        output = math.ceil(route.cost.max_output_tokens * ratio)
+        return self._price(route.cost.prompt_tokens, output, weight)
+
     def _price(self, prompt_tokens: int, output_tokens: int, weight: float) -> int:
-        """What the fair order charges (at admission: the reserved output; at the end: the
+        """What the fair order charges (at admission: the expected output; at the end: the
         used one): prompt and output at their prices, at most what one charge may add to
         the counter of a tenant of ``weight`` (``max_price``): a larger one raised in the
         dispatcher, on every try, and the pool's queue placed no one (of any tenant) until

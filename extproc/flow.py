@@ -256,10 +256,12 @@ class FlowController:
             "unstarted": dict(self.scheduler.unstarted),  # endpoint → sent, not started
             "unstarted_limit_growth": dict(self.scheduler.gate_growth),
             "seq_limits": dict(self.scheduler.seq_caps),  # endpoint → learned --max-num-seqs
-            # endpoint → KV tokens its requests in flight are expected to grow to, and the
-            # share of reserved output that expectation counts (learned from usage)
+            # endpoint → KV tokens its requests in flight are expected to grow to, and
+            # tenant → the share of reserved output that expectation counts (learned from
+            # the tenant's usage; a tenant not listed: all of it)
             "committed_kv_tokens": dict(self.scheduler.committed),
-            "expected_output_share": round(self.scheduler.output_ratio, 4),
+            "expected_output_share": {t: round(r, 4) for t, r in
+                                      sorted(self.scheduler.output_ratios.items())},
             # output tokens per second of one running sequence (0: none finished yet)
             "decode_tokens_per_s": round(self.scheduler.decode_rate, 2),
             # prompt tokens per second one endpoint prefills (0: no first token seen yet),

@@ -39,8 +39,10 @@ scraped usage, so a burst spreads across endpoints before the next scrape shows 
 
 Committed load: a scrape only shows what running requests hold now, and vLLM preempts when
 they outgrow its cache. Each request kvgate sent an endpoint is expected to grow to its
-prompt + :attr:`PoolScheduler.output_ratio` of its reserved output (learned from the usage
-of finished requests), one token per engine step, and to free it all when it ends. So they
+prompt + its tenant's :meth:`PoolScheduler.output_ratio` of its reserved output (learned
+from the usage of that tenant's finished requests: one client that sets a generous
+``max_tokens`` and stops early must not make every other tenant's requests count as short),
+one token per engine step, and to free it all when it ends. So they
 do not all peak at once: the cache must hold their largest total at any moment ahead, which
 is reached just before one of them ends (:func:`future_peak`). Each request's progress is
 estimated from when it started (its first token; for a non-streamed answer, the first
@@ -108,8 +110,8 @@ TOP_IDLE_S = 300.0
 # expected to end within SEQ_LEND_WAIT_S, or is in the last SEQ_LEND_SHARE of its run
 SEQ_LEND_WAIT_S, SEQ_LEND_SHARE = 1.0, 0.5
 DRAIN_WINDOW_S = 10.0
-# the expected share of reserved output (``PoolScheduler.output_ratio``): how fast it rises
-# toward a longer answer and decays toward a shorter one, and its floor
+# the expected share of reserved output (``PoolScheduler.output_ratio``, per tenant): how
+# fast it rises toward a longer answer and decays toward a shorter one, and its floor
 OUTPUT_RATIO_RISE, OUTPUT_RATIO_DECAY, MIN_OUTPUT_RATIO = 0.5, 0.02, 0.05
 DECODE_RATE_WEIGHT = 0.2  # of each finished request in the pool's decode-rate average
 MIN_RETRY_MS, MAX_RETRY_MS = 1000, 60_000
@@ -232,9 +234,11 @@ class PoolScheduler:
     by_endpoint: dict[str, dict[str, Reservation]] = field(default_factory=dict)
     drain: DrainRate = field(default_factory=DrainRate)
     # endpoint → the KV its requests in flight are expected to grow to (each reservation's
-    # ``peak``), and the share of their reserved output requests are expected to produce
+    # ``peak``)
     committed: dict[str, int] = field(default_factory=dict)
-    output_ratio: float = 1.0
+    # tenant → the share of their reserved output its requests are expected to produce
+    # (:meth:`output_ratio`; a tenant with no finished request yet: all of it)
+    output_ratios: dict[str, float] = field(default_factory=dict)
     # output tokens per second of one running sequence (finished requests' average; 0 =
     # none finished yet): how far a request in flight has got since it started
     decode_rate: float = 0.0
@@ -284,7 +288,8 @@ class PoolScheduler:
             if not busy:
                 self._count_holds(usable, candidates, [], limit, ahead, band, now)
                 return self._saturated(tokens, now)
-            if band and self._over_share(tenant, tokens):
+            if band and self._over_share(tenant,
+                                         self.expected_peak(tenant, tokens, prompt_tokens or 0)):
                 self._count_holds(usable, candidates, busy, limit, ahead, band, now)
                 return refuse(Reason.KV_SHARE,
                               f"pool '{self.config.name}' is busy and tenant '{tenant}' holds "
@@ -315,8 +320,7 @@ class PoolScheduler:
         """Hold ``tokens`` of KV on ``endpoint``; the request is in prefill (``band`` as it
         was placed, ``prompt_tokens`` to prefill) until :meth:`first_token` or release —
         or, when not ``streamed``, until the engine reports it admitted."""
-        output = max(0, tokens - prompt_tokens)
-        peak = tokens - output + math.ceil(output * self.output_ratio)
+        peak = self.expected_peak(tenant, tokens, prompt_tokens)
         reservation = Reservation(lease_id, tenant, endpoint, tokens, now, band, prompt_tokens,
                                   True, False, streamed, peak)
         self.reservations[lease_id] = reservation
@@ -350,7 +354,7 @@ class PoolScheduler:
                 output_tokens: int | None = None) -> None:
         """A finished request frees its KV (and counts toward the drain rate); a reservation
         undone because the tenant's limits said no only disappears. ``output_tokens``: what
-        it really produced, which teaches :attr:`output_ratio`."""
+        it really produced, which teaches the tenant's :meth:`output_ratio`."""
         reservation = self.reservations.pop(lease_id, None)
         if reservation is None:
             return
@@ -365,16 +369,35 @@ class PoolScheduler:
             self.drain.add(reservation.tokens, now)
         reserved_output = reservation.tokens - reservation.prefill
         if output_tokens is not None and reserved_output > 0:
-            self._learn_output(min(1.0, output_tokens / reserved_output))
+            self._learn_output(reservation.tenant, min(1.0, output_tokens / reserved_output))
 
-    def _learn_output(self, ratio: float) -> None:
-        """An upper envelope of produced ÷ reserved output: a longer answer raises it at
-        once halfway, shorter ones lower it slowly — so requests are expected to grow as far
-        as the long ones recently did, and clients that set a generous ``max_tokens`` and
-        stop early do not leave the KV idle (start: 1, every reserved token)."""
-        rate = OUTPUT_RATIO_RISE if ratio > self.output_ratio else OUTPUT_RATIO_DECAY
-        self.output_ratio = max(MIN_OUTPUT_RATIO,
-                                self.output_ratio + rate * (ratio - self.output_ratio))
+    def expected_peak(self, tenant: str, tokens: int, prompt_tokens: int) -> int:
+        """The KV a request of ``tokens`` (``prompt_tokens`` of them its prompt) is
+        expected to grow to: its prompt and its tenant's expected share of the rest."""
+        output = max(0, tokens - prompt_tokens)
+        return tokens - output + math.ceil(output * self.output_ratio(tenant))
+
+    def output_ratio(self, tenant: str) -> float:
+        """The share of its reserved output a request of ``tenant`` is expected to produce."""
+        return self.output_ratios.get(tenant, 1.0)
+
+    def _learn_output(self, tenant: str, ratio: float) -> None:
+        """An upper envelope of the tenant's produced ÷ reserved output: a longer answer
+        raises it at once halfway, shorter ones lower it slowly — so its requests are
+        expected to grow as far as its long ones recently did, and a client that sets a
+        generous ``max_tokens`` and stops early does not leave the KV idle (start: 1, every
+        reserved token). Per tenant: learned over the pool, one tenant's habit set everyone's
+        estimate — a tenant sending ``max_tokens`` 30,000 for 200–1,000-token answers drove
+        it to its floor, and other tenants' long answers were counted at a twentieth of
+        their length (``bench.inflated_max_tokens``)."""
+        current = self.output_ratio(tenant)
+        rate = OUTPUT_RATIO_RISE if ratio > current else OUTPUT_RATIO_DECAY
+        self.output_ratios[tenant] = max(MIN_OUTPUT_RATIO, current + rate * (ratio - current))
+
+    def forget(self, tenants: list[str]) -> None:
+        """Tenants a reload removed and that have nothing left: their learned ratios go."""
+        for tenant in tenants:
+            self.output_ratios.pop(tenant, None)
 
     def _learn_decode_rate(self, tokens: int, seconds: float) -> None:
         """Recent output tokens over recent decoding seconds — a ratio of averages, not an
@@ -775,10 +798,16 @@ class PoolScheduler:
             return 0
         return min(r.peak - r.prefill, int(self.decode_rate * max(0.0, at - r.started_at)))
 
-    def _over_share(self, tenant: str, tokens: int) -> bool:
-        held: dict[str, int] = {tenant: tokens}
+    def _over_share(self, tenant: str, peak: int) -> bool:
+        """Whether ``tenant``, with a new request expected to grow to ``peak``, would hold
+        more than its weighted share of the KV the pool's requests are expected to grow to.
+        Expected, not reserved: counted by ``max_tokens``, a tenant that sets it far above
+        its answers was over its share whenever it ran at all, while the fair order (which
+        charges what requests are expected to use) had it behind — and a tenant behind
+        holds the others back, so their interactive work waited for its batch work."""
+        held: dict[str, int] = {tenant: peak}
         for r in self.reservations.values():
-            held[r.tenant] = held.get(r.tenant, 0) + r.tokens
+            held[r.tenant] = held.get(r.tenant, 0) + r.peak
         if len(held) == 1:
             return False  # alone in the pool: nobody to share with
         total_weight = sum(self.weights.get(t, 1.0) for t in held)

@@ -26,9 +26,17 @@ past it by more than the shift in one dispatch — with several replicas, 2^49 u
 tokens per unit of weight; the rebase property test activates a tenant when it comes back.)
 
 **Charged by usage (VTC).** A request's price is its prompt and output tokens at separate
-prices, estimated with its ``max_tokens`` when it is dispatched and corrected by
+prices, estimated when it is dispatched (the caller's estimate: kvgate's director uses the
+share of ``max_tokens`` the tenant's answers have lately used) and corrected by
 :meth:`VirtualCounters.correct` once it finishes and its real output is known; the counter
-may then go down (an answer shorter than reserved is refunded).
+may then go down (an answer shorter than estimated is refunded) — but a refund never takes
+it more than ``lag`` below ``V``: an estimate that was too high let others go ahead while
+the request ran, and a credit banked for that afterwards would let the tenant's batch work
+run ahead of every other tenant's interactive work until it was spent (with the floor and
+the director's estimate, a tenant sending ``max_tokens`` 30,000 for 200–1,000-token answers no
+longer lengthens another tenant's interactive P99: ``bench.inflated_max_tokens``). Only a
+tenant whose estimates run far above its usage loses by the floor (there: ~7% of its
+share).
 
 **Bands between tenants, within a bounded lag** (:func:`pick`). Pure WFQ over all of a
 tenant's work would make a tenant's interactive request wait behind other tenants' batch
@@ -177,10 +185,14 @@ class VirtualCounters:
 
     def correct(self, tenant: str, tokens: int, weight: float) -> None:
         """A dispatched request finished: add the difference between its real price and the
-        estimate it was charged (negative: a refund), in tokens."""
+        estimate it was charged (negative: a refund, which stops at ``lag`` below ``V``, or
+        where the counter already is if that is lower), in tokens."""
         if tenant in self._counters and tokens:
-            counter = self._counters[tenant] = max(0, self._counters[tenant]
-                                                   + units(tokens, weight))
+            counter = self._counters[tenant]
+            corrected = counter + units(tokens, weight)
+            if tokens < 0:
+                corrected = max(corrected, min(counter, self._vtime - self._lag))
+            counter = self._counters[tenant] = max(0, corrected)
             if self._firsts.get(tenant, counter) > counter:  # band-0 work is part of all work
                 self._firsts[tenant] = counter
 

@@ -147,12 +147,20 @@ touch(tenant)
 return best - 1
 """
 
-# ARGV: [1] ttl ms, [2] tenant, [3] counter units to add (may be negative). A tenant without a
-# counter is left alone; the counter never goes below 0. Returns 1 if it changed anything.
+# ARGV: [1] ttl ms, [2] tenant, [3] counter units to add (may be negative), [4] lag (counter
+# units). A tenant without a counter is left alone; a refund stops at LAG below V (or where
+# the counter is, if lower: VirtualCounters.correct); the counter never goes below 0. Returns
+# 1 if it changed anything.
 _CORRECT = _LUA_HEAD + r"""
 local c = redis.call('HGET', KC, ARGV[2])
 if not c then return 0 end
-c = tonumber(c) + tonumber(ARGV[3])
+local d, LAG = tonumber(ARGV[3]), tonumber(ARGV[4])
+local before = tonumber(c)
+c = before + d
+if d < 0 then
+  local low = math.min(before, V - LAG)
+  if c < low then c = low end
+end
 if c < 0 then c = 0 end
 redis.call('HSET', KC, ARGV[2], str(c))
 -- band-0 work is part of all work: its counter never exceeds the total (so the least-served
@@ -298,10 +306,11 @@ class RedisFairness:
         return None if index < 0 else offers[index].item
 
     async def correct(self, tenant: str, tokens: int, weight: float) -> None:
-        """Add ``tokens`` (negative: a refund) to ``tenant``'s counter, floored at 0; nothing
-        when it has no counter."""
+        """Add ``tokens`` (negative: a refund, which stops at ``lag`` below ``V``) to
+        ``tenant``'s counter, floored at 0; nothing when it has no counter."""
         if tokens:
-            await self._call("correct", [self._ttl_ms, tenant, units(tokens, weight)])
+            await self._call("correct", [self._ttl_ms, tenant, units(tokens, weight),
+                                         self._lag])
 
     async def undo(self, decision: str, instead: QueuedRequest | None) -> bool:
         """The choice ``decision`` got no answer in time and the caller chose ``instead``

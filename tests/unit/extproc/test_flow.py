@@ -269,6 +269,24 @@ async def test_a_queued_request_is_charged_its_price_and_refunded_what_it_did_no
     assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 10
 
 
+async def test_a_queued_request_is_charged_the_output_its_tenant_is_expected_to_use(harness):
+    """Charged every reserved output token, a tenant whose answers use a tenth of its
+    max_tokens swung its counter by the rest at every dispatch and refund. The charge is
+    the share of max_tokens the tenant's answers have lately used (another tenant's habit
+    does not count), corrected to the real usage when the request ends."""
+    await harness.start(usage=0.99)
+    harness.flow.scheduler.output_ratios.update({"b": 0.25, "a": 0.05})
+    task = harness.admit("b")
+    await settle()
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    prompt = admission.cost.prompt_tokens
+    assert admission.charged == prompt + 2 * 25  # a quarter of its 100 output tokens
+    assert (await harness.flow.fairness.counters())["b"] == admission.charged
+    await harness.director.release(admission, prompt + 30, 30)
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 30
+
+
 async def test_a_correction_after_a_weight_change_uses_the_weight_charged(harness):
     """A reload between dispatch and release changed the tenant's weight: the correction
     was converted at the new weight, the charge had been at the old, and the counter

@@ -342,12 +342,38 @@ def test_short_answers_teach_the_scheduler_to_commit_less_output():
     for i in range(200):
         sched.reserve(f"s{i}", "a", "e1", 600, NOW, prompt_tokens=100)
         sched.release(f"s{i}", NOW, output_tokens=50)  # a tenth of its reserved 500
-    assert 0.09 < sched.output_ratio < 0.2
+    assert 0.09 < sched.output_ratio("a") < 0.2
     sched.reserve("next", "a", "e1", 600, NOW, prompt_tokens=100)
     assert sched.committed["e1"] < 200
     sched.release("next", NOW, output_tokens=500)
-    assert sched.output_ratio > 0.5
+    assert sched.output_ratio("a") > 0.5
     assert sched.committed["e1"] == 0
+
+
+def test_one_tenants_short_answers_do_not_shrink_another_tenants_requests():
+    """Learned over the pool, one client's generous max_tokens made every tenant's long
+    answers count as short: their KV was under-committed and the engines filled."""
+    sched = scheduler()
+    for i in range(200):
+        sched.reserve(f"s{i}", "a", "e1", 30_100, NOW, prompt_tokens=100)
+        sched.release(f"s{i}", NOW, output_tokens=500)  # a sixtieth of its reserved 30,000
+    assert sched.output_ratio("a") < 0.1 and sched.output_ratio("b") == 1.0
+    sched.reserve("long", "b", "e1", 600, NOW, prompt_tokens=100)
+    assert sched.committed["e1"] == 600  # b's answers use all they reserve
+    sched.forget(["a"])
+    assert sched.output_ratios == {}
+
+
+def test_the_busy_pools_kv_share_counts_what_requests_are_expected_to_hold():
+    """Counted by max_tokens, a tenant that asks for thirty times what it uses was over its
+    KV share whenever it ran at all, while the fair order, which charges what requests are
+    expected to use, had it behind: each held the other back."""
+    sched = scheduler()
+    sched.output_ratios["a"] = 0.05
+    sched.reserve("a0", "a", "e1", 30_100, NOW, prompt_tokens=100)  # expected 100 + 1,500
+    sched.reserve("b0", "b", "e1", 3_000, NOW, prompt_tokens=1_000)
+    assert not sched._over_share("a", sched.expected_peak("a", 30_100, 100))
+    assert sched._over_share("b", sched.expected_peak("b", 3_000, 1_000))
 
 
 def test_release_frees_the_reservation_once():

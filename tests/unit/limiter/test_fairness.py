@@ -304,6 +304,24 @@ async def test_a_refund_puts_the_tenant_back_in_line() -> None:
     assert await fair.choose(offers(x, y)) is x
 
 
+async def test_a_refund_is_not_banked_past_a_lag_behind_the_others() -> None:
+    """An estimate far above the usage let the others go ahead while the request ran; the
+    whole refund afterwards left the tenant so far behind that its batch work went ahead
+    of every other tenant's interactive work until it was spent."""
+    fair = MemoryFairness(lag_tokens=100)
+    await fair.choose(offers(req("x0", "X", 5000, weight=1, band=1)))  # X at 5000
+    await fair.activate("Y")
+    for n in range(4):  # Y at 4000, V 3000
+        await fair.choose(offers(req(f"y{n}", "Y", 1000, weight=1, band=1)))
+    assert fair.virtual_time == 3000
+    await fair.correct("X", -4900, 1.0)  # it used 100: down to V - lag, not to 100
+    assert (await fair.counters())["X"] == 2900
+    await fair.correct("X", -500, 1.0)  # already there: no lower
+    assert (await fair.counters())["X"] == 2900
+    await fair.correct("X", 700, 1.0)  # a charge is never floored
+    assert (await fair.counters())["X"] == 3600
+
+
 async def test_a_refund_never_stalls_dispatch_while_everything_fits() -> None:
     fair = MemoryFairness(lag_tokens=100)
     await fair.choose(offers(req("x0", "X", 1000, weight=1)))  # X at 1000, band-0 at 900
