@@ -37,7 +37,7 @@ from extproc.director import Admission
 from extproc.headers import ENGINE_CONTROL_HEADERS
 from extproc.meter import ResponseMeter
 from extproc.openai import BadRequest
-from extproc.rejections import admitted_ratelimit_headers, client_error
+from extproc.rejections import admitted_ratelimit_headers, client_error, overloaded
 from extproc.stream import STRIPPED_HEADERS, RequestStream
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,34 @@ MAX_BODY_PIECES = 4096
 of kvgate's CPU), and a client picks its pieces: an HTTP/2 body in 1-byte DATA frames cost
 ~2 s of CPU per 60,000, shared with every tenant's admissions. Envoy passes a body on as it
 reads it (16 KiB and up from a client that sends whole frames): a 1 MiB body is ~64."""
+HELD_BODIES = 64
+"""How many bodies of ``server.max_body_bytes`` the process's full-duplex streams may hold
+together while they gather them (:class:`HeldBodies`)."""
 _RESPONSE_HEADERS = frozenset((":status", "content-type"))
+
+
+class HeldBodies:
+    """The request-body bytes the process's full-duplex streams hold while they gather
+    them, at most ``limit`` together. In this mode kvgate, not Envoy, buffers a body until
+    it is whole, and a client that sends most of a body and stalls keeps it there until the
+    gateway's stream timeout: without a bound, many such clients took kvgate's memory
+    without limit (each up to ``server.max_body_bytes``). A body that would pass the bound
+    is refused with a retryable 503 and what it held is let go."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.held = 0
+        self.limit = limit
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
 
 
 def requested(first: pb.ProcessingRequest) -> bool:
@@ -89,14 +116,17 @@ class DuplexStream(RequestStream):
     # vLLM's queue): kvgate does, in its headers answer
     REMOVED_HEADERS = (*STRIPPED_HEADERS, *ENGINE_CONTROL_HEADERS)
 
-    __slots__ = ("_answered", "_chunks", "_held", "_meter", "_new_body", "_request_ended",
-                 "_response_mode", "_size", "_strip")
+    __slots__ = ("_answered", "_bodies", "_chunks", "_held", "_meter", "_new_body",
+                 "_request_ended", "_response_mode", "_size", "_strip")
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, bodies: HeldBodies | None = None,  # type: ignore[no-untyped-def]
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # shared by the process's streams (the server's); alone: a bound of its own
+        self._bodies = bodies or HeldBodies(HELD_BODIES * self.settings.max_body_bytes)
         self._held: messages.Reply | None = None  # the headers answer, until the decision
         self._chunks: list[bytes] = []
-        self._size = 0
+        self._size = 0  # of the body gathered so far (held in _bodies until let go)
         self._new_body: bytes | None = None  # the body to send upstream, once admitted
         self._request_ended = False  # the request body (and trailers) have all arrived
         self._meter: ResponseMeter | None = None
@@ -144,6 +174,9 @@ class DuplexStream(RequestStream):
         if self._held is None or self._request_ended:  # before the headers, or after the end
             return [await self.handle(pb.ProcessingRequest(request_body=body))]
         chunk = body.body
+        if not self._bodies.take(len(chunk)):
+            self.metrics.messages.add(("request_body",))
+            return [self._refuse_overload()]
         self._chunks.append(chunk)
         self._size += len(chunk)
         if not body.end_of_stream and len(self._chunks) > MAX_BODY_PIECES:
@@ -154,9 +187,25 @@ class DuplexStream(RequestStream):
             return []  # answered once the whole body is decided
         return await self._decide(end_of_stream=True)
 
+    def let_go(self) -> None:
+        """Give back what the body gathered so far holds of the process's bound (the body
+        is decided or refused, or the stream ended before its end)."""
+        self._bodies.give(self._size)
+        self._chunks, self._size = [], 0
+
+    def _refuse_overload(self) -> messages.Reply:
+        """The process holds as many gathered bodies as it may: 503, retryable."""
+        self._request_ended, self._held = True, None
+        self.let_go()
+        self._count("shed", "gateway_overloaded")
+        return self._answer(*overloaded(
+            "the gateway holds as many request bodies as it may; retry later"),
+            details="gateway_overloaded")
+
     def _refuse_pieces(self) -> messages.Reply:
         """A body in more than :data:`MAX_BODY_PIECES` pieces: 400 before reading on."""
-        self._request_ended, self._chunks, self._held = True, [], None
+        self._request_ended, self._held = True, None
+        self.let_go()
         error = BadRequest(f"the request body came in more than {MAX_BODY_PIECES} pieces; "
                            "send it in fewer, larger writes", code="body_too_fragmented")
         self._count("invalid", "body_too_fragmented")
@@ -179,7 +228,7 @@ class DuplexStream(RequestStream):
         had buffered it (counted as the one request_body message of that path)."""
         self._request_ended = True
         whole = b"".join(self._chunks)
-        self._chunks = []
+        self.let_go()  # (the admission holds it now, as any request's body)
         reply = await self.handle(pb.ProcessingRequest(
             request_body=pb.HttpBody(body=whole, end_of_stream=True)))
         if self.done or self._new_body is None:  # refused

@@ -110,6 +110,11 @@ def unavailable(message: str) -> tuple[int, bytes, dict[str, str]]:
     return _server_error(message, "gateway_unavailable")
 
 
+def overloaded(message: str) -> tuple[int, bytes, dict[str, str]]:
+    """kvgate holds as much of clients' request bodies as it may: 503, retryable."""
+    return _server_error(message, "gateway_overloaded")
+
+
 def internal_error(message: str) -> tuple[int, bytes, dict[str, str]]:
     """kvgate's own failure (a bug): 503 (retryable), never a bare 500."""
     return _server_error(message, "internal_error")

@@ -79,6 +79,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.duplex = config.server.body_mode == "full_duplex"  # else: as each stream says
         self.desk = desk
         self.open: set[RequestStream] = set()  # streams whose RPC is running
+        # the request bodies full-duplex streams gather, bounded together
+        self.bodies = duplex.HeldBodies(duplex.HELD_BODIES * config.server.max_body_bytes)
         self.releasing: set[asyncio.Future[None]] = set()  # releases under way
         self.cut = 0  # streams still open when a shutdown's grace ran out
 
@@ -92,8 +94,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if message is None:
             return
         # a gateway that streams bodies full duplex (the Inference Extension's): duplex.py
-        kind = DuplexStream if self.duplex or duplex.requested(message) else RequestStream
-        stream = kind(self.director, self.metrics, self.settings, self.desk, incoming.watch)
+        parts = (self.director, self.metrics, self.settings, self.desk, incoming.watch)
+        stream = (DuplexStream(*parts, bodies=self.bodies)
+                  if self.duplex or duplex.requested(message) else RequestStream(*parts))
         self.open.add(stream)
         ending: str | None = "envoy_closed"  # unless the stream is done: see finally
         # whether gRPC took the reply that routed the request: it resumes this generator
@@ -139,6 +142,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if not routed and stream.admission is not None:
                 stream.unsent = True  # released at once and charged nothing (stream.close)
             self.open.discard(stream)
+            if isinstance(stream, DuplexStream):
+                stream.let_go()  # a body it was still gathering
             await incoming.close()
             if stream.holds_admission:
                 await self._release(stream, ending)

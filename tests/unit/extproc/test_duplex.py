@@ -171,6 +171,41 @@ async def test_a_body_in_too_many_pieces_is_400_before_its_end(monkeypatch):
     assert orjson.loads(answer.body)["error"]["code"] == "body_too_fragmented"
 
 
+async def test_bodies_gathered_together_are_bounded_and_let_go_on_every_end():
+    """In this mode kvgate gathers each body itself, and clients that send most of a body
+    and stall kept it in kvgate's memory, without a bound over all of them."""
+    bodies = duplex.HeldBodies(limit=1000)
+    config = make_config(requests_per_second=100, max_concurrency=5)
+
+    def stream():
+        director = build_director(config, MemoryStore())
+        return DuplexStream(director, Metrics(), config.server, ReportDesk(), bodies=bodies)
+
+    stalled = stream()
+    assert await stalled.exchange(first(headers_msg())) == []
+    assert await stalled.exchange(body_msg(b"x" * 800, end_of_stream=False)) == []
+    late = stream()
+    assert await late.exchange(first(headers_msg())) == []
+    replies = await late.exchange(body_msg(b"{" * 300, end_of_stream=False))
+    answer = parsed(replies[0]).immediate_response
+    assert answer.status.code == 503 and late.done and bodies.held == 800
+    assert orjson.loads(answer.body)["error"]["code"] == "gateway_overloaded"
+    assert header_dict(answer.headers)["retry-after"] == "1"
+    stalled.let_go()  # its stream ended (the server lets go of what it still gathered)
+    assert bodies.held == 0
+    whole = stream()
+    replies = await admitted(whole, chat(), chunk=40)
+    assert parsed(replies[0]).HasField("request_headers") and bodies.held == 0
+
+
+async def test_the_server_lets_go_of_a_body_whose_stream_ended_before_its_end():
+    handler, *_ = handler_for(first(headers_msg()), body_msg(b"x" * 50, end_of_stream=False),
+                              body_mode="full_duplex", then_end=True)
+    processor = handler.ag_frame.f_locals["self"]  # the ExternalProcessor it belongs to
+    assert [reply async for reply in handler] == []
+    assert processor.bodies.held == 0
+
+
 async def test_out_of_order_messages_get_a_clear_400():
     stream = new_stream()  # a body before any headers
     replies = await stream.exchange(first(body_msg(orjson.dumps(chat()))))
