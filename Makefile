@@ -6,10 +6,11 @@ NATIVE := build/native/manifest.json
 
 .PHONY: demo test native lint clean
 
-$(BIN)/kvgate: pyproject.toml
+# kvgate's own dependencies at the versions the image installs (deploy/constraints.txt)
+$(BIN)/kvgate: pyproject.toml deploy/constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,native]'
+	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[test,native]'
 	@touch $@
 
 demo: $(BIN)/kvgate

@@ -86,3 +86,21 @@ def test_the_manifests_run_the_image_as_it_is_built(folder: Path) -> None:
         assert run_as.get("runAsNonRoot") is True
         for port in container.get("ports", []):
             assert port["containerPort"] in exposed, port
+
+
+def test_the_image_and_the_tests_install_the_pinned_versions() -> None:
+    """An image built later must run what the tests ran: the Dockerfile and ``make``
+    install with deploy/constraints.txt, which pins every dependency kvgate installs (with
+    its build stage's mypyc), and this venv holds exactly those versions."""
+    from deploy.constraints import closure
+
+    pinned = {}
+    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pinned[name] = version
+    assert closure() == pinned, "regenerate: python deploy/constraints.py > deploy/constraints.txt"
+    runs = " ".join(" ".join(words) for instruction, words in instructions()
+                    if instruction == "RUN")
+    assert "-c constraints.txt" in runs and "deploy/constraints.txt" in context_copies(DOCKERFILE)
+    assert "-c deploy/constraints.txt" in (REPO / "Makefile").read_text()
