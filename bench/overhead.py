@@ -45,6 +45,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -1054,7 +1055,14 @@ def write_results(result: dict[str, Any], out: Path) -> None:
     out.with_suffix(".md").write_text(markdown(result))
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    """SIGTERM (a CI timeout, ``kill``): unwind, so every process the run started (Envoy,
+    kvgate, the engine, redis-server) is stopped as on a normal end, not left running."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     args = _parser().parse_args(argv)
     if args.profile:
         profile_main(args.duration, args.out.with_name("overhead-profile.md"))
