@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _setup_logging(args.log_level, args.log_format or "plain")
+    if sys.stdout is None:  # started with stdout closed (`>&-`): what it prints goes nowhere
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
     try:
         return args.func(args)
     except ConfigError as error:

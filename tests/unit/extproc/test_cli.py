@@ -255,6 +255,16 @@ def test_the_bundled_config_checks_clean():
 # -- one line for bad input, never a traceback --------------------------------------------------
 
 
+def test_a_closed_stdout_is_no_traceback():
+    """Started with stdout closed (``>&-``), Python has no sys.stdout at all: render-envoy
+    printed a traceback instead of its output going nowhere."""
+    done = subprocess.run([sys.executable, "-m", "extproc.cli", "render-envoy",
+                           str(EXAMPLE_CONFIG)], stdin=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=60,
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
 def test_hash_key_without_input_is_one_line_not_eoferror():
     line = one_line_error(kvgate("hash-key"))
     assert "no key given" in line
