@@ -47,6 +47,15 @@ from limiter.stores import LimiterStore, MemoryFairness
 Watch = Callable[[], AbstractContextManager[None]]
 """Entered while a request waits in the queue: cancels the wait if its client goes away."""
 
+Prepared = tuple[Tenants, Classifier]
+
+
+def prepare(config: Config) -> Prepared:
+    """What :meth:`Director.reconfigure` builds from a configuration alone: pure, so a
+    reload builds it in its worker thread (0.2 s for 10,000 tenants that would otherwise
+    hold the event loop at the swap)."""
+    return Tenants(config), Classifier(config)
+
 
 @dataclass(slots=True)
 class Admission:
@@ -147,13 +156,14 @@ class Director:
         self._holds: set[asyncio.Future[bool]] = set()
         self._refusing_waits = False  # set once the shutdown's grace has passed
 
-    def reconfigure(self, config: Config) -> None:
+    def reconfigure(self, config: Config, prepared: Prepared | None = None) -> None:
         """Apply a reloaded configuration's live sections (``extproc.reload.LIVE``: tenants,
         tiers, classification) in one step: no await, so each request sees the old or the
         new. Admitted and queued requests release under their tenant's current policy (a
-        removed tenant's last one, kept until :meth:`forget_retired`)."""
-        tenants = Tenants(config, previous=self.tenants)
-        classifier = Classifier(config)
+        removed tenant's last one, kept until :meth:`forget_retired`). ``prepared``: what
+        :func:`prepare` built from ``config`` off the event loop."""
+        tenants, classifier = prepared or prepare(config)
+        tenants.inherit(self.tenants)
         self.config, self.tenants, self.classifier = config, tenants, classifier
         self._reweigh()
 

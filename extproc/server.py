@@ -32,12 +32,12 @@ from extproc.datalayer.discovery import DnsDiscovery, StaticDiscovery
 from extproc.datalayer.endpoints import EndpointStore, StoreSnapshot
 from extproc.datalayer.nvml import open_gpu_reader
 from extproc.datalayer.scraper import GpuSource, Scraper
-from extproc.director import Director
+from extproc.director import Director, Prepared, prepare
 from extproc.duplex import DuplexStream
 from extproc.http_port import serve_http
 from extproc.logs import quiet_grpc_write_failures
 from extproc.metrics import Collected, Metrics
-from extproc.reload import ConfigFile, plan
+from extproc.reload import ConfigFile, Reload, plan
 from extproc.reports import ReportDesk
 from extproc.rls import SERVICE as RLS_SERVICE
 from extproc.rls import RateLimitService
@@ -520,7 +520,8 @@ class KvgateServer:
     async def _reload_locked(self, why: str) -> bool:
         if self.config_file is None:
             return self.reload(why)
-        loaded = await asyncio.to_thread(self._load_config_file)
+        # the config only changes here, under the lock: the plan against it holds at the swap
+        loaded = await asyncio.to_thread(self._load_config_file, self.config)
         return self._apply(why, loaded)
 
     def reload(self, why: str = "SIGHUP") -> bool:
@@ -529,28 +530,29 @@ class KvgateServer:
         if self.config_file is None:
             log.warning("config reload (%s) ignored: this server has no config file", why)
             return False
-        return self._apply(why, self._load_config_file())
+        return self._apply(why, self._load_config_file(self.config))
 
-    def _load_config_file(self) -> Config | ConfigError:
+    def _load_config_file(self, running: Config) -> tuple[Reload, Prepared] | ConfigError:
+        """Read, validate and plan the file against the ``running`` config, and build what
+        the swap needs from it: everything but the swap, so it can run in a thread."""
         assert self.config_file is not None
         try:
-            return self.config_file.load()
+            loaded = self.config_file.load()
+            # as this worker runs the file (its own ports): no "server changed" otherwise
+            change = plan(running, for_worker(loaded, self.worker), str(self.config_file.path))
         except ConfigError as error:
             return error
+        return change, prepare(change.config)
 
-    def _apply(self, why: str, loaded: Config | ConfigError) -> bool:
+    def _apply(self, why: str, loaded: tuple[Reload, Prepared] | ConfigError) -> bool:
         assert self.config_file is not None
         source = str(self.config_file.path)
-        try:
-            if isinstance(loaded, ConfigError):
-                raise loaded
-            # as this worker runs the file (its own ports): no "server changed" otherwise
-            change = plan(self.config, for_worker(loaded, self.worker), source)
-        except ConfigError as error:
+        if isinstance(loaded, ConfigError):
             self.metrics.reloads.labels("rejected").inc()
-            log.error("config reload (%s) rejected, the running config stays: %s", why, error)
+            log.error("config reload (%s) rejected, the running config stays: %s", why, loaded)
             return False
-        self.director.reconfigure(change.config)
+        change, prepared = loaded
+        self.director.reconfigure(change.config, prepared)
         self.config = change.config
         self.metrics.configure(*_label_names(change.config))
         self.metrics.reloads.labels("applied").inc()

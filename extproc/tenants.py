@@ -53,12 +53,19 @@ class Tenants:
         self._overflow = {t.name: config.overflow_for(t) for t in config.tenants}
         self._retired: set[str] = set()  # removed from the config, not forgotten yet
         if previous is not None:
-            for name, policy in previous._policies.items():
-                if name not in self._policies:
-                    self._policies[name] = policy
-                    self._weights[name] = previous._weights[name]
-                    self._overflow[name] = previous._overflow[name]
-                    self._retired.add(name)
+            self.inherit(previous)
+
+    def inherit(self, previous: Tenants) -> None:
+        """Keep, as retired, the tenants ``previous`` has that this configuration removed.
+        A reload builds the rest from its file in a worker thread (tens of thousands of
+        tenants take a fraction of a second) and only this part, at the swap, on the event
+        loop: ``previous`` is the live set, which requests change there."""
+        for name, policy in previous._policies.items():
+            if name not in self._policies:
+                self._policies[name] = policy
+                self._weights[name] = previous._weights[name]
+                self._overflow[name] = previous._overflow[name]
+                self._retired.add(name)
 
     @property
     def weights(self) -> dict[str, float]:

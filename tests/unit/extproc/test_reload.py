@@ -209,6 +209,31 @@ def test_a_reload_reads_the_file_off_the_event_loop(tmp_path: Path,
     assert server.config.tiers["gold"].limits.max_concurrency == 1
 
 
+def test_a_reload_plans_and_builds_the_tenants_off_the_event_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the swap runs on the loop: comparing the configs and building the tenants of a
+    file of 10,000 held it ~0.3 s, every tenant's admissions with it."""
+    import extproc.server as server_module
+
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    server = KvgateServer(parse_config(data()), config_path=path)
+    path.write_text(yaml.safe_dump(data(concurrency=1, tenants=("acme",))))
+    threads = []
+
+    def recorded(fn):
+        def wrapper(*args):
+            threads.append((fn.__name__, threading.current_thread() is threading.main_thread()))
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(server_module, "plan", recorded(server_module.plan))
+    monkeypatch.setattr(server_module, "prepare", recorded(server_module.prepare))
+    assert asyncio.run(server.reload_in_thread("SIGHUP"))
+    assert threads == [("plan", False), ("prepare", False)]
+    assert server.config.tiers["gold"].limits.max_concurrency == 1
+
+
 def test_a_burst_of_sighups_reloads_twice_not_once_each(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """50 SIGHUPs in a second each read, validated and swapped the whole file in turn: with
