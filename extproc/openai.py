@@ -43,6 +43,11 @@ engine sessions): from a client they could replace or extend the prompt kvgate m
 (vLLM prefills ``kv_transfer_params.prompt_token_ids`` instead of the messages; an SGLang
 session prepends its earlier context), or point an engine at another host for its KV, so
 they are refused."""
+TEMPLATE_FIELD = "chat_template"
+"""A chat template of the request's own (the body's, or one in ``chat_template_kwargs``),
+which vLLM (with ``--trust-request-chat-template``) and trtllm-serve render the prompt with:
+a loop in it makes a prompt of any length from a short body, while kvgate counts with the
+model's template. Refused, as the model's special tokens are."""
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
               "thinking": "thinking"}
 """Content part types that are text, and the field holding it; any other type is media. The
@@ -248,11 +253,14 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
 
 def _refuse_unmetered_prompts(path: str, body: dict[str, Any]) -> None:
     """Default-deny for what an engine would run in place of, or beside, the prompt kvgate
-    counts: prompt embeddings (their length shows in no text) and the serving fields."""
+    counts: prompt embeddings (their length shows in no text), the serving fields and a
+    chat template of the request's own."""
     for name in SERVING_FIELDS:
         if body.get(name) is not None:
             raise BadRequest(f"'{name}' is set by the serving system, not by clients",
                              code="unsupported_parameter", param=name)
+    if body.get(TEMPLATE_FIELD) is not None:
+        raise _own_template(TEMPLATE_FIELD)
     if path == COMPLETIONS and body.get("prompt_embeds") not in (None, []):
         raise BadRequest("this gateway cannot meter 'prompt_embeds': send the prompt as text "
                          "or token ids", code="unsupported_content", param="prompt_embeds")
@@ -261,11 +269,18 @@ def _refuse_unmetered_prompts(path: str, body: dict[str, Any]) -> None:
                          "chat 'messages'", code="unsupported_content", param="messages")
 
 
+def _own_template(param: str) -> BadRequest:
+    return BadRequest("this gateway counts prompts with the model's own chat template: a "
+                      "request may not bring its own", code="unsupported_parameter", param=param)
+
+
 def _check_template_kwargs(kwargs: Any) -> None:
     """The model's special tokens are the model's: a client's ``eos_token`` would change the
     prompt vLLM renders (a 100 KB one, printed after each message, made a 129 KB body a
     100 MB prompt) into one kvgate cannot count, and what it cannot meter does not pass."""
     if isinstance(kwargs, dict):
+        if kwargs.get(TEMPLATE_FIELD) is not None:  # the engine renders with it as well
+            raise _own_template(f"chat_template_kwargs.{TEMPLATE_FIELD}")
         for key in kwargs:
             if key in TEMPLATE_SPECIAL_TOKENS:
                 raise BadRequest(f"'chat_template_kwargs.{shown(str(key))}' may not be set: the "

@@ -395,6 +395,8 @@ def test_content_kvgate_cannot_meter_never_reaches_an_engine(stack):
     ("/v1/chat/completions", "kv_transfer_params", {"prompt_token_ids": [1] * 500},
      "unsupported_parameter"),
     ("/v1/chat/completions", "session_params", {"id": "s"}, "unsupported_parameter"),
+    ("/v1/chat/completions", "chat_template", "{% for i in range(99999) %}{{ messages }}"
+     "{% endfor %}", "unsupported_parameter"),
     ("/v1/completions", "prompt_embeds", ["AAAA"], "unsupported_content"),
 ])
 def test_a_prompt_an_engine_would_take_elsewhere_never_reaches_it(stack, path, field, value,

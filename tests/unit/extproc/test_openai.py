@@ -126,6 +126,9 @@ def test_completions_are_capped_by_max_tokens_alone():
     (CHAT, "session_params", {"id": "s", "offset": 0}, "unsupported_parameter"),
     (COMPLETIONS, "bootstrap_host", "10.0.0.9", "unsupported_parameter"),
     (CHAT, "disaggregated_params", {"request_type": "generation_only"}, "unsupported_parameter"),
+    # vLLM (--trust-request-chat-template) and trtllm-serve render with a request's template
+    (CHAT, "chat_template", "{% for i in range(99999) %}{{ messages[0].content }}{% endfor %}",
+     "unsupported_parameter"),
     (COMPLETIONS, "prompt_embeds", "AAAA", "unsupported_content"),
     (COMPLETIONS, "prompt_embeds", ["AAAA"], "unsupported_content"),
     (EMBEDDINGS, "messages", [{"role": "user", "content": "x" * 9999}], "unsupported_content"),
@@ -141,6 +144,17 @@ def test_what_an_engine_would_run_instead_of_the_counted_prompt_is_refused(
     refused = error({**body, field: value}, path)
     assert (refused.status, refused.code, refused.param) == (400, code, field)
     assert parse({**body, field: None}, path).prompt_texts == ["hi"]
+
+
+def test_a_template_in_chat_template_kwargs_is_refused():
+    """The engine renders with ``chat_template_kwargs.chat_template`` as with the body's own:
+    a template of the client's makes a prompt kvgate never counted."""
+    body = {"model": "m", "messages": [{"content": "hi"}], "max_tokens": 1}
+    loop = "{% for i in range(99999) %}{{ messages[0].content }}{% endfor %}"
+    refused = error({**body, "chat_template_kwargs": {"chat_template": loop}})
+    assert (refused.status, refused.code, refused.param) == (
+        400, "unsupported_parameter", "chat_template_kwargs.chat_template")
+    assert parse({**body, "chat_template_kwargs": {"chat_template": None}}).prompt_texts
 
 
 def test_a_completion_suffix_counts_in_every_prompt():
