@@ -9,7 +9,7 @@ answers are identical to the in-memory ones by construction, messages included.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -111,7 +111,8 @@ class Remaining:
     """Feeds ``x-ratelimit-*``: limit = capacity, remaining ≥ 0, reset = ms until full.
 
     The quota fields describe the *tighter* of the daily and monthly quotas (fewer tokens
-    left; on a tie the one resetting later, since the earlier reset alone frees nothing).
+    left; on a tie the one resetting later, since the earlier reset alone frees nothing);
+    on a quota refusal, the refusing quota that resets last (:func:`quota_reject`).
     """
 
     request_limit: int | None
@@ -237,8 +238,15 @@ def wait_reject(waits: Sequence[tuple[Reason, int]], remaining: Remaining) -> Re
 
 
 def quota_reject(failing: Sequence[QuotaView], tokens: int, remaining: Remaining) -> Reject:
-    """A spent quota: no retry-after (minutes of retrying cannot help), but the reset time."""
-    reset = max(q.reset_ms for q in failing)
+    """A spent quota: no retry-after (minutes of retrying cannot help), but the reset time.
+
+    Its ``-quota`` headers describe the refusing quota that resets last, not the one with
+    the fewest tokens left: when both refuse, the daily reset alone admits nothing, and a
+    client that waits for the reset it was shown must be admitted."""
+    binding = max(failing, key=lambda q: (q.reset_ms, -q.remaining))  # a tie: fewer left
+    reset = binding.reset_ms
+    remaining = replace(remaining, quota_limit=binding.limit,
+                        quota_remaining=binding.remaining, quota_reset_ms=reset)
     names = [f"{q.period.value} token quota ({q.used} of {q.limit} used)" for q in failing]
     message = (
         f"tenant over its {_listed(names)}; this request reserves {tokens} tokens; "

@@ -318,3 +318,20 @@ def test_window_reconfigure_does_not_resurrect_expired_entries() -> None:
     window.consume(2, 0)
     window.reconfigure(2, 10_000, 500)  # expired at 100 under the old window
     assert window.used(500) == 0
+
+
+def test_a_quota_refusal_reports_the_reset_that_admits_the_request() -> None:
+    """Both quotas refuse and the daily one has fewer tokens left: the ``-quota`` headers
+    named the daily reset (in 12 h), where the monthly quota still refused until the 1st of
+    the month; they describe the refusing quota that resets last."""
+    now = _ms(2026, 3, 6, 12)
+    limiter = TenantLimiter(TenantPolicy(daily_token_quota=1000, monthly_token_quota=5000), now)
+    limiter.restore_quotas([(Period.DAY, _ms(2026, 3, 6), 990),  # 10 left today
+                            (Period.MONTH, _ms(2026, 3, 1), 4950)])  # 50 this month
+    rejected = admit_rejected(limiter, Cost(60, 0), "big", now)
+    assert rejected.reset_ms == _ms(2026, 4, 1) - now
+    quota = rejected.remaining
+    assert (quota.quota_limit, quota.quota_remaining, quota.quota_reset_ms) == (
+        5000, 50, rejected.reset_ms)
+    assert isinstance(limiter.admit(Cost(60, 0), "big", _ms(2026, 3, 7)), Reject)  # daily reset
+    admit_ok(limiter, Cost(60, 0), "big", _ms(2026, 4, 1))
