@@ -546,19 +546,62 @@ class TenantLimiter:
     def _schedule(self, waits: list[tuple[Reason, int]], requests: int, tokens: int | None,
                   now_ms: int) -> list[tuple[Reason, int]]:
         """Exact waits → this client's slot in each refusing dimension's schedule, which
-        moves on by one (``limiter.herd``); a sliding window reads its slots from its log."""
-        scheduled = []
+        moves on by one (``limiter.herd``); a sliding window reads its slots from its log.
+
+        The token buckets are scheduled whether they refuse or not (:meth:`_bucket_slot`):
+        the client takes from each when it comes back, at the latest of its slots, so a herd
+        refused by the token rate alone and spaced by it came back faster than the request
+        rate allows (2 requests/s and 100,000 tokens/min, 500-token requests: 19 of 20
+        refused again after waiting their ``retry-after-ms``)."""
+        exact = dict(waits)
+        slots: dict[Reason, int] = {}
+        paced = [(reason, bucket, cost) for reason, bucket, cost in (
+            (Reason.REQUESTS, self._requests, requests),
+            (Reason.TOKENS, self._tokens if tokens is not None else None, tokens or 0),
+        ) if bucket is not None and (cost or reason in exact)]
+        for reason, bucket, cost in paced:
+            slots[reason] = self._bucket_slot(reason, bucket, cost, exact.get(reason, 0), now_ms)
         for reason, wait in waits:
+            if reason in slots:
+                continue
             promised = self._promised.get(reason)
             if reason is Reason.WINDOW and promised is not None and self._window is not None:
                 slot = self._window.herd_wait_ms(requests, now_ms, promised)
             else:
                 slot = herd_wait(now_ms, wait, promised,
                                  self._interval(reason, requests, tokens or 0))
-            slot = max(wait, min(slot, MAX_HERD_WAIT_MS))
+            slots[reason] = slot = max(wait, min(slot, MAX_HERD_WAIT_MS))
             self._promised[reason] = now_ms + slot
-            scheduled.append((reason, slot))
+        final = max(slots.values())
+        for reason, bucket, cost in paced:
+            self._promise_bucket(reason, bucket, cost, final, now_ms)
+        scheduled = [(reason, slots[reason]) for reason, _ in waits]
+        top = max(range(len(scheduled)), key=lambda i: scheduled[i][1])
+        scheduled[top] = (scheduled[top][0], final)  # a bucket that did not refuse may set it
         return scheduled
+
+    def _bucket_slot(self, reason: Reason, bucket: TokenBucket, cost: int, wait: int,
+                     now_ms: int) -> int:
+        """This client's slot in a token bucket's schedule (GCRA): its promise is when the
+        bucket would be full again once every client promised a slot has taken its cost, so
+        the client fits once that virtual bucket holds its cost — a bucket with room to
+        spare for the promised clients does not space them."""
+        promised = self._promised.get(reason)
+        if promised is None or promised <= now_ms + bucket.reset_ms(now_ms):
+            return wait  # nothing promised beyond the bucket's own state
+        rate = bucket.rate
+        spare = (bucket.capacity - cost) * rate.period_ms // rate.amount
+        return max(wait, min(promised - spare - now_ms, MAX_HERD_WAIT_MS))
+
+    def _promise_bucket(self, reason: Reason, bucket: TokenBucket, cost: int, final: int,
+                        now_ms: int) -> None:
+        """The bucket's virtual full time once this client takes ``cost`` at ``now + final``
+        (bounded: a client refused in a loop must not push it on forever)."""
+        rate = bucket.rate
+        full = now_ms + max(bucket.reset_ms(now_ms), final)
+        base = max(self._promised.get(reason, full), full)
+        bound = max(full, now_ms + MAX_HERD_WAIT_MS) + rate_interval(bucket.capacity, rate)
+        self._promised[reason] = min(base + rate_interval(cost, rate), bound)
 
     def _interval(self, reason: Reason, requests: int, tokens: int) -> int:
         """What one more such request needs of the dimension, in ms."""

@@ -482,23 +482,60 @@ local function herd_interval(H, reason, requests, tokens)
   return cdiv(completion(mean_ms(H)), math.max(MAX_CONC, 1))
 end
 
+-- TenantLimiter._bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is
+-- when it would be full again once every promised client took its cost)
+local function herd_bucket_slot(H, reason, b, cost, exact, t)
+  local promised = H.tat[reason]
+  if not promised or promised <= t + tb_reset(b, t) then return exact end
+  local spare = fdiv((b.c - cost) * b.p, b.a)
+  return math.max(exact, math.min(promised - spare - t, MAX_HERD_WAIT))
+end
+
+-- TenantLimiter._promise_bucket
+local function herd_promise_bucket(H, reason, b, cost, final, t)
+  local full = t + math.max(tb_reset(b, t), final)
+  local base = math.max(H.tat[reason] or full, full)
+  local bound = math.max(full, t + MAX_HERD_WAIT) + cdiv(b.c * b.p, b.a)
+  H.tat[reason] = math.min(base + cdiv(cost * b.p, b.a), bound)
+end
+
 -- waits: the flat {reason, exact wait, ...} list; each wait becomes this client's slot
--- (a sliding window reads its slots from its log: ``win``)
-local function herd_schedule(waits, requests, tokens, t, win)
-  local H = herd()
-  for i = 1, #waits, 2 do
-    local reason, exact = waits[i], waits[i + 1]
-    local tat, wait = H.tat[reason], waits[i + 1]
-    local slot = tat and reason == 'requests_window' and win and win_herd_wait(win, requests, tat)
-    if slot then
-      wait = slot
-    elseif tat then
-      wait = math.max(wait, tat + herd_interval(H, reason, requests, tokens) - t)
+-- (a sliding window reads its slots from its log: ``win``; the token buckets are scheduled
+-- whether they refuse or not: TenantLimiter._schedule). tokens nil: the headers-phase check
+local function herd_schedule(waits, requests, tokens, t, st)
+  local H, win = herd(), st.win
+  local exact, slots, paced = {}, {}, {}
+  for i = 1, #waits, 2 do exact[waits[i]] = waits[i + 1] end
+  local buckets = {{'requests', st.req, requests}, {'tokens', tokens and st.tok, tokens or 0}}
+  for _, p in ipairs(buckets) do
+    if p[2] and (p[3] > 0 or exact[p[1]]) then
+      table.insert(paced, p)
+      slots[p[1]] = herd_bucket_slot(H, p[1], p[2], p[3], exact[p[1]] or 0, t)
     end
-    wait = math.max(exact, math.min(wait, MAX_HERD_WAIT))  -- herd.MAX_HERD_WAIT_MS
-    H.tat[reason] = t + wait
-    waits[i + 1] = wait
   end
+  for i = 1, #waits, 2 do
+    local reason, wait = waits[i], waits[i + 1]
+    if not slots[reason] then
+      local tat = H.tat[reason]
+      local slot = tat and reason == 'requests_window' and win and win_herd_wait(win, requests, tat)
+      if slot then
+        wait = slot
+      elseif tat then
+        wait = math.max(wait, tat + herd_interval(H, reason, requests, tokens or 0) - t)
+      end
+      wait = math.max(exact[reason], math.min(wait, MAX_HERD_WAIT))  -- herd.MAX_HERD_WAIT_MS
+      H.tat[reason] = t + wait
+      slots[reason] = wait
+    end
+  end
+  local final, top = 0, nil
+  for _, slot in pairs(slots) do final = math.max(final, slot) end
+  for _, p in ipairs(paced) do herd_promise_bucket(H, p[1], p[2], p[3], final, t) end
+  for i = 1, #waits, 2 do
+    waits[i + 1] = slots[waits[i]]
+    if not top or waits[i + 1] > waits[top + 1] then top = i end
+  end
+  waits[top + 1] = final  -- a bucket that did not refuse may set it
   herd_save(H, t)
 end
 
@@ -725,7 +762,7 @@ end
 concurrency_wait(st, waits, NOW)
 shaping_wait(st, requests, NOW, waits)
 if #waits > 0 then
-  herd_schedule(waits, requests, tokens, NOW, st.win)
+  herd_schedule(waits, requests, tokens, NOW, st)
   return finish(st, NOW, 'wait', waits)
 end
 
@@ -865,7 +902,7 @@ request_waits(st, 1, NOW, waits)
 concurrency_wait(st, waits, NOW)
 shaping_wait(st, 1, NOW, waits)
 if #waits > 0 then
-  herd_schedule(waits, 1, 0, NOW, st.win)
+  herd_schedule(waits, 1, nil, NOW, st)
   return finish(st, NOW, 'wait', waits)
 end
 return finish(st, NOW, 'ok', {})

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 
 import pytest
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -685,3 +685,37 @@ async def test_a_window_herd_is_admitted_on_its_first_retry_on_both_stores(
     for k, wait in enumerate(waits):
         clock.now = refused_at + wait
         assert isinstance(await admit(f"retry{k}"), Admit), (k, waits)
+
+
+@PARITY
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(1, 5), st.integers(2, 12),
+       st.lists(st.integers(1, 1000), min_size=2, max_size=12), starts)
+async def test_a_herd_over_requests_and_tokens_is_admitted_on_its_first_retry_on_both_stores(
+    client: aioredis.Redis, burst: int, per_request_ms: int, token_ms: int, clients: int,
+    costs: list[int], start: int,
+) -> None:
+    """A request rate and a token rate, whichever refuses: memory and Redis promise the same
+    slots, and each client that comes back at its slot is admitted (a bucket that did not
+    refuse it is scheduled too)."""
+    await client.flushdb()
+    clock = FakeClock(start)
+    policy = TenantPolicy(request_rate=Rate(1, per_request_ms * 100), request_burst=burst,
+                          token_rate=Rate(1, token_ms), token_burst=1000)
+    stores: list[LimiterStore] = [MemoryStore(clock), RedisStore(client, clock=clock)]
+
+    async def admit(cost: Cost, lease: str) -> Admit | Reject:
+        memory, shared = [await s.admit("acme", policy, cost, lease) for s in stores]
+        assert memory == shared, (lease, clock.now - start)
+        return memory
+
+    assert isinstance(await admit(Cost(1000, 0), "drain"), Admit)
+    herd = [Cost(costs[k % len(costs)], 0) for k in range(clients)]
+    waits = []
+    for k, cost in enumerate(herd):
+        refused = await admit(cost, f"r{k}")
+        assert isinstance(refused, Reject) and refused.retry_after_ms is not None
+        waits.append(refused.retry_after_ms)
+    assume(max(waits) < 60_000)  # past a minute, refused clients share the schedule's end
+    for k in sorted(range(clients), key=lambda k: waits[k]):
+        clock.now = start + waits[k]
+        assert isinstance(await admit(herd[k], f"retry{k}"), Admit), (k, waits)

@@ -334,7 +334,9 @@ async def test_a_forgotten_tenant_keeps_its_limits_until_they_are_back_to_a_new_
     refused = await store.admit("acme", FORGET, Cost(1, 0), "c")
     assert isinstance(refused, Reject) and refused.reason is Reason.REQUESTS
     assert store.forget(["acme"]) == ["acme"]
-    clock.now = 2000  # back to full: dropped, and its quota count is all that is kept
+    # back to full (the client refused at 500 ms takes a request at its slot, 1 s: full
+    # again at 3 s): dropped, and its quota count is all that is kept
+    clock.now = 3000
     assert store.forget([]) == []
     assert "acme" not in store._tenants and list(store._quotas_left) == ["acme"]
     admitted = await store.admit("acme", FORGET, Cost(300, 0), "d")

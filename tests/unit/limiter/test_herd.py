@@ -186,3 +186,28 @@ def test_a_herd_is_scheduled_a_minute_ahead_at_most() -> None:
     waits = _refuse_all(limiter, 200, 0, Cost(1, 1))
     assert waits[:60] == [1000 * (k + 1) for k in range(60)]
     assert max(waits) == 60_000
+
+
+def test_a_herd_refused_by_the_token_rate_is_also_spaced_by_the_request_rate() -> None:
+    """Requests per second and tokens per minute (OpenAI's pair): a herd refused by the
+    token rate alone was spaced by its refill (300 ms for 500 tokens at 100,000 a minute)
+    and came back faster than 2 requests/s allow: 19 of 20 refused again after waiting
+    their ``retry-after-ms``. Each client comes back when both buckets hold it."""
+    policy = TenantPolicy(request_rate=Rate(2, 1000), request_burst=2,
+                          token_rate=Rate.per_minute(100_000), token_burst=100_000)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(99_800, 0), "big", 0), Admit)  # a request left
+    waits = _refuse_all(limiter, 20, 0, Cost(300, 200))
+    assert waits == sorted(waits) and len(set(waits)) == len(waits)
+    for k, wait in enumerate(waits):
+        assert isinstance(limiter.admit(Cost(300, 200), f"retry{k}", wait), Admit), k
+    assert waits[-1] <= 500 * 20  # not later than the request rate needs
+
+
+def test_a_bucket_with_room_to_spare_does_not_space_a_herd() -> None:
+    """The request bucket holds the whole herd: only the token rate spaces it."""
+    policy = TenantPolicy(request_rate=Rate(1, 1000), request_burst=100,
+                          token_rate=Rate(1, 1), token_burst=1000)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(1000, 0), "big", 0), Admit)
+    assert _refuse_all(limiter, 5, 0, Cost(100, 0)) == [100, 200, 300, 400, 500]
