@@ -49,9 +49,10 @@ TIMEOUT_MARGIN_S = 1.0
 
 class _Strict(BaseModel):
     """Unknown keys are errors: a typo in a limit must not silently mean 'unlimited'. A key
-    an earlier release had says what became of it (``REMOVED``). Numbers are finite: YAML's
-    ``.inf`` passed every ``gt``/``ge`` bound and then failed `kvgate serve` (a traceback
-    building the rate) or `kvgate render-envoy`."""
+    an earlier release had is one too, and says what became of it (``REMOVED``, read by
+    config_check: an error of its own, so the section's other keys are still checked).
+    Numbers are finite: YAML's ``.inf`` passed every ``gt``/``ge`` bound and then failed
+    `kvgate serve` (a traceback building the rate) or `kvgate render-envoy`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     REMOVED: ClassVar[dict[str, str]] = {}
@@ -66,14 +67,6 @@ class _Strict(BaseModel):
             raise ValueError(f"{str(value).lower()} is a boolean (YAML reads yes, no, on and "
                              "off as booleans); give a number")
         return value
-
-    @model_validator(mode="before")
-    @classmethod
-    def _removed(cls, data: Any) -> Any:
-        gone = [key for key in cls.REMOVED if isinstance(data, dict) and key in data]
-        if gone:
-            raise ValueError("; ".join(f"{key}: removed, {cls.REMOVED[key]}" for key in gone))
-        return data
 
 
 @functools.cache

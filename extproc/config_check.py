@@ -137,6 +137,9 @@ def _unknown_key(loc: tuple[Any, ...], root: type[BaseModel]) -> str:
     model = _model_at(loc[:-1], root)
     if model is None:
         return f"unknown key {key!r}"
+    removed = getattr(model, "REMOVED", {})
+    if key in removed:
+        return f"removed, {removed[key]}"
     known = sorted(model.model_fields)
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if close:

@@ -142,9 +142,9 @@ def test_keys_of_the_removed_dynamic_order_say_what_became_of_them():
     data["queue"] = {"order": "dynamic", "beta": 1.0}
     data["classes"] = {"interactive": {"priority": 0, "sla_ms": 2000}}
     found = problems(data)
-    assert any(p.startswith("queue: order: removed, the hierarchical fair order") for p in found)
-    assert any("beta: removed" in p for p in found)
-    assert any(p.startswith("classes.interactive: sla_ms: removed") for p in found)
+    assert any(p.startswith("queue.order: removed, the hierarchical fair order") for p in found)
+    assert any(p.startswith("queue.beta: removed") for p in found)
+    assert any(p.startswith("classes.interactive.sla_ms: removed") for p in found)
 
 
 def test_shaping_defaults_overrides_and_the_message_timeout():
@@ -333,8 +333,20 @@ def test_kv_settings_on_a_pool_that_is_not_kv_aware_are_problems():
 
 def test_removed_server_keys_say_what_became_of_them():
     assert problems({**GOOD, "server": {"max_stream_seconds": 60}}) == [
-        "server: max_stream_seconds: removed, it did nothing (kvgate never extends a "
+        "server.max_stream_seconds: removed, it did nothing (kvgate never extends a "
         "message's timeout: every wait it holds stays under envoy.message_timeout_s)"]
+
+
+def test_a_removed_key_hides_nothing_else_in_its_section():
+    """The removed key was refused before its section was validated, so a typo or a bad
+    value beside it surfaced only once it was deleted: one deploy cycle per layer."""
+    found = problems({**GOOD, "server": {"max_stream_seconds": 60, "grpc_prot": 9001,
+                                         "admin_port": -1}})
+    assert "server.grpc_prot: unknown key 'grpc_prot': did you mean 'grpc_port'?" in found
+    assert any(p.startswith("server.max_stream_seconds: removed, it did nothing")
+               for p in found)
+    assert any(p.startswith("server.admin_port: ") for p in found), found
+    assert len(found) == 3, found
 
 
 def test_a_class_deadline_ends_a_margin_before_envoys_message_timeout():
