@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+import typing
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from extproc.cli import main
-from extproc.config import EXAMPLE_CONFIG, ConfigError, hash_api_key, load_config, parse_config
+from extproc.config import (
+    EXAMPLE_CONFIG,
+    Config,
+    ConfigError,
+    hash_api_key,
+    load_config,
+    parse_config,
+)
+from tests.paths import REPO
 
 GOOD = {
     "tiers": {"gold": {"weight": 3, "limits": {"requests_per_second": 2}}},
@@ -507,3 +518,27 @@ def test_every_duration_is_at_most_ten_years():
         "scrape.timeout_s", "scrape.staleness_s", "queue.aging_s", "agent.interval_s",
         "tiers.gold.limits.sliding_window.window_ms", "classes.interactive.deadline_s",
         "classes.interactive.aging_s", "pools[0].prefill_clear_hold_s"]
+
+
+def _config_keys(model: type[BaseModel], seen: set[type[BaseModel]]) -> typing.Iterator[str]:
+    if model in seen:
+        return
+    seen.add(model)
+    for name, field in model.model_fields.items():
+        yield name
+        hints = [field.annotation]
+        while hints:
+            hint = hints.pop()
+            if isinstance(hint, type) and issubclass(hint, BaseModel):
+                yield from _config_keys(hint, seen)
+            else:
+                hints.extend(typing.get_args(hint))
+
+
+def test_the_readme_names_every_config_key():
+    """Every key the config takes is in the README, in backticks or as a YAML key: a key
+    only extproc/config.py knows is one no operator will set."""
+    readme = (REPO / "README.md").read_text()
+    missing = sorted(key for key in set(_config_keys(Config, set())) if not re.search(
+        rf"`[^`\n]*\b{key}\b[^`\n]*`|^[ -]*{key}:|[{{,] *{key}\??[,}}:]", readme, re.M))
+    assert not missing, f"not in the README: {missing}"
