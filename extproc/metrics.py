@@ -311,7 +311,8 @@ class Metrics:
         self.queue_breaker = Gauge(
             "kvgate_queue_breaker_open",
             "1 while a pool's fair order is decided by this process's own counters because "
-            "Redis does not answer (its breaker open or half-open); 0 when Redis orders it.",
+            "Redis does not answer (its breaker open or half-open, and asked by the queue "
+            "within 10 s); 0 when Redis orders it or nothing has queued for 10 s.",
             ["pool"],
             registry=self.registry,
         )

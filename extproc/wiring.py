@@ -102,13 +102,13 @@ def build_fairness(config: Config, pool: str, metrics: Metrics) -> Fairness:
     shared = RedisFairness(redis_client(config.redis), pool=pool, prefix=config.redis.prefix,
                            lag_tokens=lag)
     breaker = CircuitBreaker(config.redis.breaker_failures, config.redis.breaker_open_ms)
-    state = metrics.queue_breaker.labels(pool)
-    state.set(0)
-    return FailoverFairness(
+    fairness = FailoverFairness(
         shared, config.redis.timeout_ms / 1000, lag_tokens=lag, breaker=breaker,
-        on_transition=lambda transition: state.set(int(transition.new != "closed")),
         on_fallback=metrics.queue_fallbacks.labels(pool).inc,
     )
+    # read at each scrape: an open breaker nothing has asked lately orders nothing
+    metrics.queue_breaker.labels(pool).set_function(fairness.ordering_locally)
+    return fairness
 
 
 def build_director(

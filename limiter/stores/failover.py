@@ -799,11 +799,23 @@ class FailoverFairness:
         self.on_transition = on_transition
         self.on_fallback = on_fallback
         self._undos: set[asyncio.Task[None]] = set()
+        self._asked_ms: int | None = None  # when a call last asked the breaker
+
+    def ordering_locally(self) -> bool:
+        """``kvgate_queue_breaker_open``, read at each scrape: the breaker is open or
+        half-open and a queue call asked it within ``BREAKER_IDLE_MS``. Only a call moves
+        the breaker, and a pool queues only while saturated: counted by its state alone, an
+        outage during one burst kept the gauge at 1 (and KvgateFairOrderLocal firing) with
+        Redis back and nothing queued, until the pool saturated again."""
+        asked = self._asked_ms
+        return (self.breaker.state != "closed" and asked is not None
+                and self.clock_ms() - asked <= BREAKER_IDLE_MS)
 
     async def _try(self, call: Callable[[], Awaitable[Any]]) -> tuple[bool, Any, bool]:
         """(answered, result, asked): ``asked`` is False when the breaker skipped the call
         (it never reached Redis)."""
-        allowed, transition = self.breaker.allow(self.clock_ms())
+        self._asked_ms = now_ms = self.clock_ms()
+        allowed, transition = self.breaker.allow(now_ms)
         self._changed(transition)
         if not allowed:
             return False, None, False

@@ -9,9 +9,15 @@ import re
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.config import hash_api_key, parse_config
 from extproc.datalayer.endpoints import EndpointState
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.metrics import NONE, OTHER, Collected, Metrics, metric_names
+from extproc.ports import free_port
+from extproc.wiring import build_fairness
+from limiter.fairqueue import Offer, QueuedRequest
+from limiter.stores.base import StoreUnavailable
+from limiter.stores.failover import BREAKER_IDLE_MS, FailoverFairness
 from tests.paths import REPO
 
 ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
@@ -162,3 +168,52 @@ def test_collected_families_format_as_the_registry_does() -> None:
     metrics = Metrics()
     metrics.ratelimit.add(("d", "ok"), 3)
     assert generate_latest(Collected(metrics.registry)) == generate_latest(metrics.registry)
+
+
+class _DownFairness:
+    """Redis's fair-queue counters while Redis is down: every call fails at once."""
+
+    async def choose(self, *_args: object) -> None:
+        raise StoreUnavailable("redis fairness choose failed: connection refused")
+
+    async def undo(self, *_args: object) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_the_fair_queue_breaker_gauge_goes_back_to_0_once_nothing_is_ordered() -> None:
+    """``kvgate_queue_breaker_open{pool}`` says the pool's fair order is this process's own.
+    Only a queue call moves the breaker, and a pool queues only while saturated: an outage
+    during one burst left the gauge at 1 (and KvgateFairOrderLocal firing) while Redis was
+    back and nothing queued, until the pool next saturated. It counts a breaker a queue
+    call asked within ``BREAKER_IDLE_MS``."""
+    config = parse_config({
+        "redis": {"url": f"redis://127.0.0.1:{free_port()}", "breaker_failures": 2,
+                  "breaker_open_ms": 60_000},
+        "tiers": {"t": {}},
+        "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
+        "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
+    })
+    metrics = Metrics()
+    fair = build_fairness(config, "one", metrics)
+    assert isinstance(fair, FailoverFairness)
+    now = [1_000_000]
+    fair.shared, fair.clock_ms = _DownFairness(), lambda: now[0]  # type: ignore[assignment]
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("kvgate_queue_breaker_open", {"pool": "one"})
+
+    assert gauge() == 0
+    two = [Offer(QueuedRequest(t, t, 1, 10, 1.0, 0, 10**12), 1, True) for t in "AB"]
+    for _ in range(3):  # two fail in Redis, then the breaker skips it: the order is local
+        assert await fair.choose(two) is not None
+    assert gauge() == 1
+    now[0] += BREAKER_IDLE_MS  # still ordering (a choice may be seconds apart)
+    assert gauge() == 1
+    now[0] += 1  # the queue emptied: nothing has asked for 10 s, nothing is ordered
+    assert gauge() == 0
+    assert await fair.choose(two) is not None  # saturated again, Redis still down
+    assert gauge() == 1
+    await fair.close()
