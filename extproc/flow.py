@@ -102,7 +102,7 @@ class FlowController:
             return await waiter.future
         except asyncio.CancelledError:
             if self.queue.remove(item.id) is not None:
-                self.metrics.queue_events.labels(self.pool, "cancelled").inc()
+                self._counted(item, waiter, "cancelled")  # the waits clients gave up on too
                 self._gauge()
             self.scheduler.release(waiter.lease_id, self.clock(), completed=False)
             raise
@@ -225,6 +225,10 @@ class FlowController:
         waiter: Waiter = item.payload  # type: ignore[assignment]
         if not waiter.future.done():
             waiter.future.set_result(outcome)
+        self._counted(item, waiter, event)
+
+    def _counted(self, item: QueuedRequest, waiter: Waiter, event: str) -> None:
+        """A request left the queue: its outcome, and its wait whatever the outcome."""
         self.metrics.queue_events.labels(self.pool, event).inc()
         waited = (self.clock_ms() - item.enqueued_ms) / 1000
         self.metrics.queue_wait.labels(self.pool, waiter.request_class).observe(waited)

@@ -152,6 +152,23 @@ async def test_client_disconnect_while_queued_leaves_nothing(harness):
     assert await harness.nothing_held() and not harness.director.leases.open
 
 
+async def test_a_wait_its_client_ended_is_counted_in_the_queue_wait_histogram(harness):
+    """``kvgate_queue_wait_seconds`` is the time spent queued whatever the outcome: the waits
+    clients gave up on (the longest, often) were left out, so it read only the others."""
+    await harness.start(usage=0.99)
+    task = harness.admit(klass="batch")
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    registry = harness.flow.metrics.registry
+    labels = {"pool": "p", "class": "batch"}
+    assert registry.get_sample_value("kvgate_queue_events_total",
+                                     {"pool": "p", "event": "cancelled"}) == 1
+    assert registry.get_sample_value("kvgate_queue_wait_seconds_count", labels) == 1
+    assert 0.09 <= registry.get_sample_value("kvgate_queue_wait_seconds_sum", labels) < 1
+
+
 async def test_a_request_refused_at_its_deadline_stops_being_renewed():
     h = Harness(config(deadline_s=0.2))
     await h.start(usage=0.99)
