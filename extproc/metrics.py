@@ -266,9 +266,9 @@ class Metrics:
         )
         self.store_state = Gauge(
             "kvgate_store_breaker_open",
-            "Shared-store circuit breakers open or half-open: one per Redis Cluster node "
-            "(a single Redis has one), whose tenants' admissions follow "
-            "redis.failure_policy; 0 when all are closed.",
+            "Shared-store circuit breakers open or half-open and asked by a request within "
+            "10 s: one per Redis Cluster node (a single Redis has one), whose tenants' "
+            "admissions follow redis.failure_policy; 0 when all are closed or idle.",
             registry=self.registry,
         )
         self.store_transitions = Counter(

@@ -215,6 +215,7 @@ class FailoverStore:
         an admission would cost), so that every refused client gets its own retry slot
         (``limiter.herd``), across replicas. Without an answer, the last refusal stands."""
         if self._breaker(tenant).state != "closed" and self.policy is FailurePolicy.LOCAL:
+            self._used_ms[self.primary.domain(tenant)] = self.clock_ms()  # (breakers_open)
             return await self.local.check_requests(tenant, self._local(policy))
         blocked = self._blocked.get(tenant)
         if blocked is None:
@@ -733,16 +734,20 @@ class FailoverStore:
         return breaker
 
     def breakers_open(self) -> int:
-        """Failure domains whose breaker is open or half-open (``kvgate_store_breaker_open``,
-        read at each scrape). A node no call has asked for ``BREAKER_IDLE_MS`` is forgotten:
-        after a failover its tenants' slots moved to another node, and its breaker, open
-        when it went, would stay open with nothing left to probe it."""
+        """Failure domains whose breaker is open or half-open and that a call asked within
+        ``BREAKER_IDLE_MS`` (``kvgate_store_breaker_open``, read at each scrape). A node no
+        call has asked for that long is forgotten: after a failover its tenants' slots
+        moved to another node, and its breaker, open when it went, would stay open with
+        nothing left to probe it. A single Redis's breaker is kept but not counted: only a
+        call moves it, and on a replica that got no request after Redis came back it
+        stayed open, the failure policy deciding nothing."""
         now = self.clock_ms()
         for domain in [d for d, at in self._used_ms.items()
                        if d and now - at > BREAKER_IDLE_MS]:
             del self._used_ms[domain]
             self._breakers.pop(domain, None)
-        return sum(b.state != "closed" for b in self._breakers.values())
+        return sum(b.state != "closed" and now - self._used_ms.get(d, now) <= BREAKER_IDLE_MS
+                   for d, b in self._breakers.items())
 
     def _report(self, domain: str, transition: Transition | None,
                 error: BaseException | None = None) -> None:

@@ -14,10 +14,12 @@ from extproc.datalayer.endpoints import EndpointState
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.metrics import NONE, OTHER, Collected, Metrics, metric_names
 from extproc.ports import free_port
-from extproc.wiring import build_fairness
+from extproc.wiring import build_fairness, build_store
+from limiter import Admit, Cost
+from limiter.decision import TenantPolicy
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.stores.base import StoreUnavailable
-from limiter.stores.failover import BREAKER_IDLE_MS, FailoverFairness
+from limiter.stores.failover import BREAKER_IDLE_MS, FailoverFairness, FailoverStore
 from tests.paths import REPO
 
 ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
@@ -217,3 +219,40 @@ async def test_the_fair_queue_breaker_gauge_goes_back_to_0_once_nothing_is_order
     assert await fair.choose(two) is not None  # saturated again, Redis still down
     assert gauge() == 1
     await fair.close()
+
+
+async def test_the_store_breaker_gauge_counts_only_a_breaker_admissions_still_ask() -> None:
+    """``kvgate_store_breaker_open`` counts the Redis nodes whose tenants the failure policy
+    decides. Only a call moves a breaker: a single Redis's stayed open (and
+    KvgateRedisBypassed firing) on a replica that got no request after Redis came back,
+    however long. Like a cluster node's, it counts while a call asked it within
+    ``BREAKER_IDLE_MS``."""
+    config = parse_config({
+        "redis": {"url": f"redis://127.0.0.1:{free_port()}", "breaker_failures": 2,
+                  "breaker_open_ms": 60_000, "failure_policy": "local"},
+        "tiers": {"t": {}},
+        "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
+        "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
+    })
+    metrics = Metrics()
+    store = build_store(config, metrics)
+    assert isinstance(store, FailoverStore)
+    now = [1_000_000]
+    store.clock_ms = lambda: now[0]  # type: ignore[method-assign]
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("kvgate_store_breaker_open")
+
+    assert gauge() == 0
+    for n in range(3):  # two fail in Redis (refused), then the breaker skips it
+        admit = await store.admit("A", TenantPolicy(), Cost(10, 10), f"lease-{n}")
+        assert isinstance(admit, Admit)  # by failure_policy local
+        await store.release("A", TenantPolicy(), f"lease-{n}", 15)
+    assert gauge() == 1
+    now[0] += BREAKER_IDLE_MS
+    assert gauge() == 1
+    now[0] += 1  # no request since: nothing is decided by the failure policy
+    assert gauge() == 0
+    assert await store.check_requests("A", TenantPolicy()) is None  # a request again
+    assert gauge() == 1
+    await store.close()
