@@ -4,11 +4,13 @@ README naming every series kvgate exports (extproc/metrics.py is the one list)."
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc import rls
 from extproc.config import hash_api_key, parse_config
 from extproc.datalayer.endpoints import EndpointState
 from extproc.datalayer.metrics import EngineMetrics
@@ -162,6 +164,32 @@ def test_the_readme_lists_every_metric() -> None:
     assert exported <= listed, f"not in the README: {sorted(exported - listed)}"
     assert listed <= exported | {"kvgate_decisions_total", "kvgate_tokens_total"}, (
         f"in the README, not exported: {sorted(listed - exported)}")
+
+
+def _readme_row(metric: str) -> str:
+    section = (REPO / "README.md").read_text().split("\n## Metrics", 1)[1]
+    (row,) = [line for line in section.splitlines() if line.startswith(f"| `{metric}`")]
+    return row
+
+
+def test_the_readme_names_the_label_values_kvgate_exports() -> None:
+    """A query written from the Metrics table must match what kvgate exports: the table
+    said ``OK`` / ``OVER_LIMIT`` for the Rate Limit Service's codes (exported lower case,
+    with four more), and ``client_gone`` for a stream error that is never counted there (a
+    client leaving while queued is ``kvgate_requests_total{decision="cancelled"}``; only
+    a stream holding an admission, or failing in kvgate, counts as a stream error)."""
+    rls_source = (REPO / "extproc" / "rls.py").read_text()
+    codes = set(re.findall(r'"(\w+)"', inspect.getsource(rls._code))) | {"error"}
+    assert '(label, "error")' in rls_source
+    named = set(re.findall(r"`(\w+)`", _readme_row("kvgate_ratelimit_descriptors_total")))
+    assert codes <= named and not {"OK", "OVER_LIMIT"} & named, named
+    sources = "".join(p.read_text() for p in (REPO / "extproc").glob("*.py"))
+    counted = set(re.findall(r'stream_errors\.add\(\("(\w+)"', sources))
+    ended = set(re.findall(r'ending(?:: str \| None)? = "(\w+)"', sources))
+    ended -= {"client_gone"}  # (set when the stream holds no admission: not counted)
+    ended |= set(re.findall(r'self\._release\(stream, "(\w+)"\)', sources))
+    listed = set(re.findall(r"`(\w+)`", _readme_row("kvgate_extproc_stream_errors_total")))
+    assert listed - {"reason", "kvgate_extproc_stream_errors_total"} == counted | ended, listed
 
 
 def test_collected_families_format_as_the_registry_does() -> None:
