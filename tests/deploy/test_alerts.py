@@ -14,6 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.datalayer.endpoints import EndpointState
 from extproc.metrics import Metrics
 from limiter import QUEUEABLE, Reason, refuse
 from tests.deploy.manifests import DEPLOY, named, render
@@ -99,3 +100,19 @@ def test_missed_deadlines_name_every_answer_a_queued_request_gets() -> None:
     for reason in QUEUEABLE:
         status = refuse(reason, "", None).status
         assert f"{status} {reason.value}" in description, (reason, description)
+
+
+def test_stale_scrapes_alert_on_an_endpoint_never_scraped() -> None:
+    """An endpoint kvgate has never scraped (down since kvgate started, a wrong address)
+    exports kvgate_endpoint_healthy 0 and no kvgate_endpoint_scrape_age_seconds at all
+    (extproc/metrics.py's EndpointCollector): an alert on the age alone never fires for it,
+    and no other alert does while the pool has another healthy endpoint."""
+    metrics = Metrics()
+    metrics.watch_endpoints(lambda: [EndpointState("10.0.0.9:8000", "p")], {})
+    text = generate_latest(metrics.registry).decode()
+    exported_now = {s.name for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.labels.get("endpoint") == "10.0.0.9:8000"}
+    assert "kvgate_endpoint_scrape_age_seconds" not in exported_now
+    assert "kvgate_endpoint_healthy" in exported_now
+    expr = " ".join(alert("KvgateEndpointScrapesStale")["expr"].split())
+    assert "kvgate_endpoint_healthy) == 0" in expr, expr
