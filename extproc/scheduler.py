@@ -267,10 +267,13 @@ class PoolScheduler:
         if not self.config.kv_aware:
             return self._least_in_flight(snapshot, now, tokens, rng, band)
         view = self._view(snapshot)
-        if view.largest is not None and tokens > view.largest:
+        if view.largest is not None and (tokens > view.largest or not self._fits_empty(
+                view, tokens, prompt_tokens, band)):
             return refuse(Reason.KV_TOO_LARGE,
                           f"the request needs {tokens} tokens of KV cache; the largest endpoint "
-                          f"of pool '{self.config.name}' holds {view.largest}", None)
+                          f"of pool '{self.config.name}' holds {view.largest}, and an empty one "
+                          "takes a request only with a KV block to spare and within its "
+                          "critical watermark", None)
         usable = [e for e in view.endpoints if now <= e.fresh_until]
         if not usable:
             self._held("stale_metrics", max(1, len(view.endpoints)))
@@ -304,6 +307,35 @@ class PoolScheduler:
         return Placement([c.state.address for c in self._ranked(eligible, now if progress
                                                                  else None, rng)]
                          [: 1 + FALLBACKS])
+
+    def _fits_empty(self, view: _PoolView, tokens: int, prompt: int | None, band: int) -> bool:
+        """Whether a request could be placed on some endpoint of the pool were it empty (as
+        :meth:`_candidate` judges it: no usage, nothing in flight; the busy zone up to the
+        critical watermark counts). One that could not never leaves the queue, and a tenant
+        whose head fits nowhere holds every other tenant back once they are a lag ahead: a
+        request of exactly the largest endpoint's capacity (one block over, counting the block
+        each request may hold beyond its tokens) froze the whole pool, interactive work
+        included, until its class deadline. Only a request over half the largest endpoint is
+        looked at (a block is far smaller than that)."""
+        if 2 * tokens <= (view.largest or 0):
+            return True
+        priority_exempt = not band and self.config.priority_scheduling
+        for scraped in view.endpoints:
+            capacity = scraped.state.kv_capacity_tokens
+            if not capacity:
+                continue
+            block = int(_metric(scraped.state, "kv_block_tokens"))
+            whole = tokens / capacity
+            after = whole
+            if prompt is not None and prompt < tokens:
+                after = in_blocks(prompt, block) / capacity
+            if tokens + block > capacity:  # its own future peak, alone on the endpoint
+                after = max(after, (tokens + block) / capacity)
+            if priority_exempt:
+                after = min(after, whole)
+            if after <= self.config.watermarks.critical:
+                return True
+        return False
 
     def place_light(self, snapshot: StoreSnapshot, now: float, rng: random.Random) -> Placement:
         """For requests that take no KV (``GET /v1/models``, …): any live endpoint, the

@@ -135,6 +135,28 @@ def test_larger_than_any_endpoints_kv_is_400_do_not_retry():
     assert (shed.status, shed.reason, shed.retry_after_ms) == (400, "kv_exceeds_capacity", None)
 
 
+def test_a_request_no_empty_endpoint_would_take_is_400_not_queued_forever():
+    """Exactly the largest endpoint's capacity: not larger, but with the block every request
+    may hold beyond its tokens it fits no endpoint even empty, and queued it held every other
+    tenant back until its deadline. Refused at once, as a larger one is."""
+    blocky = EngineMetrics(kv_cache_usage=0.0, kv_capacity_tokens=CAPACITY, kv_block_tokens=16)
+    empty = snapshot(EndpointState("e1", "p", blocky, NOW - 0.05, 0, True, CAPACITY))
+    for band in (0, 1):
+        shed = scheduler().place("a", CAPACITY, empty, NOW, random.Random(0), band=band,
+                                 prompt_tokens=100)
+        assert (shed.status, shed.reason) == (400, "kv_exceeds_capacity")
+    # a prompt above the critical watermark fits no empty endpoint as batch work either
+    shed = scheduler().place("a", 980, empty, NOW, random.Random(0), band=1, prompt_tokens=970)
+    assert (shed.status, shed.reason) == (400, "kv_exceeds_capacity")
+    # one block to spare: an empty endpoint takes it (interactive work on a priority pool,
+    # judged by its whole reservation, also one whose prompt is above the watermark)
+    fits = CAPACITY - 16
+    assert isinstance(scheduler().place("a", fits, empty, NOW, random.Random(0), band=1,
+                                        prompt_tokens=100), Placement)
+    assert isinstance(scheduler(priority_scheduling=True).place(
+        "a", 940, empty, NOW, random.Random(0), band=0, prompt_tokens=930), Placement)
+
+
 def test_reservations_since_the_last_scrape_spread_a_burst():
     sched = scheduler()
     snap = snapshot(state("e1", 0.1), state("e2", 0.1), state("e3", 0.1))
