@@ -124,3 +124,18 @@ def test_no_client_can_send_another_tenants_salt(tenant, other, salt, other_salt
 def test_the_simulated_engine_refuses_what_vllm_refuses_as_a_salt(salt) -> None:
     with pytest.raises(ApiError):
         check_cache_salt({"cache_salt": salt})
+
+
+def test_long_client_salts_are_not_kept_by_the_salt_cache() -> None:
+    """The digest cache keeps its keys: a client's long salts (one per request, up to the
+    body limit) would hold up to 4,096 of them, gigabytes. They are hashed uncached."""
+    from extproc.config import _tenant_salt
+
+    pool = config().pools[0]
+    _tenant_salt.cache_clear()
+    long_salt = "s" * 100_000
+    salted = [pool.cache_salt("acme", f"{n}{long_salt}") for n in range(20)]
+    assert _tenant_salt.cache_info().currsize == 0
+    assert len(set(salted)) == 20 and all(len(s) <= 128 for s in salted)
+    assert pool.cache_salt("acme", "short") == pool.cache_salt("acme", "short")
+    assert _tenant_salt.cache_info().currsize == 1
