@@ -32,6 +32,18 @@ class RateCounters(Protocol):
     async def close(self) -> None: ...
 
 
+# A counter key longer than this is kept as its SHA-256 digest (bytes: never equal to a
+# kept str key). Keys carry descriptor values, which a client may choose whole (a header up
+# to Envoy's 60 KB): at the 100,000-counter bound, 16 KB values held ~1.6 GB, 60 KB ~6 GB.
+MAX_KEPT_KEY = 256
+
+
+def _kept_key(key: str) -> str | bytes:
+    if len(key) <= MAX_KEPT_KEY:
+        return key
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
 @dataclass
 class _Slot:
     limit: Limit
@@ -53,7 +65,7 @@ class MemoryRateCounters:
     def __init__(self, clock: Callable[[], int] = wall_ms, *, sweep_every: int = 4096,
                  max_counters: int = 100_000) -> None:
         self._clock = clock
-        self._slots: dict[str, _Slot] = {}  # least recently used first
+        self._slots: dict[str | bytes, _Slot] = {}  # least recently used first
         self._sweep_every = sweep_every
         self._max_counters = max_counters
         self._calls = 0
@@ -67,12 +79,13 @@ class MemoryRateCounters:
             del self._slots[key]
 
     def _counter(self, hit: Hit, now_ms: int) -> Counter:
-        slot = self._slots.pop(hit.key, None)  # and back at the end: the most recent
+        key = _kept_key(hit.key)
+        slot = self._slots.pop(key, None)  # and back at the end: the most recent
         if slot is None or slot.limit != hit.limit:
             while len(self._slots) >= self._max_counters:  # O(1): the sweep stays periodic
                 del self._slots[next(iter(self._slots))]
             slot = _Slot(hit.limit, new_counter(hit.limit, now_ms))
-        self._slots[hit.key] = slot
+        self._slots[key] = slot
         return slot.counter
 
     async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:
