@@ -11,7 +11,8 @@ connection, so no pool is needed.
 Failures are redis-py's exceptions, so the store handles both paths alike: a lost
 connection fails every call waiting on it with ``ConnectionError`` (the next call
 reconnects); a call with no answer within ``timeout_s`` raises ``TimeoutError`` and leaves
-the connection open (a paused Redis answers later, in order, and the late reply is dropped).
+the connection open (a paused Redis answers later, in order, and the late reply is dropped)
+— until Redis has answered nothing for :data:`SILENT_DROP_S`: then it is dropped.
 Only a plain TCP connection is handled (host, port, db, username/password): the store uses
 redis-py's own client for anything else (TLS, unix sockets, Redis Cluster).
 """
@@ -35,6 +36,13 @@ try:
 except ImportError:  # (a dependency: redis[hiredis]) without it, redis-py does every call
     hiredis = None
 
+
+SILENT_DROP_S = 5.0
+"""A connection on which Redis has answered nothing since a command's deadline passed, this
+long, is dropped (its calls fail as timed out; the next call opens a new one). Kept open,
+every call made meanwhile stayed in ``waiting`` with its exception and traceback, and its
+bytes in the write buffer: a Redis paused (or a network blackholed) with the failover
+store's repair loop retrying every 50 ms grew an idle kvgate by ~25 MB a minute."""
 
 FAILURES: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 """What a call to Redis raises when Redis cannot answer it, for the stores to turn into
@@ -69,12 +77,15 @@ def ignore_failure(done: asyncio.Future[Any]) -> None:
         done.exception()
 
 
-def _expire(futures: list[asyncio.Future[Any]]) -> None:
+def _expire(futures: list[asyncio.Future[Any]]) -> bool:
     """The timeout of one write's commands: those still without a reply fail (their late
-    replies are dropped when they come)."""
+    replies are dropped when they come). Whether any did."""
+    expired = False
     for future in futures:
         if not future.done():
             future.set_exception(RedisTimeoutError("redis did not answer in time"))
+            expired = True
+    return expired
 
 
 class _Protocol(asyncio.Protocol):
@@ -95,6 +106,8 @@ class _Protocol(asyncio.Protocol):
         # (set for the oldest): not a timer per write
         self.deadlines: deque[tuple[float, list[asyncio.Future[Any]]]] = deque()
         self.timer: asyncio.TimerHandle | None = None
+        # when a command first went unanswered past its deadline, with no reply since
+        self.silent_since: float | None = None
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
         """Queue ``command`` for this tick's write; the future gets its reply."""
@@ -125,7 +138,13 @@ class _Protocol(asyncio.Protocol):
         self.timer = None
         deadlines, now = self.deadlines, self.loop.time()
         while deadlines and deadlines[0][0] <= now:
-            _expire(deadlines.popleft()[1])
+            if _expire(deadlines.popleft()[1]) and self.silent_since is None:
+                self.silent_since = now
+        if self.silent_since is not None and now - self.silent_since >= SILENT_DROP_S:
+            deadlines.clear()
+            self._fail(RedisTimeoutError(
+                f"redis answered nothing for {now - self.silent_since:.1f} s: connection dropped"))
+            return
         if deadlines:
             self.timer = self.loop.call_at(deadlines[0][0], self._expire_due)
 
@@ -143,6 +162,7 @@ class _Protocol(asyncio.Protocol):
                 return
             if reply is False:
                 return
+            self.silent_since = None
             if not waiting:  # a reply to nothing: the stream is out of step
                 self._fail(RedisConnectionError("redis sent a reply nobody asked for"))
                 return
