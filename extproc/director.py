@@ -592,18 +592,23 @@ class Director:
     # -- the request's life after admission ------------------------------------------------
 
     async def release(self, admission: Admission, used_tokens: int | None,
-                      output_tokens: int | None = None, *, sent: bool = True) -> None:
+                      output_tokens: int | None = None, *, sent: bool = True,
+                      measured: bool = True) -> None:
         """The request ended: free its KV and lease, settle its tokens with the limits, and
         correct its fair-order charge to what it really used (``output_tokens`` of
         ``used_tokens``; unknown: the estimate stands). One that was never ``sent``
         upstream (its routing reply never reached Envoy) used nothing: its KV is freed as
-        a reservation that never ran (not counted as drained, nothing learned from it)."""
+        a reservation that never ran (not counted as drained, nothing learned from it).
+        ``measured``: the counts are the engine's usage of a whole answer, which teaches the
+        scheduler what the tenant's answers use; not so a request cut off or cancelled
+        before its first token (charged 0 output, it taught a cheap "short answers" that
+        made a tenant's next long ones count as short)."""
         tenant = admission.tenant
         try:
             self.leases.closed(admission.lease_id)
             if sent:
                 admission.scheduler.release(admission.lease_id, self.clock(),
-                                            output_tokens=output_tokens)
+                                            output_tokens=output_tokens if measured else None)
             else:
                 admission.scheduler.release(admission.lease_id, self.clock(), completed=False)
             self.kick(admission.pool)

@@ -396,7 +396,8 @@ class RequestStream:
         if self.unsent:
             await self.director.release(admission, 0, 0, sent=False)
         else:
-            await self.director.release(admission, used, output)
+            await self.director.release(admission, used, output,
+                                        measured=basis in ("usage", "usage_bounded"))
 
 
 def _too_large(limit: int) -> BadRequest:

@@ -253,7 +253,9 @@ async def test_what_a_response_is_charged(streamed, first, report, used, basis):
     """Usage when the engine reported it; the reservation for an answer (2xx), streamed or
     not, that ended without a usage kvgate could read, and for a response cut off
     mid-answer; the prompt (plus one token per streamed event) for an engine's error; the
-    prompt when the client left before the response began."""
+    prompt when the client left before the response began. Only the engine's usage teaches
+    the scheduler what the tenant's answers use (``measured``): a request cancelled before
+    its first token, charged 0 output, taught a cheap "short answers"."""
     stream, _ = new_stream()
     await stream.handle(headers_msg())
     await stream.handle(body_msg(chat(max_tokens=100, stream=streamed)))
@@ -263,12 +265,12 @@ async def test_what_a_response_is_charged(streamed, first, report, used, basis):
         stream.done_reported(*report)
     charged = []
 
-    async def release(admission, used_tokens, output_tokens):
-        charged.append(used_tokens)
+    async def release(admission, used_tokens, output_tokens, *, measured=True):
+        charged.append((used_tokens, measured))
 
     stream.director.release = release
     await stream.close(None)
-    assert charged == [used(stream.admission.cost)]
+    assert charged == [(used(stream.admission.cost), basis.startswith("usage"))]
     assert stream.metrics.charges.values == {(basis,): 1}
 
 
