@@ -621,6 +621,7 @@ class PoolScheduler:
             self._started_by_engine(state)
             self._learn_seq_cap(state)
             self._adapt_gate(state)
+        self._overrunning(max((s.scraped_at or 0.0 for s in states), default=0.0))
         self._forget_gone({s.address for s in states})
         capacities = [s.kv_capacity_tokens for s in states if s.kv_capacity_tokens]
         endpoints = [_Scraped(s, s.usable_until(self.staleness_s), self._takes_work(s))
@@ -822,6 +823,26 @@ class PoolScheduler:
                 made = self._made(r, now)
                 held.append((r.peak - r.prefill - made, r.prefill + made))
         return throughout + max(0, int(unexplained)) + future_peak(held, block)
+
+    def _overrunning(self, now: float) -> None:
+        """Requests that have run past the output their tenant's answers were expected to
+        make (at the pool's decode rate): each now counts its whole reservation, and the
+        tenant's expected share rises toward what it has made so far — at once, not when
+        it ends. A tenant whose answers were short for minutes and then turned long was
+        otherwise expected short (its KV under-committed, and its new requests charged a
+        twentieth of their output in the fair order) until its first long answer ended:
+        the engines preempted, and it got ahead of the others' share meanwhile."""
+        if not self.decode_rate:
+            return
+        for r in self.reservations.values():
+            reserved = r.tokens - r.prefill
+            if not r.started or not r.prefill or r.peak >= r.tokens or reserved <= 0:
+                continue
+            made = min(reserved, int(self.decode_rate * max(0.0, now - r.started_at)))
+            if made > r.peak - r.prefill:
+                self.committed[r.endpoint] += r.tokens - r.peak
+                r.peak = r.tokens
+                self._learn_output(r.tenant, made / reserved)
 
     def _made(self, r: Reservation, at: float) -> int:
         """Output tokens a started request is estimated to have made by ``at`` (0 before the

@@ -386,6 +386,25 @@ def test_one_tenants_short_answers_do_not_shrink_another_tenants_requests():
     assert sched.output_ratios == {}
 
 
+def test_a_request_running_past_its_expected_output_counts_whole_and_teaches_at_once():
+    """A tenant whose answers were short for minutes, then long, was expected short until
+    its first long answer ended: its KV under-committed (the engines preempted) and its new
+    requests charged a twentieth of their output in the fair order meanwhile."""
+    sched = scheduler()
+    sched.output_ratios["a"] = 0.05
+    sched.decode_rate = 20.0  # output tokens per second of one sequence
+    sched.reserve("long", "a", "e1", 4_100, NOW - 30, prompt_tokens=100)  # expected 100 + 200
+    sched.first_token("long", NOW - 30)
+    assert sched.committed["e1"] == 300
+    sched.observe(snapshot(state("e1", 0.1, scraped_at=NOW - 25)))  # ~100 made: as expected
+    assert sched.committed["e1"] == 300 and sched.output_ratio("a") == 0.05
+    sched.observe(StoreSnapshot(2, {"p": {"e1": state("e1", 0.1, scraped_at=NOW)}}))
+    assert sched.committed["e1"] == 4_100  # 600 made of the 200 expected: all it reserved
+    assert sched.output_ratio("a") > 0.05 and sched.output_ratio("b") == 1.0
+    sched.release("long", NOW, output_tokens=3_900)
+    assert sched.committed["e1"] == 0
+
+
 def test_the_busy_pools_kv_share_counts_what_requests_are_expected_to_hold():
     """Counted by max_tokens, a tenant that asks for thirty times what it uses was over its
     KV share whenever it ran at all, while the fair order, which charges what requests are
