@@ -28,7 +28,8 @@ from limiter.buckets import ceil_div
 from limiter.rates import Rate
 
 MAX_HERD_WAIT_MS = 60_000
-"""A herd's schedule reaches at most this far (past a refusal's exact wait): every client
+"""A herd's schedule reaches at most this far from a refusal (a longer exact wait stands, the
+same for every client then; openai-python honours ``retry-after-ms`` up to 60 s): every client
 that comes back early — one ignoring Retry-After, in a loop — moves the schedule on by a
 slot, and without a bound one such client sent every later client of its tenant away for
 half an hour (2,500 refusals at 1 request/s: ``retry-after-ms`` 2,045,360)."""
