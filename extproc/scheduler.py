@@ -41,8 +41,9 @@ Committed load: a scrape only shows what running requests hold now, and vLLM pre
 they outgrow its cache. Each request kvgate sent an endpoint is expected to grow to its
 prompt + its tenant's :meth:`PoolScheduler.output_ratio` of its reserved output (learned
 from the usage of that tenant's finished requests: one client that sets a generous
-``max_tokens`` and stops early must not make every other tenant's requests count as short),
-one token per engine step, and to free it all when it ends. So they
+``max_tokens`` and stops early must not make every other tenant's requests count as short;
+one that runs past it counts its whole reservation from then on: :meth:`PoolScheduler.
+_overrunning`), one token per engine step, and to free it all when it ends. So they
 do not all peak at once: the cache must hold their largest total at any moment ahead, which
 is reached just before one of them ends (:func:`future_peak`). Each request's progress is
 estimated from when it started (its first token; for a non-streamed answer, the first
