@@ -234,6 +234,7 @@ class Gated(Policy):
         self.fairness = VirtualCounters()
         self.rng = random.Random(seed)
         self.jobs: dict[str, Job] = {}
+        self.running: dict[str, Job] = {}  # dispatched, not finished
         self.snapshot = StoreSnapshot()
 
     def bind(self, sim: Simulation) -> None:
@@ -283,6 +284,7 @@ class Gated(Policy):
         """As the director releases a request: the engine's usage teaches the scheduler,
         and the fair-order charge is corrected to it."""
         self.scheduler.release(job.id, now, output_tokens=job.produces)
+        self.running.pop(job.id, None)
         if self.settings.wfq:
             self.fairness.correct(job.tenant, job.price - job.charged,
                                   self.sim.tenants[job.tenant])
@@ -309,6 +311,13 @@ class Gated(Policy):
         self.snapshot = StoreSnapshot(self.snapshot.version + 1,
                                       MappingProxyType({"sim": MappingProxyType(states)}))
         self.scheduler.observe(self.snapshot)  # as the server's scrape hook does
+        for lease in self.scheduler.take_overran():  # as Director._charge_overrun does
+            job = self.running.get(lease)
+            full = QUEUE_PRICES.price(job.prompt, job.max_tokens) if job else 0
+            if job is not None and self.settings.wfq and full > job.charged:
+                self.fairness.correct(job.tenant, full - job.charged,
+                                      self.sim.tenants[job.tenant])
+                job.charged = full
         if now > 0:
             self.dispatch(now)
 
@@ -329,6 +338,7 @@ class Gated(Policy):
             address = self._place(chosen, now)
             assert address is not None
             job = self.jobs.pop(chosen.id)
+            self.running[chosen.id] = job
             self.scheduler.reserve(chosen.id, chosen.tenant, address, chosen.cost, now,
                                    band=self.queue.effective_band(chosen, now_ms),
                                    prompt_tokens=job.prompt,

@@ -154,6 +154,10 @@ class Director:
         # shaped requests waiting for their departure slot: a shutdown's grace wakes them
         # (``refuse_waiting``) to answer them rather than leave gRPC to cut them
         self._holds: set[asyncio.Future[bool]] = set()
+        # lease → the admissions in flight whose fair-order charge was an estimate (they
+        # queued), and the charges for those found running past it, under way
+        self._estimated: dict[str, Admission] = {}
+        self._overrun_charges: set[asyncio.Future[None]] = set()
         self._refusing_waits = False  # set once the shutdown's grace has passed
 
     def reconfigure(self, config: Config, prepared: Prepared | None = None) -> None:
@@ -416,13 +420,16 @@ class Director:
                 self.leases.closed(lease_id)
                 return waited
             placed, charged = waited, price
-        return Admission(
+        admission = Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
             priority=scheduler.config.body_priority(klass.priority),
             request_class=klass.name, admit=decision, body_overrides=route.overrides,
             charged=charged, charged_weight=weight,
         )
+        if charged is not None:
+            self._estimated[lease_id] = admission
+        return admission
 
     async def _paced(
         self, tenant: Tenant, klass: RequestClass, cost: Cost,
@@ -621,6 +628,7 @@ class Director:
                 await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
                                                          admission.charged_weight)
         finally:
+            self._estimated.pop(admission.lease_id, None)
             self._leave(tenant.name)
 
     def release_waits(self, admission: Admission) -> bool:
@@ -641,7 +649,28 @@ class Director:
         fit now."""
         for scheduler in self.schedulers.values():
             scheduler.observe(snapshot)
+            for lease_id in scheduler.take_overran():
+                self._charge_overrun(lease_id)
         self.kick()
+
+    def _charge_overrun(self, lease_id: str) -> None:
+        """A queued request found running past the output it was charged for: its tenant's
+        fair-order counter is charged its whole ``max_tokens`` now, not when it ends (the
+        end corrects to its real usage, as ever). Charged its tenant's expected share until
+        its end, a tenant whose short answers turned long got ahead of the others with
+        every long request it sent before the first of them ended."""
+        admission = self._estimated.get(lease_id)
+        if admission is None or admission.charged is None:
+            return
+        cost, weight = admission.cost, admission.charged_weight
+        extra = self._price(cost.prompt_tokens, cost.max_output_tokens, weight) - admission.charged
+        if extra <= 0:
+            return
+        admission.charged += extra
+        charge = asyncio.ensure_future(
+            self.flows[admission.pool].correct(admission.tenant.name, extra, weight))
+        self._overrun_charges.add(charge)  # (the loop keeps only weak references)
+        charge.add_done_callback(self._overrun_charges.discard)
 
     def kick(self, pool: str | None = None) -> None:
         """Capacity may have freed (a completion; a fresh scrape when pool is None)."""

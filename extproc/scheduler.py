@@ -252,6 +252,8 @@ class PoolScheduler:
     # why placements found no endpoint: for each refused placement, one count per endpoint
     # under the first check it failed (HOLD_REASONS; kvgate_pool_holds_total)
     holds: dict[str, int] = field(default_factory=dict)
+    # requests found running past their expected output since :meth:`take_overran`
+    overran: list[str] = field(default_factory=list)
     _cached_view: _PoolView | None = field(default=None, repr=False, compare=False)
 
     # -- the decision ----------------------------------------------------------------------
@@ -844,6 +846,13 @@ class PoolScheduler:
                 self.committed[r.endpoint] += r.tokens - r.peak
                 r.peak = r.tokens
                 self._learn_output(r.tenant, made / reserved)
+                self.overran.append(r.lease_id)
+
+    def take_overran(self) -> list[str]:
+        """The requests found running past their expected output since the last call (the
+        director charges their tenants' fair order for it)."""
+        taken, self.overran = self.overran, []
+        return taken
 
     def _made(self, r: Reservation, at: float) -> int:
         """Output tokens a started request is estimated to have made by ``at`` (0 before the

@@ -304,6 +304,28 @@ async def test_a_queued_request_is_charged_the_output_its_tenant_is_expected_to_
     assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 30
 
 
+async def test_a_request_running_past_its_estimate_is_charged_its_max_tokens_at_once(harness):
+    """Charged its tenant's expected share until it ended, a tenant whose short answers
+    turned long got ahead of the others with every long request sent before the first
+    ended. Found running past its estimate (a scrape round), it is charged all of its
+    max_tokens; its end corrects that to the real usage, as ever."""
+    await harness.start(usage=0.99)
+    harness.flow.scheduler.output_ratios["b"] = 0.25
+    task = harness.admit("b")
+    await settle()
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    prompt = admission.cost.prompt_tokens
+    assert admission.charged == prompt + 2 * 25
+    harness.flow.scheduler.overran.append(admission.lease_id)  # as _overrunning finds it
+    harness.director.scraped(harness.director.endpoints.snapshot())
+    await settle()
+    assert admission.charged == prompt + 2 * 100
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 100
+    await harness.director.release(admission, prompt + 90, 90)
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 90
+
+
 async def test_a_correction_after_a_weight_change_uses_the_weight_charged(harness):
     """A reload between dispatch and release changed the tenant's weight: the correction
     was converted at the new weight, the charge had been at the old, and the counter

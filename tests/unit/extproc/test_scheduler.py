@@ -401,6 +401,7 @@ def test_a_request_running_past_its_expected_output_counts_whole_and_teaches_at_
     sched.observe(StoreSnapshot(2, {"p": {"e1": state("e1", 0.1, scraped_at=NOW)}}))
     assert sched.committed["e1"] == 4_100  # 600 made of the 200 expected: all it reserved
     assert sched.output_ratio("a") > 0.05 and sched.output_ratio("b") == 1.0
+    assert sched.take_overran() == ["long"] and sched.take_overran() == []  # for the director
     sched.release("long", NOW, output_tokens=3_900)
     assert sched.committed["e1"] == 0
 
