@@ -77,6 +77,7 @@ class FlowController:
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._published: set[tuple[str, str]] = set()  # (band, tenant) in queue_depth now
+        self._fit_nowhere: list[tuple[QueuedRequest, Reject]] = []  # found by _fits
 
     def clock_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -169,6 +170,8 @@ class FlowController:
         while len(self.queue):
             now = self.clock_ms()
             offers = self.queue.candidates(now, fits=self._fits)
+            if self._refuse_fit_nowhere():
+                continue  # the heads behind them are offered afresh
             if not any(offer.fits for offer in offers):
                 return  # nothing can run: no need to ask the (maybe shared) order
             chosen = await self.fairness.choose(offers)
@@ -195,8 +198,24 @@ class FlowController:
         await self.correct(item.tenant, -price_of(item), item.weight)
 
     def _fits(self, item: QueuedRequest) -> bool:
-        return isinstance(self._place(item, self.queue.effective_band(item, self.clock_ms())),
-                          Placement)
+        placed = self._place(item, self.queue.effective_band(item, self.clock_ms()))
+        if isinstance(placed, Reject) and placed.reason == Reason.KV_TOO_LARGE:
+            self._fit_nowhere.append((item, placed))
+        return isinstance(placed, Placement)
+
+    def _refuse_fit_nowhere(self) -> bool:
+        """Answer the queued requests no endpoint the pool has now would take even empty,
+        as at admission (400 ``kv_exceeds_capacity``): the pool shrank while they waited (a
+        larger endpoint left DNS). Left queued, each waited for its deadline, and its tenant,
+        behind with a head that fits nowhere, held every other tenant back meanwhile. Not
+        charged in the fair order yet (that happens when chosen): nothing to refund."""
+        found, self._fit_nowhere = self._fit_nowhere, []
+        for item, refusal in found:
+            if self.queue.remove(item.id) is not None:
+                self._answer(item, refusal, "too_large")
+        if found:
+            self._gauge()
+        return bool(found)
 
     def _place(self, item: QueuedRequest, band: int) -> Placement | Reject:
         """Placed as the band the queue ranks it in (aging included): everything ranked

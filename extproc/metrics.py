@@ -304,7 +304,7 @@ class Metrics:
         )
         self.queue_events = Counter(
             "kvgate_queue_events_total",
-            "Fair-queue outcomes: dispatched, expired, evicted, cancelled, shutdown.",
+            "Fair-queue outcomes: dispatched, expired, evicted, cancelled, shutdown, too_large.",
             ["pool", "event"],
             registry=self.registry,
         )

@@ -614,3 +614,35 @@ async def test_the_model_list_kvgate_answers_is_paced_too():
         await held
     assert await h.nothing_held() and not h.director.leases.open
     await h.flow.stop()
+
+
+async def test_a_queued_request_no_endpoint_left_would_take_is_answered_at_once():
+    """The pool shrank while it waited (its larger endpoint left DNS): the request fits no
+    endpoint it has now, even empty, and it queued until its deadline — its tenant, behind
+    with a head that fits nowhere, holding the others back meanwhile. Answered as at
+    admission (400 ``kv_exceeds_capacity``) at the next dispatch round, nothing held."""
+    small = "127.0.0.1:2"
+    h = Harness(config(deadline_s=30.0))
+    await h.endpoints.set_endpoints("p", [ENDPOINT, small])
+    await h.endpoints.apply([
+        ScrapeResult(ENDPOINT, time.monotonic(),
+                     EngineMetrics(kv_cache_usage=0.99, kv_capacity_tokens=1000)),
+        ScrapeResult(small, time.monotonic(),
+                     EngineMetrics(kv_cache_usage=0.0, kv_capacity_tokens=300)),
+    ])
+    h.flow.start()
+    body = {"model": "m", "max_tokens": 600, "messages": [{"role": "user", "content": "x"}]}
+    big = asyncio.create_task(h.director.admit(
+        h.director.authenticate("Bearer ka"),
+        parse_body("/v1/chat/completions", orjson.dumps(body))))
+    await settle()
+    assert len(h.flow.queue) == 1  # only the full endpoint could take it
+    await h.endpoints.set_endpoints("p", [small])
+    h.director.kick()
+    outcome = await asyncio.wait_for(big, 2)
+    assert isinstance(outcome, Reject)
+    assert (outcome.status, outcome.reason) == (400, "kv_exceeds_capacity")
+    assert await h.nothing_held() and not h.director.leases.open
+    assert h.flow.metrics.registry.get_sample_value(
+        "kvgate_queue_events_total", {"pool": "p", "event": "too_large"}) == 1
+    await h.flow.stop()
