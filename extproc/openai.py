@@ -35,14 +35,50 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the completions API's cap when max_tokens
 # The fields that cap one answer, the first set wins: chat takes max_completion_tokens over
 # max_tokens; the completions API has only max_tokens (an engine ignores the other there).
 OUTPUT_CAP_FIELDS = {CHAT: ("max_completion_tokens", "max_tokens"), COMPLETIONS: ("max_tokens",)}
-SERVING_FIELDS = ("kv_transfer_params", "ec_transfer_params",  # vLLM
-                  "bootstrap_host", "bootstrap_port", "bootstrap_room", "session_params",  # SGLang
-                  "disaggregated_params")  # TensorRT-LLM
-"""Fields the serving system sets between its own parts (disaggregated prefill and decode,
-engine sessions): from a client they could replace or extend the prompt kvgate metered
-(vLLM prefills ``kv_transfer_params.prompt_token_ids`` instead of the messages; an SGLang
-session prepends its earlier context), or point an engine at another host for its KV, so
-they are refused."""
+_SERVING = ("is set by the serving system, not by clients: from a client it could replace or "
+            "extend the prompt this gateway counted, or place the request where it did not")
+_PROMPT_IDS = ("would replace the prompt this gateway counts (the engine skips the chat "
+               "template): send the messages alone")
+_MEDIA = "changes how many tokens a media part becomes, which this gateway cannot count"
+_REQUEST_ID = ("names the request inside the engine: ids are this gateway's (x-request-id), "
+               "and a client's could name another tenant's request")
+_UNMETERED_WORK = "asks the engine for work this gateway does not meter"
+REFUSED_FIELDS: dict[str, str] = {
+    # the serving system's own: disaggregated prefill and decode, engine sessions, placement
+    **dict.fromkeys(("kv_transfer_params", "ec_transfer_params",  # vLLM
+                     "bootstrap_host", "bootstrap_port", "bootstrap_room", "session_params",
+                     "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank",  # SGLang
+                     "disaggregated_params"), _SERVING),  # TensorRT-LLM
+    "input_ids": _PROMPT_IDS,  # SGLang chat
+    **dict.fromkeys(("mm_processor_kwargs", "media_io_kwargs",  # vLLM
+                     "images_config", "max_dynamic_patch", "min_dynamic_patch",  # SGLang
+                     "use_audio_in_video"), _MEDIA),
+    "request_id": _REQUEST_ID, "rid": _REQUEST_ID,  # vLLM, SGLang
+    **dict.fromkeys(("use_beam_search", "vllm_xargs",  # vLLM
+                     "custom_logit_processor", "return_hidden_states"), _UNMETERED_WORK),
+}
+"""Request fields refused with 400 ``unsupported_parameter`` (any value but null or false),
+and why: what an engine would do with them kvgate cannot meter.
+
+- The serving system's own fields: vLLM prefills ``kv_transfer_params.prompt_token_ids``
+  instead of the messages, an SGLang session prepends its earlier context, the bootstrap
+  fields point an engine at another host for its KV, and SGLang's data-parallel ranks undo
+  the placement kvgate chose by each endpoint's KV. SGLang's ``input_ids`` is a prompt of
+  token ids the engine runs in place of the rendered messages.
+- Media options: the engine's HF processor (``mm_processor_kwargs``: ``max_pixels``,
+  ``num_crops``), its media loaders (``media_io_kwargs``: a video's ``num_frames``) and
+  SGLang's patch counts decide how many tokens an image or video becomes, and
+  ``use_audio_in_video`` adds the audio track's: ``tokens_per_media_part`` is set for the
+  model's defaults, so a client's options would run more than was reserved.
+- Request ids: vLLM takes the engine's request id from the body's ``request_id``, SGLang
+  from ``rid``; engines keep a request's state (and abort it) by that id, so a client's own
+  could name another tenant's request in flight, and would part the engine's logs from
+  kvgate's.
+- Work the one-request reservation does not describe: beam search (vLLM runs one engine
+  request per beam and step, the prompt resubmitted each time), ``vllm_xargs`` (arguments
+  for the operator's custom extensions, and the engine's ``extra_args`` where its KV
+  connector reads transfer parameters), SGLang's custom logit processor (code sent with the
+  request) and hidden states (every token's whole hidden vector in the answer)."""
 TEMPLATE_FIELD = "chat_template"
 """A chat template of the request's own (the body's, or one in ``chat_template_kwargs``),
 which vLLM (with ``--trust-request-chat-template``) and trtllm-serve render the prompt with:
@@ -253,12 +289,12 @@ def parse_body(path: str, raw: bytes) -> InferenceRequest:
 
 def _refuse_unmetered_prompts(path: str, body: dict[str, Any]) -> None:
     """Default-deny for what an engine would run in place of, or beside, the prompt kvgate
-    counts: prompt embeddings (their length shows in no text), the serving fields and a
+    counts: prompt embeddings (their length shows in no text), ``REFUSED_FIELDS`` and a
     chat template of the request's own."""
-    for name in SERVING_FIELDS:
-        if body.get(name) is not None:
-            raise BadRequest(f"'{name}' is set by the serving system, not by clients",
-                             code="unsupported_parameter", param=name)
+    for name, value in body.items():  # in the body's order: the same field named each time
+        why = REFUSED_FIELDS.get(name)
+        if why is not None and value is not None and value is not False:  # null, false: unset
+            raise BadRequest(f"'{name}' {why}", code="unsupported_parameter", param=name)
     if body.get(TEMPLATE_FIELD) is not None:
         raise _own_template(TEMPLATE_FIELD)
     if path == COMPLETIONS and body.get("prompt_embeds") not in (None, []):

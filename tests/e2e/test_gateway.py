@@ -398,6 +398,12 @@ def test_content_kvgate_cannot_meter_never_reaches_an_engine(stack):
     ("/v1/chat/completions", "chat_template", "{% for i in range(99999) %}{{ messages }}"
      "{% endfor %}", "unsupported_parameter"),
     ("/v1/completions", "prompt_embeds", ["AAAA"], "unsupported_content"),
+    ("/v1/chat/completions", "mm_processor_kwargs", {"max_pixels": 12845056},
+     "unsupported_parameter"),
+    ("/v1/chat/completions", "input_ids", [1] * 500, "unsupported_parameter"),
+    ("/v1/chat/completions", "request_id", "chatcmpl-someone-elses", "unsupported_parameter"),
+    ("/v1/completions", "rid", "someone-elses", "unsupported_parameter"),
+    ("/v1/completions", "use_beam_search", True, "unsupported_parameter"),
 ])
 def test_a_prompt_an_engine_would_take_elsewhere_never_reaches_it(stack, path, field, value,
                                                                    code):

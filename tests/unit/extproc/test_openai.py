@@ -129,6 +129,35 @@ def test_completions_are_capped_by_max_tokens_alone():
     # vLLM (--trust-request-chat-template) and trtllm-serve render with a request's template
     (CHAT, "chat_template", "{% for i in range(99999) %}{{ messages[0].content }}{% endfor %}",
      "unsupported_parameter"),
+    # SGLang: prompt token ids that bypass the chat template
+    (CHAT, "input_ids", [1] * 500, "unsupported_parameter"),
+    # how many tokens a media part becomes: vLLM's HF processor and media loader options,
+    # SGLang's patch counts and a video's audio track
+    (CHAT, "mm_processor_kwargs", {"max_pixels": 12845056}, "unsupported_parameter"),
+    (COMPLETIONS, "mm_processor_kwargs", {"num_crops": 16}, "unsupported_parameter"),
+    (EMBEDDINGS, "mm_processor_kwargs", {}, "unsupported_parameter"),
+    (CHAT, "media_io_kwargs", {"video": {"num_frames": 1000}}, "unsupported_parameter"),
+    (CHAT, "images_config", {"max_pixels": 12845056}, "unsupported_parameter"),
+    (CHAT, "max_dynamic_patch", 40, "unsupported_parameter"),
+    (CHAT, "min_dynamic_patch", 40, "unsupported_parameter"),
+    (CHAT, "use_audio_in_video", True, "unsupported_parameter"),
+    # the engine's request id: another tenant's would name its request
+    (CHAT, "request_id", "chatcmpl-someone-elses", "unsupported_parameter"),
+    (COMPLETIONS, "request_id", "x", "unsupported_parameter"),
+    (EMBEDDINGS, "request_id", "x", "unsupported_parameter"),
+    (CHAT, "rid", "someone-elses", "unsupported_parameter"),
+    (COMPLETIONS, "rid", ["a", "b"], "unsupported_parameter"),
+    # work kvgate's one-request reservation does not describe
+    (CHAT, "use_beam_search", True, "unsupported_parameter"),
+    (COMPLETIONS, "use_beam_search", True, "unsupported_parameter"),
+    (CHAT, "vllm_xargs", {"my_processor_arg": 1}, "unsupported_parameter"),
+    (CHAT, "custom_logit_processor", "{}", "unsupported_parameter"),
+    (COMPLETIONS, "return_hidden_states", True, "unsupported_parameter"),
+    (CHAT, "return_hidden_states", "last", "unsupported_parameter"),
+    # SGLang's data-parallel placement: kvgate places requests
+    (CHAT, "routed_dp_rank", 0, "unsupported_parameter"),
+    (CHAT, "data_parallel_rank", 1, "unsupported_parameter"),
+    (COMPLETIONS, "disagg_prefill_dp_rank", 1, "unsupported_parameter"),
     (COMPLETIONS, "prompt_embeds", "AAAA", "unsupported_content"),
     (COMPLETIONS, "prompt_embeds", ["AAAA"], "unsupported_content"),
     (EMBEDDINGS, "messages", [{"role": "user", "content": "x" * 9999}], "unsupported_content"),
@@ -144,6 +173,15 @@ def test_what_an_engine_would_run_instead_of_the_counted_prompt_is_refused(
     refused = error({**body, field: value}, path)
     assert (refused.status, refused.code, refused.param) == (400, code, field)
     assert parse({**body, field: None}, path).prompt_texts == ["hi"]
+
+
+@pytest.mark.parametrize("field", ["use_beam_search", "return_hidden_states",
+                                   "use_audio_in_video"])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_refused_switch_left_off_passes(path, field):
+    """``false`` is the engine's default: a client that spells it out asks for nothing."""
+    body = {"model": "m", "messages": [{"content": "hi"}], "prompt": "hi", "max_tokens": 1}
+    assert parse({**body, field: False}, path).prompt_texts == ["hi"]
 
 
 def test_a_template_in_chat_template_kwargs_is_refused():
