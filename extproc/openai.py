@@ -94,6 +94,9 @@ MEDIA_FIELDS = frozenset(("image_url", "image_pil", "image_embeds", "audio_embed
 """Fields that make a content part without a ``type`` media to vLLM: its request model keeps
 only the media field of such a part (``{"text": "hi", "image_url": "…"}`` is an image there),
 so kvgate counts it as media, never as the text beside it."""
+PART_TOKEN_FIELDS = ("max_dynamic_patch", "min_dynamic_patch")
+"""Fields of a media part's object (``image_url``, ``video_url``) from which SGLang takes how
+many patches, so tokens, the image or video becomes: refused as the body's own are."""
 RENDERED_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
 """Chat request fields besides ``messages`` that chat templates render into the prompt."""
 
@@ -365,17 +368,28 @@ def _content_parts(content: Any, param: str, texts: list[str]) -> int:
             raise BadRequest(f"'{param}' parts must be objects with a string 'type'",
                              param=param)
         if "type" not in part and not MEDIA_FIELDS.isdisjoint(part):
-            media += 1  # an engine reads an untyped part by its media field
-            continue
+            media += _media_part(part, param)  # an engine reads an untyped part by its
+            continue  # media field
         key = TEXT_PARTS.get(part.get("type", "text"))
         if key is None:
-            media += 1
+            media += _media_part(part, param)
         elif isinstance(text := part.get(key), str):
             texts.append(text)
         else:
             raise BadRequest(f"a '{part.get('type', 'text')}' part of '{param}' needs a string "
                              f"'{key}'", param=param)
     return media
+
+
+def _media_part(part: dict[str, Any], param: str) -> int:
+    """One media part, counted as the model's ``tokens_per_media_part``: refused where it
+    sets how many tokens it becomes (``PART_TOKEN_FIELDS``)."""
+    for value in part.values():
+        if isinstance(value, dict) and any(value.get(f) is not None for f in PART_TOKEN_FIELDS):
+            raise BadRequest(f"a media part of '{param}' may not set "
+                             f"{' or '.join(PART_TOKEN_FIELDS)}: {_MEDIA}",
+                             code="unsupported_parameter", param=param)
+    return 1
 
 
 def _calls(message: dict[str, Any]) -> list[str]:

@@ -184,6 +184,26 @@ def test_a_refused_switch_left_off_passes(path, field):
     assert parse({**body, field: False}, path).prompt_texts == ["hi"]
 
 
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA",
+                                        "max_dynamic_patch": 40}},
+    {"type": "video_url", "video_url": {"url": "http://example.com/v.mp4",
+                                        "min_dynamic_patch": 12}},
+    {"image_url": {"url": "data:image/png;base64,AAAA", "max_dynamic_patch": 40}},
+])
+def test_a_media_part_setting_its_own_token_count_is_refused(part):
+    """SGLang reads patch counts from a media part as from the body: they decide how many
+    tokens the image or video becomes, past the model's ``tokens_per_media_part``."""
+    body = {"model": "m", "max_tokens": 1,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}]}
+    refused = error(body)
+    assert (refused.status, refused.code, refused.param) == (
+        400, "unsupported_parameter", "messages[0].content")
+    media = next(key for key in part if key != "type")
+    plain = {**part, media: {"url": part[media]["url"]}}
+    assert parse({**body, "messages": [{"role": "user", "content": [plain]}]}).media_parts == 1
+
+
 def test_a_template_in_chat_template_kwargs_is_refused():
     """The engine renders with ``chat_template_kwargs.chat_template`` as with the body's own:
     a template of the client's makes a prompt kvgate never counted."""
