@@ -346,10 +346,7 @@ def _chat_texts(messages: Any) -> tuple[list[str], int, int]:
         elif content is not None:  # null: tool calls
             media += _content_parts(content, f"messages[{i}].content", texts)
         texts.extend(_calls(message))
-        # name, reasoning, tool_call_id…: templates render them, and a field kvgate did not
-        # count must not carry a prompt
-        texts.extend(value for key, value in message.items()
-                     if key not in ("role", "content") and isinstance(value, str))
+        texts.extend(_other_fields(message))
     return texts, len(messages), media
 
 
@@ -390,6 +387,18 @@ def _media_part(part: dict[str, Any], param: str) -> int:
                              f"{' or '.join(PART_TOKEN_FIELDS)}: {_MEDIA}",
                              code="unsupported_parameter", param=param)
     return 1
+
+
+_COUNTED_APART = frozenset(("role", "content", "tool_calls", "function_call"))
+
+
+def _other_fields(message: dict[str, Any]) -> list[str]:
+    """A message's other fields (name, reasoning, tool_call_id, a system message's own
+    tools…): templates render them, and a field kvgate did not count must not carry a
+    prompt. Text as it is, anything else but null as its JSON."""
+    return [value if isinstance(value, str) else orjson.dumps(value).decode()
+            for key, value in message.items()
+            if key not in _COUNTED_APART and value is not None]
 
 
 def _calls(message: dict[str, Any]) -> list[str]:

@@ -83,6 +83,17 @@ def test_what_chat_templates_render_besides_content_is_counted():
     assert request.media_parts == 0
 
 
+def test_a_message_field_that_is_not_text_counts_as_its_json():
+    """SGLang renders a system or developer message's own ``tools`` (vLLM a developer's):
+    a list, which the count of a message's text fields skipped, so 100 KB of tool schemas
+    on one message were reserved as nothing."""
+    tools = [{"type": "function", "function": {"name": "f" * 50, "parameters": {}}}]
+    request = parse({"model": "m", "messages": [
+        {"role": "system", "content": "be brief", "tools": tools, "cache": None},
+        {"role": "user", "content": "hi"}]})
+    assert request.prompt_texts == ["be brief", orjson.dumps(tools).decode(), "hi"]
+
+
 def test_completions_and_embeddings_prompts():
     assert parse({"model": "m", "prompt": "abc"}, COMPLETIONS).prompt_texts == ["abc"]
     assert parse({"model": "m", "prompt": ["a", "b"]}, COMPLETIONS).prompt_texts == ["a", "b"]
