@@ -41,12 +41,18 @@ def need_kubectl() -> str:
 
 
 @functools.cache
-def render(folder: Path) -> tuple[Object, ...]:
-    """``kubectl kustomize folder``: the objects it would apply (kustomize v2.0.3 to v5)."""
+def kustomize(folder: Path) -> subprocess.CompletedProcess[str]:
+    """``kubectl kustomize folder``, run once per folder: its YAML and its warnings."""
     done = subprocess.run([need_kubectl(), "kustomize", str(folder)], capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 0, f"kubectl kustomize {folder}:\n{done.stderr}"
-    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
+    assert done.returncode == 0, (f"kubectl kustomize {folder} (needs kubectl 1.21 or later, "
+                                  f"deploy/README.md):\n{done.stderr}")
+    return done
+
+
+def render(folder: Path) -> tuple[Object, ...]:
+    """The objects ``kubectl kustomize folder`` would apply (kustomize v4 and later)."""
+    return tuple(doc for doc in yaml.safe_load_all(kustomize(folder).stdout) if doc)
 
 
 def named(objects: tuple[Object, ...], kind: str) -> dict[str, Object]:

@@ -25,6 +25,7 @@ from tests.deploy.manifests import (
     container_ports,
     each_folder,
     ident,
+    kustomize,
     kvgate_containers,
     named,
     option,
@@ -106,6 +107,13 @@ def test_it_renders(folder: Path) -> None:
     assert objects, f"{folder} renders nothing"
     names = [f"{o.get('metadata', {}).get('namespace', '')}/{ident(o)}" for o in objects]
     assert len(names) == len(set(names)), "two objects of one kind share a name"
+
+
+@each_folder
+def test_it_renders_without_warnings(folder: Path) -> None:
+    """kustomize v5 warns on the deprecated ``bases:`` and ``patchesStrategicMerge:`` (and
+    ``kustomize edit fix`` would rewrite them): an operator should see no warning."""
+    assert not kustomize(folder).stderr.strip(), kustomize(folder).stderr
 
 
 @each_folder
