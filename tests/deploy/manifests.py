@@ -130,6 +130,15 @@ def option(container: Object, *flags: str) -> str | None:
     return None
 
 
+def workers(container: Object) -> int:
+    """How many kvgate processes a ``kvgate serve`` container runs (``--workers N``)."""
+    return int(option(container, "--workers") or 1)
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
 def kvgate_containers(objects: tuple[Object, ...]) -> Iterator[tuple[Pod, Object, str]]:
     """(pod, container, config path) of every ``kvgate serve --config PATH``."""
     for pod in pods(objects):

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from extproc import cli
-from extproc.config import Config, load_config, parse_config
+from extproc.config import Config, for_worker, load_config, parse_config
 from extproc.envoy_config import render_yaml
 from extproc.envoy_proc import validate
 from tests.deploy.manifests import (
@@ -35,6 +35,8 @@ from tests.deploy.manifests import (
     option,
     pods,
     render,
+    selects,
+    workers,
 )
 
 # Every committed bootstrap, beside the kvgate config it is rendered from.
@@ -195,15 +197,21 @@ def test_kvgate_config_agrees_with_its_pod(folder: Path, tmp_path: Path) -> None
     for pod, container, path in kvgate_containers(objects):
         config, _ = config_of(pod, container, path, tmp_path)
         server, where = config.server, f"{folder.name}: {pod.owner['metadata']['name']}"
-        ports = pod.ports()
-        # what must be reachable from outside the pod is a declared container port
+        ports, n = pod.ports(), workers(container)
+        # what must be reachable from outside the pod is a declared container port: every
+        # worker's admin and report port (admin_port + i, report_port + i), named admin-i
         if server.host not in LOOPBACK:
             assert ports.get("grpc") == server.grpc_port, where
         if server.admin_host not in LOOPBACK:
             admin = [p["containerPort"] for p in container["ports"] if "admin" in p["name"]]
-            assert admin == [server.admin_port], where
+            assert admin == [admin_port(config, i) for i in range(n)], where
         if server.report_host not in (None, *LOOPBACK):
-            assert ports.get("report") == server.report_port, where
+            for i in range(n):
+                assert ports.get(worker_port_name("report", i)) == report_port(config, i), where
+        mine = [port for i in range(n) for port in (admin_port(config, i),
+                                                    report_port(config, i)) if port]
+        assert len(set(mine)) == len(mine) and server.grpc_port not in mine, (
+            f"{where}: --workers {n}: admin_port + i and report_port + i meet")
         probes = {name: container[name]["httpGet"] for name in ("livenessProbe",
                                                                  "readinessProbe")}
         assert probes["livenessProbe"]["path"] == "/healthz", where
@@ -212,8 +220,9 @@ def test_kvgate_config_agrees_with_its_pod(folder: Path, tmp_path: Path) -> None
             assert container_ports(container)[probe["port"]] == server.admin_port, where
         # the replicas sharing Redis are the ones that run this config
         if config.redis is not None:
-            assert config.redis.replicas == pod.replicas, (
-                f"{where}: redis.replicas {config.redis.replicas}, {pod.replicas} replicas")
+            assert config.redis.replicas == pod.replicas * n, (
+                f"{where}: redis.replicas {config.redis.replicas}, {pod.replicas} replicas "
+                f"× {n} workers")
             url = urlsplit(config.redis.url)
             assert_service(services, url.hostname, url.port or 6379, where)
         # Envoy reaches kvgate through a headless Service of exactly these pods
@@ -225,6 +234,63 @@ def test_kvgate_config_agrees_with_its_pod(folder: Path, tmp_path: Path) -> None
         for pool in config.pools:
             if pool.dns is not None and pool.dns.hostname in services:
                 assert_service(services, pool.dns.hostname, pool.dns.port, where)
+
+
+def admin_port(config: Config, worker: int) -> int | None:
+    return for_worker(config, worker).server.admin_port
+
+
+def report_port(config: Config, worker: int) -> int:
+    return for_worker(config, worker).server.report_port
+
+
+def worker_port_name(name: str, worker: int) -> str:
+    """The name of worker i's port: ``admin`` for worker 0, ``admin-1``, ``admin-2``, ..."""
+    return f"{name}-{worker}" if worker else name
+
+
+@each_folder
+def test_every_workers_metrics_are_scraped(folder: Path, tmp_path: Path) -> None:
+    """``kvgate serve --workers N``: worker i serves its own /metrics on admin_port + i,
+    counting only the requests it admitted. A ServiceMonitor that scraped the port named
+    ``admin`` alone collected worker 0's, and N-1 workers' requests, tokens and errors were
+    missing from every sum. Every worker's admin port must be behind a Service the
+    ServiceMonitor selects, under a port name one of its endpoints scrapes."""
+    (monitor,) = named(render(DEPLOY / "monitoring"), "ServiceMonitor").values()
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    endpoints = {e["port"] for e in monitor["spec"]["endpoints"]}
+    objects = render(folder)
+    for pod, container, path in kvgate_containers(objects):
+        config, _ = config_of(pod, container, path, tmp_path)
+        if config.server.admin_host in LOOPBACK or config.server.admin_port is None:
+            continue  # nothing to scrape from outside the pod
+        scraped = {
+            pod.ports().get(port.get("targetPort", port["port"]))
+            for service in named(objects, "Service").values()
+            if selects(selector, service["metadata"].get("labels", {}))
+            and selects(service["spec"]["selector"], pod.labels)
+            for port in service["spec"]["ports"] if port.get("name") in endpoints
+        }
+        wanted = {admin_port(config, i) for i in range(workers(container))}
+        assert wanted <= scraped, (
+            f"{folder.name}: {pod.owner['metadata']['name']}: --workers "
+            f"{workers(container)}: admin ports {sorted(wanted - scraped)} never scraped")
+
+
+def test_the_monitor_scrapes_up_to_eight_workers_alike() -> None:
+    """One ServiceMonitor endpoint per worker's port name (``admin``, ``admin-1``, ...,
+    ``admin-7``): a port a Service does not have gives no target, so pods with fewer workers
+    need no other monitor. The endpoints differ in nothing but the port."""
+    (monitor,) = named(render(DEPLOY / "monitoring"), "ServiceMonitor").values()
+    endpoints = monitor["spec"]["endpoints"]
+    assert [e["port"] for e in endpoints] == [worker_port_name("admin", i) for i in range(8)]
+    assert all({**e, "port": None} == {**endpoints[0], "port": None} for e in endpoints)
+
+
+def test_an_example_runs_more_than_one_worker() -> None:
+    """The tests above check the worker ports of a rendered pod: one must have several."""
+    assert any(workers(container) > 1 for folder in FOLDERS
+               for _, container, _ in kvgate_containers(render(folder)))
 
 
 def assert_service(services: dict[str, Object], host: str | None, port: int,

@@ -31,6 +31,7 @@ from tests.deploy.manifests import (
     option,
     pods,
     render,
+    selects,
 )
 
 GUARDRAILS = DEPLOY / "guardrails"
@@ -170,10 +171,6 @@ def check_fields(value: Any, allowed: Any, where: str) -> None:
 # -- names, ports and references agree ----------------------------------------------------
 
 
-def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return bool(selector) and selector.items() <= labels.items()
-
-
 @each_folder
 def test_services_select_pods_and_target_their_ports(folder: Path) -> None:
     objects = render(folder)
@@ -244,26 +241,6 @@ def test_pods_reference_what_exists(folder: Path) -> None:
                         port = probe[handler]["port"]
                         assert port in container_ports(container), (
                             f"{owner}/{container['name']} {probe_name}: no port {port!r}")
-
-
-@each_folder
-def test_the_service_monitor_finds_every_kvgate(folder: Path) -> None:
-    """Every kvgate's admin port is behind a Service the ServiceMonitor selects, under the
-    port name it scrapes."""
-    (monitor,) = named(render(DEPLOY / "monitoring"), "ServiceMonitor").values()
-    selector = monitor["spec"]["selector"]["matchLabels"]
-    (endpoint,) = monitor["spec"]["endpoints"]
-    objects = render(folder)
-    for pod, container, _ in kvgate_containers(objects):
-        admin = [p["containerPort"] for p in container["ports"] if "admin" in p["name"]]
-        scraped = [
-            port for service in named(objects, "Service").values()
-            if selects(selector, service["metadata"].get("labels", {}))
-            and selects(service["spec"]["selector"], pod.labels)
-            for port in service["spec"]["ports"] if port["name"] == endpoint["port"]
-            and pod.ports().get(port.get("targetPort", port["port"])) in admin
-        ]
-        assert scraped, f"{pod.owner['metadata']['name']}: no scraped Service on its admin port"
 
 
 @each_folder
