@@ -172,6 +172,18 @@ def check_fields(value: Any, allowed: Any, where: str) -> None:
 
 
 @each_folder
+def test_what_an_operator_applies_pulls_a_pushed_kvgate_image(folder: Path) -> None:
+    """A folder whose kvgate pods land in a namespace is one to ``kubectl apply -k``: its
+    kvgate image must be set (``images:``) to a registry's, like the overlays'. The bare
+    ``kvgate:0.1.0`` of the bases is pulled from Docker Hub's library, which has no such
+    image: deploy/gateway-api shipped without ``images:``, and its pods never started."""
+    for pod, container, _ in kvgate_containers(render(folder)):
+        if pod.owner["metadata"].get("namespace"):
+            assert "/" in container["image"], (
+                f"{folder.name}: {ident(pod.owner)} runs {container['image']}: set images:")
+
+
+@each_folder
 def test_services_select_pods_and_target_their_ports(folder: Path) -> None:
     objects = render(folder)
     workloads = list(pods(objects))
