@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 
 from limiter.rates import Rate, require_int
 
@@ -190,27 +191,29 @@ class SlidingWindow:
         assert expiry is not None, "the log holds more than the excess"
         return expiry - now_ms
 
-    def herd_wait_ms(self, cost: int, now_ms: int, promised_ms: int) -> int:
-        """The wait of the next client of a refused herd, the last one having been promised
-        ``promised_ms``. Entries leave the window oldest first, and every promised client
-        takes the place of the one whose leaving it was promised, which leaves in turn one
-        window after it came back: so the slots are the log's expiries, then the same again
-        one window later, and so on. This client gets the first after those promised."""
+    def herd_wait_ms(self, cost: int, now_ms: int, promised: Sequence[tuple[int, int]]) -> int:
+        """The wait of the next client of a refused herd, given the entries the clients
+        promised a retry will log when they come back (``(ts, cost)``, ascending, none
+        before now): it comes back after the last of them (a herd retries in order), once
+        the log and those entries leave room for ``cost``. A client taking its place in the
+        window at its own retry time, whatever dimension chose that time, is what keeps the
+        slots exact when another limit spaces the herd: read from the log alone (each
+        client assumed back when an entry left) they came too early for the window."""
         now_ms = self._advance(now_ms)
-        excess = self._used + cost - self.limit
-        if excess <= 0:
-            return 0
-        taken, lap = 0, 0
-        while counted := self._left_by(promised_ms - lap):
-            taken, lap = taken + counted, lap + self.window_ms
-        laps, index = divmod(taken + excess - 1, self._used)
-        expiry = self._expiry_of(index + 1)
-        assert expiry is not None, "the index is within the log"
-        return expiry + laps * self.window_ms - now_ms
-
-    def _left_by(self, at_ms: int) -> int:
-        """Cost in the log that has left the window by ``at_ms``."""
-        return sum(cost for ts, cost in self._log if ts + self.window_ms <= at_ms)
+        if not promised:
+            return self.wait_ms(cost, now_ms)
+        base = max(now_ms, promised[-1][0])
+        horizon = base - self.window_ms
+        counted = [(ts, c) for ts, c in self._log if ts > horizon]
+        counted += [(ts, c) for ts, c in promised if ts > horizon]
+        excess = sum(c for _, c in counted) + cost - self.limit
+        freed = 0
+        for ts, entry_cost in counted:
+            if freed >= excess:
+                break
+            freed += entry_cost
+            base = ts + self.window_ms
+        return base - now_ms
 
     def _expiry_of(self, units: int) -> int | None:
         """When the oldest ``units`` of cost in the log have all left the window."""
@@ -221,17 +224,19 @@ class SlidingWindow:
                 return ts + self.window_ms
         return None
 
-    def consume(self, cost: int, now_ms: int) -> None:
-        """Log ``cost`` at ``now_ms``; only legal when :meth:`wait_ms` is 0 (else ValueError)."""
+    def consume(self, cost: int, now_ms: int) -> int:
+        """Log ``cost`` at ``now_ms``; only legal when :meth:`wait_ms` is 0 (else ValueError).
+        Returns the time it is logged at (``now_ms``, or the latest seen after a step back)."""
         if self.wait_ms(cost, now_ms):
             raise ValueError(f"cost {cost} does not fit at {now_ms} ms; check wait_ms first")
         now_ms = self._advance(now_ms)
         if cost == 0:
-            return
+            return now_ms
         self._used += cost
         if self._log and self._log[-1][0] == now_ms:
             cost += self._log.pop()[1]
         self._log.append((now_ms, cost))
+        return now_ms
 
     def refund(self, cost: int, now_ms: int) -> None:
         """Un-count ``cost`` from the newest entries (a later dimension said no)."""
@@ -244,6 +249,21 @@ class SlidingWindow:
             self._used -= take
             if entry_cost > take:
                 self._log.append((ts, entry_cost - take))
+
+    def refund_at(self, ts: int, cost: int, now_ms: int) -> None:
+        """Un-count ``cost`` from the entry logged at ``ts`` (an admission undone: its own
+        entry, not a newer one, which would leave the window later); nothing once it left."""
+        require_int("cost", cost, 0)
+        self._advance(now_ms)
+        for i, (entry_ts, entry_cost) in enumerate(self._log):
+            if entry_ts == ts:
+                take = min(cost, entry_cost)
+                self._used -= take
+                if entry_cost > take:
+                    self._log[i] = (ts, entry_cost - take)
+                else:
+                    del self._log[i]
+                return
 
     def reset_ms(self, now_ms: int) -> int:
         """Ms until the window is empty again (the newest entry expires)."""

@@ -241,6 +241,8 @@ class TenantLimiter:
         self._gone: dict[str, tuple[int, _Lease]] = {}
         self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
         self._promised: dict[Reason, int] = {}  # dimension → its last promised retry slot
+        # the entries promised clients will log in the sliding window: (ms, requests)
+        self._window_promised: list[tuple[int, int]] = []
         self._mean_ms = 0  # observed mean request duration (limiter.herd), and its samples
         self._samples = 0
         self.update_policy(policy, now_ms)
@@ -302,6 +304,7 @@ class TenantLimiter:
         if self._shaper is not None:
             waits.append(self._shaper.drain_ms(now_ms))
         waits.extend(slot - now_ms for slot in self._promised.values())
+        waits.extend(ts - now_ms for ts, _ in self._window_promised[-1:])
         return max(waits)
 
     def quota_usage(self, now_ms: int) -> QuotaUsage:
@@ -325,6 +328,7 @@ class TenantLimiter:
         """Drop the retry slots promised to refused clients (``limiter.herd``): the next
         refusal gets the exact wait."""
         self._promised.clear()
+        self._window_promised = []
 
     def _rewindow(self, policy: TenantPolicy, now_ms: int) -> SlidingWindow | None:
         if policy.window_limit is None or policy.window_ms is None:
@@ -545,14 +549,16 @@ class TenantLimiter:
 
     def _schedule(self, waits: list[tuple[Reason, int]], requests: int, tokens: int | None,
                   now_ms: int) -> list[tuple[Reason, int]]:
-        """Exact waits → this client's slot in each refusing dimension's schedule, which
-        moves on by one (``limiter.herd``); a sliding window reads its slots from its log.
+        """Exact waits → this client's slot in each dimension's schedule, which moves on by
+        one (``limiter.herd``).
 
-        The token buckets are scheduled whether they refuse or not (:meth:`_bucket_slot`):
-        the client takes from each when it comes back, at the latest of its slots, so a herd
-        refused by the token rate alone and spaced by it came back faster than the request
-        rate allows (2 requests/s and 100,000 tokens/min, 500-token requests: 19 of 20
-        refused again after waiting their ``retry-after-ms``)."""
+        Every dimension the client takes from when it comes back is scheduled, whether it
+        refused or not — the request and token buckets, the sliding window and the shaper —
+        and the client is told the latest of its slots: a herd refused by the token rate
+        alone and spaced by it came back faster than the request rate allows (2 requests/s
+        and 100,000 tokens/min, 500-token requests: 19 of 20 refused again after waiting
+        their ``retry-after-ms``), faster than a sliding window of 2 a second allows (5 of
+        10), and faster than a shaper's backlog drains (7 of 10)."""
         exact = dict(waits)
         slots: dict[Reason, int] = {}
         paced = [(reason, bucket, cost) for reason, bucket, cost in (
@@ -561,23 +567,32 @@ class TenantLimiter:
         ) if bucket is not None and (cost or reason in exact)]
         for reason, bucket, cost in paced:
             slots[reason] = self._bucket_slot(reason, bucket, cost, exact.get(reason, 0), now_ms)
+        window = self._window if requests else None
+        if window is not None:
+            self._window_promised = [p for p in self._window_promised if p[0] >= now_ms]
+            window_slot = window.herd_wait_ms(requests, now_ms, self._window_promised)
+            slots[Reason.WINDOW] = max(exact.get(Reason.WINDOW, 0),
+                                       min(window_slot, MAX_HERD_WAIT_MS))
+        shaper = self._shaper if requests else None
+        if shaper is not None:
+            slots[Reason.SHAPING] = self._shaper_slot(shaper, exact.get(Reason.SHAPING, 0),
+                                                      now_ms)
         for reason, wait in waits:
-            if reason in slots:
-                continue
-            promised = self._promised.get(reason)
-            if reason is Reason.WINDOW and promised is not None and self._window is not None:
-                slot = self._window.herd_wait_ms(requests, now_ms, promised)
-            else:
-                slot = herd_wait(now_ms, wait, promised,
-                                 self._interval(reason, requests, tokens or 0))
-            slots[reason] = slot = max(wait, min(slot, MAX_HERD_WAIT_MS))
-            self._promised[reason] = now_ms + slot
+            if reason not in slots:  # concurrency: a slot frees as requests end
+                slot = herd_wait(now_ms, wait, self._promised.get(reason), concurrency_interval(
+                    self.mean_duration_ms, self.policy.max_concurrency or 1))
+                slots[reason] = slot = max(wait, min(slot, MAX_HERD_WAIT_MS))
+                self._promised[reason] = now_ms + slot
         final = max(slots.values())
         for reason, bucket, cost in paced:
             self._promise_bucket(reason, bucket, cost, final, now_ms)
+        if window is not None and window_slot <= final:  # past the bound: no place to keep
+            self._promise_window(window, now_ms + final, requests)
+        if shaper is not None:
+            self._promise_shaper(shaper, final, now_ms)
         scheduled = [(reason, slots[reason]) for reason, _ in waits]
         top = max(range(len(scheduled)), key=lambda i: scheduled[i][1])
-        scheduled[top] = (scheduled[top][0], final)  # a bucket that did not refuse may set it
+        scheduled[top] = (scheduled[top][0], final)  # one that did not refuse may set it
         return scheduled
 
     def _bucket_slot(self, reason: Reason, bucket: TokenBucket, cost: int, wait: int,
@@ -603,16 +618,35 @@ class TenantLimiter:
         bound = max(full, now_ms + MAX_HERD_WAIT_MS) + rate_interval(bucket.capacity, rate)
         self._promised[reason] = min(base + rate_interval(cost, rate), bound)
 
-    def _interval(self, reason: Reason, requests: int, tokens: int) -> int:
-        """What one more such request needs of the dimension, in ms."""
-        policy = self.policy
-        if reason is Reason.REQUESTS and policy.request_rate is not None:
-            return rate_interval(requests, policy.request_rate)
-        if reason is Reason.TOKENS and policy.token_rate is not None:
-            return rate_interval(tokens, policy.token_rate)
-        if reason is Reason.SHAPING and policy.shaping_rate is not None:
-            return rate_interval(requests, policy.shaping_rate)
-        return concurrency_interval(self.mean_duration_ms, policy.max_concurrency or 1)
+    def _promise_window(self, window: SlidingWindow, at_ms: int, requests: int) -> None:
+        """The entry this client will log when it comes back at ``at_ms``; entries a window
+        before the last one no longer bear on a later slot."""
+        promised = self._window_promised
+        if promised and promised[-1][0] == at_ms:
+            requests += promised.pop()[1]
+        promised.append((at_ms, requests))
+        horizon = at_ms - window.window_ms
+        self._window_promised = [p for p in promised if p[0] > horizon]
+
+    def _shaper_slot(self, shaper: Shaper, wait: int, now_ms: int) -> int:
+        """This client's slot in the shaper's schedule: its promise is the backlog's virtual
+        tail (ms, rounded up) once every promised client took its departure slot, and the
+        client fits once that tail is within the backlog of its return."""
+        promised = self._promised.get(Reason.SHAPING)
+        if promised is None or promised <= now_ms + shaper.drain_ms(now_ms):
+            return wait  # nothing promised beyond the shaper's own slots
+        rate = shaper.rate
+        room = shaper.backlog * rate.period_ms // rate.amount
+        return max(wait, min(promised - room - now_ms, MAX_HERD_WAIT_MS))
+
+    def _promise_shaper(self, shaper: Shaper, final: int, now_ms: int) -> None:
+        """The virtual tail once this client, back at ``now + final``, takes the slot after
+        the tail (bounded like a bucket's promise)."""
+        rate = shaper.rate
+        tail = max(now_ms + shaper.drain_ms(now_ms), now_ms + final)
+        base = max(self._promised.get(Reason.SHAPING, tail), tail)
+        bound = now_ms + MAX_HERD_WAIT_MS + rate_interval(shaper.backlog + 1, rate)
+        self._promised[Reason.SHAPING] = min(base + rate_interval(1, rate), bound)
 
     def _consume(self, cost: Cost, now_ms: int) -> None:
         if self._requests is not None:

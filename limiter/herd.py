@@ -6,12 +6,14 @@ wins and nineteen are refused again. So every dimension that refuses keeps one n
 tenant, the time of the last slot it promised (``tat``, as in GCRA): the next refused client
 gets ``max(now + exact wait, tat + interval)``, where ``interval`` is what one more request
 of this size needs of that dimension — its share of the bucket's refill or of the
-concurrency slots' expected completions. A sliding window knows when each entry leaves:
-its next slot is read from its log (``SlidingWindow.herd_wait_ms``). Promises expire by
-themselves: once ``tat`` is in the past the rule gives back the exact wait, and no state
-grows with the number of clients (one integer per dimension). A single client still gets
-the exact time; nothing is reserved for a promise (admission is unchanged), so a promise is
-a schedule, not a lease.
+concurrency slots' expected completions. A client takes from every rate limit when it comes
+back, so each is scheduled at every refusal, whichever refused: the token buckets as a GCRA,
+the shaper by its backlog's virtual tail, and a sliding window by the entries the promised
+clients will log at their retry times (``SlidingWindow.herd_wait_ms``; at most a window's
+limit of them are kept). Promises expire by themselves: once ``tat`` is in the past the rule
+gives back the exact wait, and no state grows with the number of clients. A single client
+still gets the exact time; nothing is reserved for a promise (admission is unchanged), so a
+promise is a schedule, not a lease.
 
 Concurrency has no exact time (a slot frees when some request ends), so its wait is an
 expected completion: the tenant's observed mean request duration (the configured

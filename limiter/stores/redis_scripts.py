@@ -28,8 +28,9 @@ and window length); ``leases`` a ZSET lease_id → expiry ms and ``leases:meta``
 ``q:day`` and ``q:month`` hashes ``{s, u}`` (the period start the count belongs to, used);
 ``cancelled`` a ZSET lease_id → expiry ms of admissions kvgate gave up on (below);
 ``herd`` a hash of the retry slots last promised per dimension (``limiter.herd``), the
-policy they were promised under (``pol``) and the observed mean request duration (``d``,
-``n`` samples; a lease's meta ends with its start ms, field 13).
+window entries the promised clients will log (``wp``, ``"ms:requests,…"``), the policy they
+were promised under (``pol``) and the observed mean request duration (``d``, ``n``
+samples; a lease's meta ends with its start ms, field 13).
 ``shape`` a hash ``{m, f, a, p, h}``: the shaper's tail as ``m`` ms plus ``f``/``a`` of a ms
 (``0 ≤ f < a``: the scaled time ``m × a + f`` of :class:`~limiter.buckets.Shaper`, never
 formed from an epoch), the rate it was computed with, and its holes as ``"m:f,…"``; a lease
@@ -306,26 +307,26 @@ local function win_wait(w, cost)
   return expiry - w.now
 end
 
-local function win_left_by(w, at)  -- SlidingWindow._left_by
-  local n = 0
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KWIN, '-inf', str(at - w.ms))) do
-    n = n + win_cost(member)
+-- SlidingWindow.herd_wait_ms: after the last promised entry, once the log and the promised
+-- entries (``{ts, cost}``, ascending, none before now) leave room for ``cost``
+local function win_herd_wait(w, cost, promised)
+  if #promised == 0 then return win_wait(w, cost) end
+  local base = math.max(w.now, promised[#promised][1])
+  local horizon = base - w.ms
+  local counted, total = {}, 0
+  local log = redis.call('ZRANGEBYSCORE', KWIN, '(' .. str(horizon), '+inf', 'WITHSCORES')
+  for i = 1, #log, 2 do table.insert(counted, {tonumber(log[i + 1]), win_cost(log[i])}) end
+  for _, p in ipairs(promised) do
+    if p[1] > horizon then table.insert(counted, p) end
   end
-  return n
-end
-
-local function win_herd_wait(w, cost, promised)  -- SlidingWindow.herd_wait_ms
-  local excess = w.n + cost - w.limit
-  if excess <= 0 then return 0 end
-  local taken, lap = 0, 0
-  while true do
-    local n = win_left_by(w, promised - lap)
-    if n == 0 then break end
-    taken, lap = taken + n, lap + w.ms
+  for _, e in ipairs(counted) do total = total + e[2] end
+  local excess, freed = total + cost - w.limit, 0
+  for _, e in ipairs(counted) do
+    if freed >= excess then break end
+    freed = freed + e[2]
+    base = e[1] + w.ms
   end
-  local index = taken + excess - 1
-  local laps = math.floor(index / w.n)
-  return win_expiry_of(w, index - laps * w.n + 1) + laps * w.ms - w.now
+  return base - w.now
 end
 
 local function win_consume(w, cost)
@@ -424,130 +425,6 @@ local function q_save(q, t)
   redis.call('PEXPIRE', q.key, str(math.max(1, q.e - t) + SLACK))
 end
 
--- retry slots for a herd (limiter.herd) -------------------------------------------------
-local HERD_FIELDS = {'requests', 'requests_window', 'tokens', 'concurrency',
-                     'shaping_backlog_full'}
-local HERD
-
-local MAX_HERD_WAIT = 60000  -- limiter.herd.MAX_HERD_WAIT_MS
-
-local function herd()  -- read once per call
-  if HERD then return HERD end
-  local h = redis.call('HMGET', KHERD, 'd', 'n', unpack(HERD_FIELDS))
-  HERD = {d = tonumber(h[1]) or 0, n = tonumber(h[2]) or 0, tat = {}}
-  for i, f in ipairs(HERD_FIELDS) do HERD.tat[f] = tonumber(h[i + 2]) end
-  return HERD
-end
-
-local function herd_save(H, t)
-  local args, last = {'pol', ARGV[4], 'd', str(H.d), 'n', str(H.n)}, t
-  for _, f in ipairs(HERD_FIELDS) do
-    local v = H.tat[f]
-    if v then
-      table.insert(args, f)
-      table.insert(args, str(v))
-      if v > last then last = v end
-    end
-  end
-  redis.call('HSET', KHERD, unpack(args))
-  redis.call('PEXPIRE', KHERD, str(last - t + LEASE_TTL + SLACK))
-end
-
-local function herd_policy()  -- TenantLimiter.update_policy: new limits forget old promises
-  local pol = redis.call('HGET', KHERD, 'pol')
-  if pol and pol ~= ARGV[4] then
-    redis.call('HDEL', KHERD, unpack(HERD_FIELDS))
-    redis.call('HSET', KHERD, 'pol', ARGV[4])
-  end
-end
-
-local function mean_ms(H)
-  if H.n > 0 then return H.d end
-  return CONC_RETRY
-end
-
-local function completion(mean) return mean + cdiv(mean, 2) + 10 end  -- herd.completion_ms
-
-local function herd_observe(H, duration)  -- limiter.herd.observe
-  H.n = math.min(H.n + 1, 8)
-  H.d = H.d + fdiv(math.max(0, duration) - H.d, H.n)
-end
-
-local function herd_interval(H, reason, requests, tokens)
-  if reason == 'requests' and REQ.a > 0 then return cdiv(requests * REQ.p, REQ.a) end
-  if reason == 'tokens' and TOK.a > 0 then return cdiv(tokens * TOK.p, TOK.a) end
-  if reason == 'shaping_backlog_full' and SHAPE.a > 0 then
-    return cdiv(requests * SHAPE.p, SHAPE.a)
-  end
-  return cdiv(completion(mean_ms(H)), math.max(MAX_CONC, 1))
-end
-
--- TenantLimiter._bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is
--- when it would be full again once every promised client took its cost)
-local function herd_bucket_slot(H, reason, b, cost, exact, t)
-  local promised = H.tat[reason]
-  if not promised or promised <= t + tb_reset(b, t) then return exact end
-  local spare = fdiv((b.c - cost) * b.p, b.a)
-  return math.max(exact, math.min(promised - spare - t, MAX_HERD_WAIT))
-end
-
--- TenantLimiter._promise_bucket
-local function herd_promise_bucket(H, reason, b, cost, final, t)
-  local full = t + math.max(tb_reset(b, t), final)
-  local base = math.max(H.tat[reason] or full, full)
-  local bound = math.max(full, t + MAX_HERD_WAIT) + cdiv(b.c * b.p, b.a)
-  H.tat[reason] = math.min(base + cdiv(cost * b.p, b.a), bound)
-end
-
--- waits: the flat {reason, exact wait, ...} list; each wait becomes this client's slot
--- (a sliding window reads its slots from its log: ``win``; the token buckets are scheduled
--- whether they refuse or not: TenantLimiter._schedule). tokens nil: the headers-phase check
-local function herd_schedule(waits, requests, tokens, t, st)
-  local H, win = herd(), st.win
-  local exact, slots, paced = {}, {}, {}
-  for i = 1, #waits, 2 do exact[waits[i]] = waits[i + 1] end
-  local buckets = {{'requests', st.req, requests}, {'tokens', tokens and st.tok, tokens or 0}}
-  for _, p in ipairs(buckets) do
-    if p[2] and (p[3] > 0 or exact[p[1]]) then
-      table.insert(paced, p)
-      slots[p[1]] = herd_bucket_slot(H, p[1], p[2], p[3], exact[p[1]] or 0, t)
-    end
-  end
-  for i = 1, #waits, 2 do
-    local reason, wait = waits[i], waits[i + 1]
-    if not slots[reason] then
-      local tat = H.tat[reason]
-      local slot = tat and reason == 'requests_window' and win and win_herd_wait(win, requests, tat)
-      if slot then
-        wait = slot
-      elseif tat then
-        wait = math.max(wait, tat + herd_interval(H, reason, requests, tokens or 0) - t)
-      end
-      wait = math.max(exact[reason], math.min(wait, MAX_HERD_WAIT))  -- herd.MAX_HERD_WAIT_MS
-      H.tat[reason] = t + wait
-      slots[reason] = wait
-    end
-  end
-  local final, top = 0, nil
-  for _, slot in pairs(slots) do final = math.max(final, slot) end
-  for _, p in ipairs(paced) do herd_promise_bucket(H, p[1], p[2], p[3], final, t) end
-  for i = 1, #waits, 2 do
-    waits[i + 1] = slots[waits[i]]
-    if not top or waits[i + 1] > waits[top + 1] then top = i end
-  end
-  waits[top + 1] = final  -- a bucket that did not refuse may set it
-  herd_save(H, t)
-end
-
-local function lease_start(meta)  -- the 13th field of a lease's meta, if it has one
-  local i = 0
-  for field in string.gmatch(meta, '[^:]+') do
-    i = i + 1
-    if i == 13 then return tonumber(field) end
-  end
-  return nil
-end
-
 -- shaper (limiter.buckets.Shaper); a slot is {m, f}: m ms plus f/a of a ms ---------------
 local function sh_ahead(m, f, a, t)  -- scaled time from t to {m, f}; only its sign if < 0
   if m < t then return -1 end
@@ -640,6 +517,173 @@ local function sh_save(s, t)
   redis.call('HSET', KSHAPE, 'm', str(s.m), 'f', str(s.f), 'a', str(s.a), 'p', str(s.p),
              'h', table.concat(holes, ','))
   redis.call('PEXPIRE', KSHAPE, str(math.max(1, s.m + 1 - t) + SLACK))
+end
+
+-- retry slots for a herd (limiter.herd) -------------------------------------------------
+local HERD_FIELDS = {'requests', 'tokens', 'concurrency', 'shaping_backlog_full'}
+local HERD
+
+local MAX_HERD_WAIT = 60000  -- limiter.herd.MAX_HERD_WAIT_MS
+
+local function herd()  -- read once per call
+  if HERD then return HERD end
+  local h = redis.call('HMGET', KHERD, 'd', 'n', 'wp', unpack(HERD_FIELDS))
+  HERD = {d = tonumber(h[1]) or 0, n = tonumber(h[2]) or 0, tat = {}, wp = {}}
+  for i, f in ipairs(HERD_FIELDS) do HERD.tat[f] = tonumber(h[i + 3]) end
+  -- the window entries promised clients will log: "ms:requests,..." (TenantLimiter's
+  -- _window_promised)
+  for ts, n in string.gmatch(h[3] or '', '(%d+):(%d+)') do
+    table.insert(HERD.wp, {tonumber(ts), tonumber(n)})
+  end
+  return HERD
+end
+
+local function herd_save(H, t)
+  local args, last = {'pol', ARGV[4], 'd', str(H.d), 'n', str(H.n)}, t
+  for _, f in ipairs(HERD_FIELDS) do
+    local v = H.tat[f]
+    if v then
+      table.insert(args, f)
+      table.insert(args, str(v))
+      if v > last then last = v end
+    end
+  end
+  local wp = {}
+  for _, p in ipairs(H.wp) do table.insert(wp, str(p[1]) .. ':' .. str(p[2])) end
+  table.insert(args, 'wp')
+  table.insert(args, table.concat(wp, ','))
+  if #H.wp > 0 and H.wp[#H.wp][1] > last then last = H.wp[#H.wp][1] end
+  redis.call('HSET', KHERD, unpack(args))
+  redis.call('PEXPIRE', KHERD, str(last - t + LEASE_TTL + SLACK))
+end
+
+local function herd_policy()  -- TenantLimiter.update_policy: new limits forget old promises
+  local pol = redis.call('HGET', KHERD, 'pol')
+  if pol and pol ~= ARGV[4] then
+    redis.call('HDEL', KHERD, 'wp', unpack(HERD_FIELDS))
+    redis.call('HSET', KHERD, 'pol', ARGV[4])
+  end
+end
+
+local function mean_ms(H)
+  if H.n > 0 then return H.d end
+  return CONC_RETRY
+end
+
+local function completion(mean) return mean + cdiv(mean, 2) + 10 end  -- herd.completion_ms
+
+local function herd_observe(H, duration)  -- limiter.herd.observe
+  H.n = math.min(H.n + 1, 8)
+  H.d = H.d + fdiv(math.max(0, duration) - H.d, H.n)
+end
+
+-- TenantLimiter._bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is
+-- when it would be full again once every promised client took its cost)
+local function herd_bucket_slot(H, reason, b, cost, exact, t)
+  local promised = H.tat[reason]
+  if not promised or promised <= t + tb_reset(b, t) then return exact end
+  local spare = fdiv((b.c - cost) * b.p, b.a)
+  return math.max(exact, math.min(promised - spare - t, MAX_HERD_WAIT))
+end
+
+-- TenantLimiter._promise_bucket
+local function herd_promise_bucket(H, reason, b, cost, final, t)
+  local full = t + math.max(tb_reset(b, t), final)
+  local base = math.max(H.tat[reason] or full, full)
+  local bound = math.max(full, t + MAX_HERD_WAIT) + cdiv(b.c * b.p, b.a)
+  H.tat[reason] = math.min(base + cdiv(cost * b.p, b.a), bound)
+end
+
+-- TenantLimiter._promise_window: the entry this client logs when it comes back
+local function herd_promise_window(H, at, requests)
+  local wp = H.wp
+  if #wp > 0 and wp[#wp][1] == at then requests = requests + table.remove(wp)[2] end
+  table.insert(wp, {at, requests})
+  local kept = {}
+  for _, p in ipairs(wp) do
+    if p[1] > at - WIN_MS then table.insert(kept, p) end
+  end
+  H.wp = kept
+end
+
+-- TenantLimiter._shaper_slot (its promise: the backlog's virtual tail in ms)
+local function herd_shaper_slot(H, s, exact, t)
+  local promised = H.tat['shaping_backlog_full']
+  if not promised or promised <= t + sh_drain(s, t) then return exact end
+  local room = fdiv(s.b * s.p, s.a)
+  return math.max(exact, math.min(promised - room - t, MAX_HERD_WAIT))
+end
+
+-- TenantLimiter._promise_shaper
+local function herd_promise_shaper(H, s, final, t)
+  local tail = math.max(t + sh_drain(s, t), t + final)
+  local base = math.max(H.tat['shaping_backlog_full'] or tail, tail)
+  local bound = t + MAX_HERD_WAIT + cdiv((s.b + 1) * s.p, s.a)
+  H.tat['shaping_backlog_full'] = math.min(base + cdiv(s.p, s.a), bound)
+end
+
+-- waits: the flat {reason, exact wait, ...} list; each wait becomes this client's slot.
+-- Every dimension the client takes from when it comes back is scheduled, refusing or not
+-- (TenantLimiter._schedule). tokens nil: the headers-phase check
+local function herd_schedule(waits, requests, tokens, t, st)
+  local H = herd()
+  local exact, slots, paced = {}, {}, {}
+  for i = 1, #waits, 2 do exact[waits[i]] = waits[i + 1] end
+  local buckets = {{'requests', st.req, requests}, {'tokens', tokens and st.tok, tokens or 0}}
+  for _, p in ipairs(buckets) do
+    if p[2] and (p[3] > 0 or exact[p[1]]) then
+      table.insert(paced, p)
+      slots[p[1]] = herd_bucket_slot(H, p[1], p[2], p[3], exact[p[1]] or 0, t)
+    end
+  end
+  local win = requests > 0 and st.win
+  local win_slot
+  if win then
+    local kept = {}
+    for _, p in ipairs(H.wp) do
+      if p[1] >= t then table.insert(kept, p) end
+    end
+    H.wp = kept
+    win_slot = win_herd_wait(win, requests, kept)
+    slots['requests_window'] = math.max(exact['requests_window'] or 0,
+                                        math.min(win_slot, MAX_HERD_WAIT))
+  end
+  local sh = requests > 0 and st.sh
+  if sh then
+    slots['shaping_backlog_full'] = herd_shaper_slot(H, sh, exact['shaping_backlog_full'] or 0, t)
+  end
+  for i = 1, #waits, 2 do
+    local reason, wait = waits[i], waits[i + 1]
+    if not slots[reason] then  -- concurrency: a slot frees as requests end
+      local tat = H.tat[reason]
+      if tat then
+        wait = math.max(wait, tat + cdiv(completion(mean_ms(H)), math.max(MAX_CONC, 1)) - t)
+      end
+      wait = math.max(exact[reason], math.min(wait, MAX_HERD_WAIT))  -- herd.MAX_HERD_WAIT_MS
+      H.tat[reason] = t + wait
+      slots[reason] = wait
+    end
+  end
+  local final, top = 0, nil
+  for _, slot in pairs(slots) do final = math.max(final, slot) end
+  for _, p in ipairs(paced) do herd_promise_bucket(H, p[1], p[2], p[3], final, t) end
+  if win and win_slot <= final then herd_promise_window(H, t + final, requests) end
+  if sh then herd_promise_shaper(H, sh, final, t) end
+  for i = 1, #waits, 2 do
+    waits[i + 1] = slots[waits[i]]
+    if not top or waits[i + 1] > waits[top + 1] then top = i end
+  end
+  waits[top + 1] = final  -- one that did not refuse may set it
+  herd_save(H, t)
+end
+
+local function lease_start(meta)  -- the 13th field of a lease's meta, if it has one
+  local i = 0
+  for field in string.gmatch(meta, '[^:]+') do
+    i = i + 1
+    if i == 13 then return tonumber(field) end
+  end
+  return nil
 end
 
 local function lease_slot(meta)  -- the slot a lease's meta records (fields 9-12), if any

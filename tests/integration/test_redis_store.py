@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -717,5 +718,53 @@ async def test_a_herd_over_requests_and_tokens_is_admitted_on_its_first_retry_on
         waits.append(refused.retry_after_ms)
     assume(max(waits) < 60_000)  # past a minute, refused clients share the schedule's end
     for k in sorted(range(clients), key=lambda k: waits[k]):
+        clock.now = start + waits[k]
+        assert isinstance(await admit(herd[k], f"retry{k}"), Admit), (k, waits)
+
+
+@PARITY
+@given(st.data(), starts)
+async def test_a_herd_over_a_window_a_token_rate_and_a_shaper_is_admitted_on_its_first_retry(
+    client: aioredis.Redis, data: st.DataObject, start: int,
+) -> None:
+    """A sliding window and a shaper beside a token rate (each maybe, and maybe a request
+    rate), a herd refused at once: memory and Redis promise the same slots, and each client
+    that comes back at its slot is admitted (spaced by the token rate alone, a herd found
+    the window full, or the shaper's backlog)."""
+    await client.flushdb()
+    draw = data.draw
+    clock = FakeClock(start)
+    limits: dict[str, Any] = {"token_rate": Rate(1, draw(st.integers(1, 5))),
+                              "token_burst": 1000}
+    if draw(st.booleans()):
+        limits.update(request_rate=Rate(1, draw(st.integers(1, 300))), request_burst=2)
+    if draw(st.booleans()):
+        limits.update(window_limit=draw(st.integers(1, 5)), window_ms=draw(st.integers(50, 2000)))
+    if draw(st.booleans()):
+        limits.update(shaping_rate=Rate(draw(st.integers(1, 5)), draw(st.integers(100, 1500))),
+                      shaping_backlog=draw(st.integers(0, 3)))
+    policy = TenantPolicy(**limits)
+    stores: list[LimiterStore] = [MemoryStore(clock), RedisStore(client, clock=clock)]
+
+    async def admit(cost: Cost, lease: str) -> Admit | Reject:
+        memory, shared = [await s.admit("acme", policy, cost, lease) for s in stores]
+        assert memory == shared, (lease, clock.now - start)
+        return memory
+
+    for i, tokens in enumerate(draw(st.lists(st.integers(0, 1000), max_size=4))):
+        await admit(Cost(tokens, 0), f"a{i}")
+    herd = [Cost(tokens, 0) for tokens in draw(st.lists(st.integers(1, 600), min_size=2,
+                                                        max_size=10))]
+    waits: list[int] = []
+    for k, cost in enumerate(herd):
+        refused = await admit(cost, f"r{k}")
+        if isinstance(refused, Reject):
+            assert refused.retry_after_ms is not None
+            waits.append(refused.retry_after_ms)
+        else:  # admitted after one was refused: a newcomer that found room, not the herd
+            assume(not waits)
+    herd = herd[len(herd) - len(waits):]
+    assume(waits and max(waits) < 60_000)
+    for k in sorted(range(len(herd)), key=lambda k: waits[k]):
         clock.now = start + waits[k]
         assert isinstance(await admit(herd[k], f"retry{k}"), Admit), (k, waits)

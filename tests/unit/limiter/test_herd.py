@@ -211,3 +211,83 @@ def test_a_bucket_with_room_to_spare_does_not_space_a_herd() -> None:
     limiter = TenantLimiter(policy, now_ms=0)
     assert isinstance(limiter.admit(Cost(1000, 0), "big", 0), Admit)
     assert _refuse_all(limiter, 5, 0, Cost(100, 0)) == [100, 200, 300, 400, 500]
+
+
+def _retry_in_order(limiter: TenantLimiter, waits: list[int], start: int,
+                    costs: list[Cost]) -> list[int]:
+    """Each refused client comes back after its ``retry-after-ms`` (earliest first): the
+    ones refused again."""
+    again = []
+    for k in sorted(range(len(waits)), key=lambda k: waits[k]):
+        if isinstance(limiter.admit(costs[k], f"retry{k}", start + waits[k]), Reject):
+            again.append(k)
+    return again
+
+
+def test_a_herd_refused_by_the_token_rate_is_also_spaced_by_the_sliding_window() -> None:
+    """2 requests a second in a sliding window and a token rate: a herd refused by the
+    token rate alone was spaced by its refill (300 ms) and 5 of 10 came back to a full
+    window. Each client takes its place in the window when it comes back."""
+    policy = TenantPolicy(window_limit=2, window_ms=1000,
+                          token_rate=Rate(1000, 1000), token_burst=1000)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(1000, 0), "big", 0), Admit)
+    waits = _refuse_all(limiter, 10, 0, Cost(300, 0))
+    assert waits == [300, 1000, 1300, 2000, 2300, 3000, 3300, 4000, 4300, 5000]
+    assert _retry_in_order(limiter, waits, 0, [Cost(300, 0)] * 10) == []
+
+
+def test_a_herd_refused_by_another_limit_is_also_spaced_by_the_shaper() -> None:
+    """A shaper (1 a second, backlog 2) after a token rate: the herd refused by the token
+    rate came back every 100 ms and 7 of 10 found the backlog full. Each client's departure
+    slot is counted when it comes back, so the herd is spaced by the backlog's drain."""
+    policy = TenantPolicy(token_rate=Rate(1000, 1000), token_burst=1000,
+                          shaping_rate=Rate(1, 1000), shaping_backlog=2)
+    limiter = TenantLimiter(policy, now_ms=0)
+    assert isinstance(limiter.admit(Cost(1000, 0), "big", 0), Admit)
+    waits = _refuse_all(limiter, 10, 0, Cost(100, 0))
+    assert waits == [100, 200, 1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000]
+    assert _retry_in_order(limiter, waits, 0, [Cost(100, 0)] * 10) == []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_every_client_of_a_herd_over_any_rate_limits_is_admitted_on_its_first_retry(
+    data: st.DataObject,
+) -> None:
+    """Any mix of request rate, sliding window, token rate and shaper, requests of any
+    size, a herd refused at once: each client that comes back after its ``retry-after-ms``
+    is admitted (while the schedule fits within MAX_HERD_WAIT_MS)."""
+    draw = data.draw
+    limits: dict[str, object] = {}
+    if draw(st.booleans()):
+        limits.update(request_rate=Rate(1, draw(st.integers(1, 500))),
+                      request_burst=draw(st.integers(1, 4)))
+    if draw(st.booleans()):
+        limits.update(window_limit=draw(st.integers(1, 6)),
+                      window_ms=draw(st.integers(50, 2000)))
+    if draw(st.booleans()):
+        limits.update(token_rate=Rate(1, draw(st.integers(1, 5))), token_burst=1000)
+    if draw(st.booleans()):
+        limits.update(shaping_rate=Rate(draw(st.integers(1, 5)), draw(st.integers(100, 1500))),
+                      shaping_backlog=draw(st.integers(0, 4)))
+    limiter = TenantLimiter(TenantPolicy(**limits), now_ms=0)  # type: ignore[arg-type]
+    now = 0
+    for i, (gap, tokens) in enumerate(draw(st.lists(st.tuples(st.integers(0, 30),
+                                                              st.integers(0, 400)),
+                                                    max_size=8))):
+        now += gap
+        limiter.admit(Cost(tokens, 0), f"a{i}", now)
+    costs = [Cost(tokens, 0) for tokens in draw(st.lists(st.integers(1, 600), min_size=2,
+                                                         max_size=12))]
+    waits: list[int] = []
+    for k, cost in enumerate(costs):
+        result = limiter.admit(cost, f"r{k}", now)
+        if isinstance(result, Reject):
+            assert result.retry_after_ms is not None
+            waits.append(result.retry_after_ms)
+        else:  # admitted after one was refused: a newcomer that found room, not the herd
+            assume(not waits)
+    costs = costs[len(costs) - len(waits):]
+    assume(waits and max(waits) < MAX_HERD_WAIT_MS)
+    assert _retry_in_order(limiter, waits, now, costs) == []
