@@ -344,7 +344,7 @@ class Director:
                 raise
             finally:
                 self.leases.closed(lease_id)
-        self._give_back(tenant, lease_id)
+        self._give_back(tenant, lease_id, served=True)  # answered: it counts one request
         return [(m.name, pool.name) for pool in self.config.pools for m in pool.models], decision
 
     def _route(
@@ -533,14 +533,22 @@ class Director:
             self._give_back(tenant, lease_id)
         return placed
 
-    def _give_back(self, tenant: Tenant, lease_id: str) -> None:
-        """Give back the limits of a request that never ran (it left its wait, was refused
-        after it, or was a GET), under the tenant's policy *now*: a reload may have come
-        while it waited, and the limits store takes a policy it is passed as the tenant's
-        current one — the one read before the wait would undo the reload for the tenant
-        (a token bucket or shaper the reload added dropped, then started again full or
-        empty by the next admission)."""
-        self.store.release_soon(tenant.name, self.tenants.policy(tenant), lease_id, 0)
+    def _give_back(self, tenant: Tenant, lease_id: str, *, served: bool = False) -> None:
+        """Give back the limits of a request that never ran (it left its wait, or kvgate
+        refused it after admitting it: its deadline passed in the queue, the queue was full,
+        a shutdown), or of a GET kvgate answered itself (``served``: it keeps its request
+        charge), under the tenant's policy *now*: a reload may have come while it waited,
+        and the limits store takes a policy it is passed as the tenant's current one — the
+        one read before the wait would undo the reload for the tenant (a token bucket or
+        shaper the reload added dropped, then started again full or empty by the next
+        admission).
+
+        One never served gets every charge back — its request and window entry as well as
+        its tokens — as if it had been refused at admission: its client retries (after the
+        503's Retry-After, or on its own), and that retry was charged a second time for one
+        request nobody served, and refused by the request rate for it."""
+        self.store.release_soon(tenant.name, self.tenants.policy(tenant), lease_id, 0,
+                                served=served)
 
     def _queue_price(self, tenant: Tenant, route: Route, weight: float) -> int:
         """What the fair order charges a queued request when it is dispatched: its prompt
@@ -620,7 +628,7 @@ class Director:
                 admission.scheduler.release(admission.lease_id, self.clock(), completed=False)
             self.kick(admission.pool)
             self.store.release_soon(tenant.name, self.tenants.policy(tenant),
-                                    admission.lease_id, used_tokens)
+                                    admission.lease_id, used_tokens, served=sent)
             if admission.charged is not None and used_tokens is not None and (
                     output_tokens is not None):
                 real = self._price(max(0, used_tokens - output_tokens), output_tokens,

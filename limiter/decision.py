@@ -210,6 +210,8 @@ class _Lease:
     quotas_charged: tuple[Period, ...]
     expires_ms: int | None
     started_ms: int
+    requests_charged: bool = False  # to the request bucket
+    window_ts: int | None = None  # when its entry was logged in the sliding window
     slot: tuple[int, Rate] | None = None  # its shaper slot, and the rate it was taken at
 
 
@@ -436,8 +438,8 @@ class TenantLimiter:
         if waits:
             waits = self._schedule(waits, cost.requests, cost.tokens, now_ms)
             return wait_reject(waits, self.remaining(now_ms))
-        self._consume(cost, now_ms)
-        lease = self._leases[lease_id] = self._new_lease(cost, quotas, now_ms)
+        window_ts = self._consume(cost, now_ms)
+        lease = self._leases[lease_id] = self._new_lease(cost, quotas, now_ms, window_ts)
         hold = 0
         if self._shaper is not None and cost.requests:
             slot = self._shaper.take(now_ms)
@@ -456,31 +458,39 @@ class TenantLimiter:
         quotas = self._quota_views(now_ms) if self.policy._quotas else []
         return lambda: remaining_of(_view_of(request_state), _view_of(token_state), quotas)
 
-    def _new_lease(self, cost: Cost, quotas: list[QuotaView], now_ms: int) -> _Lease:
+    def _new_lease(self, cost: Cost, quotas: list[QuotaView], now_ms: int,
+                   window_ts: int | None) -> _Lease:
         expires = None if self.lease_ttl_ms is None else now_ms + self.lease_ttl_ms
         if expires is not None:
             self._lower_next_expiry(expires)
         periods = tuple(quota.period for quota in quotas) if quotas else ()
-        return _Lease(cost, self._tokens is not None, periods, expires, now_ms)
+        return _Lease(cost, self._tokens is not None, periods, expires, now_ms,
+                      self._requests is not None, window_ts)
 
     def release(self, lease_id: str, used_tokens: int | None, now_ms: int, *,
-                timed: bool = True) -> bool:
+                served: bool = True) -> bool:
         """Free the lease exactly once (False on repeats, or once its TTL passed) and
         reconcile reserved vs used tokens on the token bucket and the quotas it was charged to.
         A request released before its shaper slot (its client left while held) gives the
         slot back.
 
         ``used_tokens=None`` (usage unknown: error, disconnect) counts the reservation as used.
+        ``served=False``: it never ran (it left the queue or its hold, kvgate refused it after
+        admitting it, or its admission was given up on): every charge comes back — its
+        request, its window entry and its whole reservation — as for a refused request, so
+        its client's retry is not charged twice.
         """
         if self._next_expiry is not None:
             self.expire_leases(now_ms)
+        if not served:
+            used_tokens = 0
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             gone = self._take_gone(lease_id, now_ms)
             if gone is not None:  # no slot to free: its reservation is still settled
-                self._settle(gone, used_tokens, now_ms)
+                self._settle(gone, used_tokens, now_ms, served)
             return False
-        if timed and (used_tokens is None or used_tokens > 0):
+        if served and (used_tokens is None or used_tokens > 0):
             # a request that ran (one that used nothing never did: it left the queue, or it
             # was a GET) — its duration joins the observed mean
             self._mean_ms, self._samples = observe(self._mean_ms, self._samples,
@@ -488,7 +498,7 @@ class TenantLimiter:
         shaper = self._shaper
         if lease.slot is not None and shaper is not None and shaper.rate == lease.slot[1]:
             shaper.give_back(lease.slot[0], now_ms)  # not sent yet (its client left): a hole
-        self._settle(lease, used_tokens, now_ms)
+        self._settle(lease, used_tokens, now_ms, served)
         return True
 
     def _take_gone(self, lease_id: str, now_ms: int) -> _Lease | None:
@@ -504,9 +514,15 @@ class TenantLimiter:
         if self._gone:
             self._gone = {k: v for k, v in self._gone.items() if v[0] > now_ms}
 
-    def _settle(self, lease: _Lease, used_tokens: int | None, now_ms: int) -> None:
+    def _settle(self, lease: _Lease, used_tokens: int | None, now_ms: int,
+                served: bool) -> None:
         """Reconcile a lease's reserved tokens with those used, on the token bucket and
-        the quotas it was charged to."""
+        the quotas it was charged to; one never served gives back its request too."""
+        if not served:
+            if lease.requests_charged and self._requests is not None:
+                self._requests.refund(lease.cost.requests, now_ms)
+            if lease.window_ts is not None and self._window is not None:
+                self._window.refund_at(lease.window_ts, lease.cost.requests, now_ms)
         reserved = lease.cost.tokens
         used = reserved if used_tokens is None else max(0, used_tokens)
         if lease.tokens_charged and self._tokens is not None:
@@ -648,12 +664,15 @@ class TenantLimiter:
         bound = now_ms + MAX_HERD_WAIT_MS + rate_interval(shaper.backlog + 1, rate)
         self._promised[Reason.SHAPING] = min(base + rate_interval(1, rate), bound)
 
-    def _consume(self, cost: Cost, now_ms: int) -> None:
+    def _consume(self, cost: Cost, now_ms: int) -> int | None:
+        """Charge every dimension; returns when the window logged it (None: no window)."""
+        window_ts = None
         if self._requests is not None:
             self._requests.consume(cost.requests, now_ms)
         if self._window is not None:
-            self._window.consume(cost.requests, now_ms)
+            window_ts = self._window.consume(cost.requests, now_ms)
         if self._tokens is not None:
             self._tokens.consume(cost.tokens, now_ms)
         for period, _ in self.policy._quotas:
             self._quotas[period].consume(cost.tokens, now_ms)
+        return window_ts

@@ -48,13 +48,17 @@ class LimiterStore(Protocol):
         ...
 
     async def release(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> bool:
-        """Release a lease exactly once; False if unknown, expired or already released."""
+        """Release a lease exactly once; False if unknown, expired or already released.
+        ``served=False``: the request never ran, and every charge of its admission comes
+        back (its request and window entry too, not only its tokens)."""
         ...
 
     def release_soon(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> None:
         """:meth:`release`, not waiting for the store's answer (the request path's way)."""
         ...
@@ -101,7 +105,8 @@ class SharedStore(LimiterStore, Protocol):
         ...
 
     def queue_release(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> asyncio.Future[Any]:
         """:meth:`release`, sent without waiting: the future gets its answer or failure."""
         ...

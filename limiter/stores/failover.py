@@ -142,6 +142,7 @@ class _Owed:
     cancel: bool
     used_tokens: int | None = None
     usage: bool = False
+    served: bool = True  # a release: False gives every charge back (the request never ran)
 
 
 def _vaguer(owed: _Owed, known: _Owed) -> bool:
@@ -270,15 +271,17 @@ class FailoverStore:
         return decision
 
     async def release(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> bool:
-        held = self._let_go(tenant, policy, lease_id, used_tokens)
+        held = self._let_go(tenant, policy, lease_id, used_tokens, served)
         if held is None:
             return False
         if held.place == "primary" and not held.unsure:
-            owed = _Owed(tenant, policy, cancel=False, used_tokens=used_tokens)
+            owed = _Owed(tenant, policy, cancel=False, used_tokens=used_tokens, served=served)
             ok, result, _error = await self._try(
-                tenant, lambda: self.primary.release(tenant, policy, lease_id, used_tokens)
+                tenant, lambda: self.primary.release(tenant, policy, lease_id, used_tokens,
+                                                     served=served)
             )
             if not ok:
                 self._owe(lease_id, owed)
@@ -288,20 +291,22 @@ class FailoverStore:
         return True
 
     def release_soon(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> None:
         """:meth:`release` without waiting for Redis's answer (the request path's: no task
         per release): a release Redis does not confirm is owed, as when :meth:`release`
         fails, and the breaker learns of it all the same."""
-        held = self._let_go(tenant, policy, lease_id, used_tokens)
+        held = self._let_go(tenant, policy, lease_id, used_tokens, served)
         if held is None or held.place != "primary" or held.unsure:
             return
-        owed = functools.partial(_Owed, tenant, policy, cancel=False, used_tokens=used_tokens)
+        owed = functools.partial(_Owed, tenant, policy, cancel=False, used_tokens=used_tokens,
+                                 served=served)
         allowed = self._allow(tenant)
         if allowed is None:
             self._owe(lease_id, owed())
             return
-        sent = self.primary.queue_release(tenant, policy, lease_id, used_tokens)
+        sent = self.primary.queue_release(tenant, policy, lease_id, used_tokens, served=served)
         sent.add_done_callback(functools.partial(self._release_answered, allowed, lease_id,
                                                  owed))
 
@@ -323,7 +328,8 @@ class FailoverStore:
         self._owe(lease_id, owed())
 
     def _let_go(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None,
+        served: bool,
     ) -> _Held | None:
         """Forget ``lease_id`` here (None: it was not held), release it where the fallback
         served it, and owe Redis what it must still learn of it; the caller releases a
@@ -332,7 +338,8 @@ class FailoverStore:
         if held is None:
             return None
         if held.place == "local":
-            self.local.release_soon(tenant, self._local(policy), lease_id, used_tokens)
+            self.local.release_soon(tenant, self._local(policy), lease_id, used_tokens,
+                                    served=served)
         if held.fallback and used_tokens and (
                 policy.daily_token_quota or policy.monthly_token_quota):
             # served while Redis was unreachable (or admitted there without an answer, which
@@ -517,7 +524,8 @@ class FailoverStore:
                 await self.primary.charge_usage(owed.tenant, owed.policy, lease_id,
                                                 owed.used_tokens or 0)
             else:
-                await self.primary.release(owed.tenant, owed.policy, lease_id, owed.used_tokens)
+                await self.primary.release(owed.tenant, owed.policy, lease_id, owed.used_tokens,
+                                           served=owed.served)
             if self._owed.get(lease_id) is owed:
                 del self._owed[lease_id]
             if self._cluster:

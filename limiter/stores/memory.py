@@ -114,26 +114,31 @@ class MemoryStore:
         return self.limiter(tenant, policy, now_ms).admit(cost, lease_id, now_ms)
 
     async def release(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> bool:
-        return self._release(tenant, policy, lease_id, used_tokens)
+        return self._release(tenant, policy, lease_id, used_tokens, served)
 
     def release_soon(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> None:
-        self._release(tenant, policy, lease_id, used_tokens)
+        self._release(tenant, policy, lease_id, used_tokens, served)
 
     def _release(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None,
+        served: bool,
     ) -> bool:
         now_ms = self._clock()
-        return self.limiter(tenant, policy, now_ms).release(lease_id, used_tokens, now_ms)
+        return self.limiter(tenant, policy, now_ms).release(lease_id, used_tokens, now_ms,
+                                                            served=served)
 
     async def cancel(self, tenant: str, policy: TenantPolicy, lease_id: str) -> None:
-        """A call in this process always answers, so only the lease can be left to free
-        (not timed: an admission given up on says nothing of request durations)."""
+        """A call in this process always answers: the lease is freed and everything it
+        charged given back, as the Redis store's cancel does (not timed: an admission given
+        up on says nothing of request durations)."""
         now_ms = self._clock()
-        self.limiter(tenant, policy, now_ms).release(lease_id, 0, now_ms, timed=False)
+        self.limiter(tenant, policy, now_ms).release(lease_id, 0, now_ms, served=False)
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
         limiter = self._tenants.get(tenant)

@@ -844,7 +844,9 @@ return finish(st, NOW, 'ok', {hold})
 # comes later; '' = release; 'u' = usage: tokens admissions Redis never saw used, served while
 # it was unreachable, charged to the quotas once per id however often it is resent within
 # an hour), then
-# (lease id, used tokens) pairs: used '' = unknown, the reservation counts as used. Several
+# (lease id, used tokens) pairs: used '' = unknown, the reservation counts as used; 'n' =
+# never served (it left the queue, or kvgate refused it after admitting it): everything its
+# admission charged comes back, as for a cancel (TenantLimiter.release served=False). Several
 # leases of one tenant in one call (the store coalesces the releases of concurrent
 # requests): the tenant is opened and saved once, each lease is settled exactly as a call of
 # its own would. A lease re-asserted without its admission's record (Redis lost it, or never
@@ -890,9 +892,10 @@ for i = OP + 1, last, 2 do
     table.insert(out, held and 1 or 0)
     any = any or held
     local started = meta and lease_start(meta)
+    local unserved = cancel or used_arg == 'n'
     -- a cancelled admission's time, or a request that used nothing (it left the queue, or
     -- it was a GET), says nothing of durations (TenantLimiter.release)
-    if held and started and not cancel and used_arg ~= '0' then
+    if held and started and not unserved and used_arg ~= '0' then
       H = herd()
       herd_observe(H, NOW - started)
     end
@@ -906,9 +909,9 @@ for i = OP + 1, last, 2 do
     for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
     local reserved, tb, day, month = tonumber(f[1]), f[2], f[3], f[4]
     local used = reserved
-    if cancel then used = 0
+    if unserved then used = 0
     elseif used_arg ~= '' then used = math.max(0, tonumber(used_arg)) end
-    if cancel and f[5] then
+    if unserved and f[5] then
       local requests = tonumber(f[5])
       if f[6] == '1' and st.req then tb_refund(st.req, requests, NOW); req_dirty = true end
       if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end

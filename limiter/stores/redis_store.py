@@ -243,18 +243,23 @@ class RedisStore:
         return Admit(lease_id, cost, snap.remaining(), int(rest[0]) if rest else 0)
 
     async def release(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> bool:
-        return bool(await self.queue_release(tenant, policy, lease_id, used_tokens))
+        return bool(await self.queue_release(tenant, policy, lease_id, used_tokens,
+                                             served=served))
 
     def release_soon(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> None:
         """Unconfirmed: a failure is dropped (``FailoverStore.release_soon`` owes it)."""
-        self.queue_release(tenant, policy, lease_id, used_tokens).add_done_callback(ignore_failure)
+        self.queue_release(tenant, policy, lease_id, used_tokens,
+                           served=served).add_done_callback(ignore_failure)
 
     def queue_release(
-        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None
+        self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,
+        served: bool = True,
     ) -> asyncio.Future[Any]:
         """The release, sent without waiting; the future gets whether Redis held the lease,
         or the call's failure. Coalesced: the first release of a tenant (and policy) is
@@ -263,7 +268,8 @@ class RedisStore:
         ``RELEASE_BATCH`` a call). Each lease is still released exactly once (the script
         drops a lease it no longer has), and a failed call fails each of its releases (the
         failover store then owes each one to Redis, as for a single call)."""
-        used: int | str = "" if used_tokens is None else min(max(0, used_tokens), MAX_COUNT)
+        used: int | str = ("n" if not served else "" if used_tokens is None
+                           else min(max(0, used_tokens), MAX_COUNT))
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         key = (tenant, policy)

@@ -118,6 +118,7 @@ ops = st.one_of(
     st.tuples(st.just("admit"), st.integers(0, 400), st.integers(0, 400), st.just(1)),
     st.tuples(st.just("release"), st.integers(0, 10**6),
               st.one_of(st.none(), st.integers(0, 2000))),
+    st.tuples(st.just("unserved"), st.integers(0, 10**6)),  # left the queue, or refused
     st.tuples(st.just("check")),
     st.tuples(st.just("renew"), st.integers(0, 10**6)),
     st.tuples(st.just("advance"), st.one_of(st.integers(0, 50), st.integers(0, 3000))),
@@ -147,6 +148,9 @@ async def _step(
         lease = leases[op[1] % len(leases)] if leases else "never"
         used = None if op[2] is None else held.get(lease, 0) * op[2] // 1000
         return await store.release("acme", policy, lease, used)
+    if kind == "unserved":
+        lease = leases[op[1] % len(leases)] if leases else "never"
+        return await store.release("acme", policy, lease, 0, served=False)
     if kind == "renew":
         await store.renew("acme", [leases[op[1] % len(leases)]] if leases else [])
         return await store.in_flight("acme")
@@ -333,21 +337,46 @@ CANCELLABLE = TenantPolicy(
 )
 
 
-async def test_cancel_refunds_an_admission_that_ran(client: aioredis.Redis) -> None:
-    def amounts(usage: dict) -> tuple[int, ...]:
-        return (usage["requests"]["available"], usage["tokens"]["available"],
-                usage["window"]["used"], usage["quotas"]["daily"]["used"], usage["in_flight"])
+def _amounts(usage: dict[str, Any]) -> tuple[int, ...]:
+    """What an admission charges, from a store's usage view."""
+    return (usage["requests"]["available"], usage["tokens"]["available"],
+            usage["window"]["used"], usage["quotas"]["daily"]["used"], usage["in_flight"])
 
+
+async def test_cancel_refunds_an_admission_that_ran(client: aioredis.Redis) -> None:
     clock = FakeClock()
     store = RedisStore(client, clock=clock)
     await store.admit("acme", CANCELLABLE, Cost(10, 10), "kept")
-    before = amounts(await store.usage("acme", CANCELLABLE))
+    before = _amounts(await store.usage("acme", CANCELLABLE))
     for lease_id in ("same-ms", "other"):  # one window entry merged with "kept", one apart
         assert isinstance(await store.admit("acme", CANCELLABLE, Cost(100, 200), lease_id), Admit)
         await store.cancel("acme", CANCELLABLE, lease_id)
-        assert amounts(await store.usage("acme", CANCELLABLE)) == before
+        assert _amounts(await store.usage("acme", CANCELLABLE)) == before
         assert await store.release("acme", CANCELLABLE, lease_id, 5) is False
         clock.now += 3
+
+
+async def test_a_request_never_served_gives_back_its_request_on_both_stores(
+    client: aioredis.Redis,
+) -> None:
+    """A request that left kvgate's queue unserved (its deadline passed, its client left)
+    got its tokens back but kept its request-rate and window charges: the client's retry
+    was refused for a request nobody served (by the window below, for 60 s)."""
+    clock = FakeClock()
+    policy = dataclasses.replace(CANCELLABLE, request_burst=2, window_limit=2)
+    stores: list[LimiterStore] = [MemoryStore(clock), RedisStore(client, clock=clock)]
+    for store in stores:
+        assert isinstance(await store.admit("acme", policy, Cost(10, 10), "kept"), Admit)
+        before = _amounts(await store.usage("acme", policy))
+        for lease_id in ("same-ms", "other"):  # one window entry merged with "kept", one apart
+            admitted = await store.admit("acme", policy, Cost(100, 200), lease_id)
+            assert isinstance(admitted, Admit)
+            assert await store.release("acme", policy, lease_id, 0, served=False)
+            assert _amounts(await store.usage("acme", policy)) == before
+            clock.now += 3
+        retry = await store.admit("acme", policy, Cost(100, 200), "retry")
+        assert isinstance(retry, Admit), retry
+        clock.now = EPOCH_2026
 
 
 async def test_cancel_before_the_admission_lands_makes_it_charge_nothing(

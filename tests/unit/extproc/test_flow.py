@@ -21,9 +21,10 @@ from limiter.stores import MemoryStore
 ENDPOINT = "127.0.0.1:1"
 
 
-def config(deadline_s=5.0, more_pools=()):
+def config(deadline_s=5.0, more_pools=(), limits=None):
     return parse_config({
-        "tiers": {"gold": {"weight": 3}, "free": {"weight": 1}},
+        "tiers": {"gold": {"weight": 3, **({"limits": limits} if limits else {})},
+                  "free": {"weight": 1}},
         "classes": {name: {"priority": p, "deadline_s": deadline_s}
                     for p, name in enumerate(["interactive", "batch", "offline"])},
         "queue": {"aging_s": None},
@@ -119,6 +120,24 @@ async def test_deadline_passes_503_and_nothing_is_held():
     assert isinstance(outcome, Reject)
     assert (outcome.status, outcome.reason) == (503, "pool_saturated")
     assert outcome.retry_after_ms >= 1000
+    assert await h.nothing_held()
+    await h.flow.stop()
+
+
+async def test_a_request_refused_at_its_deadline_gives_back_its_request_charge():
+    """Its request-rate and sliding-window charges as well as its tokens: it was never
+    served, and its client's retry after the 503 was refused by the request rate (429,
+    retry after 10 s) for the request kvgate itself had refused."""
+    limits = {"requests_per_second": 0.1, "request_burst": 1,
+              "sliding_window": {"requests": 1, "window_ms": 60_000}}
+    h = Harness(config(deadline_s=0.2, limits=limits))
+    await h.start(usage=0.99)
+    outcome = await asyncio.wait_for(h.admit(), 2)
+    assert isinstance(outcome, Reject) and outcome.reason == "pool_saturated"
+    await h.set_usage(0.1)
+    retry = await asyncio.wait_for(h.admit(), 2)
+    assert isinstance(retry, Admission), retry
+    await h.director.release(retry, 10)
     assert await h.nothing_held()
     await h.flow.stop()
 
