@@ -4,6 +4,11 @@ the transitions it returns (one log line and one metric each).
 While Redis is failing, every admission would otherwise wait out its timeout budget first;
 an open breaker skips straight to the failure policy, and a single probe per ``open_ms``
 notices when Redis is back, so limits resume within about ``open_ms``.
+
+A probe that never reports (its caller was cancelled: a client that went away while its
+admission was the probe) must not hold the breaker half-open for good, every later call
+skipping Redis with nothing left to close it: a probe not heard of within ``open_ms`` is
+taken as lost, and the next call probes again.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from enum import StrEnum
 class BreakerState(StrEnum):
     CLOSED = "closed"  # healthy: calls go to the store
     OPEN = "open"  # failing: calls skip the store until open_ms has passed
-    HALF_OPEN = "half_open"  # one probe call is in flight; the rest still skip
+    HALF_OPEN = "half_open"  # one probe call is in flight (open_ms at most); the rest skip
 
 
 @dataclass(frozen=True)
@@ -32,15 +37,19 @@ class CircuitBreaker:
         self.open_ms = open_ms
         self.state = BreakerState.CLOSED
         self._failures = 0
-        self._opened_at = 0
+        self._opened_at = 0  # when it opened, or (half-open) when the probe went
 
     def allow(self, now_ms: int) -> tuple[bool, Transition | None]:
-        """May this call go to the store? An open breaker lets one probe through per open_ms."""
+        """May this call go to the store? An open breaker lets one probe through per open_ms
+        (a half-open one too: its probe was lost)."""
         if self.state is BreakerState.CLOSED:
             return True, None
-        if self.state is BreakerState.OPEN and now_ms - self._opened_at >= self.open_ms:
-            return True, self._move(BreakerState.HALF_OPEN)
-        return False, None
+        if now_ms - self._opened_at < self.open_ms:
+            return False, None
+        self._opened_at = now_ms
+        if self.state is BreakerState.HALF_OPEN:
+            return True, None
+        return True, self._move(BreakerState.HALF_OPEN)
 
     def success(self) -> Transition | None:
         self._failures = 0

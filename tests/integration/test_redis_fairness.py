@@ -307,3 +307,58 @@ async def test_a_pools_fair_order_on_its_own_counters_shows_in_its_metrics() -> 
         finally:
             server.resume()
         await fair.close()
+
+
+async def test_a_queued_client_gone_during_the_probe_does_not_keep_the_order_local() -> None:
+    """Redis paused: a request whose client leaves while its queue's ``activate`` is the
+    breaker's probe cancels the probe, which then reports nothing. The pool's fair order
+    stayed this process's own for good (``kvgate_queue_breaker_open`` 1) with Redis back;
+    now the next call after ``breaker_open_ms`` probes again."""
+    from extproc.config import hash_api_key, parse_config
+    from extproc.metrics import Metrics
+    from extproc.wiring import build_fairness
+
+    with RedisServer() as server:
+        config = parse_config({  # a long call budget holds the probe while its client leaves
+            "redis": {"url": server.url, "timeout_ms": 1000, "breaker_failures": 1,
+                      "breaker_open_ms": 300},
+            "tiers": {"t": {}},
+            "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
+            "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
+        })
+        metrics = Metrics()
+        fair = build_fairness(config, "one", metrics)
+        assert isinstance(fair, FailoverFairness)
+
+        def sample(name: str) -> float | None:
+            return metrics.registry.get_sample_value(name, {"pool": "one"})
+
+        def two(n: object) -> list[Offer]:  # two tenants: a choice Redis must make
+            return offers(req(f"a{n}", "A", 10, band=1), req(f"b{n}", "B", 10, band=1))
+
+        assert await fair.choose(two("x")) is not None
+        server.pause()
+        try:
+            assert await fair.choose(two(0)) is not None  # timed out: the breaker opens
+            await asyncio.sleep(0.3)  # breaker_open_ms: the next call probes
+            probe = asyncio.create_task(fair.activate("A"))
+            await asyncio.sleep(0.05)
+            assert fair.breaker.state == "half_open"
+            probe.cancel()  # the queued request's client went away
+            with pytest.raises(asyncio.CancelledError):
+                await probe
+        finally:
+            server.resume()
+        resumed, n = time.monotonic(), 1
+        while sample("kvgate_queue_breaker_open"):  # within breaker_open_ms, plus a call
+            assert time.monotonic() - resumed < 1.5, "Redis is back but never probed"
+            assert await fair.choose(two(n)) is not None
+            n += 1
+            await asyncio.sleep(0.02)
+        local = sample("kvgate_queue_fallback_choices_total")
+        assert await fair.choose(two("y")) is not None
+        assert sample("kvgate_queue_fallback_choices_total") == local  # Redis chose
+        while fair._undos:  # the choice that timed out is undone in Redis
+            assert time.monotonic() - resumed < 3.0
+            await asyncio.sleep(0.02)
+        await fair.close()

@@ -207,6 +207,54 @@ async def test_a_paused_redis_leaves_no_lease_behind(redis_server, redis_url, po
             await raw.aclose()
 
 
+@pytest.mark.parametrize("policy", ["fail_closed", "local"])
+async def test_a_client_gone_during_the_breakers_probe_does_not_keep_redis_bypassed(
+        redis_server, redis_url, policy):
+    """Redis paused: a client that leaves while its admission is the breaker's probe cancels
+    the probe, which then reports nothing. The breaker stayed half-open for good (every
+    later request on the failure policy — fail_closed: 503s — with Redis back); now the
+    next request after ``breaker_open_ms`` probes again, and nothing is left in Redis."""
+    # a long call budget holds the probe on the paused Redis while its client leaves
+    cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy, timeout_ms=1000,
+                 breaker_failures=1)
+    async with serving(cfg) as (server, client):
+        store = server.director.store
+        assert isinstance(store, FailoverStore)
+        raw = aioredis.from_url(redis_url)
+        try:
+            assert (await client.chat(KEY, BODY, response=USAGE)).admitted
+            redis_server.pause()
+            try:
+                await client.chat(KEY, BODY, response=USAGE)  # times out: the breaker opens
+                assert store.breaker.state == "open"
+                await asyncio.sleep(0.3)  # breaker_open_ms: the next admission probes
+                probe = asyncio.create_task(client.chat(KEY, BODY, response=USAGE))
+                deadline = time.monotonic() + 1
+                while store.breaker.state != "half_open":
+                    assert time.monotonic() < deadline, "no probe went to Redis"
+                    await asyncio.sleep(0.005)
+                probe.cancel()  # the client goes away while its admission waits on Redis
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probe
+                await asyncio.sleep(0.1)  # (kvgate's handler sees the cancellation)
+            finally:
+                redis_server.resume()
+            resumed = time.monotonic()
+            while store.breaker.state != "closed":  # within breaker_open_ms, plus a call
+                assert time.monotonic() - resumed < 1.5, "Redis is back but never probed"
+                await client.chat(KEY, BODY, response=USAGE)
+                await asyncio.sleep(0.02)
+            assert server.metrics.store_state.collect()[0].samples[0].value == 0
+            outcome, call, _reply = await client.open(KEY, BODY)  # admitted by Redis again
+            assert outcome.admitted and await raw.zcard(store.primary.keys("acme")[4]) == 1
+            call.cancel()
+            while await raw.keys("*:leases") or not store.idle():  # nothing left behind
+                assert time.monotonic() - resumed < 3.0, (await raw.keys("*"), store.debug())
+                await asyncio.sleep(0.02)
+        finally:
+            await raw.aclose()
+
+
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed", "local"])
 async def test_a_restarted_redis_keeps_concurrency_exact(redis_server, redis_url, policy):
     cfg = config(redis_url, {"max_concurrency": 2}, failure_policy=policy)

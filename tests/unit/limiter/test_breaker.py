@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from limiter import Rate, TenantPolicy
-from limiter.breaker import BreakerState, CircuitBreaker
+from limiter.breaker import BreakerState, CircuitBreaker, Transition
 from limiter.share import scale_policy
 
 
@@ -22,6 +22,18 @@ def test_opens_after_consecutive_failures_and_probes_once_per_period():
     assert breaker.allow(1003)[0] is True
     assert breaker.success().new is BreakerState.CLOSED
     assert breaker.allow(1004) == (True, None)
+
+
+def test_a_probe_never_heard_of_again_is_retried_after_the_open_period():
+    """A probe whose caller was cancelled reports neither success nor failure: the breaker
+    must not stay half-open for good, skipping the store with nothing left to close it."""
+    breaker = CircuitBreaker(failure_threshold=1, open_ms=500)
+    breaker.failure(0)
+    assert breaker.allow(500) == (True, Transition(BreakerState.OPEN, BreakerState.HALF_OPEN))
+    assert breaker.allow(999) == (False, None)  # the probe may still answer
+    assert breaker.allow(1000) == (True, None)  # lost: one more probe, still half-open
+    assert breaker.allow(1001) == (False, None)
+    assert breaker.success().new is BreakerState.CLOSED
 
 
 def test_a_success_resets_the_failure_count():
