@@ -17,11 +17,16 @@ from limiter.buckets import Shaper, SlidingWindow, TokenBucket, bucket_view
 from limiter.calendar import Period, period_bounds
 from limiter.herd import (
     MAX_HERD_WAIT_MS,
+    Promised,
+    bucket_slot,
     concurrency_interval,
     concurrency_wait,
     herd_wait,
     observe,
+    promise_bucket,
+    promise_window,
     rate_interval,
+    window_slot,
 )
 from limiter.outcome import (
     Admit,
@@ -244,7 +249,7 @@ class TenantLimiter:
         self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
         self._promised: dict[Reason, int] = {}  # dimension → its last promised retry slot
         # the entries promised clients will log in the sliding window: (ms, requests)
-        self._window_promised: list[tuple[int, int]] = []
+        self._window_promised: Promised = []
         self._mean_ms = 0  # observed mean request duration (limiter.herd), and its samples
         self._samples = 0
         self.update_policy(policy, now_ms)
@@ -582,13 +587,14 @@ class TenantLimiter:
             (Reason.TOKENS, self._tokens if tokens is not None else None, tokens or 0),
         ) if bucket is not None and (cost or reason in exact)]
         for reason, bucket, cost in paced:
-            slots[reason] = self._bucket_slot(reason, bucket, cost, exact.get(reason, 0), now_ms)
+            slots[reason] = bucket_slot(self._promised.get(reason), bucket, cost,
+                                        exact.get(reason, 0), now_ms)
         window = self._window if requests else None
         if window is not None:
-            self._window_promised = [p for p in self._window_promised if p[0] >= now_ms]
-            window_slot = window.herd_wait_ms(requests, now_ms, self._window_promised)
+            own_slot, self._window_promised = window_slot(window, requests, now_ms,
+                                                          self._window_promised)
             slots[Reason.WINDOW] = max(exact.get(Reason.WINDOW, 0),
-                                       min(window_slot, MAX_HERD_WAIT_MS))
+                                       min(own_slot, MAX_HERD_WAIT_MS))
         shaper = self._shaper if requests else None
         if shaper is not None:
             slots[Reason.SHAPING] = self._shaper_slot(shaper, exact.get(Reason.SHAPING, 0),
@@ -601,48 +607,17 @@ class TenantLimiter:
                 self._promised[reason] = now_ms + slot
         final = max(slots.values())
         for reason, bucket, cost in paced:
-            self._promise_bucket(reason, bucket, cost, final, now_ms)
-        if window is not None and window_slot <= final:  # past the bound: no place to keep
-            self._promise_window(window, now_ms + final, requests)
+            self._promised[reason] = promise_bucket(self._promised.get(reason), bucket, cost,
+                                                    final, now_ms)
+        if window is not None and own_slot <= final:  # past the bound: no place to keep
+            self._window_promised = promise_window(self._window_promised, window.window_ms,
+                                                   now_ms + final, requests)
         if shaper is not None:
             self._promise_shaper(shaper, final, now_ms)
         scheduled = [(reason, slots[reason]) for reason, _ in waits]
         top = max(range(len(scheduled)), key=lambda i: scheduled[i][1])
         scheduled[top] = (scheduled[top][0], final)  # one that did not refuse may set it
         return scheduled
-
-    def _bucket_slot(self, reason: Reason, bucket: TokenBucket, cost: int, wait: int,
-                     now_ms: int) -> int:
-        """This client's slot in a token bucket's schedule (GCRA): its promise is when the
-        bucket would be full again once every client promised a slot has taken its cost, so
-        the client fits once that virtual bucket holds its cost — a bucket with room to
-        spare for the promised clients does not space them."""
-        promised = self._promised.get(reason)
-        if promised is None or promised <= now_ms + bucket.reset_ms(now_ms):
-            return wait  # nothing promised beyond the bucket's own state
-        rate = bucket.rate
-        spare = (bucket.capacity - cost) * rate.period_ms // rate.amount
-        return max(wait, min(promised - spare - now_ms, MAX_HERD_WAIT_MS))
-
-    def _promise_bucket(self, reason: Reason, bucket: TokenBucket, cost: int, final: int,
-                        now_ms: int) -> None:
-        """The bucket's virtual full time once this client takes ``cost`` at ``now + final``
-        (bounded: a client refused in a loop must not push it on forever)."""
-        rate = bucket.rate
-        full = now_ms + max(bucket.reset_ms(now_ms), final)
-        base = max(self._promised.get(reason, full), full)
-        bound = max(full, now_ms + MAX_HERD_WAIT_MS) + rate_interval(bucket.capacity, rate)
-        self._promised[reason] = min(base + rate_interval(cost, rate), bound)
-
-    def _promise_window(self, window: SlidingWindow, at_ms: int, requests: int) -> None:
-        """The entry this client will log when it comes back at ``at_ms``; entries a window
-        before the last one no longer bear on a later slot."""
-        promised = self._window_promised
-        if promised and promised[-1][0] == at_ms:
-            requests += promised.pop()[1]
-        promised.append((at_ms, requests))
-        horizon = at_ms - window.window_ms
-        self._window_promised = [p for p in promised if p[0] > horizon]
 
     def _shaper_slot(self, shaper: Shaper, wait: int, now_ms: int) -> int:
         """This client's slot in the shaper's schedule: its promise is the backlog's virtual

@@ -26,7 +26,9 @@ Pure integer math so the Redis scripts (:mod:`limiter.stores.redis_scripts`) red
 
 from __future__ import annotations
 
-from limiter.buckets import ceil_div
+from collections.abc import Sequence
+
+from limiter.buckets import SlidingWindow, TokenBucket, ceil_div
 from limiter.rates import Rate
 
 MAX_HERD_WAIT_MS = 60_000
@@ -51,6 +53,81 @@ def herd_wait(now_ms: int, wait_ms: int, tat: int | None, interval_ms: int) -> i
 def rate_interval(cost: int, rate: Rate) -> int:
     """Ms for a bucket refilling at ``rate`` to refill ``cost`` (rounded up)."""
     return ceil_div(cost * rate.period_ms, rate.amount)
+
+
+def bucket_slot(promised: int | None, bucket: TokenBucket, cost: int, wait: int,
+                now_ms: int) -> int:
+    """This client's slot in a token bucket's schedule (GCRA): ``promised`` is when the
+    bucket would be full again once every client promised a slot has taken its cost, so
+    the client fits once that virtual bucket holds its cost — a bucket with room to spare
+    for the promised clients does not space them."""
+    if promised is None or promised <= now_ms + bucket.reset_ms(now_ms):
+        return wait  # nothing promised beyond the bucket's own state
+    rate = bucket.rate
+    spare = (bucket.capacity - cost) * rate.period_ms // rate.amount
+    return max(wait, min(promised - spare - now_ms, MAX_HERD_WAIT_MS))
+
+
+def promise_bucket(promised: int | None, bucket: TokenBucket, cost: int, final: int,
+                   now_ms: int) -> int:
+    """The bucket's virtual full time once this client takes ``cost`` at ``now + final``
+    (bounded: a client refused in a loop must not push it on forever)."""
+    rate = bucket.rate
+    full = now_ms + max(bucket.reset_ms(now_ms), final)
+    base = full if promised is None else max(promised, full)
+    bound = max(full, now_ms + MAX_HERD_WAIT_MS) + rate_interval(bucket.capacity, rate)
+    return min(base + rate_interval(cost, rate), bound)
+
+
+Promised = list[tuple[int, int]]
+"""The entries promised clients will log in a sliding window at their retry: (ms, cost),
+ascending."""
+
+
+def window_slot(window: SlidingWindow, cost: int, now_ms: int,
+                promised: Sequence[tuple[int, int]]) -> tuple[int, Promised]:
+    """This client's slot in a sliding window's schedule, unbounded
+    (:meth:`SlidingWindow.herd_wait_ms`), and the promised entries still ahead (the rest
+    are kept no more)."""
+    kept = [p for p in promised if p[0] >= now_ms]
+    return window.herd_wait_ms(cost, now_ms, kept), kept
+
+
+def promise_window(promised: Promised, window_ms: int, at_ms: int, cost: int) -> Promised:
+    """The entries once this client logs ``cost`` when it comes back at ``at_ms``; entries
+    a window before the last one no longer bear on a later slot (so at most a window's
+    limit of them are kept)."""
+    promised = list(promised)
+    if promised and promised[-1][0] == at_ms:
+        cost += promised.pop()[1]
+    promised.append((at_ms, cost))
+    return [p for p in promised if p[0] > at_ms - window_ms]
+
+
+def fixed_slot(promised: int | None, used: int, limit: int, window_ms: int, cost: int,
+               wait: int, now_ms: int) -> int:
+    """This client's slot in a fixed window's schedule: ``promised`` is the start of the
+    window the last promised client comes back in and ``used`` what they will count there.
+    The client comes back in that window while it has room, else at the next one's start:
+    ``limit`` clients per window, in order."""
+    at = now_ms + wait
+    if promised is None or promised < at - at % window_ms:
+        return wait  # nothing promised from the window this client fits in on
+    if used + cost > limit:
+        promised += window_ms
+    return max(wait, promised - now_ms)
+
+
+def promise_fixed(promised: int | None, used: int, window_ms: int, cost: int,
+                  at_ms: int) -> tuple[int | None, int]:
+    """The promised window and its count once this client, back at ``at_ms``, counts
+    ``cost`` there (one before the promised one is not promised: a bounded slot)."""
+    start = at_ms - at_ms % window_ms
+    if promised is None or start > promised:
+        return start, cost
+    if start == promised:
+        return promised, used + cost
+    return promised, used
 
 
 TRIP_MS = 10

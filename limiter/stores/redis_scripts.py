@@ -577,7 +577,7 @@ local function herd_observe(H, duration)  -- limiter.herd.observe
   H.d = H.d + fdiv(math.max(0, duration) - H.d, H.n)
 end
 
--- TenantLimiter._bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is
+-- limiter.herd.bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is
 -- when it would be full again once every promised client took its cost)
 local function herd_bucket_slot(H, reason, b, cost, exact, t)
   local promised = H.tat[reason]
@@ -586,7 +586,7 @@ local function herd_bucket_slot(H, reason, b, cost, exact, t)
   return math.max(exact, math.min(promised - spare - t, MAX_HERD_WAIT))
 end
 
--- TenantLimiter._promise_bucket
+-- limiter.herd.promise_bucket
 local function herd_promise_bucket(H, reason, b, cost, final, t)
   local full = t + math.max(tb_reset(b, t), final)
   local base = math.max(H.tat[reason] or full, full)
@@ -594,7 +594,7 @@ local function herd_promise_bucket(H, reason, b, cost, final, t)
   H.tat[reason] = math.min(base + cdiv(cost * b.p, b.a), bound)
 end
 
--- TenantLimiter._promise_window: the entry this client logs when it comes back
+-- limiter.herd.promise_window: the entry this client logs when it comes back
 local function herd_promise_window(H, at, requests)
   local wp = H.wp
   if #wp > 0 and wp[#wp][1] == at then requests = requests + table.remove(wp)[2] end
