@@ -342,8 +342,9 @@ def _headers(
     entries: list[_Entry], statuses: list[rls_pb2.RateLimitResponse.DescriptorStatus]
 ) -> list[tuple[str, str]]:
     """``x-ratelimit-limit/remaining/reset`` of the tightest limit (refusing ones first,
-    then the fewest remaining), and on a refusal the exact ``retry-after(-ms)``: when every
-    refusing limit has room again (``x-should-retry: false`` if one never will)."""
+    then the fewest remaining), and on a refusal ``retry-after(-ms)``: this client's slot in
+    the herd's schedule (:func:`limiter.ratelimit.schedule`; alone, when every refusing
+    limit has room again), or ``x-should-retry: false`` if one never will."""
     limited = [(s, e) for s, e in zip(statuses, entries, strict=True)
                if s.HasField("current_limit")]
     if not limited:

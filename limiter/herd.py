@@ -21,6 +21,10 @@ expected completion: the tenant's observed mean request duration (the configured
 and 10 ms for the retry's own trip, after the oldest request in flight started; one of
 ``max_concurrency`` slots frees every such duration.
 
+The Rate Limit Service's counters (:func:`limiter.ratelimit.schedule`) are scheduled by the
+same functions, one counter per descriptor instead of one per tenant and dimension, and its
+fixed windows by :func:`fixed_slot`: a window's limit of clients per window start.
+
 Pure integer math so the Redis scripts (:mod:`limiter.stores.redis_scripts`) redo it exactly.
 """
 

@@ -9,9 +9,11 @@ reached by the *last* entry has one. Counters are per descriptor (domain plus ev
 ``key=value`` the request sent), so a key-only rule counts each value apart.
 
 What kvgate adds: a token bucket (with ``burst``) or an exact sliding window besides the
-fixed window, an exact wait for ``Retry-After``, all-or-nothing charging (a refused request
-costs nothing), and ``debt`` rules that are always charged (usage reported after the
-response, which nobody can refuse any more).
+fixed window, a wait for ``Retry-After`` that schedules a refused herd (each client its own
+slot, as :mod:`limiter.herd` does for kvgate's own limits: one exact wait told to a herd
+brought it back in the same ms, and all but the limit's worth were refused again),
+all-or-nothing charging (a refused request costs nothing), and ``debt`` rules that are
+always charged (usage reported after the response, which nobody can refuse any more).
 
 Sans-IO: the stores (:mod:`limiter.stores.ratelimit`) keep the counters.
 """
@@ -26,6 +28,16 @@ from enum import StrEnum
 from fractions import Fraction
 
 from limiter.buckets import FixedWindow, SlidingWindow, TokenBucket
+from limiter.herd import (
+    MAX_HERD_WAIT_MS,
+    Promised,
+    bucket_slot,
+    fixed_slot,
+    promise_bucket,
+    promise_fixed,
+    promise_window,
+    window_slot,
+)
 from limiter.rates import Rate
 
 UNIT_MS = {
@@ -253,14 +265,87 @@ def take(counter: Counter, cost: int, fits: bool, now_ms: int) -> None:
         counter.charge(cost, now_ms)
 
 
+@dataclass
+class Promise:
+    """The retry slots a counter promised refused clients (:mod:`limiter.herd`): a token
+    bucket's virtual full time (``at``), a fixed window's last promised window and what
+    the clients will count there (``at``, ``used``), a sliding window's promised entries.
+    Bounded (one or two integers; at most a window's limit of entries) and over once its
+    last slot is past (:func:`promised_until`)."""
+
+    at: int | None = None
+    used: int = 0
+    entries: Promised = field(default_factory=list)
+
+
+def promised_until(promise: Promise) -> int | None:
+    """The last slot promised (None: none): once past, the promise changes no answer."""
+    if promise.entries:
+        return promise.entries[-1][0]
+    return promise.at
+
+
+def _slot(counter: Counter, promise: Promise, need: int, wait: int, now_ms: int) -> int:
+    """This client's slot in one counter's schedule (unbounded for the windows)."""
+    if isinstance(counter, TokenBucket):
+        return bucket_slot(promise.at, counter, need, wait, now_ms)
+    if isinstance(counter, SlidingWindow):
+        slot, promise.entries = window_slot(counter, need, now_ms, promise.entries)
+        return max(wait, slot)
+    return fixed_slot(promise.at, promise.used, counter.limit, counter.window_ms, need, wait,
+                      now_ms)
+
+
+def _promise(counter: Counter, promise: Promise, cost: int, slot: int, final: int,
+             now_ms: int) -> None:
+    """What this client, back at ``now + final``, will take from the counter. A window's
+    slot past the bound has no place to keep (a client refused in a loop would count its
+    promises over the limit)."""
+    if isinstance(counter, TokenBucket):
+        promise.at = promise_bucket(promise.at, counter, cost, final, now_ms)
+    elif slot > final or cost == 0:
+        return
+    elif isinstance(counter, SlidingWindow):
+        promise.entries = promise_window(promise.entries, counter.window_ms, now_ms + final,
+                                         cost)
+    else:
+        promise.at, promise.used = promise_fixed(promise.at, promise.used, counter.window_ms,
+                                                 cost, now_ms + final)
+
+
+def schedule(hits: Sequence[Hit], held: Sequence[tuple[Counter, Promise]],
+             waits: Sequence[int | None], now_ms: int) -> list[int | None]:
+    """A refused call's exact waits → this client's slots (:mod:`limiter.herd`). Every
+    counter it takes from when it comes back is scheduled, refusing or not (shadow ones
+    refuse nothing), and the longest refusing wait becomes the latest slot: the
+    ``retry-after-ms``. Nothing is scheduled for a call that can never fit."""
+    paced = [i for i, hit in enumerate(hits) if not hit.shadow]
+    if any(waits[i] is None for i in paced):
+        return list(waits)
+    slots = {i: _slot(*held[i], hits[i].need, waits[i] or 0, now_ms) for i in paced}
+    bounded = {i: max(waits[i] or 0, min(slot, MAX_HERD_WAIT_MS)) for i, slot in slots.items()}
+    final = max(bounded.values())
+    for i in paced:
+        _promise(*held[i], hits[i].cost, slots[i], final, now_ms)
+    out: list[int | None] = list(waits)
+    refusing = [i for i in paced if waits[i]]
+    for i in refusing:
+        out[i] = bounded[i]
+    out[max(refusing, key=lambda i: bounded[i])] = final  # one that did not refuse may set it
+    return out
+
+
 def decide(
-    hits: Sequence[Hit], counter: Callable[[Hit], Counter], now_ms: int
+    hits: Sequence[Hit], state: Callable[[Hit], tuple[Counter, Promise]], now_ms: int
 ) -> list[Verdict]:
     """One call against counters held in this process (the Redis script mirrors it)."""
-    counters = [counter(hit) for hit in hits]
+    held = [state(hit) for hit in hits]
+    counters = [c for c, _ in held]
     waits = [wait_of(c, hit.need, now_ms) for c, hit in zip(counters, hits, strict=True)]
     fits = [w == 0 for w in waits]
     passed = admitted(hits, fits)
+    if not passed:
+        waits = schedule(hits, held, waits, now_ms)
     out = []
     for c, hit, ok, wait in zip(counters, hits, fits, waits, strict=True):
         if charged(hit, ok, passed):

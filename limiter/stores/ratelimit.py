@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from limiter.clock import wall_ms
-from limiter.ratelimit import Counter, Hit, Limit, Verdict, decide, idle, new_counter
+from limiter.ratelimit import (
+    Counter,
+    Hit,
+    Limit,
+    Promise,
+    Verdict,
+    decide,
+    idle,
+    new_counter,
+    promised_until,
+)
 
 
 @runtime_checkable
@@ -48,14 +58,21 @@ def _kept_key(key: str) -> str | bytes:
 class _Slot:
     limit: Limit
     counter: Counter
+    promise: Promise = field(default_factory=Promise)
+
+    def idle(self, now_ms: int) -> bool:
+        """Back to a new counter's state, every retry slot it promised past."""
+        until = promised_until(self.promise)
+        return idle(self.counter, now_ms) and (until is None or until < now_ms)
 
 
 class MemoryRateCounters:
     """Counters in a dict; each call is atomic on the event loop (nothing awaits).
 
     A counter is rebuilt when its rule's limit changes (a config reload): RLS limits are
-    coarse, and carrying a level across algorithms would mean nothing. Counters back to
-    their starting state are dropped every ``sweep_every`` calls, so one per client address
+    coarse, and carrying a level across algorithms would mean nothing (its retry slots are
+    forgotten with it). Counters back to their starting state, every slot they promised
+    past, are dropped every ``sweep_every`` calls, so one per client address
     or user id does not pile up; and at most ``max_counters`` are kept: a descriptor whose
     value the client chooses (an address, a header) with a day-long window would otherwise
     keep one per value all day. Past it the least recently used goes first (its client
@@ -75,10 +92,10 @@ class MemoryRateCounters:
         return len(self._slots)
 
     def _sweep(self, now_ms: int) -> None:
-        for key in [k for k, slot in self._slots.items() if idle(slot.counter, now_ms)]:
+        for key in [k for k, slot in self._slots.items() if slot.idle(now_ms)]:
             del self._slots[key]
 
-    def _counter(self, hit: Hit, now_ms: int) -> Counter:
+    def _state(self, hit: Hit, now_ms: int) -> tuple[Counter, Promise]:
         key = _kept_key(hit.key)
         slot = self._slots.pop(key, None)  # and back at the end: the most recent
         if slot is None or slot.limit != hit.limit:
@@ -86,14 +103,14 @@ class MemoryRateCounters:
                 del self._slots[next(iter(self._slots))]
             slot = _Slot(hit.limit, new_counter(hit.limit, now_ms))
         self._slots[key] = slot
-        return slot.counter
+        return slot.counter, slot.promise
 
     async def hit(self, domain: str, hits: Sequence[Hit], call_id: str) -> list[Verdict]:
         now_ms = self._clock()
         self._calls += 1
         if self._calls % self._sweep_every == 0:
             self._sweep(now_ms)
-        return decide(hits, lambda h: self._counter(h, now_ms), now_ms)
+        return decide(hits, lambda h: self._state(h, now_ms), now_ms)
 
     async def cancel(self, domain: str, hits: Sequence[Hit], call_id: str) -> None:
         """A call in this process always completes: nothing to undo."""
@@ -102,16 +119,20 @@ class MemoryRateCounters:
         """Nothing to release."""
 
 
-# Appended to the limiter's own Lua (redis_scripts._CORE + _POLICY, whose token bucket and
-# sliding window functions it calls, pointing their key upvalues at each counter in turn).
+# Appended to the limiter's own Lua (redis_scripts._CORE + _POLICY, whose token bucket,
+# sliding window and herd functions it calls, pointing their key upvalues at each counter in
+# turn).
 # ARGV[4] is a policy of zeros (unused), ARGV[5] the mode ('h' hit, 'c' cancel), ARGV[6]
 # how long a call's record lives (ms); then 7 fields per hit: algorithm ('t' token bucket,
 # 's' sliding window, 'f' fixed window), amount, period ms, capacity (the window's limit
-# for windows), window ms, cost, flags ('s' shadow, 'd' debt). KEYS: two per hit (counter,
-# its meta), then the call's record: absent (never ran), 'x' (cancelled) or what it charged.
+# for windows), window ms, cost, flags ('s' shadow, 'd' debt). KEYS: three per hit (counter,
+# its meta, its retry slots), then the call's record: absent (never ran), 'x' (cancelled) or
+# what it charged. The retry slots (limiter.ratelimit.Promise) are a hash {sig, at, n, wp}:
+# the limit they were promised under, the bucket's virtual full time or the fixed window's
+# start, what the clients count there, a sliding window's promised entries "ms:cost,...".
 _RLS = r"""
 local MODE, CALL_TTL = ARGV[5], ARGV[6]
-local N = (#KEYS - 1) / 2
+local N = (#KEYS - 1) / 3
 local KCALL = KEYS[#KEYS]
 local F = 7
 
@@ -124,8 +145,10 @@ end
 local function open(i, t)
   local c = {algo = field(i, 1), a = tonumber(field(i, 2)), p = tonumber(field(i, 3)),
              cap = tonumber(field(i, 4)), wms = tonumber(field(i, 5)),
-             cost = tonumber(field(i, 6)), flags = field(i, 7), key = KEYS[2 * i - 1],
-             meta = KEYS[2 * i]}
+             cost = tonumber(field(i, 6)), flags = field(i, 7), key = KEYS[3 * i - 2],
+             meta = KEYS[3 * i - 1], hkey = KEYS[3 * i],
+             sig = table.concat({field(i, 1), field(i, 2), field(i, 3), field(i, 4),
+                                 field(i, 5)}, ':')}
   if c.algo == 't' then
     c.b = tb_open({a = c.a, p = c.p, c = c.cap, key = c.key}, t)
   elseif c.algo == 's' then
@@ -179,6 +202,91 @@ local function view(c, t)  -- remaining, ms until full / reset
   return math.max(0, c.cap - c.n), c.start + c.wms - t
 end
 
+-- the retry slots of a refused herd (limiter.ratelimit.schedule) -------------------------
+local function promise_open(c)  -- read only when a call is refused
+  c.h = {tat = {}, wp = {}, n = 0}
+  local h = redis.call('HMGET', c.hkey, 'sig', 'at', 'n', 'wp')
+  if h[1] ~= c.sig then return end  -- none, or promised under another limit
+  c.h.tat.at, c.h.n = tonumber(h[2]), tonumber(h[3]) or 0
+  for ts, n in string.gmatch(h[4] or '', '(%d+):(%d+)') do
+    table.insert(c.h.wp, {tonumber(ts), tonumber(n)})
+  end
+end
+
+local function slot(c, need, exact, t)  -- limiter.ratelimit._slot
+  if c.algo == 't' then return herd_bucket_slot(c.h, 'at', c.b, need, exact, t) end
+  if c.algo == 's' then
+    point(c)
+    local kept = {}
+    for _, p in ipairs(c.h.wp) do
+      if p[1] >= t then table.insert(kept, p) end
+    end
+    c.h.wp = kept
+    return math.max(exact, win_herd_wait(c.w, need, kept))
+  end
+  local at, ps = t + exact, c.h.tat.at  -- limiter.herd.fixed_slot
+  if not ps or ps < at - at % c.wms then return exact end
+  if c.h.n + need > c.cap then ps = ps + c.wms end
+  return math.max(exact, ps - t)
+end
+
+local function promise(c, s, final, t)  -- limiter.ratelimit._promise
+  if c.algo == 't' then return herd_promise_bucket(c.h, 'at', c.b, c.cost, final, t) end
+  if s > final or c.cost == 0 then return end
+  if c.algo == 's' then
+    point(c)
+    return herd_promise_window(c.h, t + final, c.cost)
+  end
+  local at, ps = t + final, c.h.tat.at  -- limiter.herd.promise_fixed
+  local start = at - at % c.wms
+  if not ps or start > ps then
+    c.h.tat.at, c.h.n = start, c.cost
+  elseif start == ps then
+    c.h.n = c.h.n + c.cost
+  end
+end
+
+local function promise_save(c, t)  -- kept until its last slot (promised_until) is past
+  redis.call('DEL', c.hkey)
+  local last = c.h.tat.at
+  if #c.h.wp > 0 then last = c.h.wp[#c.h.wp][1] end
+  if not last or last < t then return end
+  local wp = {}
+  for _, p in ipairs(c.h.wp) do table.insert(wp, str(p[1]) .. ':' .. str(p[2])) end
+  redis.call('HSET', c.hkey, 'sig', c.sig, 'n', str(c.h.n), 'wp', table.concat(wp, ','))
+  if c.h.tat.at then redis.call('HSET', c.hkey, 'at', str(c.h.tat.at)) end
+  redis.call('PEXPIRE', c.hkey, str(last - t + SLACK))
+end
+
+-- limiter.ratelimit.schedule: every counter but shadow ones is scheduled, refusing or not;
+-- the longest refusing wait becomes the latest slot. Nothing for a call that never fits.
+local function schedule(cs, waits, t)
+  local paced = {}
+  for i = 1, N do
+    if not string.find(cs[i].flags, 's', 1, true) then
+      if waits[i] < 0 then return end
+      table.insert(paced, i)
+    end
+  end
+  local slots, bounded, final = {}, {}, 0
+  for _, i in ipairs(paced) do
+    promise_open(cs[i])
+    slots[i] = slot(cs[i], math.max(1, cs[i].cost), waits[i], t)
+    bounded[i] = math.max(waits[i], math.min(slots[i], MAX_HERD_WAIT))
+    final = math.max(final, bounded[i])
+  end
+  local top
+  for _, i in ipairs(paced) do
+    promise(cs[i], slots[i], final, t)
+    promise_save(cs[i], t)
+    if waits[i] > 0 then
+      if not top or bounded[i] > bounded[top] then top = i end
+      waits[i] = bounded[i]
+    end
+  end
+  waits[top] = final  -- one that did not refuse may set it
+end
+
 local function refund(i, rec, t)
   local kind, n, ts = string.match(rec, '^(%a):(%d+):(%d+)$')
   local c = open(i, t)
@@ -216,6 +324,7 @@ for i = 1, N do
   fits[i] = waits[i] == 0
   if not fits[i] and not string.find(cs[i].flags, 's', 1, true) then passed = false end
 end
+if not passed then schedule(cs, waits, NOW) end
 local out, charged = {}, {}
 for i = 1, N do
   local c = cs[i]
@@ -284,7 +393,8 @@ class RedisRateCounters:
         keys = []
         for hit in hits:
             code = _ALGO_CODES[hit.limit.algorithm]
-            keys += [f"{base}:{code}:{hit.key}", f"{base}:{code}m:{hit.key}"]
+            keys += [f"{base}:{code}:{hit.key}", f"{base}:{code}m:{hit.key}",
+                     f"{base}:{code}h:{hit.key}"]
         return [*keys, f"{base}:call:{call_id}"]
 
     async def _run(self, mode: str, domain: str, hits: Sequence[Hit], call_id: str) -> Any:

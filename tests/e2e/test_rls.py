@@ -109,6 +109,14 @@ def test_over_limit_gets_429_with_retry_after_and_x_ratelimit_headers(stack):
     assert refused.headers["retry-after"] == "30"
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert "x-should-retry" not in refused.headers
+    # a second client refused just after is told the slot after the first's (limiter.herd):
+    # one refill later, less the time between the two refusals; told the same, both came
+    # back together and one was refused again
+    second = chat(stack, "reqs", 4)
+    assert second.status_code == 429, second.text
+    gap = int(second.headers["retry-after-ms"]) - int(refused.headers["retry-after-ms"])
+    assert 29_000 <= gap <= 30_000, second.headers
+    assert second.headers["retry-after"] == "60"
     # kvgate had admitted it before the filter refused: its lease is freed, and the meter
     # reported that it used nothing (two answers of 3 prompt + 4 output tokens were charged)
     server = stack.kvgate.server

@@ -354,3 +354,107 @@ async def test_a_call_envoy_abandons_on_a_paused_redis_charges_nothing(redis):
     await cancels_sent(service)
     assert await tokens_left(service) == before
     await service.close()
+
+
+# -- a refused herd is scheduled: each client its own retry-after-ms (limiter.herd) ----------
+
+def herd_rules(algorithm: str, per_second: int) -> RateLimitSettings:
+    return RateLimitSettings.model_validate({"domains": [{"domain": "d", "descriptors": [
+        {"key": "user", "rate_limit": {"unit": "second", "requests_per_unit": per_second,
+                                       "algorithm": algorithm}},
+        {"key": "route", "rate_limit": {"unit": "second", "requests_per_unit": per_second + 1,
+                                        "burst": 2 * per_second}},
+    ]}]})
+
+
+def herd_store(kind: str, request: pytest.FixtureRequest, clock: Clock) -> RateCounters:
+    if kind == "cluster":  # a domain's keys share one hash tag: one shard per call
+        return RedisRateCounters(redis_client(RedisSettings(
+            url=request.getfixturevalue("redis_cluster").url, cluster=True, timeout_ms=1000)),
+            prefix=f"t{next(_prefixes)}", clock=clock)
+    return counters(kind, request.getfixturevalue("redis"), clock)
+
+
+def retry_after_ms(response: rls_pb2.RateLimitResponse) -> int:
+    return int(next(h.value for h in response.response_headers_to_add
+                    if h.key == "retry-after-ms"))
+
+
+async def herd_run(kind: str, request: pytest.FixtureRequest, algorithm: str, per_second: int,
+                   clients: int, route: bool) -> tuple[list, int]:
+    """Fill the rule, refuse ``clients`` in the same ms, bring each back exactly after its
+    ``retry-after-ms``: every answer, and how many were refused again."""
+    clock = Clock()
+    service = RateLimitService(herd_rules(algorithm, per_second),
+                               herd_store(kind, request, clock), timeout_s=1)
+    call = [descriptor(("user", "u"))] + ([descriptor(("route", "r"))] if route else [])
+    answers = []
+    while (response := await ask(service, *call, domain="d")).overall_code == OK:
+        answers.append(summary(response))
+    start, waits = clock.now, []
+    for _ in range(clients):
+        response = await ask(service, *call, domain="d")
+        assert response.overall_code == OVER_LIMIT
+        answers.append((summary(response), [(h.key, h.value)
+                                            for h in response.response_headers_to_add]))
+        waits.append(retry_after_ms(response))
+    again = 0
+    for wait in sorted(waits):
+        clock.now = start + wait
+        response = await ask(service, *call, domain="d")
+        answers.append(summary(response))
+        again += response.overall_code == OVER_LIMIT
+    await service.close()
+    return answers, again
+
+
+@pytest.mark.parametrize("shared", ["redis", "cluster"])
+@pytest.mark.parametrize("algorithm", ["token_bucket", "sliding_window", "fixed_window"])
+@pytest.mark.parametrize(("per_second", "clients", "route"), [(2, 10, False), (10, 300, False),
+                                                              (3, 40, True)])
+async def test_a_refused_herd_is_not_refused_again_after_its_retry_after(
+    shared, algorithm, per_second, clients, route, request
+):
+    """A herd refused in the same ms used to be told one wait (at 2 a second, 10 clients:
+    500 ms for a token bucket, 1 s for a sliding window) and 8 or 9 of 10 were refused again.
+    Each is told its own slot, in memory as in Redis (the same answers, headers included)
+    and in a Redis Cluster, and none is refused again — with a second descriptor (a route's
+    bucket the client also takes from) too."""
+    runs = [await herd_run(kind, request, algorithm, per_second, clients, route)
+            for kind in ("memory", shared)]
+    assert runs[0] == runs[1]
+    assert runs[0][1] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "sliding_window", "fixed_window"])
+async def test_a_hostile_herd_keeps_a_bounded_schedule_in_redis_as_in_memory(algorithm, redis):
+    """A client refused in a loop, never waiting: the answers stay the same in both stores,
+    no wait goes past a minute (or the exact wait), and the schedule Redis keeps for the
+    counter is a few fields, with at most a window's limit of entries and a TTL to its
+    last slot."""
+    settings = herd_rules(algorithm, 5)
+    runs, stores = [], []
+    for kind in ("memory", "redis"):
+        clock = Clock()
+        store = counters(kind, redis, clock)
+        service = RateLimitService(settings, store, timeout_s=1)
+        answers = []
+        for _ in range(3000):
+            response = await ask(service, descriptor(("user", "u")), domain="d")
+            answers.append((summary(response), [(h.key, h.value)
+                                                for h in response.response_headers_to_add]))
+            clock.now += 1
+        assert max(int(dict(h).get("retry-after-ms", 0)) for _, h in answers) <= MINUTE + 1000
+        runs.append(answers)
+        stores.append(store)
+        if kind == "redis":
+            client = aioredis.from_url(redis.url)
+            keys = [k async for k in client.scan_iter(match=f"{store._prefix}:*h:*")]
+            assert len(keys) == 1, keys
+            schedule = await client.hgetall(keys[0])
+            assert set(schedule) <= {b"sig", b"at", b"n", b"wp"}
+            assert len([e for e in schedule[b"wp"].split(b",") if e]) <= 5
+            assert 0 < await client.pttl(keys[0]) <= 2 * MINUTE + 1000  # slack: 60 s
+            await client.aclose()
+        await service.close()
+    assert runs[0] == runs[1]

@@ -172,11 +172,13 @@ def test_usage_charged_after_the_fact_blocks_the_next_check(service, clock):
 
 def test_token_bucket_retry_after_is_exact(service, clock):
     d = descriptor(("bursty", "x"))  # 60/min, burst 3
-    assert codes(service, 4, d) == [OK, OK, OK, OVER_LIMIT]
-    response = ask(service, d)
+    assert codes(service, 3, d) == [OK, OK, OK]
+    response = ask(service, d)  # a client alone: the exact wait
     assert headers(response)["retry-after-ms"] == "1000"
     assert headers(response)["retry-after"] == "1"
     assert headers(response)["x-ratelimit-limit"] == "60"
+    # a second client refused in the same ms gets the slot after it (limiter.herd)
+    assert headers(ask(service, d))["retry-after-ms"] == "2000"
     clock.now += 999
     assert ask(service, d).overall_code == OVER_LIMIT
     clock.now += 1
@@ -253,6 +255,21 @@ def test_idle_counters_are_forgotten(clock):
     assert len(counters) == 27
     clock.now += MINUTE
     ask(service, descriptor(("user", "last")))  # the 10th call sweeps, then counts its own
+    assert len(counters) == 1
+
+
+def test_a_counter_is_kept_until_the_retry_slots_it_promised_are_past(clock):
+    """A herd's schedule lives with its counter: swept once the counter is idle and its last
+    slot is past (a bucket back to full with slots still ahead keeps them)."""
+    counters = MemoryRateCounters(clock, sweep_every=1)
+    service = RateLimitService(RateLimitSettings.model_validate(RULES), counters, timeout_s=None)
+    d = descriptor(("bursty", "x"))  # 60/min, burst 3
+    assert codes(service, 6, d) == [OK, OK, OK, OVER_LIMIT, OVER_LIMIT, OVER_LIMIT]
+    clock.now += 3500  # full again (nobody came back), the bucket's promise is 6 s out
+    ask(service, descriptor(("user", "u")))
+    assert len(counters) == 2
+    clock.now += 3000
+    ask(service, descriptor(("user", "u")))
     assert len(counters) == 1
 
 

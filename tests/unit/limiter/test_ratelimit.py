@@ -4,14 +4,18 @@ fixed window, and the all-or-nothing decision over in-process counters."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from limiter.buckets import FixedWindow
+from limiter.herd import MAX_HERD_WAIT_MS
 from limiter.ratelimit import (
     MAX_PERIOD_MS,
     Algorithm,
     Hit,
     Limit,
     Node,
+    Promise,
     Rule,
     counter_key,
     decide,
@@ -90,7 +94,7 @@ def test_a_refused_call_leaves_every_counter_as_it_was():
     counters: dict[str, object] = {}
 
     def counter(hit: Hit):
-        return counters.setdefault(hit.key, new_counter(hit.limit, 0))
+        return counters.setdefault(hit.key, (new_counter(hit.limit, 0), Promise()))
 
     hits = [Hit("a", a, 1), Hit("b", b, 1)]
     assert [v.fits for v in decide(hits, counter, 0)] == [True, True]
@@ -114,3 +118,103 @@ def test_slow_rates_stay_within_exact_lua_bounds():
     assert big.period_ms * (2**32 - 1) <= 2**51
     with pytest.raises(ValueError, match="too slow for a token bucket"):
         Limit(1, "day").rate()
+
+
+# -- a refused herd is scheduled (limiter.herd), as kvgate's own admission limits are -------
+
+ALGORITHMS = [Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW, Algorithm.FIXED_WINDOW]
+
+
+class Herd:
+    """In-process counters (a dict) at a clock the test moves."""
+
+    def __init__(self, now_ms: int) -> None:
+        self.now = now_ms
+        self.held: dict[str, tuple[object, Promise]] = {}
+
+    def state(self, hit: Hit):
+        return self.held.setdefault(hit.key, (new_counter(hit.limit, self.now), Promise()))
+
+    def call(self, *hits: Hit) -> list:
+        return decide(hits, self.state, self.now)
+
+
+def refuse_herd(herd: Herd, hits: list[Hit], clients: int) -> list[int]:
+    """Fill the counters, then refuse ``clients`` at once: the wait each is told (the
+    ``retry-after-ms``: the longest of its refusing hits')."""
+    while all(v.fits for v in herd.call(*hits)):
+        pass
+    waits = []
+    for _ in range(clients):
+        verdicts = herd.call(*hits)
+        assert not all(v.fits for v in verdicts)
+        waits.append(max(v.wait_ms for v in verdicts if not v.fits))
+    return waits
+
+
+def back_at_their_slots(herd: Herd, hits: list[Hit], waits: list[int]) -> int:
+    """Each client back when it was told: how many are refused again."""
+    start = herd.now
+    again = 0
+    for wait in sorted(waits):
+        herd.now = start + wait
+        again += not all(v.fits for v in herd.call(*hits))
+    return again
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_herd_refused_by_a_rule_is_not_refused_again_after_its_retry_after(algorithm):
+    """2 a second, 10 clients refused in the same ms and back exactly when told: each was
+    told the same wait (500 ms for a bucket, 1 s for a window) and 8 or 9 were refused again;
+    scheduled, each is told its own slot and none is."""
+    herd = Herd(1_700_000_040_100)
+    hits = [Hit("d|k=v", Limit(2, "second", algorithm), 1)]
+    waits = refuse_herd(herd, hits, 10)
+    assert len(set(waits)) > 1, waits
+    assert back_at_their_slots(herd, hits, waits) == 0, waits
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(ALGORITHMS), st.integers(1, 20), st.sampled_from(["second", "minute"]),
+       st.integers(1, 3), st.integers(0, 59_999), st.data())
+def test_every_client_of_a_herd_is_admitted_on_its_first_retry(
+    algorithm, per_unit, unit, cost, offset, data
+):
+    """Any rule, any herd of up to a few hundred whose schedule fits within a minute
+    (MAX_HERD_WAIT_MS: past it, clients share the schedule's end)."""
+    assume(cost <= per_unit)
+    limit = Limit(per_unit, unit, algorithm)
+    per_window = per_unit // cost  # clients a window (or a bucket's period) takes
+    most = min(300, (MAX_HERD_WAIT_MS // limit.unit_ms - 1) * per_window)
+    assume(most >= 1)
+    clients = data.draw(st.integers(1, most))
+    herd = Herd(1_700_000_000_000 + offset)
+    hits = [Hit("d|k=v", limit, cost)]
+    waits = refuse_herd(herd, hits, clients)
+    assert back_at_their_slots(herd, hits, waits) == 0, waits
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_herd_refused_by_one_rule_is_spaced_by_every_rule_it_takes_from(algorithm):
+    """Two descriptors per call: a herd refused by a per-user rule is also spaced by the
+    route's rule, which still had room, since each client takes from both when back."""
+    herd = Herd(1_700_000_040_100)
+    user = Hit("d|user=u", Limit(2, "second", algorithm), 1)
+    route = Hit("d|route=r", Limit(3, "second", Algorithm.TOKEN_BUCKET, burst=6), 1)
+    waits = refuse_herd(herd, [user, route], 12)
+    assert back_at_their_slots(herd, [user, route], waits) == 0, waits
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_hostile_herd_keeps_a_bounded_promise_per_counter(algorithm):
+    """A client refused in a loop (never honouring its wait) moves the schedule at most a
+    minute ahead, and a counter's promise stays a window's limit of entries at most."""
+    herd = Herd(1_700_000_040_100)
+    limit = Limit(5, "second", algorithm)
+    hit = Hit("d|k=v", limit, 1)
+    waits = refuse_herd(herd, [hit], 5000)
+    assert max(waits) <= MAX_HERD_WAIT_MS + limit.unit_ms
+    _, promise = herd.held[hit.key]
+    assert len(promise.entries) <= limit.requests_per_unit
+    assert promise.at is None or promise.at <= herd.now + MAX_HERD_WAIT_MS + limit.unit_ms
+    assert promise.used <= limit.requests_per_unit
