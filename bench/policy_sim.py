@@ -12,6 +12,12 @@ only kvgate, with those pool settings on top of its defaults (not what ships), o
 of a recorded matrix, against that record's FIFO and strict-priority rows, knees and rates:
 a change to the scheduler is measured on the same cells in a quarter of the time.
 
+``--asks ceiling`` gives every request its class's largest output as ``max_tokens`` (300
+interactive, 1,000 batch) while its answer keeps its drawn length: clients that ask one fixed
+``max_tokens`` and get shorter answers, which kvgate reserves by ``max_tokens`` and charges by
+what its tenant's answers are expected to use. The default (``used``) asks what each answer
+makes.
+
 Scenario (see ``bench.sim``): 4 tenants weighted 5/3/1/1 sending equal shares of Poisson
 traffic, ``--mix`` of it interactive (prompt U[200, 1000], output U[50, 300] tokens, TTFT SLA
 2 s), the rest batch (prompt U[2000, 8000], output U[200, 1000], SLA 60 s), to 4 engines
@@ -58,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim import (
+    ASKS,
     CLASSES,
     TENANTS,
     Fifo,
@@ -111,13 +118,14 @@ def policies(seed: int) -> list[Policy]:
 
 
 def run_policy(policy: Policy, requests: int, rate: float, seed: int, engines: int,
-               mix: float = 0.7) -> tuple[dict[str, Any], Simulation]:
-    sim = Simulation(workload(requests, rate, seed, interactive=mix), policy, engines)
+               mix: float = 0.7, asks: str = "used") -> tuple[dict[str, Any], Simulation]:
+    sim = Simulation(workload(requests, rate, seed, interactive=mix, asks=asks), policy,
+                     engines)
     return summarize(sim.run()), sim
 
 
 def find_load(requests: int, seed: int, engines: int, mix: float = 0.7,
-              rates: tuple[float, ...] | None = None, quiet: bool = False
+              rates: tuple[float, ...] | None = None, quiet: bool = False, asks: str = "used"
               ) -> tuple[float, list[dict[str, float]]]:
     """The knee: the lowest swept rate (default: :func:`sweep_rates`) where FIFO's
     interactive P99 ≥ 5 × P50 and > SLA. A steep pool can step over that band (8 engines,
@@ -125,7 +133,7 @@ def find_load(requests: int, seed: int, engines: int, mix: float = 0.7,
     P99 > SLA, or the top (either way the sweep's last entry has ``knee`` false)."""
     sweep: list[dict[str, float]] = []
     for rate in rates or sweep_rates(engines):
-        stats, _ = run_policy(Fifo(), requests, rate, seed, engines, mix)
+        stats, _ = run_policy(Fifo(), requests, rate, seed, engines, mix, asks)
         p50, p99 = stats["interactive_ttft_p50_s"], stats["interactive_ttft_p99_s"]
         knee = p99 >= 5 * p50 and p99 > CLASSES["interactive"].sla_s
         sweep.append({"rate": rate, "p50": p50, "p99": p99, "ratio": p99 / p50, "knee": knee})
@@ -148,7 +156,7 @@ def contention_rate(rate: float, knee: float | None,
 
 
 def run_cell(requests: int, rate: float, seed: int, engines: int, mix: float,
-             contention: float | None = None
+             contention: float | None = None, asks: str = "used"
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]],
                         dict[str, Simulation]]:
     """Every policy in the latency scenario (``rate``) and in the contention scenario
@@ -156,11 +164,11 @@ def run_cell(requests: int, rate: float, seed: int, engines: int, mix: float,
     rows, shares, sims = {}, {}, {}
     for policy in policies(seed):
         rows[policy.name], sims[policy.name] = run_policy(policy, requests, rate, seed,
-                                                          engines, mix)
+                                                          engines, mix, asks)
     busy = contention or contention_rate(rate, None)
     for policy in policies(seed):
         shares[policy.name], _ = run_policy(policy, CONTENTION_LENGTH * requests, busy, seed,
-                                            engines, mix)
+                                            engines, mix, asks)
     return rows, shares, sims
 
 
@@ -269,16 +277,16 @@ def _pyplot() -> Any:
 # -- the matrix ------------------------------------------------------------------------------
 
 
-def matrix_knee(job: tuple[int, int, int, float]) -> tuple[int, float, float, bool]:
-    requests, engines, seed, mix = job
-    rate, sweep = find_load(requests, seed, engines, mix, quiet=True)
+def matrix_knee(job: tuple[int, int, int, float, str]) -> tuple[int, float, float, bool]:
+    requests, engines, seed, mix, asks = job
+    rate, sweep = find_load(requests, seed, engines, mix, quiet=True, asks=asks)
     return seed, mix, rate, bool(sweep[-1]["knee"])
 
 
-def matrix_cell(job: tuple[int, int, int, float, float, float, bool]) -> dict[str, Any]:
-    requests, engines, seed, mix, load, knee, found = job
+def matrix_cell(job: tuple[int, int, int, float, float, float, bool, str]) -> dict[str, Any]:
+    requests, engines, seed, mix, load, knee, found, asks = job
     busy = contention_rate(load * knee, knee)
-    rows, contention, _ = run_cell(requests, load * knee, seed, engines, mix, busy)
+    rows, contention, _ = run_cell(requests, load * knee, seed, engines, mix, busy, asks)
     return {"seed": seed, "mix": mix, "load": load, "knee_req_s": knee, "knee_found": found,
             "rate_req_s": load * knee, "contention_req_s": busy,
             "check": check_cell(rows, contention),
@@ -286,14 +294,15 @@ def matrix_cell(job: tuple[int, int, int, float, float, float, bool]) -> dict[st
 
 
 def run_matrix(requests: int, engines: int, jobs: int, seeds: tuple[int, ...],
-               loads: tuple[float, ...], mixes: tuple[float, ...]) -> list[dict[str, Any]]:
+               loads: tuple[float, ...], mixes: tuple[float, ...], asks: str = "used"
+               ) -> list[dict[str, Any]]:
     # spawned, not forked: a fork of a process with gRPC threads running (a test session)
     # can spin forever in the child
     with ProcessPoolExecutor(max_workers=jobs,
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         knees = {(seed, mix): (rate, found) for seed, mix, rate, found in pool.map(
-            matrix_knee, [(requests, engines, s, m) for s in seeds for m in mixes])}
-        work = [(requests, engines, s, m, load, *knees[(s, m)])
+            matrix_knee, [(requests, engines, s, m, asks) for s in seeds for m in mixes])}
+        work = [(requests, engines, s, m, load, *knees[(s, m)], asks)
                 for s in seeds for m in mixes for load in loads]
         cells = []
         for cell in pool.map(matrix_cell, work):
@@ -404,6 +413,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--mix", type=float, default=0.7, help="interactive share of requests")
+    p.add_argument("--asks", choices=ASKS, default="used",
+                   help="max_tokens: each answer's length (used), or its class's largest "
+                   "(ceiling: one fixed max_tokens per class, answers shorter)")
     p.add_argument("--load", type=float, default=1.0, help="× the FIFO knee")
     p.add_argument("--rate", type=float, default=None, help="skip the sweep, use this req/s")
     p.add_argument("--contention-factor", type=float, default=CONTENTION_FACTOR,
@@ -443,12 +455,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sweep: list[dict[str, float]] = []
     rate, knee = args.rate, None
     if rate is None:
-        knee, sweep = find_load(args.requests, args.seed, args.engines, args.mix)
+        knee, sweep = find_load(args.requests, args.seed, args.engines, args.mix,
+                                asks=args.asks)
         rate = args.load * knee
     busy = contention_rate(rate, knee, args.contention_factor)
     print(f"latency scenario: {rate:.1f} req/s (Poisson)")
     rows, contention, sims = run_cell(args.requests, rate, args.seed, args.engines, args.mix,
-                                      busy)
+                                      busy, args.asks)
     print(table(rows))
     print(f"contention scenario: {busy:.1f} req/s (Poisson, equal "
           "demand), share of priced tokens / weight share while every tenant is backlogged")
@@ -458,7 +471,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {'PASS' if ok else 'MISS'} {name}: {check[name]:.3f}")
     report = {
         "command": command(argv), "requests": args.requests, "seed": args.seed,
-        "engines": args.engines, "mix": args.mix, "rate_req_s": rate, "sweep": sweep,
+        "engines": args.engines, "mix": args.mix, "asks": args.asks, "rate_req_s": rate,
+        "sweep": sweep,
         "policies": rows,
         "contention": {"rate_req_s": busy, "factor": args.contention_factor,
                        "min_knees": CONTENTION_MIN_KNEES if knee else None,
@@ -480,12 +494,12 @@ def main_matrix(args: argparse.Namespace, argv: list[str] | None, started: float
     print(f"bench.policy_sim --matrix: {len(seeds)} seeds × {len(loads)} loads × "
           f"{len(mixes)} mixes, {args.requests} requests each, {args.jobs} processes")
     print(CELL_HEAD)
-    cells = run_matrix(args.requests, args.engines, args.jobs, seeds, loads, mixes)
+    cells = run_matrix(args.requests, args.engines, args.jobs, seeds, loads, mixes, args.asks)
     summary = summarize_matrix(cells)
     text = matrix_report(cells, summary)
     print(text)
     report = {"command": command(argv), "requests": args.requests, "engines": args.engines,
-              "contention_factor": CONTENTION_FACTOR,
+              "asks": args.asks, "contention_factor": CONTENTION_FACTOR,
               "contention_min_knees": CONTENTION_MIN_KNEES, "summary": summary, "cells": cells,
               "seconds": round(time.perf_counter() - started, 1)}
     out = args.out or RESULTS / "policy-matrix.json"
@@ -497,14 +511,14 @@ def main_matrix(args: argparse.Namespace, argv: list[str] | None, started: float
     return report
 
 
-def variant_cell(job: tuple[dict[str, Any], int, int, dict[str, Any]]) -> dict[str, Any]:
+def variant_cell(job: tuple[dict[str, Any], int, int, dict[str, Any], str]) -> dict[str, Any]:
     """A recorded cell with kvgate rerun under ``pool`` settings (both scenarios)."""
-    cell, requests, engines, pool = job
+    cell, requests, engines, pool, asks = job
     seed, mix, rate = cell["seed"], cell["mix"], cell["rate_req_s"]
-    row, _ = run_policy(Gated(defaults(**pool), seed), requests, rate, seed, engines, mix)
+    row, _ = run_policy(Gated(defaults(**pool), seed), requests, rate, seed, engines, mix, asks)
     busy = cell.get("contention_req_s") or contention_rate(rate, cell["knee_req_s"])
     share, _ = run_policy(Gated(defaults(**pool), seed), CONTENTION_LENGTH * requests, busy,
-                          seed, engines, mix)
+                          seed, engines, mix, asks)
     rows = {**cell["policies"], "kvgate": row}
     return {**cell, "policies": rows, "contention": {**cell["contention"], "kvgate": share},
             "check": check_cell(rows, {"kvgate": share}), "recorded_check": cell["check"]}
@@ -514,6 +528,7 @@ def main_variant(args: argparse.Namespace, argv: list[str] | None, started: floa
                  ) -> dict[str, Any]:
     recorded = json.loads(args.against.read_text())
     requests, engines = recorded["requests"], recorded["engines"]
+    asks = recorded.get("asks", "used")
     print(f"bench.policy_sim --variant {json.dumps(args.variant)}: kvgate on the "
           f"{len(recorded['cells'])} cells of {args.against} ({recorded['command']}), "
           f"{args.jobs} processes")
@@ -521,7 +536,7 @@ def main_variant(args: argparse.Namespace, argv: list[str] | None, started: floa
     with ProcessPoolExecutor(max_workers=args.jobs,
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         cells = []
-        for cell in pool.map(variant_cell, [(c, requests, engines, args.variant)
+        for cell in pool.map(variant_cell, [(c, requests, engines, args.variant, asks)
                                             for c in recorded["cells"]]):
             print(cell_line(cell), flush=True)
             cells.append(cell)

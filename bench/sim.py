@@ -132,10 +132,17 @@ class Job:
         return req.first_token_at - self.arrival
 
 
+ASKS = ("used", "ceiling")
+"""What a workload's clients set ``max_tokens`` to: the output each answer makes (``used``,
+the default), or its class's largest output (``ceiling``: a client that asks one fixed
+``max_tokens`` for answers of every length, as most do)."""
+
+
 def workload(n: int, rate: float, seed: int, tenants: dict[str, float] = TENANTS,
-             interactive: float = 0.7) -> list[Job]:
+             interactive: float = 0.7, asks: str = "used") -> list[Job]:
     """``n`` Poisson arrivals at ``rate``/s; each tenant sends an equal share of requests
-    (equal demand, unequal weights), ``interactive`` of them interactive, the rest batch.
+    (equal demand, unequal weights), ``interactive`` of them interactive, the rest batch;
+    ``asks``: see :data:`ASKS` (the same draws either way, so the same answers).
 
     The same generator serves both scenarios of ``bench.policy_sim``: near capacity (the
     latency scenario) and at ~2× capacity (the contention scenario, where every tenant's
@@ -147,8 +154,12 @@ def workload(n: int, rate: float, seed: int, tenants: dict[str, float] = TENANTS
         t += rng.expovariate(rate)
         klass = "interactive" if rng.random() < interactive else "batch"
         spec = CLASSES[klass]
-        jobs.append(Job(f"j{i}", rng.choice(names), klass, t, rng.randint(*spec.prompt),
-                        rng.randint(*spec.output)))
+        tenant, prompt, output = rng.choice(names), rng.randint(*spec.prompt), rng.randint(
+            *spec.output)
+        if asks == "ceiling":
+            jobs.append(Job(f"j{i}", tenant, klass, t, prompt, spec.output[1], output=output))
+        else:
+            jobs.append(Job(f"j{i}", tenant, klass, t, prompt, output))
     return jobs
 
 

@@ -65,6 +65,16 @@ def test_same_seed_same_numbers() -> None:
     assert once() == once()
 
 
+def test_a_workload_asking_its_class_ceiling_gets_the_same_answers() -> None:
+    """``--asks ceiling``: one fixed ``max_tokens`` per class, the answers as drawn."""
+    used, ceiling = workload(300, 9.0, 5), workload(300, 9.0, 5, asks="ceiling")
+    assert [(j.tenant, j.klass, j.arrival, j.prompt, j.produces) for j in used] == [
+        (j.tenant, j.klass, j.arrival, j.prompt, j.produces) for j in ceiling]
+    assert {j.max_tokens for j in ceiling} == {300, 1000}
+    assert all(j.produces <= j.max_tokens for j in ceiling)
+    assert any(j.produces < j.max_tokens for j in ceiling)
+
+
 def test_jain_index_bounds() -> None:
     assert jain([1, 1, 1, 1]) == pytest.approx(1.0)
     assert jain([1, 0, 0, 0]) == pytest.approx(0.25)
