@@ -176,6 +176,14 @@ class Policy:
     def on_arrival(self, job: Job, now: float) -> None:
         raise NotImplementedError
 
+    def _price(self, job: Job) -> int:
+        """As the director prices a queued request: its prompt and the output its tenant's
+        requests are expected to make (``Director._queue_price``); what dispatching it
+        charges (``job.charged``) is its price then."""
+        ratio = self.scheduler.output_ratio(job.tenant)
+        job.charged = QUEUE_PRICES.price(job.prompt, math.ceil(job.max_tokens * ratio))
+        return job.charged
+
     def on_finish(self, job: Job, now: float) -> None:
         """A request finished on its engine."""
 
@@ -282,14 +290,19 @@ class Gated(Policy):
         if self.settings.wfq and not self.queue.queued(job.tenant):
             self.fairness.activate(job.tenant)
         band = spec.band if self.settings.bands else 0
-        # as the director prices it: the output its tenant's requests are expected to make
-        ratio = self.scheduler.output_ratio(job.tenant)
-        job.charged = QUEUE_PRICES.price(job.prompt, math.ceil(job.max_tokens * ratio))
         item = QueuedRequest(job.id, job.tenant, band, job.cost, self.sim.tenants[job.tenant],
-                             _ms(now), NEVER_MS, price=job.charged)
+                             _ms(now), NEVER_MS, price=self._price(job))
         self.jobs[job.id] = job
         self.queue.push(item, _ms(now))
         self.dispatch(now)
+
+    def _price(self, job: Job) -> int:
+        """As the director prices a queued request: its prompt and the output its tenant's
+        requests are expected to make (``Director._queue_price``); what dispatching it
+        charges (``job.charged``) is its price then."""
+        ratio = self.scheduler.output_ratio(job.tenant)
+        job.charged = QUEUE_PRICES.price(job.prompt, math.ceil(job.max_tokens * ratio))
+        return job.charged
 
     def on_finish(self, job: Job, now: float) -> None:
         """As the director releases a request: the engine's usage teaches the scheduler,
@@ -339,6 +352,8 @@ class Gated(Policy):
             offers = self.queue.candidates(now_ms, lambda item: self._place(item, now)
                                            is not None)
             if self.settings.wfq:
+                for offer in offers:  # priced as of the dispatch (flow._price_now)
+                    offer.item.price = self._price(self.jobs[offer.item.id])
                 chosen = self.fairness.choose(offers)
             else:  # strict priority: the best band's earliest request that fits
                 fitting = [offer for offer in offers if offer.fits]

@@ -39,7 +39,7 @@ from extproc.rejections import RecentRejections
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tenants import Tenants
 from limiter.decision import never_fits
-from limiter.fairness import max_price
+from limiter.fairness import max_price, price_of
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject, refuse
 from limiter.stores import LimiterStore, MemoryFairness
@@ -410,16 +410,15 @@ class Director:
         # concurrency slot for another replica while it still held its place
         self.leases.opened(lease_id, tenant.name)
         if placed is None:
-            price = self._queue_price(tenant, route, weight)
             try:
-                waited = await self._wait(tenant, klass, route, lease_id, price, watch)
+                waited = await self._wait(tenant, klass, route, lease_id, weight, watch)
             except BaseException:
                 self.leases.closed(lease_id)
                 raise
             if isinstance(waited, Reject):
                 self.leases.closed(lease_id)
                 return waited
-            placed, charged = waited, price
+            placed, charged = waited
         admission = Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
@@ -505,24 +504,28 @@ class Director:
         return refused
 
     async def _wait(
-        self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, price: int,
+        self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, weight: float,
         watch: Watch,
-    ) -> Placement | Reject:
+    ) -> tuple[Placement, int] | Reject:
         """Queue until the dispatcher reserves KV under ``lease_id`` (charging its tenant's
-        fair-order counter ``price``) or the class deadline passes; the tenant's limits are
-        given back in full if it never runs."""
+        fair-order counter the :meth:`_queue_price` it has then, returned with the
+        placement) or the class deadline passes; the tenant's limits are given back in full
+        if it never runs."""
         flow = self.flows[route.scheduler.config.name]
         if self._refusing_waits:  # shutting down: it would be cut before a place frees
             self._give_back(tenant, lease_id)
             return _shutting_down(SHUTDOWN_RETRY_MS)
         now = flow.clock_ms()
         deadline = now + int(self.config.classes[klass.name].deadline_s * 1000)
-        weight = self.tenants.weight(tenant)
+
+        def price_now() -> int:
+            return self._queue_price(tenant, route, weight)
+
         item = QueuedRequest(lease_id, tenant.name, klass.band, route.cost.tokens, weight, now,
-                             deadline, price=price)
+                             deadline, price=price_now())
         waiter = Waiter(asyncio.get_running_loop().create_future(), lease_id, klass.name,
                         route.queued_for, prompt_tokens=route.cost.prompt_tokens,
-                        streamed=route.streamed)
+                        streamed=route.streamed, price_now=price_now)
         try:
             with watch():
                 placed = await flow.wait(item, waiter)
@@ -531,7 +534,8 @@ class Director:
             raise
         if isinstance(placed, Reject):
             self._give_back(tenant, lease_id)
-        return placed
+            return placed
+        return placed, price_of(item)
 
     def _give_back(self, tenant: Tenant, lease_id: str, *, served: bool = False) -> None:
         """Give back the limits of a request that never ran (it left its wait, or kvgate

@@ -26,11 +26,24 @@ from extproc.metrics import Metrics
 from extproc.scheduler import Placement, PoolScheduler
 from extproc.tasks import cancel
 from limiter.fairness import price_of
-from limiter.fairqueue import FairQueue, QueuedRequest
+from limiter.fairqueue import FairQueue, Offer, QueuedRequest
 from limiter.outcome import Reason, Reject, refuse
 from limiter.stores import Fairness
 
 log = logging.getLogger(__name__)
+
+def _price_now(offers: list[Offer]) -> None:
+    """Price each offer as of now, before the order charges the chosen one: the output its
+    tenant's answers are expected to use is learned as answers end, and a request waits
+    minutes under contention. Priced when it was queued, a request charged an estimate
+    long out of date — one learned from a pool's first answers (short answers end first)
+    or none at all — and the weighted shares drifted by up to ~12% (virtual time, clients
+    asking one fixed ``max_tokens``: ``bench.policy_sim --asks ceiling``)."""
+    for offer in offers:
+        waiter: Waiter = offer.item.payload  # type: ignore[assignment]
+        if waiter.price_now is not None:
+            offer.item.price = waiter.price_now()
+
 
 def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1000)
@@ -53,6 +66,8 @@ class Waiter:
     queued_for: Reason  # what queued it: decides 503 or 429 on expiry
     prompt_tokens: int | None = None  # to prefill; None: its whole cost is counted
     streamed: bool = True  # its first token will be seen before its end
+    # what dispatching it charges its tenant now (None: the price it was queued with)
+    price_now: Callable[[], int] | None = None
 
 
 class FlowController:
@@ -174,6 +189,7 @@ class FlowController:
                 continue  # the heads behind them are offered afresh
             if not any(offer.fits for offer in offers):
                 return  # nothing can run: no need to ask the (maybe shared) order
+            _price_now(offers)
             chosen = await self.fairness.choose(offers)
             if chosen is None:
                 return

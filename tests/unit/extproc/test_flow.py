@@ -323,6 +323,23 @@ async def test_a_queued_request_is_charged_the_output_its_tenant_is_expected_to_
     assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 30
 
 
+async def test_a_queued_request_is_priced_as_of_its_dispatch_not_its_arrival(harness):
+    """Under contention a request waits minutes while its tenant's answers teach the
+    scheduler what they use: priced when it was queued, it was charged an estimate long out
+    of date (all of max_tokens, before any answer had ended), and the shares drifted."""
+    await harness.start(usage=0.99)
+    task = harness.admit("b")  # nothing learned yet: all 100 output tokens
+    await settle()
+    harness.flow.scheduler.output_ratios["b"] = 0.25  # answers ended meanwhile
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    prompt = admission.cost.prompt_tokens
+    assert admission.charged == prompt + 2 * 25
+    assert (await harness.flow.fairness.counters())["b"] == admission.charged
+    await harness.director.release(admission, prompt + 30, 30)
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 30
+
+
 async def test_a_request_running_past_its_estimate_is_charged_its_max_tokens_at_once(harness):
     """Charged its tenant's expected share until it ended, a tenant whose short answers
     turned long got ahead of the others with every long request sent before the first
