@@ -32,6 +32,7 @@ from limiter.stores import Fairness
 
 log = logging.getLogger(__name__)
 
+
 def _price_now(offers: list[Offer]) -> None:
     """Price each offer as of now, before the order charges the chosen one: the output its
     tenant's answers are expected to use is learned as answers end, and a request waits
