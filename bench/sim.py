@@ -176,14 +176,6 @@ class Policy:
     def on_arrival(self, job: Job, now: float) -> None:
         raise NotImplementedError
 
-    def _price(self, job: Job) -> int:
-        """As the director prices a queued request: its prompt and the output its tenant's
-        requests are expected to make (``Director._queue_price``); what dispatching it
-        charges (``job.charged``) is its price then."""
-        ratio = self.scheduler.output_ratio(job.tenant)
-        job.charged = QUEUE_PRICES.price(job.prompt, math.ceil(job.max_tokens * ratio))
-        return job.charged
-
     def on_finish(self, job: Job, now: float) -> None:
         """A request finished on its engine."""
 
