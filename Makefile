@@ -27,8 +27,11 @@ $(NATIVE): $(BIN)/kvgate kvgate_native.py $(shell find extproc limiter -name '*.
 # the benchmarks run); then again as plain Python (the fallback, and what an edited checkout
 # runs) the tests that exercise the compiled modules' logic directly, and one end-to-end file.
 # The other end-to-end tests add the I/O around that logic (Envoy, sockets, the coroutine
-# modules, never compiled): running them once keeps `make test` under ~15 minutes on two cores.
-PLAIN_TESTS := tests/unit tests/integration tests/e2e/test_gateway.py
+# modules, never compiled), and so do the benchmarks' own tests and the CLI's process
+# handling: running them once keeps `make test` under ~15 minutes on two cores.
+PLAIN_TESTS := tests/unit tests/integration tests/e2e/test_gateway.py \
+	--ignore=tests/unit/bench --ignore=tests/unit/extproc/test_cli.py \
+	--ignore=tests/unit/extproc/test_processes.py
 test: $(BIN)/kvgate $(NATIVE)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
