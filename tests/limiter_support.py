@@ -3,6 +3,8 @@ one for fair-queue selector calls (memory and Redis run the same steps)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import strategies as st
 
 from limiter import Admit, Cost, QueuedRequest, Rate, Reject, TenantLimiter, TenantPolicy
@@ -115,3 +117,20 @@ async def fairness_step(fair: Fairness, n: int, step: tuple) -> str | None:
         chosen = await fair.choose(fair_offers(n, step[1]))
         return None if chosen is None else chosen.id
     return None
+
+
+def one_pool_fairness(redis: dict[str, Any]) -> tuple[Fairness, Any]:
+    """Pool ``one``'s fair order as kvgate wires it from a config with these ``redis``
+    settings (one tenant, ``A``), and the ``Metrics`` it reports to."""
+    from extproc.config import hash_api_key, parse_config
+    from extproc.metrics import Metrics
+    from extproc.wiring import build_fairness
+
+    config = parse_config({
+        "redis": redis,
+        "tiers": {"t": {}},
+        "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
+        "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
+    })
+    metrics = Metrics()
+    return build_fairness(config, "one", metrics), metrics

@@ -31,7 +31,7 @@ from limiter.stores import (
     RedisFairness,
     StoreUnavailable,
 )
-from tests.limiter_support import fairness_step, fairness_steps
+from tests.limiter_support import fairness_step, fairness_steps, one_pool_fairness
 from tests.unit.limiter.test_fairness import (
     INTERACTIVE,
     all_backlogged,
@@ -274,20 +274,9 @@ async def test_choices_a_paused_redis_runs_late_charge_only_what_was_served(
 async def test_a_pools_fair_order_on_its_own_counters_shows_in_its_metrics() -> None:
     """``kvgate_queue_breaker_open{pool}`` is 1 while the pool's fair order is this
     process's own, and each choice made so is counted, as the store's breaker is."""
-    from extproc.config import hash_api_key, parse_config
-    from extproc.metrics import Metrics
-    from extproc.wiring import build_fairness
-
     with RedisServer() as server:
-        config = parse_config({
-            "redis": {"url": server.url, "timeout_ms": 100, "breaker_failures": 2,
-                      "breaker_open_ms": 60_000},
-            "tiers": {"t": {}},
-            "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
-            "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
-        })
-        metrics = Metrics()
-        fair = build_fairness(config, "one", metrics)
+        fair, metrics = one_pool_fairness({"url": server.url, "timeout_ms": 100,
+                                           "breaker_failures": 2, "breaker_open_ms": 60_000})
 
         def sample(name: str) -> float | None:
             return metrics.registry.get_sample_value(name, {"pool": "one"})
@@ -314,20 +303,10 @@ async def test_a_queued_client_gone_during_the_probe_does_not_keep_the_order_loc
     breaker's probe cancels the probe, which then reports nothing. The pool's fair order
     stayed this process's own for good (``kvgate_queue_breaker_open`` 1) with Redis back;
     now the next call after ``breaker_open_ms`` probes again."""
-    from extproc.config import hash_api_key, parse_config
-    from extproc.metrics import Metrics
-    from extproc.wiring import build_fairness
-
     with RedisServer() as server:
-        config = parse_config({  # a long call budget holds the probe while its client leaves
-            "redis": {"url": server.url, "timeout_ms": 1000, "breaker_failures": 1,
-                      "breaker_open_ms": 300},
-            "tiers": {"t": {}},
-            "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
-            "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
-        })
-        metrics = Metrics()
-        fair = build_fairness(config, "one", metrics)
+        # a long call budget holds the probe while its client leaves
+        fair, metrics = one_pool_fairness({"url": server.url, "timeout_ms": 1000,
+                                           "breaker_failures": 1, "breaker_open_ms": 300})
         assert isinstance(fair, FailoverFairness)
 
         def sample(name: str) -> float | None:

@@ -16,12 +16,13 @@ from extproc.datalayer.endpoints import EndpointState
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.metrics import NONE, OTHER, Collected, Metrics, metric_names
 from extproc.ports import free_port
-from extproc.wiring import build_fairness, build_store
+from extproc.wiring import build_store
 from limiter import Admit, Cost
 from limiter.decision import TenantPolicy
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.stores.base import StoreUnavailable
 from limiter.stores.failover import BREAKER_IDLE_MS, FailoverFairness, FailoverStore
+from tests.limiter_support import one_pool_fairness
 from tests.paths import REPO
 
 ORDER = ("tenant", "pool", "endpoint", "model", "class", "decision", "reason", "kind",
@@ -219,15 +220,8 @@ async def test_the_fair_queue_breaker_gauge_goes_back_to_0_once_nothing_is_order
     during one burst left the gauge at 1 (and KvgateFairOrderLocal firing) while Redis was
     back and nothing queued, until the pool next saturated. It counts a breaker a queue
     call asked within ``BREAKER_IDLE_MS``."""
-    config = parse_config({
-        "redis": {"url": f"redis://127.0.0.1:{free_port()}", "breaker_failures": 2,
-                  "breaker_open_ms": 60_000},
-        "tiers": {"t": {}},
-        "tenants": [{"name": "A", "tier": "t", "api_keys": [hash_api_key("sk-a")]}],
-        "pools": [{"name": "one", "models": [{"name": "m"}], "endpoints": ["127.0.0.1:1"]}],
-    })
-    metrics = Metrics()
-    fair = build_fairness(config, "one", metrics)
+    fair, metrics = one_pool_fairness({"url": f"redis://127.0.0.1:{free_port()}",
+                                       "breaker_failures": 2, "breaker_open_ms": 60_000})
     assert isinstance(fair, FailoverFairness)
     now = [1_000_000]
     fair.shared, fair.clock_ms = _DownFairness(), lambda: now[0]  # type: ignore[assignment]
