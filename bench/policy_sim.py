@@ -431,11 +431,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pool settings for kvgate (on top of its defaults); needs --against")
     p.add_argument("--against", type=Path, default=None,
                    help="a recorded --matrix JSON whose cells --variant reruns")
+    p.add_argument("--share-lengths", type=_lengths, default=None, metavar="N,N",
+                   help="rerun only kvgate's contention scenario of every cell of --against, "
+                   f"N × --requests requests long (the matrix's: {CONTENTION_LENGTH}): how "
+                   "the weighted-share error shrinks over longer busy periods")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if (args.variant is None) != (args.against is None):
-        p.error("--variant and --against go together")
+    if args.against is None and (args.variant is not None or args.share_lengths):
+        p.error("--variant and --share-lengths need --against (a recorded --matrix JSON)")
+    if args.against is not None and (args.variant is None) == (not args.share_lengths):
+        p.error("--against goes with one of --variant and --share-lengths")
     return args
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    lengths = tuple(int(n) for n in text.split(","))
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError("lengths are whole numbers, 1 or more")
+    return lengths
 
 
 def command(argv: list[str] | None) -> str:
@@ -448,6 +461,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     if args.variant is not None:
         return main_variant(args, argv, started)
+    if args.share_lengths:
+        return main_share_lengths(args, argv, started)
     if args.matrix:
         return main_matrix(args, argv, started)
     print(f"bench.policy_sim: {args.requests} requests, seed {args.seed}, {args.engines} "
@@ -549,6 +564,68 @@ def main_variant(args: argparse.Namespace, argv: list[str] | None, started: floa
               "requests": requests, "engines": engines, "summary": summary, "cells": cells,
               "seconds": round(time.perf_counter() - started, 1)}
     out = args.out or RESULTS / "policy-variant.json"
+    write_with_table(report, text, out)
+    print(f"wrote {out} and {out.with_suffix('.md')} in {report['seconds']} s")
+    return report
+
+
+def share_length_cell(job: tuple[dict[str, Any], int, int, tuple[int, ...], str]
+                      ) -> dict[str, Any]:
+    """kvgate's contention scenario of a recorded cell at each length (× ``requests``)."""
+    cell, requests, engines, lengths, asks = job
+    busy = cell.get("contention_req_s") or contention_rate(cell["rate_req_s"],
+                                                            cell["knee_req_s"])
+    errors = {}
+    for length in lengths:
+        share, _ = run_policy(Gated(defaults(), cell["seed"]), length * requests, busy,
+                              cell["seed"], engines, cell["mix"], asks)
+        errors[str(length)] = {"share_error": share["weighted_share_error"],
+                               "jain": share["jain"], "share_ratio": share["share_ratio"]}
+    recorded = cell["contention"]["kvgate"]
+    errors.setdefault(str(CONTENTION_LENGTH), {"share_error": recorded["weighted_share_error"],
+                                               "jain": recorded["jain"],
+                                               "share_ratio": recorded["share_ratio"]})
+    return {"seed": cell["seed"], "mix": cell["mix"], "load": cell["load"],
+            "contention_req_s": busy, "lengths": errors}
+
+
+def share_lengths_report(cells: list[dict[str, Any]], lengths: list[str]) -> str:
+    """Per cell the share error at each length; then per length the cells over the bound,
+    the median and the worst."""
+    lines = [f"{'seed':>4}{'mix':>5}{'load':>6}"
+             + "".join(f"{'×' + n:>9}" for n in lengths)]
+    for c in cells:
+        lines.append(f"{c['seed']:>4}{c['mix']:>5.0%}{c['load']:>6.2f}" + "".join(
+            f"{c['lengths'][n]['share_error']:>9.1%}" for n in lengths))
+    for n in lengths:
+        errors = [c["lengths"][n]["share_error"] for c in cells]
+        over = sum(e > SHARE_ERROR_MAX for e in errors)
+        lines.append(f"  ×{n} the latency scenario's requests: share error over "
+                     f"{SHARE_ERROR_MAX:.0%} in {over} "
+                     f"of {len(errors)} cells, median {statistics.median(errors):.1%}, "
+                     f"worst {max(errors):.1%}")
+    return "\n".join(lines)
+
+
+def main_share_lengths(args: argparse.Namespace, argv: list[str] | None, started: float
+                       ) -> dict[str, Any]:
+    recorded = json.loads(args.against.read_text())
+    requests, engines = recorded["requests"], recorded["engines"]
+    asks = recorded.get("asks", "used")
+    print(f"bench.policy_sim --share-lengths: kvgate's contention scenario of the "
+          f"{len(recorded['cells'])} cells of {args.against} ({recorded['command']}) at "
+          f"{', '.join(f'{n} ×' for n in args.share_lengths)} {requests} requests")
+    with ProcessPoolExecutor(max_workers=args.jobs,
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        cells = list(pool.map(share_length_cell, [
+            (c, requests, engines, args.share_lengths, asks) for c in recorded["cells"]]))
+    lengths = sorted(cells[0]["lengths"], key=int) if cells else []
+    text = share_lengths_report(cells, lengths)
+    print(text)
+    report = {"command": command(argv), "against": str(args.against), "requests": requests,
+              "engines": engines, "asks": asks, "cells": cells,
+              "seconds": round(time.perf_counter() - started, 1)}
+    out = args.out or RESULTS / "policy-share-lengths.json"
     write_with_table(report, text, out)
     print(f"wrote {out} and {out.with_suffix('.md')} in {report['seconds']} s")
     return report

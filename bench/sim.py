@@ -107,6 +107,7 @@ class Job:
     req: SimRequest | None = None
     engine: int | None = None
     charged: int = 0  # what its tenant's fair-order counter was charged for it
+    charged_band0: bool = False  # … as band-0 work (Waiter.charged_band0)
     output: int | None = None  # the tokens the engine really produces (None: max_tokens)
 
     @property
@@ -303,7 +304,7 @@ class Gated(Policy):
         self.running.pop(job.id, None)
         if self.settings.wfq:
             self.fairness.correct(job.tenant, job.price - job.charged,
-                                  self.sim.tenants[job.tenant])
+                                  self.sim.tenants[job.tenant], band0=job.charged_band0)
         self.dispatch(now)
 
     def on_first_token(self, job: Job, now: float) -> None:
@@ -332,7 +333,7 @@ class Gated(Policy):
             full = QUEUE_PRICES.price(job.prompt, job.max_tokens) if job else 0
             if job is not None and self.settings.wfq and full > job.charged:
                 self.fairness.correct(job.tenant, full - job.charged,
-                                      self.sim.tenants[job.tenant])
+                                      self.sim.tenants[job.tenant], band0=job.charged_band0)
                 job.charged = full
         if now > 0:
             self.dispatch(now)
@@ -357,8 +358,10 @@ class Gated(Policy):
             assert address is not None
             job = self.jobs.pop(chosen.id)
             self.running[chosen.id] = job
+            band = self.queue.effective_band(chosen, now_ms)  # as offered: the band charged
+            job.charged_band0 = band == 0
             self.scheduler.reserve(chosen.id, chosen.tenant, address, chosen.cost, now,
-                                   band=self.queue.effective_band(chosen, now_ms),
+                                   band=band,
                                    prompt_tokens=job.prompt,
                                    streamed=job.klass in self.settings.streamed)
             priority = CLASSES[job.klass].priority if self.settings.engine_priority else 0

@@ -72,6 +72,7 @@ class Admission:
     body_overrides: dict[str, Any] = field(default_factory=dict)  # degradation rewrites
     charged: int | None = None  # the price its tenant's fair-order counter was charged
     charged_weight: float = 1.0  # … at its tenant's weight then (a reload may change it)
+    charged_band0: bool = False  # … as band-0 work (its band-0 counter is corrected too)
     pool: str = field(init=False)  # the scheduler's pool (read on every release)
 
     def __post_init__(self) -> None:
@@ -403,7 +404,7 @@ class Director:
     async def _settle(self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str,
                       decision: Admit, watch: Watch) -> Admission | Reject:
         """Admitted by the limits: wait in the queue if not placed yet, then the admission."""
-        scheduler, placed, charged = route.scheduler, route.placed, None
+        scheduler, placed, charged, band0 = route.scheduler, route.placed, None, False
         weight = self.tenants.weight(tenant)  # what the queue charges it at
         # renewed in the shared store from now on, also while it waits in the queue: a lease
         # left to lapse there (the lease TTL is shorter than a batch deadline) freed its
@@ -418,13 +419,13 @@ class Director:
             if isinstance(waited, Reject):
                 self.leases.closed(lease_id)
                 return waited
-            placed, charged = waited
+            placed, charged, band0 = waited
         admission = Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
             priority=scheduler.config.body_priority(klass.priority),
             request_class=klass.name, admit=decision, body_overrides=route.overrides,
-            charged=charged, charged_weight=weight,
+            charged=charged, charged_weight=weight, charged_band0=band0,
         )
         if charged is not None:
             self._estimated[lease_id] = admission
@@ -506,11 +507,11 @@ class Director:
     async def _wait(
         self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str, weight: float,
         watch: Watch,
-    ) -> tuple[Placement, int] | Reject:
+    ) -> tuple[Placement, int, bool] | Reject:
         """Queue until the dispatcher reserves KV under ``lease_id`` (charging its tenant's
         fair-order counter the :meth:`_queue_price` it has then, returned with the
-        placement) or the class deadline passes; the tenant's limits are given back in full
-        if it never runs."""
+        placement and whether it was charged as band-0 work) or the class deadline
+        passes; the tenant's limits are given back in full if it never runs."""
         flow = self.flows[route.scheduler.config.name]
         if self._refusing_waits:  # shutting down: it would be cut before a place frees
             self._give_back(tenant, lease_id)
@@ -535,7 +536,7 @@ class Director:
         if isinstance(placed, Reject):
             self._give_back(tenant, lease_id)
             return placed
-        return placed, price_of(item)
+        return placed, price_of(item), waiter.charged_band0
 
     def _give_back(self, tenant: Tenant, lease_id: str, *, served: bool = False) -> None:
         """Give back the limits of a request that never ran (it left its wait, or kvgate
@@ -637,8 +638,9 @@ class Director:
                     output_tokens is not None):
                 real = self._price(max(0, used_tokens - output_tokens), output_tokens,
                                    admission.charged_weight)
-                await self.flows[admission.pool].correct(tenant.name, real - admission.charged,
-                                                         admission.charged_weight)
+                await self.flows[admission.pool].correct(
+                    tenant.name, real - admission.charged, admission.charged_weight,
+                    band0=admission.charged_band0)
         finally:
             self._estimated.pop(admission.lease_id, None)
             self._leave(tenant.name)
@@ -680,7 +682,8 @@ class Director:
             return
         admission.charged += extra
         charge = asyncio.ensure_future(
-            self.flows[admission.pool].correct(admission.tenant.name, extra, weight))
+            self.flows[admission.pool].correct(admission.tenant.name, extra, weight,
+                                               band0=admission.charged_band0))
         self._overrun_charges.add(charge)  # (the loop keeps only weak references)
         charge.add_done_callback(self._overrun_charges.discard)
 

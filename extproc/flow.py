@@ -69,6 +69,9 @@ class Waiter:
     streamed: bool = True  # its first token will be seen before its end
     # what dispatching it charges its tenant now (None: the price it was queued with)
     price_now: Callable[[], int] | None = None
+    # charged as band-0 work when dispatched (aging may have moved it there): its corrections
+    # move its tenant's band-0 counter too
+    charged_band0: bool = False
 
 
 class FlowController:
@@ -124,12 +127,14 @@ class FlowController:
             self.scheduler.release(waiter.lease_id, self.clock(), completed=False)
             raise
 
-    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+    async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
+                      ) -> None:
         """A request dispatched from this queue finished: charge its tenant the difference
-        between its real price and the estimate (negative: a refund)."""
+        between its real price and the estimate (negative: a refund); ``band0``: it was
+        dispatched as band-0 work (``Waiter.charged_band0``)."""
         if tokens:
             try:
-                await self.fairness.correct(tenant, tokens, weight)
+                await self.fairness.correct(tenant, tokens, weight, band0=band0)
             except Exception:  # a lost correction only slows a share's convergence
                 log.warning("pool %s: fairness correction failed", self.pool, exc_info=True)
 
@@ -194,25 +199,26 @@ class FlowController:
             chosen = await self.fairness.choose(offers)
             if chosen is None:
                 return
+            band = self.queue.effective_band(chosen, now)  # as offered: the band charged
             if chosen.id not in self.queue:  # its client left while the choice was made
-                await self._refund(chosen)
+                await self._refund(chosen, band)
                 continue
-            band = self.queue.effective_band(chosen, now)
             placed = self._place(chosen, band)
             if isinstance(placed, Reject):  # capacity went while the choice was made
-                await self._refund(chosen)  # charged again when it is chosen again
+                await self._refund(chosen, band)  # charged again when it is chosen again
                 return
             self.queue.take(chosen.id)
             waiter: Waiter = chosen.payload  # type: ignore[assignment]
+            waiter.charged_band0 = band == 0
             prompt = chosen.cost if waiter.prompt_tokens is None else waiter.prompt_tokens
             self.scheduler.reserve(waiter.lease_id, chosen.tenant, placed.endpoints[0],
                                    chosen.cost, self.clock(), band=band,
                                    prompt_tokens=prompt, streamed=waiter.streamed)
             self._answer(chosen, placed, "dispatched")
 
-    async def _refund(self, item: QueuedRequest) -> None:
+    async def _refund(self, item: QueuedRequest, band: int) -> None:
         """Give back the charge ``choose`` made for a request that will not run now."""
-        await self.correct(item.tenant, -price_of(item), item.weight)
+        await self.correct(item.tenant, -price_of(item), item.weight, band0=band == 0)
 
     def _fits(self, item: QueuedRequest) -> bool:
         placed = self._place(item, self.queue.effective_band(item, self.clock_ms()))

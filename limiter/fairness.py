@@ -43,7 +43,8 @@ tenant's work would make a tenant's interactive request wait behind other tenant
 work whenever its counter is ahead — even by one small request. So among the candidates,
 every tenant whose start counter is within ``lag`` (tokens per unit of weight) of the
 smallest is *eligible*, and the eligible one with the best band goes first (ties: smallest
-counter). A tenant's band-0 counter counts only its band-0 work: a tenant whose interactive
+counter). A tenant's band-0 counter counts only its band-0 work (corrected, like the whole
+counter, when a request charged to it ends): a tenant whose interactive
 traffic fits in its share keeps it flowing whatever its batch work, and one whose interactive
 traffic alone exceeds its share is held to it. A band-0 counter starts (and is lifted to) a
 lag below the least-served start, so no tenant gets further ahead of the least-served
@@ -183,18 +184,30 @@ class VirtualCounters:
         self._charge(offer, starts[index], min(starts), charge_of(offer.item))
         return offer.item
 
-    def correct(self, tenant: str, tokens: int, weight: float) -> None:
+    def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
+                ) -> None:
         """A dispatched request finished: add the difference between its real price and the
         estimate it was charged (negative: a refund, which stops at ``lag`` below ``V``, or
-        where the counter already is if that is lower), in tokens."""
+        where the counter already is if that is lower), in tokens. ``band0``: it was charged
+        as band-0 work, so the tenant's band-0 counter moves by the same difference —
+        otherwise a tenant whose interactive answers ran shorter than estimated had its
+        interactive work held as if they had not (``bench.policy_sim --asks ceiling``)."""
         if tenant in self._counters and tokens:
-            counter = self._counters[tenant]
-            corrected = counter + units(tokens, weight)
-            if tokens < 0:
-                corrected = max(corrected, min(counter, self._vtime - self._lag))
-            counter = self._counters[tenant] = max(0, corrected)
-            if self._firsts.get(tenant, counter) > counter:  # band-0 work is part of all work
-                self._firsts[tenant] = counter
+            delta = units(tokens, weight)
+            counter = self._counters[tenant] = max(0, self._moved(self._counters[tenant],
+                                                                  delta))
+            first = self._firsts.get(tenant)
+            if first is not None:
+                if band0:
+                    first = self._moved(first, delta)
+                self._firsts[tenant] = min(first, counter)  # band-0 work is part of all work
+
+    def _moved(self, counter: int, delta: int) -> int:
+        """``counter`` + ``delta``; a refund stops at ``lag`` below ``V`` (or where the
+        counter already is, if that is lower)."""
+        if delta >= 0:
+            return counter + delta
+        return max(counter + delta, min(counter, self._vtime - self._lag))
 
     def _charge(self, offer: Offer, start: int, floor: int, charge: int) -> None:
         tenant = offer.item.tenant

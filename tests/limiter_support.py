@@ -88,7 +88,7 @@ allowed ``rebase_at`` (``2 * MAX_CHARGE``)."""
 def fairness_steps(*, unfit: bool = True, corrections: bool = True) -> st.SearchStrategy:
     """Sequences of ``("activate", tenant)``, ``("choose", [(tenant, price, weight,
     enqueued_ms, band, fits), ...])`` (duplicate tenants, equal counters and enqueue times
-    included) and ``("correct", tenant, tokens, weight)``. ``unfit=False``: every offer
+    included) and ``("correct", tenant, tokens, weight, band0)``. ``unfit=False``: every offer
     fits; ``corrections=False``: no corrections."""
     tenants = st.sampled_from(FAIR_TENANTS)
     offer = st.tuples(tenants, fair_tokens, fair_weights, st.integers(0, 3), st.integers(0, 2),
@@ -97,7 +97,8 @@ def fairness_steps(*, unfit: bool = True, corrections: bool = True) -> st.Search
              st.tuples(st.just("choose"), st.lists(offer, min_size=1, max_size=5))]
     if corrections:
         refund = st.one_of(st.integers(-6000, 6000), st.integers(-5 * 10**8, 5 * 10**8))
-        steps.append(st.tuples(st.just("correct"), tenants, refund, fair_weights))
+        steps.append(st.tuples(st.just("correct"), tenants, refund, fair_weights,
+                               st.booleans()))
     return st.lists(st.one_of(*steps), max_size=40)
 
 
@@ -112,7 +113,7 @@ async def fairness_step(fair: Fairness, n: int, step: tuple) -> str | None:
     if step[0] == "activate":
         await fair.activate(step[1])
     elif step[0] == "correct":
-        await fair.correct(step[1], step[2], step[3])
+        await fair.correct(step[1], step[2], step[3], band0=step[4])
     else:
         chosen = await fair.choose(fair_offers(n, step[1]))
         return None if chosen is None else chosen.id

@@ -170,9 +170,11 @@ class Fairness(Protocol):
         fits: wait for the next capacity event); nothing is charged then."""
         ...
 
-    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+    async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
+                      ) -> None:
         """A dispatched request of ``tenant`` finished: add the difference between its real
-        price and the estimate it was charged (negative: a refund), in tokens. The counter
+        price and the estimate it was charged (negative: a refund), in tokens — to its
+        band-0 counter too when it was charged as band-0 work (``band0``). The counter
         never goes below 0; a tenant without a counter is left alone."""
         ...
 

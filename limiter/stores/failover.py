@@ -883,10 +883,11 @@ class FailoverFairness:
                 return
             await asyncio.sleep(REPAIR_PAUSE_S)
 
-    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+    async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
+                      ) -> None:
         """Best effort: a correction lost to an outage only delays the share's convergence."""
-        await self.local.correct(tenant, tokens, weight)
-        await self._try(lambda: self.shared.correct(tenant, tokens, weight))
+        await self.local.correct(tenant, tokens, weight, band0=band0)
+        await self._try(lambda: self.shared.correct(tenant, tokens, weight, band0=band0))
 
     async def counters(self) -> dict[str, float]:
         answered, counters, _ = await self._try(self.shared.counters)

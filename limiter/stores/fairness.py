@@ -148,25 +148,34 @@ return best - 1
 """
 
 # ARGV: [1] ttl ms, [2] tenant, [3] counter units to add (may be negative), [4] lag (counter
-# units). A tenant without a counter is left alone; a refund stops at LAG below V (or where
-# the counter is, if lower: VirtualCounters.correct); the counter never goes below 0. Returns
-# 1 if it changed anything.
+# units), [5] '1' when the request was charged as band-0 work (its band-0 counter moves too).
+# A tenant without a counter is left alone; a refund stops at LAG below V (or where the
+# counter is, if lower: VirtualCounters.correct); the counter never goes below 0. Returns 1 if
+# it changed anything.
 _CORRECT = _LUA_HEAD + r"""
 local c = redis.call('HGET', KC, ARGV[2])
 if not c then return 0 end
 local d, LAG = tonumber(ARGV[3]), tonumber(ARGV[4])
-local before = tonumber(c)
-c = before + d
-if d < 0 then
-  local low = math.min(before, V - LAG)
-  if c < low then c = low end
+local function moved(before)
+  local after = before + d
+  if d < 0 then
+    local low = math.min(before, V - LAG)
+    if after < low then after = low end
+  end
+  return after
 end
+c = moved(tonumber(c))
 if c < 0 then c = 0 end
 redis.call('HSET', KC, ARGV[2], str(c))
 -- band-0 work is part of all work: its counter never exceeds the total (so the least-served
 -- tenant always stays eligible)
 local f = redis.call('HGET', KF, ARGV[2])
-if f and tonumber(f) > c then redis.call('HSET', KF, ARGV[2], str(c)) end
+if f then
+  f = tonumber(f)
+  if ARGV[5] == '1' then f = moved(f) end
+  if f > c then f = c end
+  redis.call('HSET', KF, ARGV[2], str(f))
+end
 touch(ARGV[2])
 return 1
 """
@@ -305,12 +314,14 @@ class RedisFairness:
         index = int(await self._call("choose", args))
         return None if index < 0 else offers[index].item
 
-    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
+    async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
+                      ) -> None:
         """Add ``tokens`` (negative: a refund, which stops at ``lag`` below ``V``) to
-        ``tenant``'s counter, floored at 0; nothing when it has no counter."""
+        ``tenant``'s counter, floored at 0, and with ``band0`` to its band-0 counter; nothing
+        when it has no counter."""
         if tokens:
             await self._call("correct", [self._ttl_ms, tenant, units(tokens, weight),
-                                         self._lag])
+                                         self._lag, int(band0)])
 
     async def undo(self, decision: str, instead: QueuedRequest | None) -> bool:
         """The choice ``decision`` got no answer in time and the caller chose ``instead``

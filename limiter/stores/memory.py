@@ -174,8 +174,9 @@ class MemoryFairness:
     async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
         return self.core.choose(offers)
 
-    async def correct(self, tenant: str, tokens: int, weight: float) -> None:
-        self.core.correct(tenant, tokens, weight)
+    async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
+                      ) -> None:
+        self.core.correct(tenant, tokens, weight, band0=band0)
 
     async def counters(self) -> dict[str, float]:
         return self.core.counters()

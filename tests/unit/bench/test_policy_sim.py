@@ -140,7 +140,20 @@ def test_the_matrix_reports_every_cell_and_its_bounds(tmp_path: Path) -> None:
         c["policies"]["fifo"] for c in saved["cells"]]  # only kvgate runs again
     assert (tmp_path / "v2.md").read_text().startswith("# python -m bench.policy_sim --variant")
 
+    # kvgate's contention scenario again at other lengths; the matrix's own is the recorded
+    longer = policy_sim.main(["--against", str(out), "--share-lengths", "2,3", "--jobs", "1",
+                              "--out", str(tmp_path / "s.json")])
+    for cell, recorded in zip(longer["cells"], saved["cells"], strict=True):
+        assert set(cell["lengths"]) == {"2", "3"}
+        assert cell["lengths"]["2"]["share_error"] == (
+            recorded["contention"]["kvgate"]["weighted_share_error"])
+    assert "×3 the latency scenario's requests" in (tmp_path / "s.md").read_text()
+
 
 def test_a_variant_needs_a_recorded_matrix() -> None:
     with pytest.raises(SystemExit):
         policy_sim.main(["--variant", '{"prefill_clear_hold_s": 1}'])
+    with pytest.raises(SystemExit):
+        policy_sim.main(["--share-lengths", "4"])
+    with pytest.raises(SystemExit):
+        policy_sim.main(["--against", "m.json"])

@@ -16,6 +16,7 @@ from extproc.director import Admission
 from extproc.openai import parse_body
 from extproc.wiring import build_director
 from limiter import Reject
+from limiter.fairness import SCALE
 from limiter.stores import MemoryStore
 
 ENDPOINT = "127.0.0.1:1"
@@ -338,6 +339,27 @@ async def test_a_queued_request_is_priced_as_of_its_dispatch_not_its_arrival(har
     assert (await harness.flow.fairness.counters())["b"] == admission.charged
     await harness.director.release(admission, prompt + 30, 30)
     assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 30
+
+
+@pytest.mark.parametrize("klass", ["interactive", "batch"])
+async def test_an_interactive_request_corrects_its_tenants_band0_counter_too(harness, klass):
+    """Charged as band-0 work at dispatch, an interactive request's end moves its tenant's
+    band-0 counter by the same correction as its whole counter: else a tenant whose
+    interactive answers ran short was held as if they had used all of max_tokens."""
+    await harness.start(usage=0.99)
+    task = harness.admit("b", klass)
+    await settle()
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    assert admission.charged_band0 is (klass == "interactive")
+    core = harness.flow.fairness.core
+    before = core._firsts.get("b")
+    prompt = admission.cost.prompt_tokens
+    await harness.director.release(admission, prompt + 10, 10)  # 90 of 100 output unused
+    if klass == "interactive":
+        assert core._firsts["b"] == before - 2 * 90 * SCALE
+    else:
+        assert core._firsts.get("b") == before
 
 
 async def test_a_request_running_past_its_estimate_is_charged_its_max_tokens_at_once(harness):

@@ -322,6 +322,25 @@ async def test_a_refund_is_not_banked_past_a_lag_behind_the_others() -> None:
     assert (await fair.counters())["X"] == 3600
 
 
+@pytest.mark.parametrize("band0", [True, False])
+async def test_a_band0_refund_lowers_the_band0_counter_too(band0: bool) -> None:
+    """A tenant's interactive requests charged their estimate and answered shorter: its
+    interactive work is held by what they used, not by the estimate (``--asks ceiling``)."""
+    fair = MemoryFairness(lag_tokens=1000)
+    await fair.activate("X")
+    await fair.activate("Y")
+    for n in range(2):  # X at 3000, its band-0 counter at 2000; Y at 0 (V)
+        x = await fair.choose(offers(req(f"x{n}", "X", 1500), req(f"y{n}", "Y", 10, band=1)))
+        assert x is not None and x.tenant == "X"
+    x, y = req("x", "X", 10), req("y", "Y", 10, band=1)
+    assert await fair.choose(offers(x, y)) is y  # X's band-0 counter past V + lag: held
+    await fair.correct("X", -1200, 1.0, band0=band0)  # x0 used 300 of 1500
+    assert (await fair.counters())["X"] == 1800
+    assert fair.core._firsts["X"] == (800 if band0 else 1800) * SCALE
+    y2 = req("y2", "Y", 10, band=1)
+    assert await fair.choose(offers(x, y2)) is (x if band0 else y2)
+
+
 async def test_a_refund_never_stalls_dispatch_while_everything_fits() -> None:
     fair = MemoryFairness(lag_tokens=100)
     await fair.choose(offers(req("x0", "X", 1000, weight=1)))  # X at 1000, band-0 at 900
