@@ -393,7 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_worker(
     config_path: Path, index: int, log_level: str, log_format: str | None = None, *,
-    reuse_port: bool = True, parent_pid: int | None = None,
+    reuse_port: bool = True, parent_pid: int | None = None, workers: int = 1,
 ) -> None:
     """One serving process (:func:`for_worker`); a worker (``parent_pid``) ends with its
     parent."""
@@ -410,7 +410,7 @@ def _serve_worker(
     install_uvloop()
     try:
         server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path,
-                              worker=index)
+                              worker=index, workers=workers)
     except ConfigError as error:  # a secret read at start-up: name the file, not <config>
         raise ConfigError(str(config_path), error.problems) from None
     asyncio.run(server.serve_forever())
@@ -424,7 +424,8 @@ def _run_workers(config_path: Path, workers: int, log_level: str, log_format: st
     processes = [
         context.Process(
             target=_serve_worker, args=(config_path, i, log_level, log_format),
-            kwargs={"parent_pid": os.getpid()}, name=f"kvgate-worker-{i}",
+            kwargs={"parent_pid": os.getpid(), "workers": workers},
+            name=f"kvgate-worker-{i}",
         )
         for i in range(workers)
     ]

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -55,6 +56,9 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # the report leaves Envoy just before the stream's end, on another connection.
 REPORT_WAIT_S = 0.5
 CUT_MARGIN_S = 0.2  # past the shutdown grace, before gRPC cuts the streams counted as cut
+# How long worker 0's /readyz waits for each other worker's own answer (a probe's default
+# timeout is 1 s)
+SIBLING_TIMEOUT_S = 0.5
 # How often the tenants reloads removed are looked at again, to forget those with nothing
 # left (a reload looks at once): and the in-memory store's limits that have faded drop
 FORGET_EVERY_S = 2.0
@@ -268,6 +272,29 @@ def _add_processor(processor: ExternalProcessor, server: grpc.aio.Server) -> Non
     server.add_registered_method_handlers(service, handlers)
 
 
+def _sibling_admins(settings: ServerSettings, workers: int) -> list[tuple[int, str]]:
+    """Workers 1 … N-1's admin ports (``admin_port`` + i) as worker 0 reaches them: none
+    with one worker, or without a fixed admin port (each worker's is then its own)."""
+    if workers < 2 or not settings.admin_port:
+        return []
+    host = settings.admin_host
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    host = f"[{host}]" if ":" in host else host
+    return [(i, f"http://{host}:{settings.admin_port + i}/readyz") for i in range(1, workers)]
+
+
+async def _sibling_waiting(session: aiohttp.ClientSession, index: int, url: str) -> list[str]:
+    """Why worker ``index`` is not ready, by its own ``/readyz`` (empty: ready)."""
+    try:
+        async with session.get(url) as response:
+            if response.status == 200:
+                return []
+            waiting = (await response.json(content_type=None)).get("waiting_for") or ["?"]
+    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+        waiting = [f"no answer on {url} ({type(exc).__name__})"]
+    return [f"worker {index}: {reason}" for reason in waiting]
+
+
 def _report_host(settings: ServerSettings) -> str:
     if settings.report_host == "auto":  # the pod IP: Kubernetes maps the pod's name to it
         return socket.gethostbyname(socket.gethostname())
@@ -296,10 +323,12 @@ class KvgateServer:
 
     def __init__(
         self, config: Config, store: LimiterStore | None = None, *, reuse_port: bool = False,
-        config_path: str | Path | None = None, worker: int = 0,
+        config_path: str | Path | None = None, worker: int = 0, workers: int = 1,
     ):
         self.config = config
         self.worker = worker  # of `kvgate serve --workers`: its ports are the file's + worker
+        # worker 0 answers the pod's readiness probe for every worker (_siblings_not_ready)
+        self.siblings = _sibling_admins(config.server, workers) if worker == 0 else []
         self.metrics = Metrics()
         self.metrics.configure(*_label_names(config))
         # the file reloads read (SIGHUP, or polled): none for a config built in code
@@ -435,7 +464,7 @@ class KvgateServer:
         return web.json_response({"status": "ok"})
 
     async def _readyz(self, _request: web.Request) -> web.Response:
-        waiting = self.not_ready()
+        waiting = self.not_ready() + await self._siblings_not_ready()
         if waiting:
             return web.json_response({"status": "not ready", "waiting_for": waiting},
                                      status=503)
@@ -453,6 +482,19 @@ class KvgateServer:
             waiting.append("draining (shutting down)")
         self.metrics.ready.set(0 if waiting else 1)
         return waiting
+
+    async def _siblings_not_ready(self) -> list[str]:
+        """With ``--workers N``, worker 0 (whose admin port the pod's probes ask) is ready
+        only when every other worker is too: one still starting, draining, stuck or gone
+        takes the pod out of its Services, as a single process would. Each answers its own
+        ``/readyz``; one that does not within :data:`SIBLING_TIMEOUT_S` counts as not ready."""
+        if not self.siblings:
+            return []
+        timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            answers = await asyncio.gather(*(_sibling_waiting(session, index, address)
+                                             for index, address in self.siblings))
+        return [reason for answer in answers for reason in answer]
 
     def _note_scraped(self, snapshot: StoreSnapshot) -> None:
         """Remember the pools that have had an endpoint scraped (readiness)."""

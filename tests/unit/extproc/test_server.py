@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 
 from extproc import http_port
 from extproc import server as server_module
-from extproc.config import Config, ConfigError, hash_api_key, parse_config
+from extproc.config import Config, ConfigError, for_worker, hash_api_key, parse_config
 from extproc.datalayer.agent import start_agent
 from extproc.director import Admission
 from extproc.metrics import Collected, Metrics
@@ -424,6 +424,51 @@ async def test_a_stream_cut_at_the_grace_is_released_and_health_flips_first() ->
     assert server.director.active == {}
     assert await server.director.store.in_flight("acme") == 0
     assert server._processor is not None and server._processor.cut == 1
+
+
+def two_free_ports() -> int:
+    """A port P such that P and P + 1 were both free (worker i's admin port is P + i)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise OSError("no two free ports in a row")
+
+
+async def test_worker_0_is_ready_only_when_every_worker_is() -> None:
+    """The pod's probes ask worker 0's admin port: a worker still starting, draining, stuck
+    or gone took no part in the answer, and the pod stayed in its Services."""
+    cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
+                        "server": {"grpc_port": 0, "admin_port": two_free_ports()},
+                        "pools": [{"name": "p", "models": ["m"], "kv_aware": False,
+                                   "endpoints": [f"127.0.0.1:{free_port()}"]}]})
+    first = KvgateServer(cfg, worker=0, workers=2)
+    await first.start()
+    ready = f"http://127.0.0.1:{first.admin_port}/readyz"
+    try:
+        async with httpx.AsyncClient() as client:
+            answer = await client.get(ready)  # worker 1 not listening yet
+            assert answer.status_code == 503
+            [why] = answer.json()["waiting_for"]
+            assert why.startswith(f"worker 1: no answer on http://127.0.0.1:"
+                                  f"{cfg.server.admin_port + 1}/readyz")
+            assert first.not_ready() == []  # its own readiness (kvgate_ready) is its own
+            second = KvgateServer(for_worker(cfg, 1), worker=1, workers=2)
+            await second.start()
+            try:
+                assert (await client.get(ready)).status_code == 200
+                second.draining = True
+                answer = await client.get(ready)
+                assert answer.status_code == 503
+                assert answer.json()["waiting_for"] == ["worker 1: draining (shutting down)"]
+            finally:
+                await second.stop(grace=0)
+    finally:
+        await first.stop(grace=0)
 
 
 async def test_report_host_auto_names_this_hosts_own_address() -> None:
