@@ -59,6 +59,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -543,18 +544,11 @@ def main_variant(args: argparse.Namespace, argv: list[str] | None, started: floa
                  ) -> dict[str, Any]:
     recorded = json.loads(args.against.read_text())
     requests, engines = recorded["requests"], recorded["engines"]
-    asks = recorded.get("asks", "used")
     print(f"bench.policy_sim --variant {json.dumps(args.variant)}: kvgate on the "
           f"{len(recorded['cells'])} cells of {args.against} ({recorded['command']}), "
           f"{args.jobs} processes")
     print(CELL_HEAD)
-    with ProcessPoolExecutor(max_workers=args.jobs,
-                             mp_context=multiprocessing.get_context("spawn")) as pool:
-        cells = []
-        for cell in pool.map(variant_cell, [(c, requests, engines, args.variant, asks)
-                                            for c in recorded["cells"]]):
-            print(cell_line(cell), flush=True)
-            cells.append(cell)
+    cells = rerun(recorded, args.jobs, variant_cell, args.variant, show=True)
     summary = summarize_matrix(cells)
     text = matrix_report(cells, summary)
     before = summarize_matrix(recorded["cells"])["cells_missing"]
@@ -615,10 +609,7 @@ def main_share_lengths(args: argparse.Namespace, argv: list[str] | None, started
     print(f"bench.policy_sim --share-lengths: kvgate's contention scenario of the "
           f"{len(recorded['cells'])} cells of {args.against} ({recorded['command']}) at "
           f"{', '.join(f'{n} ×' for n in args.share_lengths)} {requests} requests")
-    with ProcessPoolExecutor(max_workers=args.jobs,
-                             mp_context=multiprocessing.get_context("spawn")) as pool:
-        cells = list(pool.map(share_length_cell, [
-            (c, requests, engines, args.share_lengths, asks) for c in recorded["cells"]]))
+    cells = rerun(recorded, args.jobs, share_length_cell, args.share_lengths)
     lengths = sorted(cells[0]["lengths"], key=int) if cells else []
     text = share_lengths_report(cells, lengths)
     print(text)
@@ -629,6 +620,23 @@ def main_share_lengths(args: argparse.Namespace, argv: list[str] | None, started
     write_with_table(report, text, out)
     print(f"wrote {out} and {out.with_suffix('.md')} in {report['seconds']} s")
     return report
+
+
+def rerun(recorded: dict[str, Any], jobs: int, work: Callable[[Any], dict[str, Any]],
+          extra: Any, *, show: bool = False) -> list[dict[str, Any]]:
+    """Every cell of a recorded matrix through ``work((cell, requests, engines, extra,
+    asks))``, in ``jobs`` spawned processes, in order (each printed as it comes: ``show``)."""
+    requests, engines = recorded["requests"], recorded["engines"]
+    asks = recorded.get("asks", "used")
+    with ProcessPoolExecutor(max_workers=jobs,
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        cells = []
+        for cell in pool.map(work, [(c, requests, engines, extra, asks)
+                                    for c in recorded["cells"]]):
+            if show:
+                print(cell_line(cell), flush=True)
+            cells.append(cell)
+    return cells
 
 
 def write_with_table(report: dict[str, Any], text: str, path: Path) -> None:
