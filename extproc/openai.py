@@ -43,6 +43,8 @@ _MEDIA = "changes how many tokens a media part becomes, which this gateway canno
 _REQUEST_ID = ("names the request inside the engine: ids are this gateway's (x-request-id), "
                "and a client's could name another tenant's request")
 _UNMETERED_WORK = "asks the engine for work this gateway does not meter"
+_ADAPTER = ("picks a LoRA adapter other than the model the request names: this gateway "
+            "authorizes and routes by `model` (name the adapter there)")
 REFUSED_FIELDS: dict[str, str] = {
     # the serving system's own: disaggregated prefill and decode, engine sessions, placement
     **dict.fromkeys(("kv_transfer_params", "ec_transfer_params",  # vLLM
@@ -54,6 +56,7 @@ REFUSED_FIELDS: dict[str, str] = {
                      "images_config", "max_dynamic_patch", "min_dynamic_patch",  # SGLang
                      "use_audio_in_video"), _MEDIA),
     "request_id": _REQUEST_ID, "rid": _REQUEST_ID,  # vLLM, SGLang
+    "lora_path": _ADAPTER,  # SGLang
     **dict.fromkeys(("use_beam_search", "vllm_xargs",  # vLLM
                      "custom_logit_processor", "return_hidden_states"), _UNMETERED_WORK),
 }
@@ -74,6 +77,8 @@ and why: what an engine would do with them kvgate cannot meter.
   from ``rid``; engines keep a request's state (and abort it) by that id, so a client's own
   could name another tenant's request in flight, and would part the engine's logs from
   kvgate's.
+- SGLang's ``lora_path`` runs the request on an adapter of its choosing whatever
+  ``model`` says, past the tenant's model allow-list and the pool routed to.
 - Work the one-request reservation does not describe: beam search (vLLM runs one engine
   request per beam and step, the prompt resubmitted each time), ``vllm_xargs`` (arguments
   for the operator's custom extensions, and the engine's ``extra_args`` where its KV

@@ -38,7 +38,7 @@ FIELDS = ["model", "messages", "prompt", "input", "suffix", "tools", "chat_templ
           "stream_options", "priority", "prompt_embeds", "kv_transfer_params", "cache_salt",
           "logprobs", "prompt_logprobs", "encoding_format", "user", "ignore_eos",
           "chat_template", "mm_processor_kwargs", "request_id", "rid", "input_ids",
-          "use_beam_search", "vllm_xargs", "min_tokens"]
+          "use_beam_search", "vllm_xargs", "min_tokens", "lora_path"]
 SCALARS = [None, True, False, 0, -1, 1, 3, 16, 2**31, 2**63, 1.5, 1e308, "", "x", "tiny-llama",
            "user", "text", "\u0000", "a" * 50]
 KEYWORDS = ["role", "content", "type", "text", "name", "include_usage", "image_url",

@@ -165,6 +165,9 @@ def test_completions_are_capped_by_max_tokens_alone():
     (CHAT, "custom_logit_processor", "{}", "unsupported_parameter"),
     (COMPLETIONS, "return_hidden_states", True, "unsupported_parameter"),
     (CHAT, "return_hidden_states", "last", "unsupported_parameter"),
+    # SGLang's adapter by path, whatever `model` names
+    (CHAT, "lora_path", "/adapters/other-tenants", "unsupported_parameter"),
+    (COMPLETIONS, "lora_path", ["sql"], "unsupported_parameter"),
     # SGLang's data-parallel placement: kvgate places requests
     (CHAT, "routed_dp_rank", 0, "unsupported_parameter"),
     (CHAT, "data_parallel_rank", 1, "unsupported_parameter"),
