@@ -154,9 +154,11 @@ P50_DELTA_TARGET_MS = 1.5  # kvgate p50 − Envoy-direct p50 at c=1
 # -- processes and their CPU ---------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads, in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
+def cpu_seconds(pid: int, *, main_thread: bool = False) -> float:
+    """utime + stime of a process, all its threads (``main_thread``: its first thread
+    alone: the event loop, where Python runs), in seconds."""
+    path = f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat"
+    with open(path) as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -513,12 +515,16 @@ class Load:
 class Snapshot:
     at: float
     cpu: dict[str, float]
+    main: dict[str, float]  # each process's main thread's
     cores: list[float]
     counters: dict[str, float]
 
 
-def _cpu_snapshot(pids: Mapping[str, int]) -> tuple[float, dict[str, float], list[float]]:
-    return time.perf_counter(), {r: cpu_seconds(p) for r, p in pids.items()}, core_busy_seconds()
+def _cpu_snapshot(pids: Mapping[str, int]
+                  ) -> tuple[float, dict[str, float], dict[str, float], list[float]]:
+    return (time.perf_counter(), {r: cpu_seconds(p) for r, p in pids.items()},
+            {r: cpu_seconds(p, main_thread=True) for r, p in pids.items()},
+            core_busy_seconds())
 
 
 @dataclass
@@ -544,8 +550,7 @@ async def measure(gw: Gateway, concurrency: int, warmup_s: float, duration_s: fl
         load.recording = True
         await window(duration_s)
         load.recording = False
-        at, cpu, cores = _cpu_snapshot(pids)
-        end = Snapshot(at, cpu, cores, await gw.counters())
+        end = Snapshot(*_cpu_snapshot(pids), await gw.counters())
         load.running = False
         await asyncio.gather(*workers)
     return Window(load, start, end)
@@ -576,6 +581,7 @@ def summarize(mode: str, concurrency: int, windows: Sequence[Window],
     requests = sum(statuses.values())
     per = max(requests, 1)
     cpu = _delta(windows, lambda s: s.cpu)
+    main = _delta(windows, lambda s: s.main)
     cores = _delta(windows, lambda s: dict(enumerate(s.cores)))
     counted = _delta(windows, lambda s: s.counters)
     messages = {k.partition(":")[2]: v / per for k, v in counted.items()
@@ -607,6 +613,8 @@ def summarize(mode: str, concurrency: int, windows: Sequence[Window],
         "ttft_p50_ms_by_window": [_quantile(sorted(w.load.first_bytes), 0.50) * 1000
                                   for w in windows],
         "cpu_us_per_request": {role: s / per * 1e6 for role, s in cpu.items()},
+        # the main thread's part (Python, the event loop): the rest is gRPC's and others'
+        "main_thread_cpu_us_per_request": {role: s / per * 1e6 for role, s in main.items()},
         "idle_cpu_per_s": dict(idle or {}),
         "net_cpu_us_per_request": {
             role: max(0.0, s - (idle or {}).get(role, 0.0) * elapsed) / per * 1e6
@@ -698,7 +706,7 @@ def idle_cpu(gateways: Sequence[Gateway]) -> dict[str, dict[str, float]]:
     time.sleep(IDLE_S)
     idle = {}
     for gw in gateways:
-        (start, cpu0, _), (end, cpu1, _) = before[gw.mode], _cpu_snapshot(gw.pids)
+        (start, cpu0, *_), (end, cpu1, *_) = before[gw.mode], _cpu_snapshot(gw.pids)
         idle[gw.mode] = {role: (cpu1[role] - cpu0[role]) / (end - start) for role in cpu0}
     return idle
 
@@ -739,9 +747,14 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         kvgate, floor = _row(rows, "kvgate", level), _row(rows, "minimal", level)
         if kvgate and floor:
             k, f = kvgate["cpu_us_per_request"], floor["cpu_us_per_request"]
+            km, fm = (r.get("main_thread_cpu_us_per_request", {}).get("ext_proc", float("nan"))
+                      for r in (kvgate, floor))
             by_level[str(level)] = {
                 "ext_proc": k["ext_proc"] / f["ext_proc"],
                 "envoy_plus_ext_proc": (k["ext_proc"] + k["envoy"]) / (f["ext_proc"] + f["envoy"]),
+                "main_thread_us": {"kvgate": km, "minimal": fm},
+                "other_threads_us": {"kvgate": k["ext_proc"] - km,
+                                     "minimal": f["ext_proc"] - fm},
             }
     out: dict[str, Any] = {"cpu_ratio_by_level": by_level}
     headline = by_level.get(str(CPU_RATIO_LEVEL))
@@ -875,6 +888,12 @@ def format_ratios(result: dict[str, Any]) -> list[str]:
     for level, r in result["cpu_ratio_by_level"].items():
         lines.append(f"  - c={level}: ext_proc {r['ext_proc']:.2f}, "
                      f"envoy+ext_proc {r['envoy_plus_ext_proc']:.2f}")
+        if "main_thread_us" in r:
+            main, other = r["main_thread_us"], r["other_threads_us"]
+            lines.append(f"    ext_proc µs/request on its main thread (Python, event loop): "
+                         f"kvgate {main['kvgate']:.0f}, floor {main['minimal']:.0f}; on its "
+                         f"other threads (gRPC's): kvgate {other['kvgate']:.0f}, floor "
+                         f"{other['minimal']:.0f}")
     if "cpu_ratio_equal_rate" in result:
         e = result["cpu_ratio_equal_rate"]
         lines.append(f"the same at an equal request rate (every mode paced at "
@@ -1093,8 +1112,7 @@ PROFILE_MODES = ("minimal", "kvgate")
 PROFILE_RATE_HZ = 250
 _LINE = re.compile(r":\d+\)$")
 _LOOP_FRAME = "run (asyncio/runners.py:"
-_NO_FRAME = {True: "(other threads: gRPC's poller)",
-             False: "(in the event loop, no Python frame: uvloop, gRPC core, kernel)"}
+_NO_FRAME = "(in the event loop, no Python frame: uvloop, gRPC core, kernel)"
 
 
 def find_py_spy() -> str:
@@ -1127,14 +1145,16 @@ def _loop_frames(stack: str) -> list[str] | None:
 
 def hot_spots(raw: str, us_per_sample: float, top: int = 25) -> dict[str, list[list[Any]]]:
     """Python frames run by the event loop: inclusive time per function and self time per
-    line, in µs per request."""
+    line, in µs per request (other threads' samples left out: their CPU is measured)."""
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         frames = _loop_frames(stack)
+        if frames is None:
+            continue
         if not frames:
-            own[_NO_FRAME[frames is None]] += int(count)
+            own[_NO_FRAME] += int(count)
             continue
         own[frames[-1]] += int(count)
         for function in {_LINE.sub(")", f) for f in frames}:
@@ -1146,8 +1166,11 @@ def hot_spots(raw: str, us_per_sample: float, top: int = 25) -> dict[str, list[l
     return {"inclusive": rows(inclusive), "self": rows(own)}
 
 
-def _samples(raw: str) -> int:
-    return sum(int(line.rpartition(" ")[2]) for line in raw.splitlines() if line.strip())
+def _loop_samples(raw: str) -> int:
+    """The samples of the event loop's thread (the main one)."""
+    return sum(int(count) for stack, _, count in (line.rpartition(" ")
+                                                   for line in raw.splitlines() if line.strip())
+               if _loop_frames(stack) is not None)
 
 
 def profile(duration_s: float, workdir: Path) -> list[dict[str, Any]]:
@@ -1161,8 +1184,11 @@ def profile(duration_s: float, workdir: Path) -> list[dict[str, Any]]:
                                             py_spy_window(gw.pids["ext_proc"], out)))
                 row = summarize(mode, CPU_RATIO_LEVEL, [window])
                 raw = out.read_text()
-                # scaled so that all samples add up to the measured CPU per request
-                us = row["cpu_us_per_request"]["ext_proc"] / max(_samples(raw), 1)
+                # scaled so that the event loop's samples add up to its thread's measured
+                # CPU per request (py-spy counted other threads' waits as busy: 160 µs a
+                # request where /proc measured their CPU at ~40)
+                us = (row["main_thread_cpu_us_per_request"]["ext_proc"]
+                      / max(_loop_samples(raw), 1))
                 found.append({"row": row, **hot_spots(raw, us)})
     return found
 
@@ -1171,16 +1197,22 @@ def profile_markdown(found: Sequence[dict[str, Any]]) -> str:
     lines = ["# Where the ext_proc CPU goes (py-spy)", "",
              f"`python -m bench.overhead --profile`: c={CPU_RATIO_LEVEL}, py-spy "
              f"{PROFILE_RATE_HZ} Hz `--nonblocking` on the ext_proc process, Python frames "
-             "only. µs/request = the frame's share of samples × the process's measured CPU "
-             "per request (in each heading): an estimate, py-spy also counts a thread "
-             "waiting in a syscall as busy. Entry-point frames (up to the event loop's "
+             "of the event loop's thread only. µs/request = the frame's share of that thread's "
+             "samples × the thread's measured CPU per request (`/proc/PID/task/PID/stat`, in "
+             "each heading): an estimate. The other threads' CPU (gRPC's) is measured, not "
+             "sampled: py-spy counted them busy while they waited (~160 µs a request where "
+             "`/proc` measured ~40). "
+             "Entry-point frames (up to the event loop's "
              "`run`) are cut off. kvgate's compiled modules (`make native`) have no Python "
              f"frames: their time lands on the line that called them. kvgate's hot path: "
              f"{kvgate_native.status()}.", ""]
     for item in found:
         row = item["row"]
-        lines += [f"## {row['mode']}: {row['cpu_us_per_request']['ext_proc']:.0f} µs CPU per "
-                  f"request, {row['rps']:.0f} req/s", "",
+        total = row["cpu_us_per_request"]["ext_proc"]
+        main = row["main_thread_cpu_us_per_request"]["ext_proc"]
+        lines += [f"## {row['mode']}: {total:.0f} µs CPU per request ({main:.0f} on the event "
+                  f"loop's thread, {total - main:.0f} on the others), {row['rps']:.0f} req/s",
+                  "",
                   "| inclusive, per function | µs/req |", "|---|---:|"]
         lines += [f"| `{name}` | {us} |" for name, us in item["inclusive"]]
         lines += ["", "| self, per line | µs/req |", "|---|---:|"]
