@@ -82,7 +82,8 @@ def test_hot_spots_cut_the_entry_point_and_split_loop_time():
     own = dict(found["self"])
     assert own["handle (extproc/stream.py:60)"] == 30.0
     assert own["(in the event loop, no Python frame: uvloop, gRPC core, kernel)"] == 40.0
-    assert own["(other threads: gRPC's poller)"] == 20.0
+    assert sum(own.values()) == 80.0  # other threads' samples left out: their CPU is measured
+    assert overhead._loop_samples(raw) == 8
 
 
 @pytest.fixture(scope="module")
