@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,7 +16,26 @@ import kvgate_native
 from bench.redis_server import REDIS_SERVER, RedisCluster, RedisServer
 from extproc.ports import free_port
 
-__all__ = ["free_port"]
+__all__ = ["consecutive_free_ports", "free_port"]
+
+
+def consecutive_free_ports(count: int) -> int:
+    """A port such that it and the ``count - 1`` after it are free (``--workers``: worker i
+    listens on ``admin_port + i``)."""
+    while True:
+        first = free_port()
+        taken = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                taken.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in taken:
+                sock.close()
 
 
 def pytest_report_header() -> str:

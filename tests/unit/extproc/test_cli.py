@@ -32,7 +32,7 @@ from extproc.config import (
 from extproc.demo import DEMO_KEYS, _engines_line, _limits_line, known_keys
 from extproc.engine.server import EngineProcess
 from extproc.ports import PortInUse
-from tests.conftest import free_port, wait_for
+from tests.conftest import consecutive_free_ports, free_port, wait_for
 
 GOOD = {
     "tiers": {"gold": {"limits": {"requests_per_second": 2}}},
@@ -806,24 +806,6 @@ _SCRIPT_HARNESS = (
 )
 
 
-def _consecutive_free_ports(count: int) -> int:
-    """A port such that it and the ``count - 1`` after it are free."""
-    while True:
-        first = free_port()
-        taken = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                taken.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in taken:
-                sock.close()
-
-
 def _answers(port: int) -> bool:
     import httpx
 
@@ -847,9 +829,9 @@ def test_sighup_every_5_ms_from_the_start_of_kvgate_serve_does_not_end_it(tmp_pa
     if not script.exists():
         pytest.skip("no installed `kvgate` script beside this interpreter")
     data = yaml.safe_load(yaml.safe_dump(GOOD))
-    admin = _consecutive_free_ports(workers)
+    admin = consecutive_free_ports(workers)
     data["server"] = {"grpc_port": free_port(), "admin_port": admin,
-                      "report_port": _consecutive_free_ports(workers), "reload_poll_s": 0}
+                      "report_port": consecutive_free_ports(workers), "reload_poll_s": 0}
     if workers > 1:
         data["redis"] = {"url": "redis://127.0.0.1:1",  # never reached: the pool is idle
                          "replicas": workers}

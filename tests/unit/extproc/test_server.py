@@ -31,7 +31,7 @@ from extproc.reports import ReportDesk
 from extproc.server import ExternalProcessor, Incoming, KvgateServer
 from extproc.wiring import build_director
 from limiter.stores import MemoryStore
-from tests.conftest import free_port
+from tests.conftest import consecutive_free_ports, free_port
 from tests.pki import make_pki
 from tests.unit.extproc.test_logs import UNPARSABLE, raw_reply
 from tests.unit.extproc.test_stream import body_msg, chat, headers_msg, make_config
@@ -426,24 +426,11 @@ async def test_a_stream_cut_at_the_grace_is_released_and_health_flips_first() ->
     assert server._processor is not None and server._processor.cut == 1
 
 
-def two_free_ports() -> int:
-    """A port P such that P and P + 1 were both free (worker i's admin port is P + i)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise OSError("no two free ports in a row")
-
-
 async def test_worker_0_is_ready_only_when_every_worker_is() -> None:
     """The pod's probes ask worker 0's admin port: a worker still starting, draining, stuck
     or gone took no part in the answer, and the pod stayed in its Services."""
     cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
-                        "server": {"grpc_port": 0, "admin_port": two_free_ports()},
+                        "server": {"grpc_port": 0, "admin_port": consecutive_free_ports(2)},
                         "pools": [{"name": "p", "models": ["m"], "kv_aware": False,
                                    "endpoints": [f"127.0.0.1:{free_port()}"]}]})
     first = KvgateServer(cfg, worker=0, workers=2)
