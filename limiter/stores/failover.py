@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from limiter.breaker import CircuitBreaker, Transition
+from limiter.breaker import BreakerState, CircuitBreaker, Transition
 from limiter.clock import monotonic_ms
 from limiter.decision import TenantPolicy
 from limiter.fairness import DEFAULT_LAG
@@ -853,6 +853,8 @@ class FailoverFairness:
         await self._try(lambda: self.shared.activate(tenant))
 
     async def choose(self, offers: Sequence[Offer]) -> QueuedRequest | None:
+        if len(offers) == 1 and offers[0].fits and self._queue_choice(offers[0]):
+            return offers[0].item
         decision = uuid.uuid4().hex
         answered, chosen, asked = await self._try(lambda: self.shared.choose(offers, decision))
         if answered:
@@ -863,6 +865,31 @@ class FailoverFairness:
         if asked:  # it may run in Redis yet
             self._undo_soon(decision, chosen)
         return chosen
+
+    def _queue_choice(self, offer: Offer) -> bool:
+        """One offer that fits goes without waiting for Redis (``RedisFairness.queue_choice``);
+        Redis's answer, when it comes, tells the breaker as a waited call's would (a send
+        counted as answered kept the breaker closed, and the order on Redis, while Redis
+        hung). False unless the breaker is closed (a probe is a call that waits), or
+        without an open pipe: the caller asks as for several offers."""
+        if self.breaker.state is not BreakerState.CLOSED:
+            return False
+        sent = self.shared.queue_choice(offer)
+        if sent is None:
+            return False
+        self._asked_ms = self.clock_ms()
+        sent.add_done_callback(self._choice_answered)
+        return True
+
+    def _choice_answered(self, answer: asyncio.Future[Any]) -> None:
+        error = (StoreUnavailable("redis choice was cancelled") if answer.cancelled()
+                 else answer.exception())
+        if error is None:
+            self._changed(self.breaker.success())
+        elif isinstance(error, (StoreUnavailable, TimeoutError)) or self.shared.is_failure(error):
+            self._changed(self.breaker.failure(self.clock_ms()), error)
+        else:
+            log.error("fair queue: a queued choice failed", exc_info=error)
 
     def _undo_soon(self, decision: str, chosen: QueuedRequest | None) -> None:
         task = asyncio.create_task(self._undo(decision, chosen))

@@ -35,6 +35,8 @@ from limiter.rates import require_int
 from limiter.stores.base import StoreUnavailable
 
 if TYPE_CHECKING:
+    import asyncio
+
     import redis.asyncio as aioredis
 
 DECISIONS = 256
@@ -294,6 +296,23 @@ class RedisFairness:
         undoable (:meth:`undo`) should its answer not come in time."""
         if not offers:
             return None
+        index = int(await self._call("choose", self._choose_args(offers, decision)))
+        return None if index < 0 else offers[index].item
+
+    def queue_choice(self, offer: Offer) -> asyncio.Future[Any] | None:
+        """The choice of one offer that fits, queued on the pipe without waiting: the script
+        always picks it (nothing to compare it with: it is eligible by its own counter), so
+        only its charge is sent, ahead of any later call, and the dispatcher goes on without
+        a round trip. The future gets Redis's answer (or the failure), for the caller's
+        breaker; a charge lost to an outage is like a lost correction: convergence is
+        slower (never undone, so no decision id). None without an open pipe."""
+        return self._scripts.send("choose", self._all_keys, self._choose_args([offer], ""))
+
+    def is_failure(self, error: BaseException) -> bool:
+        """Whether ``error`` (a queued call's) is Redis failing, as :meth:`_call` maps it."""
+        return isinstance(error, self._errors)
+
+    def _choose_args(self, offers: Sequence[Offer], decision: str) -> list[int | str]:
         # enqueue times only break ties: their ranks compare the same and stay exact in Lua
         rank = {ms: n for n, ms in enumerate(sorted({o.item.enqueued_ms for o in offers}))}
         args: list[int | str] = [self._ttl_ms, self._rebase_at, self._lag]
@@ -301,18 +320,7 @@ class RedisFairness:
             args += [offer.item.tenant, charge_of(offer.item), rank[offer.item.enqueued_ms],
                      require_int("band", offer.band, 0), int(bool(offer.fits))]
         args.append(decision)
-        if len(offers) == 1 and offers[0].fits:
-            # One offer that fits: the script always picks it (nothing to compare it with:
-            # it is eligible by its own counter), so its charge is only queued on the pipe,
-            # ahead of any later call, and the dispatcher goes on without a round trip. A
-            # charge lost to an outage is like a lost correction: convergence is slower.
-            # (never undone, so no record; without a pipe the call below waits, and keeps
-            # its id: it is the one an undo may then need)
-            sent = self._scripts.send("choose", self._all_keys, [*args[:-1], ""])
-            if sent is not None:
-                return offers[0].item
-        index = int(await self._call("choose", args))
-        return None if index < 0 else offers[index].item
+        return args
 
     async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
                       ) -> None:

@@ -341,3 +341,48 @@ async def test_a_queued_client_gone_during_the_probe_does_not_keep_the_order_loc
             assert time.monotonic() - resumed < 3.0
             await asyncio.sleep(0.02)
         await fair.close()
+
+
+async def test_a_paused_redis_opens_the_breaker_on_choices_that_never_wait() -> None:
+    """A choice of one offer that fits is only queued on the pipe (no round trip): it was
+    taken as Redis answering, so with Redis hung the breaker stayed closed (and the order
+    "on Redis") for as long as the queue offered one request at a time. Now its answer, or
+    its timeout, tells the breaker; once open, the choices are this process's own, and a
+    waited probe closes it again when Redis is back."""
+    with RedisServer() as server:
+        fair, metrics = one_pool_fairness({"url": server.url, "timeout_ms": 100,
+                                           "breaker_failures": 2, "breaker_open_ms": 300})
+        assert isinstance(fair, FailoverFairness)
+
+        def sample(name: str) -> float | None:
+            return metrics.registry.get_sample_value(name, {"pool": "one"})
+
+        def one(n: object) -> list[Offer]:
+            return offers(req(f"a{n}", "A", 10, band=1))
+
+        await fair.activate("A")
+        assert await fair.choose(one("x")) is not None
+        server.pause()
+        try:
+            started = time.monotonic()
+            n = 0
+            while fair.breaker.state == "closed":
+                assert time.monotonic() - started < 2.0, "the breaker never opened"
+                assert await fair.choose(one(n)) is not None  # never waits
+                n += 1
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - started < 0.2 * n + 0.5
+            assert sample("kvgate_queue_breaker_open") == 1
+            local = sample("kvgate_queue_fallback_choices_total")
+            assert await fair.choose(one("local")) is not None
+            assert sample("kvgate_queue_fallback_choices_total") == local + 1
+        finally:
+            server.resume()
+        resumed = time.monotonic()
+        while fair.breaker.state != "closed":
+            assert time.monotonic() - resumed < 2.0, "Redis is back but the breaker stays open"
+            assert await fair.choose(one(n)) is not None
+            n += 1
+            await asyncio.sleep(0.05)
+        assert sample("kvgate_queue_breaker_open") == 0
+        await fair.close()
