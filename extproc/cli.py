@@ -19,7 +19,7 @@ import contextlib
 import getpass
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ from extproc.config_check import file_problems
 from extproc.ports import PortInUse, ensure_free
 
 DESCRIPTION = "Multi-tenant admission control for vLLM, as an Envoy external processor."
+BEAT_S = 1.0
+"""How often a worker's event loop writes its heartbeat for ``server.worker_stall_s``."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,15 +390,18 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers == 1:
         _serve_worker(args.config, 0, args.log_level, args.log_format, reuse_port=False)
         return 0
-    return _run_workers(args.config, args.workers, args.log_level, args.log_format)
+    return _run_workers(args.config, args.workers, args.log_level, args.log_format,
+                        config.server.worker_stall_s)
 
 
 def _serve_worker(
     config_path: Path, index: int, log_level: str, log_format: str | None = None, *,
     reuse_port: bool = True, parent_pid: int | None = None, workers: int = 1,
+    heartbeat: Any = None,
 ) -> None:
     """One serving process (:func:`for_worker`); a worker (``parent_pid``) ends with its
-    parent."""
+    parent, and once it serves writes the time into ``heartbeat`` (a shared double) every
+    :data:`BEAT_S` from its event loop, for the parent's watch (:func:`_watch_workers`)."""
     from extproc.processes import die_with_parent, set_cpu_policy
     from extproc.server import KvgateServer, install_uvloop
 
@@ -413,18 +418,38 @@ def _serve_worker(
                               worker=index, workers=workers)
     except ConfigError as error:  # a secret read at start-up: name the file, not <config>
         raise ConfigError(str(config_path), error.problems) from None
-    asyncio.run(server.serve_forever())
+    asyncio.run(_serve_beating(server, heartbeat))
 
 
-def _run_workers(config_path: Path, workers: int, log_level: str, log_format: str | None
-                 ) -> int:
+async def _serve_beating(server: Any, heartbeat: Any) -> None:
+    beating = None if heartbeat is None else asyncio.create_task(_beat(server, heartbeat))
+    try:
+        await server.serve_forever()
+    finally:
+        if beating is not None:
+            beating.cancel()
+
+
+async def _beat(server: Any, heartbeat: Any) -> None:
+    """Once the server serves (a slow start, a tokenizer loading, is not a stall)."""
+    import time
+
+    while True:
+        if server.started:
+            heartbeat.value = time.monotonic()
+        await asyncio.sleep(BEAT_S)
+
+
+def _run_workers(config_path: Path, workers: int, log_level: str, log_format: str | None,
+                 stall_s: float) -> int:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
+    beats = [context.Value("d", 0.0, lock=False) for _ in range(workers)]
     processes = [
         context.Process(
             target=_serve_worker, args=(config_path, i, log_level, log_format),
-            kwargs={"parent_pid": os.getpid(), "workers": workers},
+            kwargs={"parent_pid": os.getpid(), "workers": workers, "heartbeat": beats[i]},
             name=f"kvgate-worker-{i}",
         )
         for i in range(workers)
@@ -447,18 +472,24 @@ def _run_workers(config_path: Path, workers: int, log_level: str, log_format: st
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop)
     signal.signal(signal.SIGHUP, forward)  # every worker reloads
-    return _watch_workers(processes, lambda: stopping)
+    return _watch_workers(processes, lambda: stopping, beats, stall_s)
 
 
-def _watch_workers(processes: list[Any], stopping: Callable[[], bool]) -> int:
+def _watch_workers(processes: list[Any], stopping: Callable[[], bool],
+                   beats: Sequence[Any] = (), stall_s: float = 30.0) -> int:
     """Until every worker has exited. One that exits before a SIGTERM or SIGINT asked it
     to (killed, crashed) stops the others and the parent exits 1, so the orchestrator
-    restarts the whole — rather than serving on with fewer workers, silently. The exit
-    status is 1 when any worker failed (a negative exit code is a signal)."""
+    restarts the whole — rather than serving on with fewer workers, silently. One whose
+    heartbeat (``beats``, as :func:`_serve_worker` writes them) is ``stall_s`` old is
+    killed first: a stuck worker answered no probe (the pod's liveness asks worker 0) and
+    was never restarted. The exit status is 1 when any worker failed (a negative exit
+    code is a signal)."""
     import time
 
     failed = False
     while any(p.is_alive() for p in processes):
+        if not stopping():
+            _kill_stalled(processes, beats, stall_s, time.monotonic())
         for process in processes:
             if process.exitcode is not None and not stopping() and not failed:
                 failed = True
@@ -470,6 +501,18 @@ def _watch_workers(processes: list[Any], stopping: Callable[[], bool]) -> int:
         time.sleep(0.2)
     failed = failed or any(p.exitcode for p in processes)
     return 1 if failed else 0
+
+
+def _kill_stalled(processes: list[Any], beats: Sequence[Any], stall_s: float, now: float
+                  ) -> None:
+    for process, beat in zip(processes, beats, strict=False):
+        last = beat.value
+        if last and now - last > stall_s and process.pid and process.is_alive():
+            print(f"kvgate: {process.name}'s event loop has not run for {now - last:.0f} s "
+                  f"(server.worker_stall_s {stall_s:g}); killing it", file=sys.stderr,
+                  flush=True)
+            os.kill(process.pid, signal.SIGKILL)
+            beat.value = 0.0
 
 
 def _agent(args: argparse.Namespace) -> int:

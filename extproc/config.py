@@ -791,6 +791,13 @@ class Server(_Strict):
         "stream as FULL_DUPLEX_STREAMED, for a data plane that does not say (an Inference "
         "Extension gateway on an older Envoy); never with kvgate's own rendered Envoy"
     )
+    worker_stall_s: float = Field(
+        30, gt=0, le=MAX_DURATION_S, description="with `kvgate serve --workers N`: a worker "
+        "whose event loop has not run for this long (stuck, or stopped) is killed, and the "
+        "parent exits 1 as when a worker dies, so the orchestrator restarts the whole; the "
+        "pod's liveness probe asks worker 0 only (keep the two alike: deploy/ probes every "
+        "10 s, 3 failures)"
+    )
     cpu_policy: Literal["batch", "normal"] = Field(
         "batch", description="Linux scheduling of the server process: 'batch' (SCHED_BATCH) "
         "keeps gRPC's poller thread from preempting the event loop on every completion"

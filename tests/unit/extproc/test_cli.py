@@ -891,3 +891,91 @@ def test_a_worker_that_dies_stops_the_others_and_fails_the_parent():
     os.kill(workers[0].pid, signal.SIGKILL)
     assert _watch_workers(workers, lambda: False) == 1
     assert workers[0].exitcode == -signal.SIGKILL and workers[1].exitcode == 0
+
+
+def _beat_forever(beat: object) -> None:
+    import signal as signals
+
+    signals.signal(signals.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        beat.value = time.monotonic()  # type: ignore[attr-defined]
+        time.sleep(0.05)
+
+
+def test_a_stuck_worker_is_killed_and_fails_the_parent():
+    """A worker whose event loop stopped turning (here: SIGSTOP) answered nothing, yet the
+    pod's liveness probe asks worker 0 only: it was never restarted. The parent kills it
+    once its heartbeat is ``stall_s`` old, and then stops the others and exits 1."""
+    import multiprocessing
+
+    from extproc.cli import _watch_workers
+
+    context = multiprocessing.get_context("spawn")
+    beats = [context.Value("d", 0.0, lock=False) for _ in range(2)]
+    workers = [context.Process(target=_beat_forever, args=(beats[i],), name=f"w{i}")
+               for i in range(2)]
+    for worker in workers:
+        worker.start()
+    assert wait_for(lambda: all(beat.value for beat in beats), 30)
+    os.kill(workers[1].pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    assert _watch_workers(workers, lambda: False, beats, stall_s=1.0) == 1
+    assert 1.0 <= time.monotonic() - stopped < 5.0
+    assert workers[1].exitcode == -signal.SIGKILL and workers[0].exitcode == 0
+
+
+def test_a_worker_not_yet_beating_is_not_taken_for_stuck():
+    """No heartbeat yet (still starting: a tokenizer loading) is not a stall."""
+    import multiprocessing
+
+    from extproc.cli import _kill_stalled
+
+    context = multiprocessing.get_context("spawn")
+    beat = context.Value("d", 0.0, lock=False)
+    worker = context.Process(target=_sleep_forever, name="w0")
+    worker.start()
+    try:
+        _kill_stalled([worker], [beat], 1.0, time.monotonic() + 3600)
+        time.sleep(0.2)
+        assert worker.is_alive()
+    finally:
+        worker.terminate()
+        worker.join(10)
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(child) for task in tasks.iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_kvgate_serve_workers_exits_1_when_a_worker_stops_turning(tmp_path):
+    """Through ``kvgate serve --workers 2``: one worker SIGSTOPped (its event loop, and
+    every probe it would answer, stuck) is killed after ``server.worker_stall_s`` and the
+    parent exits 1 for the orchestrator to restart it."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    admin = consecutive_free_ports(2)
+    data["server"] = {"grpc_port": free_port(), "admin_port": admin,
+                      "report_port": consecutive_free_ports(2), "reload_poll_s": 0,
+                      "worker_stall_s": 2}
+    data["redis"] = {"url": "redis://127.0.0.1:1", "replicas": 2}  # never reached: idle
+    config = write(tmp_path, data)
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "extproc.cli", "serve", "-c", str(config), "--workers", "2"],
+        stdout=subprocess.DEVNULL, stderr=log.open("wb"), env={**os.environ, "KVGATE_NATIVE": "0"})
+    try:
+        assert wait_for(lambda: all(_answers(admin + i) for i in range(2)), 60), log.read_text()
+        workers = [pid for pid in _children(process.pid)
+                   if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 2, workers
+        time.sleep(3)  # serving, beating: nothing is killed
+        assert process.poll() is None, log.read_text()
+        os.kill(max(workers), signal.SIGSTOP)
+        assert process.wait(30) == 1, log.read_text()
+        assert "has not run for" in log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
