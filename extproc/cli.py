@@ -486,10 +486,14 @@ def _watch_workers(processes: list[Any], stopping: Callable[[], bool],
     code is a signal)."""
     import time
 
+    from extproc.processes import StallWatch
+
+    watch = StallWatch(beats, stall_s)
     failed = False
     while any(p.is_alive() for p in processes):
+        stalled = watch.stalled(time.monotonic())
         if not stopping():
-            _kill_stalled(processes, beats, stall_s, time.monotonic())
+            _kill_stalled(processes, stalled, stall_s)
         for process in processes:
             if process.exitcode is not None and not stopping() and not failed:
                 failed = True
@@ -503,16 +507,15 @@ def _watch_workers(processes: list[Any], stopping: Callable[[], bool],
     return 1 if failed else 0
 
 
-def _kill_stalled(processes: list[Any], beats: Sequence[Any], stall_s: float, now: float
+def _kill_stalled(processes: list[Any], stalled: list[tuple[int, float]], stall_s: float
                   ) -> None:
-    for process, beat in zip(processes, beats, strict=False):
-        last = beat.value
-        if last and now - last > stall_s and process.pid and process.is_alive():
-            print(f"kvgate: {process.name}'s event loop has not run for {now - last:.0f} s "
+    for index, silent_s in stalled:
+        process = processes[index]
+        if process.pid and process.is_alive():
+            print(f"kvgate: {process.name}'s event loop has not run for {silent_s:.0f} s "
                   f"(server.worker_stall_s {stall_s:g}); killing it", file=sys.stderr,
                   flush=True)
             os.kill(process.pid, signal.SIGKILL)
-            beat.value = 0.0
 
 
 def _agent(args: argparse.Namespace) -> int:

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from extproc.config import Config
@@ -54,6 +55,41 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # it died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StallWatch:
+    """Which of ``kvgate serve --workers``' workers stopped writing their heartbeat (a shared
+    value each worker's event loop changes every second once it serves) for ``stall_s`` of
+    the watcher's own time. Each look counts at most :attr:`MAX_STEP_S` since the one
+    before, so a watcher that was stopped itself with its workers (Ctrl-Z on the process
+    group, a paused VM) does not take that pause for theirs; no clocks are compared across
+    processes. A heartbeat never written (0: still starting) is not watched."""
+
+    MAX_STEP_S = 1.0
+
+    def __init__(self, beats: Sequence[Any], stall_s: float):
+        self.beats = beats
+        self.stall_s = stall_s
+        self._last = [0.0] * len(beats)
+        self._silent = [0.0] * len(beats)
+        self._looked: float | None = None
+
+    def stalled(self, now: float) -> list[tuple[int, float]]:
+        """(worker index, seconds silent) of each worker silent past ``stall_s``, once."""
+        step = 0.0 if self._looked is None else min(max(0.0, now - self._looked),
+                                                     self.MAX_STEP_S)
+        self._looked = now
+        found = []
+        for index, beat in enumerate(self.beats):
+            value = beat.value
+            if value != self._last[index]:
+                self._last[index], self._silent[index] = value, 0.0
+            elif value:
+                self._silent[index] += step
+                if self._silent[index] > self.stall_s:
+                    found.append((index, self._silent[index]))
+                    self._silent[index] = float("-inf")  # named once
+        return found
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:

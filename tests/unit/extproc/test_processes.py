@@ -82,3 +82,42 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
     except (FileNotFoundError, IndexError):
         return "Z"
+
+
+class _Beat:
+    def __init__(self) -> None:
+        self.value = 0.0
+
+
+def test_a_worker_silent_for_stall_s_of_the_watchers_time_is_named_once():
+    from extproc.processes import StallWatch
+
+    beats = [_Beat(), _Beat()]
+    watch = StallWatch(beats, stall_s=2.0)
+    now = 100.0
+    for _ in range(50):  # not started yet: never written, never stalled
+        now += 0.2
+        assert watch.stalled(now) == []
+    named = []
+    for n in range(30):
+        now += 0.2
+        beats[0].value = now  # worker 0 beats on; worker 1 beat once, then stopped
+        if n == 0:
+            beats[1].value = now
+        named += watch.stalled(now)
+    assert [index for index, _ in named] == [1]  # after 2 s of silence, and only once
+    assert 2.0 < named[0][1] <= 2.2
+
+
+def test_the_watchers_own_pause_is_not_taken_for_the_workers():
+    """The whole process group stopped for a minute (Ctrl-Z, a paused VM) and resumed:
+    the watcher looks before the workers' next beat, and must not kill them for it."""
+    from extproc.processes import StallWatch
+
+    beat = _Beat()
+    watch = StallWatch([beat], stall_s=2.0)
+    beat.value = 1.0
+    assert watch.stalled(10.0) == []
+    assert watch.stalled(70.0) == []  # a minute later, the same beat: counts as 1 s at most
+    beat.value = 71.0
+    assert watch.stalled(70.2) == []
