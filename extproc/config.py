@@ -792,11 +792,11 @@ class Server(_Strict):
         "Extension gateway on an older Envoy); never with kvgate's own rendered Envoy"
     )
     worker_stall_s: float = Field(
-        30, gt=0, le=MAX_DURATION_S, description="with `kvgate serve --workers N`: a worker "
+        30, ge=3, le=MAX_DURATION_S, description="with `kvgate serve --workers N`: a worker "
         "whose event loop has not run for this long (stuck, or stopped) is killed, and the "
         "parent exits 1 as when a worker dies, so the orchestrator restarts the whole; the "
         "pod's liveness probe asks worker 0 only (keep the two alike: deploy/ probes every "
-        "10 s, 3 failures)"
+        "10 s, 3 failures); at least 3 (workers beat every second)"
     )
     cpu_policy: Literal["batch", "normal"] = Field(
         "batch", description="Linux scheduling of the server process: 'batch' (SCHED_BATCH) "

@@ -939,7 +939,7 @@ def test_kvgate_serve_workers_exits_1_when_a_worker_stops_turning(tmp_path):
     admin = consecutive_free_ports(2)
     data["server"] = {"grpc_port": free_port(), "admin_port": admin,
                       "report_port": consecutive_free_ports(2), "reload_poll_s": 0,
-                      "worker_stall_s": 2}
+                      "worker_stall_s": 3}
     data["redis"] = {"url": "redis://127.0.0.1:1", "replicas": 2}  # never reached: idle
     config = write(tmp_path, data)
     log = tmp_path / "serve.log"
