@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -223,6 +224,11 @@ async def test_redis_errors_become_store_unavailable() -> None:
 # --- a paused Redis: the failover's breaker, and choices that timed out ---------------------
 
 
+def pool_sample(metrics: Any, name: str) -> float | None:
+    """Pool ``one``'s sample of ``name`` (``one_pool_fairness``'s metrics)."""
+    return metrics.registry.get_sample_value(name, {"pool": "one"})
+
+
 async def test_choices_a_paused_redis_runs_late_charge_only_what_was_served(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -278,21 +284,18 @@ async def test_a_pools_fair_order_on_its_own_counters_shows_in_its_metrics() -> 
         fair, metrics = one_pool_fairness({"url": server.url, "timeout_ms": 100,
                                            "breaker_failures": 2, "breaker_open_ms": 60_000})
 
-        def sample(name: str) -> float | None:
-            return metrics.registry.get_sample_value(name, {"pool": "one"})
-
         def two(n: object) -> list[Offer]:  # two tenants: a choice Redis must make
             return offers(req(f"a{n}", "A", 10, band=1), req(f"b{n}", "B", 10, band=1))
 
-        assert sample("kvgate_queue_breaker_open") == 0
+        assert pool_sample(metrics, "kvgate_queue_breaker_open") == 0
         assert await fair.choose(two("x")) is not None
-        assert sample("kvgate_queue_fallback_choices_total") == 0
+        assert pool_sample(metrics, "kvgate_queue_fallback_choices_total") == 0
         server.pause()
         try:
             for n in range(4):  # two reach Redis and time out, then the breaker skips it
                 assert await fair.choose(two(n)) is not None
-            assert sample("kvgate_queue_breaker_open") == 1
-            assert sample("kvgate_queue_fallback_choices_total") == 4
+            assert pool_sample(metrics, "kvgate_queue_breaker_open") == 1
+            assert pool_sample(metrics, "kvgate_queue_fallback_choices_total") == 4
         finally:
             server.resume()
         await fair.close()
@@ -308,9 +311,6 @@ async def test_a_queued_client_gone_during_the_probe_does_not_keep_the_order_loc
         fair, metrics = one_pool_fairness({"url": server.url, "timeout_ms": 1000,
                                            "breaker_failures": 1, "breaker_open_ms": 300})
         assert isinstance(fair, FailoverFairness)
-
-        def sample(name: str) -> float | None:
-            return metrics.registry.get_sample_value(name, {"pool": "one"})
 
         def two(n: object) -> list[Offer]:  # two tenants: a choice Redis must make
             return offers(req(f"a{n}", "A", 10, band=1), req(f"b{n}", "B", 10, band=1))
@@ -329,14 +329,15 @@ async def test_a_queued_client_gone_during_the_probe_does_not_keep_the_order_loc
         finally:
             server.resume()
         resumed, n = time.monotonic(), 1
-        while sample("kvgate_queue_breaker_open"):  # within breaker_open_ms, plus a call
+        # within breaker_open_ms, plus a call
+        while pool_sample(metrics, "kvgate_queue_breaker_open"):
             assert time.monotonic() - resumed < 1.5, "Redis is back but never probed"
             assert await fair.choose(two(n)) is not None
             n += 1
             await asyncio.sleep(0.02)
-        local = sample("kvgate_queue_fallback_choices_total")
+        local = pool_sample(metrics, "kvgate_queue_fallback_choices_total")
         assert await fair.choose(two("y")) is not None
-        assert sample("kvgate_queue_fallback_choices_total") == local  # Redis chose
+        assert pool_sample(metrics, "kvgate_queue_fallback_choices_total") == local  # Redis chose
         while fair._undos:  # the choice that timed out is undone in Redis
             assert time.monotonic() - resumed < 3.0
             await asyncio.sleep(0.02)
@@ -354,9 +355,6 @@ async def test_a_paused_redis_opens_the_breaker_on_choices_that_never_wait() -> 
                                            "breaker_failures": 2, "breaker_open_ms": 300})
         assert isinstance(fair, FailoverFairness)
 
-        def sample(name: str) -> float | None:
-            return metrics.registry.get_sample_value(name, {"pool": "one"})
-
         def one(n: object) -> list[Offer]:
             return offers(req(f"a{n}", "A", 10, band=1))
 
@@ -372,10 +370,10 @@ async def test_a_paused_redis_opens_the_breaker_on_choices_that_never_wait() -> 
                 n += 1
                 await asyncio.sleep(0.05)
             assert time.monotonic() - started < 0.2 * n + 0.5
-            assert sample("kvgate_queue_breaker_open") == 1
-            local = sample("kvgate_queue_fallback_choices_total")
+            assert pool_sample(metrics, "kvgate_queue_breaker_open") == 1
+            local = pool_sample(metrics, "kvgate_queue_fallback_choices_total")
             assert await fair.choose(one("local")) is not None
-            assert sample("kvgate_queue_fallback_choices_total") == local + 1
+            assert pool_sample(metrics, "kvgate_queue_fallback_choices_total") == local + 1
         finally:
             server.resume()
         resumed = time.monotonic()
@@ -384,5 +382,5 @@ async def test_a_paused_redis_opens_the_breaker_on_choices_that_never_wait() -> 
             assert await fair.choose(one(n)) is not None
             n += 1
             await asyncio.sleep(0.05)
-        assert sample("kvgate_queue_breaker_open") == 0
+        assert pool_sample(metrics, "kvgate_queue_breaker_open") == 0
         await fair.close()
