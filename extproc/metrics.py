@@ -271,6 +271,13 @@ class Metrics:
             "admissions follow redis.failure_policy; 0 when all are closed or idle.",
             registry=self.registry,
         )
+        self.ratelimit_breakers = Gauge(
+            "kvgate_ratelimit_breaker_open",
+            "Rate Limit Service domains whose Redis circuit breaker is open or half-open and "
+            "was asked within 10 s: their calls are answered UNAVAILABLE at once (Envoy's "
+            "failure_mode_deny decides) instead of each waiting out redis.timeout_ms.",
+            registry=self.registry,
+        )
         self.store_transitions = Counter(
             "kvgate_store_breaker_transitions_total",
             "Circuit breaker transitions of the shared store, by new state.",

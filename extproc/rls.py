@@ -20,7 +20,7 @@ import functools
 import itertools
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -32,7 +32,9 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.config import RateLimitSettings, RlsDescriptor
 from extproc.metrics import Metrics
 from extproc.protowire import parse_lenient
+from limiter.breaker import CircuitBreaker, Transition
 from limiter.buckets import ceil_div
+from limiter.clock import monotonic_ms
 from limiter.ratelimit import (
     Algorithm,
     Hit,
@@ -44,6 +46,7 @@ from limiter.ratelimit import (
     match,
 )
 from limiter.stores.base import StoreUnavailable
+from limiter.stores.failover import BREAKER_IDLE_MS
 from limiter.stores.ratelimit import RateCounters
 
 log = logging.getLogger(__name__)
@@ -141,12 +144,19 @@ def _override(descriptor: ratelimit_pb2.RateLimitDescriptor) -> Rule | None:
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
     def __init__(
         self, settings: RateLimitSettings, counters: RateCounters, *, timeout_s: float | None,
-        metrics: Metrics | None = None,
+        metrics: Metrics | None = None, breaker: Callable[[], CircuitBreaker] | None = None,
+        clock_ms: Callable[[], int] = monotonic_ms,
     ) -> None:
+        """``breaker`` makes each domain's circuit breaker (Redis: a domain's counters share
+        one hash tag, so one Redis Cluster node); None: the counters never fail (memory)."""
         self.domains = build_domains(settings)
         self.counters = counters
         self.timeout_s = timeout_s
         self.metrics = metrics
+        self._new_breaker = breaker
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._asked_ms: dict[str, int] = {}  # when each domain's breaker was last asked
+        self.clock_ms = clock_ms
         self._prefix = secrets.token_hex(6)
         self._ids = itertools.count()
         self._cancels: set[asyncio.Task[None]] = set()
@@ -234,6 +244,11 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         self, domain: str, hits: list[Hit], context: grpc.aio.ServicerContext
     ) -> list[Verdict]:
         call_id = f"{self._prefix}{next(self._ids)}"
+        breaker = self._breaker(domain)
+        if breaker is not None and not self._allowed(domain, breaker):
+            # Redis is failing: answered at once, and nothing sent needs cancelling
+            self._failed(domain, hits, None, "its circuit breaker is open")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
         try:
             async with asyncio.timeout(self.timeout_s):
                 verdicts = await self.counters.hit(domain, hits, call_id)
@@ -241,12 +256,14 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             # Envoy gave up first (its ratelimit timeout, 100 ms, is below a redis.timeout_ms
             # above it): the call may still run in Redis, so it is undone like one that timed
             # out. Uncancelled, some such charges stayed and others never ran, none counted.
-            self._failed(domain, hits, call_id, "the call was abandoned by Envoy")
+            self._failed(domain, hits, call_id, "the call was abandoned by Envoy", breaker)
             raise
         except (StoreUnavailable, TimeoutError, OSError) as exc:
-            self._failed(domain, hits, call_id, exc if str(exc) else repr(exc))
+            self._failed(domain, hits, call_id, exc if str(exc) else repr(exc), breaker)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
             raise  # abort raises; this keeps the type checker informed
+        if breaker is not None:
+            _log_transition(domain, breaker.success())
         if self._failing:
             self._failing = False
             log.info("ratelimit store answers again (%d call(s) could not be cancelled "
@@ -254,18 +271,37 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             self._uncancelled = 0
         return verdicts
 
-    def _failed(self, domain: str, hits: list[Hit], call_id: str, why: object) -> None:
-        """A call without an answer: its cancel sent, the outage logged and counted."""
-        if len(self._cancels) < MAX_PENDING_CANCELS:
-            task = asyncio.create_task(self._cancel(domain, hits, call_id))
-            self._cancels.add(task)
-            task.add_done_callback(self._cancels.discard)
-        else:
-            self._uncancelled += 1
-            if self._uncancelled == 1:  # one line per outage (a busy one skips thousands)
-                log.error("ratelimit call %s cannot be cancelled (%d cancels already wait "
-                          "for the store): its charge may stay; further ones are counted, "
-                          "not logged, until the store answers", call_id, MAX_PENDING_CANCELS)
+    def _breaker(self, domain: str) -> CircuitBreaker | None:
+        if self._new_breaker is None:
+            return None
+        breaker = self._breakers.get(domain)
+        if breaker is None:  # (domains with a rule only: the config's, a bounded set)
+            breaker = self._breakers[domain] = self._new_breaker()
+        return breaker
+
+    def _allowed(self, domain: str, breaker: CircuitBreaker) -> bool:
+        self._asked_ms[domain] = now_ms = self.clock_ms()
+        allowed, transition = breaker.allow(now_ms)
+        _log_transition(domain, transition)
+        return allowed
+
+    def breakers_open(self) -> int:
+        """``kvgate_ratelimit_breaker_open``, read at each scrape: domains whose breaker is
+        open or half-open and was asked within ``BREAKER_IDLE_MS`` (an outage that ended
+        while no call came does not stay on the gauge)."""
+        now = self.clock_ms()
+        return sum(breaker.state != "closed"
+                   and now - self._asked_ms.get(domain, now) <= BREAKER_IDLE_MS
+                   for domain, breaker in self._breakers.items())
+
+    def _failed(self, domain: str, hits: list[Hit], call_id: str | None, why: object,
+                breaker: CircuitBreaker | None = None) -> None:
+        """A call without an answer: its cancel sent (``call_id`` None: it never left), the
+        breaker told, the outage logged and counted."""
+        if breaker is not None:
+            _log_transition(domain, breaker.failure(self.clock_ms()))
+        if call_id is not None:
+            self._cancel_soon(domain, hits, call_id)
         if not self._failing:  # one line per outage: every call of a busy one failed
             self._failing = True
             log.warning("ratelimit store failed (%s); Envoy's failure_mode_deny decides "
@@ -274,6 +310,18 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         if self.metrics is not None:
             label = domain if domain in self.domains else "other"
             self.metrics.ratelimit.add((label, "error"), len(hits))
+
+    def _cancel_soon(self, domain: str, hits: list[Hit], call_id: str) -> None:
+        if len(self._cancels) < MAX_PENDING_CANCELS:
+            task = asyncio.create_task(self._cancel(domain, hits, call_id))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+            return
+        self._uncancelled += 1
+        if self._uncancelled == 1:  # one line per outage (a busy one skips thousands)
+            log.error("ratelimit call %s cannot be cancelled (%d cancels already wait for the "
+                      "store): its charge may stay; further ones are counted, not logged, "
+                      "until the store answers", call_id, MAX_PENDING_CANCELS)
 
     async def _cancel(self, domain: str, hits: list[Hit], call_id: str) -> None:
         """Undo a call that may still run in the store, until the store confirms: however
@@ -292,6 +340,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         for task in list(self._cancels):
             task.cancel()
         await self.counters.close()
+
+
+def _log_transition(domain: str, transition: Transition | None) -> None:
+    if transition is not None:
+        log.warning("ratelimit domain %s: Redis circuit breaker %s → %s", domain,
+                    transition.old.value, transition.new.value)
 
 
 def _code(entry: _Entry, status: rls_pb2.RateLimitResponse.DescriptorStatus) -> str:

@@ -45,7 +45,12 @@ from extproc.rls import RateLimitService
 from extproc.status import add_status_routes
 from extproc.stream import RequestStream
 from extproc.tasks import cancel
-from extproc.wiring import build_director, build_rate_counters, build_store
+from extproc.wiring import (
+    build_director,
+    build_rate_counters,
+    build_store,
+    rate_limit_breaker,
+)
 from limiter.stores import LimiterStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -355,7 +360,8 @@ class KvgateServer:
         self.ratelimit = RateLimitService(
             config.ratelimit, build_rate_counters(config),
             timeout_s=None if config.redis is None else config.redis.timeout_ms / 1000,
-            metrics=self.metrics)
+            metrics=self.metrics, breaker=rate_limit_breaker(config))
+        self.metrics.ratelimit_breakers.set_function(self.ratelimit.breakers_open)
         self._renewer: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
         self._forgetter: asyncio.Task[None] | None = None

@@ -458,3 +458,50 @@ async def test_a_hostile_herd_keeps_a_bounded_schedule_in_redis_as_in_memory(alg
             await client.aclose()
         await service.close()
     assert runs[0] == runs[1]
+
+
+async def test_a_hung_redis_opens_the_domains_breaker(redis, caplog):
+    """Without a breaker every call on a hung Redis waited out redis.timeout_ms (each of
+    Envoy's rate-limited requests that much later) and left a cancel to retry; past 1,024
+    of those the charges could stay. After ``breaker_failures`` failures the domain's calls
+    are answered UNAVAILABLE at once, nothing sent, no cancel; one probe per
+    ``breaker_open_ms`` closes it once Redis answers."""
+    from extproc.metrics import Metrics
+    from limiter.breaker import CircuitBreaker
+
+    caplog.set_level(logging.INFO, logger="extproc.rls")
+    settings = RateLimitSettings.model_validate({"domains": [{"domain": "d", "descriptors": [
+        {"key": "tokens", "rate_limit": fixed(10**6, "hour", debt=True)}]}]})
+    client = redis_client(RedisSettings(url=redis.url, timeout_ms=50))
+    metrics = Metrics()
+    service = RateLimitService(settings, RedisRateCounters(client, prefix="breaker"),
+                               timeout_s=0.05, metrics=metrics,
+                               breaker=lambda: CircuitBreaker(2, 300))
+    metrics.ratelimit_breakers.set_function(service.breakers_open)
+
+    def breakers_open() -> float | None:
+        return metrics.registry.get_sample_value("kvgate_ratelimit_breaker_open")
+
+    before = await tokens_left(service)
+    redis.pause()
+    try:
+        for _ in range(2):  # each waits out the timeout, and leaves a cancel
+            with pytest.raises(Aborted):
+                await ask(service, descriptor(("tokens", "t"), hits=100), domain="d")
+        cancels = len(service._cancels)
+        started = asyncio.get_running_loop().time()
+        for _ in range(20):
+            with pytest.raises(Aborted):
+                await ask(service, descriptor(("tokens", "t"), hits=100), domain="d")
+        assert asyncio.get_running_loop().time() - started < 0.05  # not 20 × 50 ms
+        assert len(service._cancels) <= cancels  # nothing sent, nothing to cancel
+        assert breakers_open() == 1
+        assert "ratelimit domain d: Redis circuit breaker closed → open" in caplog.text
+    finally:
+        redis.resume()
+    await cancels_sent(service)
+    await asyncio.sleep(0.3)  # breaker_open_ms: the next call probes, and Redis answers
+    assert await tokens_left(service) == before  # the two timed-out calls were undone
+    assert breakers_open() == 0
+    assert "Redis circuit breaker half_open → closed" in caplog.text
+    await service.close()
