@@ -32,7 +32,7 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.config import RateLimitSettings, RlsDescriptor
 from extproc.metrics import Metrics
 from extproc.protowire import parse_lenient
-from limiter.breaker import CircuitBreaker, Transition
+from limiter.breaker import Breakers, CircuitBreaker, Transition
 from limiter.buckets import ceil_div
 from limiter.clock import monotonic_ms
 from limiter.ratelimit import (
@@ -144,18 +144,17 @@ def _override(descriptor: ratelimit_pb2.RateLimitDescriptor) -> Rule | None:
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
     def __init__(
         self, settings: RateLimitSettings, counters: RateCounters, *, timeout_s: float | None,
-        metrics: Metrics | None = None, breaker: Callable[[], CircuitBreaker] | None = None,
+        metrics: Metrics | None = None, breaker: CircuitBreaker | None = None,
         clock_ms: Callable[[], int] = monotonic_ms,
     ) -> None:
-        """``breaker`` makes each domain's circuit breaker (Redis: a domain's counters share
-        one hash tag, so one Redis Cluster node); None: the counters never fail (memory)."""
+        """``breaker``: the settings of each domain's circuit breaker (Redis: a domain's
+        counters share one hash tag, so one Redis Cluster node); None: the counters never
+        fail (memory)."""
         self.domains = build_domains(settings)
         self.counters = counters
         self.timeout_s = timeout_s
         self.metrics = metrics
-        self._new_breaker = breaker
-        self._breakers: dict[str, CircuitBreaker] = {}
-        self._asked_ms: dict[str, int] = {}  # when each domain's breaker was last asked
+        self._breakers = None if breaker is None else Breakers(breaker)
         self.clock_ms = clock_ms
         self._prefix = secrets.token_hex(6)
         self._ids = itertools.count()
@@ -244,9 +243,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
         self, domain: str, hits: list[Hit], context: grpc.aio.ServicerContext
     ) -> list[Verdict]:
         call_id = f"{self._prefix}{next(self._ids)}"
-        breaker = self._breaker(domain)
-        if breaker is not None and not self._allowed(domain, breaker):
-            # Redis is failing: answered at once, and nothing sent needs cancelling
+        breaker, allowed = self._allow(domain)
+        if not allowed:  # Redis is failing: answered at once, nothing sent to cancel
             self._failed(domain, hits, None, "its circuit breaker is open")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "rate limit store unavailable")
         try:
@@ -271,28 +269,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
             self._uncancelled = 0
         return verdicts
 
-    def _breaker(self, domain: str) -> CircuitBreaker | None:
-        if self._new_breaker is None:
-            return None
-        breaker = self._breakers.get(domain)
-        if breaker is None:  # (domains with a rule only: the config's, a bounded set)
-            breaker = self._breakers[domain] = self._new_breaker()
-        return breaker
-
-    def _allowed(self, domain: str, breaker: CircuitBreaker) -> bool:
-        self._asked_ms[domain] = now_ms = self.clock_ms()
-        allowed, transition = breaker.allow(now_ms)
+    def _allow(self, domain: str) -> tuple[CircuitBreaker | None, bool]:
+        """``domain``'s breaker (None without one) and whether this call may go to Redis."""
+        if self._breakers is None:
+            return None, True
+        breaker, allowed, transition = self._breakers.allow(domain, self.clock_ms())
         _log_transition(domain, transition)
-        return allowed
+        return breaker, allowed
 
     def breakers_open(self) -> int:
         """``kvgate_ratelimit_breaker_open``, read at each scrape: domains whose breaker is
-        open or half-open and was asked within ``BREAKER_IDLE_MS`` (an outage that ended
-        while no call came does not stay on the gauge)."""
-        now = self.clock_ms()
-        return sum(breaker.state != "closed"
-                   and now - self._asked_ms.get(domain, now) <= BREAKER_IDLE_MS
-                   for domain, breaker in self._breakers.items())
+        open or half-open and was asked within ``BREAKER_IDLE_MS``."""
+        if self._breakers is None:
+            return 0
+        return self._breakers.open_count(self.clock_ms(), BREAKER_IDLE_MS)
 
     def _failed(self, domain: str, hits: list[Hit], call_id: str | None, why: object,
                 breaker: CircuitBreaker | None = None) -> None:

@@ -92,12 +92,11 @@ def build_rate_counters(config: Config) -> RateCounters:
     return RedisRateCounters(redis_client(config.redis), prefix=config.redis.prefix)
 
 
-def rate_limit_breaker(config: Config) -> Callable[[], CircuitBreaker] | None:
-    """The Rate Limit Service's breaker per domain, with the store's settings (Redis only)."""
+def rate_limit_breaker(config: Config) -> CircuitBreaker | None:
+    """The settings of the Rate Limit Service's breaker per domain: the store's (Redis only)."""
     redis = config.redis
-    if redis is None:
-        return None
-    return lambda: CircuitBreaker(redis.breaker_failures, redis.breaker_open_ms)
+    return None if redis is None else CircuitBreaker(redis.breaker_failures,
+                                                     redis.breaker_open_ms)
 
 
 def build_fairness(config: Config, pool: str, metrics: Metrics) -> Fairness:

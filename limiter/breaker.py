@@ -70,3 +70,45 @@ class CircuitBreaker:
         transition = Transition(self.state, new)
         self.state = new
         return transition
+
+
+class Breakers:
+    """One breaker per failure domain (a Redis Cluster node; a rate limit domain), made on
+    first use with ``template``'s settings (``template`` is domain ``""``'s: a single
+    Redis), and when a call last asked each. Only a call moves a breaker, so a gauge counts
+    those open or half-open that a call asked within ``idle_ms``: one left open when the
+    calls stopped says nothing of the store now."""
+
+    def __init__(self, template: CircuitBreaker) -> None:
+        self.template = template
+        self._by_domain: dict[str, CircuitBreaker] = {"": template}
+        self._asked_ms: dict[str, int] = {}
+
+    def get(self, domain: str) -> CircuitBreaker:
+        breaker = self._by_domain.get(domain)
+        if breaker is None:
+            breaker = self._by_domain[domain] = CircuitBreaker(self.template.failure_threshold,
+                                                               self.template.open_ms)
+        return breaker
+
+    def asked(self, domain: str, now_ms: int) -> None:
+        self._asked_ms[domain] = now_ms
+
+    def allow(self, domain: str, now_ms: int
+              ) -> tuple[CircuitBreaker, bool, Transition | None]:
+        """``domain``'s breaker, whether this call may go, and the transition to report."""
+        self._asked_ms[domain] = now_ms
+        breaker = self.get(domain)
+        allowed, transition = breaker.allow(now_ms)
+        return breaker, allowed, transition
+
+    def open_count(self, now_ms: int, idle_ms: int) -> int:
+        """Domains open or half-open and asked within ``idle_ms``. A domain other than
+        ``""`` no call asked for longer is forgotten (a Cluster node whose slots moved
+        elsewhere would keep its breaker open with nothing left to probe it)."""
+        for domain in [d for d, at in self._asked_ms.items() if d and now_ms - at > idle_ms]:
+            del self._asked_ms[domain]
+            self._by_domain.pop(domain, None)
+        return sum(breaker.state != BreakerState.CLOSED
+                   and now_ms - self._asked_ms.get(domain, now_ms) <= idle_ms
+                   for domain, breaker in self._by_domain.items())

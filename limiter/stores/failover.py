@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from limiter.breaker import BreakerState, CircuitBreaker, Transition
+from limiter.breaker import Breakers, BreakerState, CircuitBreaker, Transition
 from limiter.clock import monotonic_ms
 from limiter.decision import TenantPolicy
 from limiter.fairness import DEFAULT_LAG
@@ -180,8 +180,7 @@ class FailoverStore:
         self.breaker = breaker or CircuitBreaker()  # the single Redis's (domain "")
         # failure domain (a cluster node; "" for a single Redis) → its breaker: a shard
         # down sends only its own tenants to the failure policy
-        self._breakers: dict[str, CircuitBreaker] = {"": self.breaker}
-        self._used_ms: dict[str, int] = {}  # domain → when a call last asked its breaker
+        self._breakers = Breakers(self.breaker)
         self.local = MemoryStore()
         self.clock_ms = clock_ms
         self._on_transition = on_transition or (lambda _t: None)
@@ -216,7 +215,7 @@ class FailoverStore:
         an admission would cost), so that every refused client gets its own retry slot
         (``limiter.herd``), across replicas. Without an answer, the last refusal stands."""
         if self._breaker(tenant).state != "closed" and self.policy is FailurePolicy.LOCAL:
-            self._used_ms[self.primary.domain(tenant)] = self.clock_ms()  # (breakers_open)
+            self._breakers.asked(self.primary.domain(tenant), self.clock_ms())  # (the gauge)
             return await self.local.check_requests(tenant, self._local(policy))
         blocked = self._blocked.get(tenant)
         if blocked is None:
@@ -709,9 +708,7 @@ class FailoverStore:
         if self._watch_due:
             self._start_watch()
         domain = self.primary.domain(tenant)
-        breaker = self._breaker(tenant, domain)
-        self._used_ms[domain] = now_ms = self.clock_ms()
-        allowed, transition = breaker.allow(now_ms)
+        breaker, allowed, transition = self._breakers.allow(domain, self.clock_ms())
         self._report(domain, transition)
         return (domain, breaker) if allowed else None
 
@@ -734,12 +731,7 @@ class FailoverStore:
     def _breaker(self, tenant: str, domain: str | None = None) -> CircuitBreaker:
         """The breaker of ``tenant``'s failure domain (a cluster node), made on first use
         with the single Redis's settings."""
-        name = self.primary.domain(tenant) if domain is None else domain
-        breaker = self._breakers.get(name)
-        if breaker is None:
-            breaker = self._breakers[name] = CircuitBreaker(self.breaker.failure_threshold,
-                                                            self.breaker.open_ms)
-        return breaker
+        return self._breakers.get(self.primary.domain(tenant) if domain is None else domain)
 
     def breakers_open(self) -> int:
         """Failure domains whose breaker is open or half-open and that a call asked within
@@ -749,13 +741,7 @@ class FailoverStore:
         nothing left to probe it. A single Redis's breaker is kept but not counted: only a
         call moves it, and on a replica that got no request after Redis came back it
         stayed open, the failure policy deciding nothing."""
-        now = self.clock_ms()
-        for domain in [d for d, at in self._used_ms.items()
-                       if d and now - at > BREAKER_IDLE_MS]:
-            del self._used_ms[domain]
-            self._breakers.pop(domain, None)
-        return sum(b.state != "closed" and now - self._used_ms.get(d, now) <= BREAKER_IDLE_MS
-                   for d, b in self._breakers.items())
+        return self._breakers.open_count(self.clock_ms(), BREAKER_IDLE_MS)
 
     def _report(self, domain: str, transition: Transition | None,
                 error: BaseException | None = None) -> None:

@@ -476,7 +476,7 @@ async def test_a_hung_redis_opens_the_domains_breaker(redis, caplog):
     metrics = Metrics()
     service = RateLimitService(settings, RedisRateCounters(client, prefix="breaker"),
                                timeout_s=0.05, metrics=metrics,
-                               breaker=lambda: CircuitBreaker(2, 300))
+                               breaker=CircuitBreaker(2, 300))
     metrics.ratelimit_breakers.set_function(service.breakers_open)
 
     def breakers_open() -> float | None:
