@@ -391,7 +391,7 @@ def _serve(args: argparse.Namespace) -> int:
         _serve_worker(args.config, 0, args.log_level, args.log_format, reuse_port=False)
         return 0
     return _run_workers(args.config, args.workers, args.log_level, args.log_format,
-                        config.server.worker_stall_s)
+                        config.server.worker_stall_s, config.server.worker_start_s)
 
 
 def _serve_worker(
@@ -441,7 +441,7 @@ async def _beat(server: Any, heartbeat: Any) -> None:
 
 
 def _run_workers(config_path: Path, workers: int, log_level: str, log_format: str | None,
-                 stall_s: float) -> int:
+                 stall_s: float, start_s: float) -> int:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -472,28 +472,29 @@ def _run_workers(config_path: Path, workers: int, log_level: str, log_format: st
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop)
     signal.signal(signal.SIGHUP, forward)  # every worker reloads
-    return _watch_workers(processes, lambda: stopping, beats, stall_s)
+    return _watch_workers(processes, lambda: stopping, beats, stall_s, start_s)
 
 
 def _watch_workers(processes: list[Any], stopping: Callable[[], bool],
-                   beats: Sequence[Any] = (), stall_s: float = 30.0) -> int:
+                   beats: Sequence[Any] = (), stall_s: float = 30.0,
+                   start_s: float = 60.0) -> int:
     """Until every worker has exited. One that exits before a SIGTERM or SIGINT asked it
     to (killed, crashed) stops the others and the parent exits 1, so the orchestrator
     restarts the whole — rather than serving on with fewer workers, silently. One whose
-    heartbeat (``beats``, as :func:`_serve_worker` writes them) is ``stall_s`` old is
-    killed first: a stuck worker answered no probe (the pod's liveness asks worker 0) and
-    was never restarted. The exit status is 1 when any worker failed (a negative exit
-    code is a signal)."""
+    heartbeat (``beats``, as :func:`_serve_worker` writes them) is ``stall_s`` old, or
+    that has not begun it ``start_s`` after it was started, is killed first: a stuck worker
+    answered no probe (the pod's liveness asks worker 0) and was never restarted. The exit
+    status is 1 when any worker failed (a negative exit code is a signal)."""
     import time
 
     from extproc.processes import StallWatch
 
-    watch = StallWatch(beats, stall_s)
+    watch = StallWatch(beats, stall_s, start_s)
     failed = False
     while any(p.is_alive() for p in processes):
         stalled = watch.stalled(time.monotonic())
         if not stopping():
-            _kill_stalled(processes, stalled, stall_s)
+            _kill_stalled(processes, stalled, stall_s, start_s)
         for process in processes:
             if process.exitcode is not None and not stopping() and not failed:
                 failed = True
@@ -507,14 +508,15 @@ def _watch_workers(processes: list[Any], stopping: Callable[[], bool],
     return 1 if failed else 0
 
 
-def _kill_stalled(processes: list[Any], stalled: list[tuple[int, float]], stall_s: float
-                  ) -> None:
-    for index, silent_s in stalled:
+def _kill_stalled(processes: list[Any], stalled: list[tuple[int, float, bool]],
+                  stall_s: float, start_s: float) -> None:
+    for index, silent_s, starting in stalled:
         process = processes[index]
         if process.pid and process.is_alive():
-            print(f"kvgate: {process.name}'s event loop has not run for {silent_s:.0f} s "
-                  f"(server.worker_stall_s {stall_s:g}); killing it", file=sys.stderr,
-                  flush=True)
+            why = (f" has not started serving in {silent_s:.0f} s (server.worker_start_s "
+                   f"{start_s:g})" if starting else f"'s event loop has not run for "
+                   f"{silent_s:.0f} s (server.worker_stall_s {stall_s:g})")
+            print(f"kvgate: {process.name}{why}; killing it", file=sys.stderr, flush=True)
             os.kill(process.pid, signal.SIGKILL)
 
 

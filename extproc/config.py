@@ -798,6 +798,13 @@ class Server(_Strict):
         "pod's liveness probe asks worker 0 only (keep the two alike: deploy/ probes every "
         "10 s, 3 failures); at least 3 (workers beat every second)"
     )
+    worker_start_s: float = Field(
+        60, ge=5, le=MAX_DURATION_S, description="with `kvgate serve --workers N`: a worker "
+        "not serving this long after it was started (stuck loading a tokenizer, or in the "
+        "GPU driver) is killed and the parent exits 1, as for worker_stall_s; the pod's "
+        "startup probe reaches whichever worker answers on the shared gRPC port, so it "
+        "passes while one worker never gets ready (keep the two alike: deploy/ gives 60 s)"
+    )
     cpu_policy: Literal["batch", "normal"] = Field(
         "batch", description="Linux scheduling of the server process: 'batch' (SCHED_BATCH) "
         "keeps gRPC's poller thread from preempting the event loop on every completion"

@@ -5,6 +5,7 @@ OS to schedule it."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -60,22 +61,26 @@ def die_with_parent(parent_pid: int) -> None:
 class StallWatch:
     """Which of ``kvgate serve --workers``' workers stopped writing their heartbeat (a shared
     value each worker's event loop changes every second once it serves) for ``stall_s`` of
-    the watcher's own time. Each look counts at most :attr:`MAX_STEP_S` since the one
-    before, so a watcher that was stopped itself with its workers (Ctrl-Z on the process
-    group, a paused VM) does not take that pause for theirs; no clocks are compared across
-    processes. A heartbeat never written (0: still starting) is not watched."""
+    the watcher's own time, or never wrote it within ``start_s`` (stuck while starting: an
+    NVML or tokenizer load that hangs; the pod's startup probe reaches any worker through
+    the shared gRPC port, so it passes while this one never gets ready). Each look counts at
+    most :attr:`MAX_STEP_S` since the one before, so a watcher that was stopped itself with
+    its workers (Ctrl-Z on the process group, a paused VM) does not take that pause for
+    theirs; no clocks are compared across processes."""
 
     MAX_STEP_S = 1.0
 
-    def __init__(self, beats: Sequence[Any], stall_s: float):
+    def __init__(self, beats: Sequence[Any], stall_s: float, start_s: float = math.inf):
         self.beats = beats
         self.stall_s = stall_s
+        self.start_s = start_s
         self._last = [0.0] * len(beats)
         self._silent = [0.0] * len(beats)
         self._looked: float | None = None
 
-    def stalled(self, now: float) -> list[tuple[int, float]]:
-        """(worker index, seconds silent) of each worker silent past ``stall_s``, once."""
+    def stalled(self, now: float) -> list[tuple[int, float, bool]]:
+        """(worker index, seconds silent, whether it never started) of each worker silent
+        past ``stall_s`` (or never started within ``start_s``), once."""
         step = 0.0 if self._looked is None else min(max(0.0, now - self._looked),
                                                      self.MAX_STEP_S)
         self._looked = now
@@ -84,11 +89,11 @@ class StallWatch:
             value = beat.value
             if value != self._last[index]:
                 self._last[index], self._silent[index] = value, 0.0
-            elif value:
-                self._silent[index] += step
-                if self._silent[index] > self.stall_s:
-                    found.append((index, self._silent[index]))
-                    self._silent[index] = float("-inf")  # named once
+                continue
+            self._silent[index] += step
+            if self._silent[index] > (self.stall_s if value else self.start_s):
+                found.append((index, self._silent[index], not value))
+                self._silent[index] = -math.inf  # named once
         return found
 
 

@@ -924,10 +924,64 @@ def test_a_stuck_worker_is_killed_and_fails_the_parent():
     assert workers[1].exitcode == -signal.SIGKILL and workers[0].exitcode == 0
 
 
+def _sleep_forever() -> None:
+    import signal as signals
+
+    signals.signal(signals.SIGTERM, lambda *_: sys.exit(0))
+    time.sleep(3600)
+
+
+def test_a_worker_that_never_starts_serving_is_killed_and_fails_the_parent():
+    """Worker 1 never writes its heartbeat (stuck while starting): the pod's startup probe
+    passed on worker 0, so nothing else would restart it."""
+    import multiprocessing
+
+    from extproc.cli import _watch_workers
+
+    context = multiprocessing.get_context("spawn")
+    beats = [context.Value("d", 0.0, lock=False) for _ in range(2)]
+    workers = [context.Process(target=_beat_forever, args=(beats[0],), name="w0"),
+               context.Process(target=_sleep_forever, name="w1")]
+    started = time.monotonic()
+    for worker in workers:
+        worker.start()
+    assert _watch_workers(workers, lambda: False, beats, stall_s=1.0, start_s=2.0) == 1
+    assert 2.0 <= time.monotonic() - started < 10.0
+    assert workers[1].exitcode == -signal.SIGKILL and workers[0].exitcode == 0
+
+
 def _children(pid: int) -> list[int]:
     tasks = Path(f"/proc/{pid}/task")
     return [int(child) for task in tasks.iterdir()
             for child in (task / "children").read_text().split()]
+
+
+def test_kvgate_serve_workers_exits_1_when_its_workers_never_start_serving(tmp_path):
+    """Through ``kvgate serve --workers 2``, with the pool's tokenizer on a named pipe
+    nobody writes (a file system that hangs on read): both workers block while starting,
+    and the parent kills them after ``server.worker_start_s`` and exits 1."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    data["pools"][0]["models"] = [{"name": "m", "tokenizer": str(fifo)}]
+    data["server"] = {"grpc_port": free_port(), "admin_port": consecutive_free_ports(2),
+                      "report_port": consecutive_free_ports(2), "reload_poll_s": 0,
+                      "worker_start_s": 5}
+    data["redis"] = {"url": "redis://127.0.0.1:1", "replicas": 2}  # never reached
+    config = write(tmp_path, data)
+    log = tmp_path / "serve.log"
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "extproc.cli", "serve", "-c", str(config), "--workers", "2"],
+        stdout=subprocess.DEVNULL, stderr=log.open("wb"), env={**os.environ, "KVGATE_NATIVE": "0"})
+    try:
+        assert process.wait(60) == 1, log.read_text()
+        assert time.monotonic() - started >= 5.0
+        assert "has not started serving in" in log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")

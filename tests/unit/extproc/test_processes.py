@@ -105,8 +105,25 @@ def test_a_worker_silent_for_stall_s_of_the_watchers_time_is_named_once():
         if n == 0:
             beats[1].value = now
         named += watch.stalled(now)
-    assert [index for index, _ in named] == [1]  # after 2 s of silence, and only once
-    assert 2.0 < named[0][1] <= 2.2
+    assert [(index, starting) for index, _, starting in named] == [(1, False)]  # once
+    assert 2.0 < named[0][1] <= 2.2  # after 2 s of silence
+
+
+def test_a_worker_that_never_begins_to_beat_is_named_after_start_s():
+    """Stuck while starting (a tokenizer on a hung file system, the GPU driver): its
+    heartbeat is never written, and the watch names it once ``start_s`` has passed."""
+    from extproc.processes import StallWatch
+
+    beats = [_Beat(), _Beat()]
+    watch = StallWatch(beats, stall_s=2.0, start_s=5.0)
+    now, named = 100.0, []
+    for n in range(40):
+        now += 0.2
+        if n >= 10:  # worker 0 starts serving after 2 s; worker 1 never does
+            beats[0].value = now
+        named += watch.stalled(now)
+    assert [(index, starting) for index, _, starting in named] == [(1, True)]
+    assert 5.0 < named[0][1] <= 5.2
 
 
 def test_the_watchers_own_pause_is_not_taken_for_the_workers():
