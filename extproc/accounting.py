@@ -45,20 +45,21 @@ class ResponseRecord:
         event kvgate asks every engine for — is charged what was reserved: what kvgate
         cannot meter is never cheaper than what it admitted (a streamed event may carry
         several tokens, so counting events would undercharge). An engine's error answer is
-        charged its prompt plus one token per streamed event. A request that ended before
-        its response began (the client left while it was prefilled: the engine aborts it)
-        is charged its prompt. A response cut off after that (the client left mid-answer,
-        or the meter could not report) is charged what was reserved: kvgate never saw how
-        far it got, and a reservation is never less than what was used. (A request whose
-        routing reply never left kvgate is not settled here: ``RequestStream.close``
-        charges it nothing, as ``not_sent``.)
+        charged its prompt plus one token per streamed event, at most the output cap. A
+        request that ended before its response began (the client left while it was
+        prefilled: the engine aborts it) is charged its prompt. A response cut off after
+        that (the client left mid-answer, or the meter could not report) is charged what
+        was reserved: kvgate never saw how far it got, and a reservation is never less than
+        what was used. (A request whose routing reply never left kvgate is not settled
+        here: ``RequestStream.close`` charges it nothing, as ``not_sent``.)
         """
         if self.usage is not None:
             return _bounded(self.usage, cost)
         if self.done and self.answered:
             return cost.tokens, cost.max_output_tokens, "no_usage"
-        if self.done:
-            return cost.prompt_tokens + self.events, self.events, "engine_error"
+        if self.done:  # no more events than the output cap kvgate sent could make
+            events = min(self.events, cost.max_output_tokens)
+            return cost.prompt_tokens + events, events, "engine_error"
         if self.stream and not self.started:
             return cost.prompt_tokens, 0, "not_started"
         return cost.tokens, cost.max_output_tokens, "cut_off"

@@ -242,6 +242,11 @@ async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     (True, True, (Usage(13, 2), 2, True), lambda cost: 15, "usage"),
     (False, True, (Usage(13, 2), 0, True), lambda cost: 15, "usage"),
     (False, True, (None, 0, False), lambda cost: cost.prompt_tokens, "engine_error"),
+    # an error answer's events past the output cap kvgate sent (a buggy engine or proxy, a
+    # report with an absurd count): at most the cap, as a usage past it is (one report of
+    # 2**64 - 1 events charged that many tokens and locked the tenant out for 142 years)
+    (True, True, (None, 2**64 - 1, False), lambda cost: cost.prompt_tokens + 100,
+     "engine_error"),
     (False, True, (None, 0, True), lambda cost: cost.prompt_tokens + 100, "no_usage"),
     # past what the request can have used (a buggy engine, a duplicated key): at the bound
     (True, True, (Usage(13, 50_000), 2, True), lambda cost: 13 + 100, "usage_bounded"),
