@@ -242,6 +242,12 @@ class Director:
         finally:
             self._leave(tenant.name)
 
+    def limits_tokens(self, tenant: Tenant) -> bool:
+        """Whether the tenant has a token limit (a token rate or a quota): one only the
+        body's price is checked against, so :meth:`precheck`'s refusal leaves it out."""
+        policy = self.tenants.policy(tenant)
+        return policy.token_rate is not None or bool(policy.quotas())
+
     # -- body phase: the pipeline ----------------------------------------------------------
 
     async def admit(

@@ -21,7 +21,8 @@ from tests.conftest import free_port, store_section
 
 pytestmark = pytest.mark.e2e
 
-KEYS = {"herd": "sk-clients-herd", "pair": "sk-clients-pair", "plain": "sk-clients-plain"}
+KEYS = {"herd": "sk-clients-herd", "pair": "sk-clients-pair", "plain": "sk-clients-plain",
+        "paced": "sk-clients-paced"}
 
 
 def clients_config(store: dict[str, Any]):
@@ -33,6 +34,10 @@ def clients_config(store: dict[str, Any]):
             "herd": {"limits": {"requests_per_second": 2, "request_burst": 4}},
             "pair": {"limits": {"max_concurrency": 2}},
             "plain": {"limits": {"requests_per_second": 100, "tokens_per_minute": 600_000}},
+            # 1 request/s and 10 tokens/s: a 40-token answer's reservation outlasts the
+            # request bucket's refill
+            "paced": {"limits": {"requests_per_second": 1, "request_burst": 1,
+                                 "tokens_per_minute": 600, "token_burst": 60}},
         },
         "tenants": [{"name": name, "tier": name, "api_keys": [hash_api_key(key)]}
                     for name, key in KEYS.items()],
@@ -118,6 +123,28 @@ def test_refused_clients_are_told_distinct_times(stack):
     assert len(told) >= 7  # 4 (burst) + what refilled meanwhile were admitted
     gaps = [b - a for a, b in itertools.pairwise(told)]
     assert all(400 <= gap <= 600 for gap in gaps), told  # one refill (500 ms) apart
+
+
+def test_a_client_refused_by_its_request_rate_is_told_when_its_tokens_fit_too(stack):
+    """A refusal's retry time is the latest of every limit the retry takes from: a client
+    refused by its request rate while its token bucket is also short must not be told the
+    request bucket's time alone (it came back then and was refused again, by tokens: with
+    the body riding with the headers, the request-count peek answered before the body, and
+    so the token bucket, was read)."""
+    api = openai.OpenAI(api_key=KEYS["paced"], base_url=stack.url + "/v1", max_retries=0)
+
+    def ask() -> openai.APIResponse:
+        return api.chat.completions.with_raw_response.create(
+            model="tiny-llama", max_tokens=40, messages=[{"role": "user", "content": "hi"}])
+
+    with api:
+        ask()  # ~48 of the 60 tokens reserved, and the one request
+        with pytest.raises(openai.RateLimitError) as refused:
+            ask()
+        wait_ms = int(refused.value.response.headers["retry-after-ms"])
+        assert wait_ms > 2000, refused.value.response.headers  # the tokens' wait, not 1 s
+        time.sleep(wait_ms / 1000)
+        assert ask().http_response.status_code == 200  # not refused again
 
 
 def test_admitted_responses_carry_ratelimit_headers_without_an_extra_message(stack):
