@@ -403,6 +403,6 @@ def _headers(
         return headers
     if None in waits:
         return [*headers, ("x-should-retry", "false")]
-    wait_ms = max(w for w in waits if w is not None)
+    wait_ms = min(max(w for w in waits if w is not None), MAX_DURATION_MS)  # as the reset
     return [*headers, ("retry-after", str(max(1, ceil_div(wait_ms, 1000)))),
             ("retry-after-ms", str(wait_ms))]

@@ -494,6 +494,11 @@ def test_an_absurd_debt_is_capped_and_answered_with_a_valid_reset(service):
     assert huge.overall_code == OVER_LIMIT
     assert 0 < status.duration_until_reset.ToMilliseconds() <= 315_576_000_000 * 1000
     assert headers(huge)["x-ratelimit-remaining"] == "0"
+    for _ in range(130):  # 130 × 81 years of debt at 100 tokens a minute: past the cap
+        deep = ask(service, descriptor(("tokens", "c"), hits=2**32 - 1))
+    assert deep.statuses[0].duration_until_reset.ToMilliseconds() == 315_576_000_000 * 1000
+    later = headers(ask(service, descriptor(("tokens", "c"), hits=1)))  # its wait, capped
+    assert int(later["retry-after"]) <= int(later["x-ratelimit-reset"]) == 315_576_000_000
     capped = ask(service, descriptor(("tokens", "b"), hits=2**32 - 1))
     assert capped.statuses[0].duration_until_reset == status.duration_until_reset
 
