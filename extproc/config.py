@@ -355,7 +355,12 @@ class Watermarks(_Strict):
                         "with its prompt (its output is checked at the committed KV's future "
                         "peak); interactive work, and lower-band work under its tenant's KV "
                         "share, may go up to critical")
-    critical: float = Field(0.95, gt=0, le=1, description="above this an endpoint takes nothing")
+    critical: float = Field(0.95, gt=0, le=1, description="above this an endpoint takes "
+                            "nothing, and new work must keep usage under it — except "
+                            "interactive work on a priority_scheduling pool, whose prompt may "
+                            "take an endpoint under it past it, up to a full cache, while the "
+                            "interactive work there still fits at its peak (the engine "
+                            "preempts lower-priority work as the cache fills)")
     gpu_memory_critical: float = Field(
         0.98, gt=0, le=1, description="NVML memory used ratio above which an endpoint is skipped"
     )

@@ -7,7 +7,11 @@ watermark; endpoints that are stale, unhealthy, above the critical watermark, or
 memory is critical take nothing. Between the high and critical watermarks the pool is
 *busy*: interactive (band 0) work may use that headroom, and lower-band work of a tenant
 still under its weighted share of the pool's reserved KV; lower-band work over it waits
-("busy: share by weight; idle: borrow").
+("busy: share by weight; idle: borrow"). On a priority-scheduled pool band 0 may take an
+endpoint under the critical watermark past it, up to a full cache, while its prompt fits the
+cache now and the future peak (below) of the band-0 work there with it fits: lower-priority
+answers that would outgrow the cache give way, as the engine preempts them
+(:meth:`PoolScheduler._candidate`).
 
 The engine's queue stays short: an endpoint takes a request only while fewer than
 ``max_unstarted`` of the requests kvgate sent it have not started (band 0: one more).
@@ -155,6 +159,10 @@ class Candidate:
     state: EndpointState
     usage_after: float  # KV usage once this request's reservation lands (0–1+)
     fits: bool  # usage_after within the high watermark
+    # it may still go once the pool is busy: usage_after within the critical watermark —
+    # or, for band 0 on a priority-scheduled engine, the endpoint is within it, the prompt
+    # fits the cache now and the band-0 work's future peak with it fits the cache
+    within_critical: bool
 
 
 @dataclass(slots=True)
@@ -290,7 +298,7 @@ class PoolScheduler:
             candidates = self._keep_clear(candidates, usable, now)
         eligible = [c for c in candidates if c.fits]
         if not eligible:
-            busy = [c for c in candidates if c.usage_after <= self.config.watermarks.critical]
+            busy = [c for c in candidates if c.within_critical]
             if not busy:
                 self._count_holds(usable, candidates, [], limit, ahead, band, now)
                 return self._saturated(tokens, now)
@@ -764,8 +772,9 @@ class PoolScheduler:
         when it passes as bound work does). ``prompt``: of ``tokens``, if known."""
         capacity = state.kv_capacity_tokens
         usage = state.kv_cache_usage or 0.0
+        marks = self.config.watermarks
         if not capacity:
-            return Candidate(state, usage, usage < self.config.watermarks.high)
+            return Candidate(state, usage, usage < marks.high, usage <= marks.critical)
         pending, scraped_at = 0, state.scraped_at or 0
         for r in reversed(self.by_endpoint.get(state.address, {}).values()):
             if r.at <= scraped_at:
@@ -781,9 +790,10 @@ class PoolScheduler:
         block = int(_metric(state, "kv_block_tokens"))
         held = usage * capacity + pending
         whole = (held + tokens) / capacity
-        after = whole
+        admitted = whole  # what the engine needs to admit it
         if prompt is not None and prompt < tokens:
-            after = (held + in_blocks(prompt, block)) / capacity
+            admitted = (held + in_blocks(prompt, block)) / capacity
+        after = admitted
         # The scrape shows what running requests hold now; they keep growing as they decode.
         # Past the cache's capacity the engine may run out of blocks and preempt before they
         # end: that takes nothing, however low the scraped usage.
@@ -795,14 +805,24 @@ class PoolScheduler:
                 after = max(after, committed)
         if not committed_bound:  # or, free of the bound, as a whole now
             after = min(after, whole)
-        return Candidate(state, after, after <= self.config.watermarks.high)
+        within = after <= marks.critical
+        if not committed_bound and not within and held / capacity <= marks.critical:
+            # an endpoint within the critical watermark takes it past it while its prompt's
+            # blocks are free now and the future peak of the band-0 work there with it fits:
+            # the engine preempts lower-priority work as the cache fills. A critical
+            # watermark smaller than one prompt (a 1,024-token cache: 5% is 51 tokens) held
+            # interactive work in kvgate's queue for seconds while the engine had the blocks.
+            within = admitted <= 1.0 and self._future_peak(
+                state, now, tokens, prompt, top_only=True) <= capacity
+        return Candidate(state, after, after <= marks.high, within)
 
     def _future_peak(self, state: EndpointState, now: float, tokens: int,
-                     prompt: int | None) -> int:
-        """The most KV the endpoint's requests in flight and a new one of ``tokens``
-        (``prompt`` of them) are expected to hold at once, with what the scrape shows that
-        they do not explain. A request whose prompt and output are not known apart is
-        counted as holding all its KV until every other one ends."""
+                     prompt: int | None, top_only: bool = False) -> int:
+        """The most KV the endpoint's requests in flight (``top_only``: its band-0 ones,
+        which its engine does not preempt for a new band-0 request) and a new one of
+        ``tokens`` (``prompt`` of them) are expected to hold at once, with what the scrape
+        shows that kvgate's requests do not explain. A request whose prompt and output are
+        not known apart is counted as holding all its KV until every other one ends."""
         block = int(_metric(state, "kv_block_tokens"))
         scraped_at = state.scraped_at or 0.0
         held: list[tuple[int, int]] = []
@@ -820,6 +840,8 @@ class PoolScheduler:
                 # whole blocks the engine holds for it (its block is counted below as well)
                 unexplained -= in_blocks(
                     r.peak if whole else r.prefill + self._made(r, scraped_at), block)
+            if top_only and r.band:
+                continue
             if whole:
                 throughout += r.peak + block
             else:

@@ -892,3 +892,34 @@ def test_a_pool_that_is_not_kv_aware_forgets_endpoints_dns_dropped_too():
     tables = (sched.by_endpoint, sched.in_flight, sched.unstarted, sched.committed,
               sched.prefill_tokens)
     assert all(old not in table for table in tables)
+
+
+def test_interactive_prompts_may_take_a_priority_engine_past_critical():
+    """On a priority-scheduled pool, band 0 goes to an endpoint still within the critical
+    watermark when its prompt's blocks are free now, even past critical, and the future
+    peak of the band-0 work there with it fits the cache: the engine preempts lower-priority
+    work as the cache fills. On a 1,024-token cache 5% is less than one prompt, and
+    interactive work waited seconds in kvgate's queue while the engine had the blocks.
+    Lower bands and engines without priority scheduling stay within critical."""
+
+    def placed(output, *, band=0, priority=True, usage=920 / 1024, ours=True, running=1):
+        sched = scheduler(priority_scheduling=priority)
+        for lease, prompt in (("r1", 600), ("r2", 320)) if ours else ():
+            sched.reserve(lease, "b", "e1", prompt + 30, NOW - 2, band=running,
+                          prompt_tokens=prompt)
+            sched.first_token(lease, NOW - 1)  # running: the scrape shows their prompts
+        snap = snapshot(state("e1", usage, capacity=1024))
+        return isinstance(sched.place("a", 72 + output, snap, NOW, random.Random(0),
+                                      band=band, prompt_tokens=72), Placement)
+
+    assert placed(8)  # 920 + 72 = 0.969 of the cache now, past critical
+    assert placed(40)  # the batch answers' peak with it passes the cache: they give way
+    assert not placed(8, usage=0.96)  # the endpoint itself past critical: nothing
+    assert not placed(8, band=1)  # lower bands stay within critical
+    assert not placed(8, priority=False)  # no preemption to fall back on
+    assert not placed(8, usage=960 / 1024)  # 960 + 72: its prompt does not fit now
+    # interactive answers running there are not preempted for it: their peak counts
+    assert placed(8, running=0)  # 608 + 328 + 80
+    assert not placed(40, running=0)  # 630 + 350 + 102
+    assert placed(8, ours=False)  # KV kvgate did not send counts as held throughout:
+    assert not placed(40, ours=False)  # 920 + 80 fits the cache, 920 + 112 does not
