@@ -30,6 +30,7 @@ from pydantic import (
 
 from extproc import yaml_input
 from extproc.config_check import explain
+from extproc.headers import KVGATE_HEADER_PREFIX
 from limiter.fairness import DEFAULT_LAG, MIN_WEIGHT
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -209,6 +210,21 @@ class Classification(_Strict):
         8192, description="prompts longer than this drop one class (null = never)"
     )
 
+    @field_validator("header")
+    @classmethod
+    def _header_name(cls, name: str) -> str:
+        """In lower case, as Envoy hands kvgate header names and as the rendered forwarding
+        rule must name it (it matches exactly): ``X-Request-Class`` was never read, the
+        client's class ignored without a word. A name no request can carry is refused."""
+        if not name or any(c not in _TOKEN_CHARS for c in name):
+            raise ValueError(f"{name!r} is not an HTTP header name (letters, digits and "
+                             "!#$%&'*+-.^_`|~)")
+        name = name.lower()
+        if name.startswith(KVGATE_HEADER_PREFIX):
+            raise ValueError(f"{name!r}: Envoy drops every {KVGATE_HEADER_PREFIX} header a "
+                             "client sends before kvgate sees it")
+        return name
+
     @field_validator("path_classes")
     @classmethod
     def _routed_paths(cls, rules: dict[str, str]) -> dict[str, str]:
@@ -222,6 +238,11 @@ class Classification(_Strict):
             raise ValueError("; ".join(_unrouted(path, route_path(path), ROUTES)
                                        for path in bad))
         return rules
+
+
+# what an HTTP field name is made of (RFC 9110's token)
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
+                         "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
 def _unrouted(path: str, routed: str, routes: Iterable[str]) -> str:

@@ -474,6 +474,35 @@ def test_a_path_class_rule_names_a_path_requests_carry():
     assert config.classification.path_classes == rules
 
 
+def test_the_class_header_is_a_header_name_requests_can_carry():
+    """Envoy hands kvgate header names in lower case, and forwards only those its rendered
+    rules name exactly: ``header: X-Request-Class``, as HTTP headers are usually written,
+    was never read (the client's class ignored, without a word) while `kvgate check` said
+    OK; an empty name, one with a space or a colon, or an ``x-kvgate-`` one (dropped from
+    every request before ext_proc) never reached kvgate at all."""
+    from extproc.envoy_config import render_yaml
+    from extproc.messages import header_map
+    from extproc.stream import _wanted
+    from tests.unit.extproc.test_stream import headers_msg
+
+    config = parse_config({**GOOD, "classification": {"header": "X-Request-Class"}})
+    assert config.classification.header == "x-request-class"
+    values, _ = header_map(headers_msg(**{"x-request-class": "batch"}).request_headers,
+                           _wanted(config.classification.header))
+    assert values[config.classification.header] == "batch"
+    assert "exact: x-request-class" in render_yaml(config)
+    bad = ["", "x request class", ":path", "x-kvgate-class"]
+    assert [problems({**GOOD, "classification": {"header": name}}) for name in bad] == [
+        ["classification.header: '' is not an HTTP header name (letters, digits and "
+         "!#$%&'*+-.^_`|~)"],
+        ["classification.header: 'x request class' is not an HTTP header name (letters, "
+         "digits and !#$%&'*+-.^_`|~)"],
+        ["classification.header: ':path' is not an HTTP header name (letters, digits and "
+         "!#$%&'*+-.^_`|~)"],
+        ["classification.header: 'x-kvgate-class': Envoy drops every x-kvgate- header a "
+         "client sends before kvgate sees it"]]
+
+
 def test_a_pool_named_twice_is_reported_while_one_of_the_two_is_broken():
     """A pool whose own check fails is taken out before the cross-references: a second pool
     of its name, or serving its model, was reported only once the first problem was fixed
