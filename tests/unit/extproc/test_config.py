@@ -420,6 +420,21 @@ def test_envoys_listen_host_must_be_an_ip_address():
         assert parse_config({**GOOD, "envoy": {"listen_host": host}}).envoy.listen_host == host
 
 
+def test_envoys_listener_and_admin_port_are_apart():
+    """Envoy's admin listens on 127.0.0.1: a listener on that address or on 0.0.0.0 with
+    the admin's port passed `kvgate check`, rendered a bootstrap `envoy --mode validate`
+    accepts, and Envoy then refused to start ("cannot bind ... Address already in use")."""
+    for host in ("127.0.0.1", "0.0.0.0"):
+        envoy = {"listen_host": host, "listen_port": 9901, "admin_port": 9901}
+        assert problems({**GOOD, "envoy": envoy}) == [
+            f"envoy: listen_port 9901 is admin_port too (the admin listens on 127.0.0.1), so "
+            f"Envoy could not bind its listener on {host}"]
+    for host in ("127.0.0.2", "::"):  # another address: both bind
+        envoy = {"listen_host": host, "listen_port": 9901, "admin_port": 9901}
+        assert parse_config({**GOOD, "envoy": envoy}).envoy.listen_port == 9901
+    assert parse_config({**GOOD, "envoy": {"listen_port": 0, "admin_port": 0}})
+
+
 def test_a_boolean_is_no_number():
     """YAML reads yes/on/true as true and pydantic read true as 1: `max_concurrency: yes`
     was a limit of 1, `kvgate check` saying OK. Boolean fields still take booleans."""
