@@ -874,17 +874,6 @@ class EnvoySettings(_Strict):
                              "address, not a name (127.0.0.1, 0.0.0.0, ::)") from None
         return value
 
-    @model_validator(mode="after")
-    def _ports_apart(self) -> EnvoySettings:
-        """The admin listens on 127.0.0.1 (``render-envoy``): a listener there or on
-        0.0.0.0 at its port rendered a bootstrap `envoy --mode validate` accepts and Envoy
-        then would not start on ("cannot bind … Address already in use")."""
-        if (self.listen_port == self.admin_port != 0 and ipaddress.ip_address(self.listen_host)
-                in (ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv4Address("0.0.0.0"))):
-            raise ValueError(f"listen_port {self.listen_port} is admin_port too (the admin "
-                             "listens on 127.0.0.1), so Envoy could not bind its listener on "
-                             f"{self.listen_host}")
-        return self
     admin_port: int = Field(9901, ge=0, lt=65536)
     ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate")
     ext_proc_tls: ExtProcTls | None = Field(
@@ -925,6 +914,18 @@ class EnvoySettings(_Strict):
         "and a check of (kind=tokens, tenant), and after each response (kind=tokens, tenant) "
         "charged the response's real usage; null = no ratelimit filter"
     )
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> EnvoySettings:
+        """The admin listens on 127.0.0.1 (``render-envoy``): a listener there or on
+        0.0.0.0 at its port rendered a bootstrap `envoy --mode validate` accepts and Envoy
+        then would not start on ("cannot bind … Address already in use")."""
+        if (self.listen_port == self.admin_port != 0 and ipaddress.ip_address(self.listen_host)
+                in (ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv4Address("0.0.0.0"))):
+            raise ValueError(f"listen_port {self.listen_port} is admin_port too (the admin "
+                             "listens on 127.0.0.1), so Envoy could not bind its listener on "
+                             f"{self.listen_host}")
+        return self
 
 
 class ScrapeSettings(_Strict):
