@@ -746,6 +746,7 @@ def _gpu_id(gpu: str) -> bool:
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``ip:port`` → (ip, port). Envoy's ORIGINAL_DST cluster needs a literal IP."""
     host, sep, port = endpoint.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
     host = host.strip("[]")
     try:
         ipaddress.ip_address(host)
@@ -754,6 +755,8 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise ValueError(f"{endpoint!r} is not ip:port (a literal IP address and a port)") from None
     if not sep or not 0 < port_number < 65536:
         raise ValueError(f"{endpoint!r} is not ip:port (a literal IP address and a port)")
+    if ":" in host and not bracketed:  # as Envoy reads a destination, and a URL holds it
+        raise ValueError(f"{endpoint!r}: write an IPv6 address in brackets, [{host}]:{port}")
     return host, port_number
 
 

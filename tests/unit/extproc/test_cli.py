@@ -143,9 +143,13 @@ def test_unknown_keys_get_a_did_you_mean(tmp_path, capsys):
 
 def test_every_bad_endpoint_is_reported(tmp_path, capsys):
     data = yaml.safe_load(yaml.safe_dump(GOOD))
-    data["pools"][0]["endpoints"] = ["vllm:8000", "127.0.0.1:8000", "10.0.0.1", "[::1]:80"]
+    data["pools"][0]["endpoints"] = ["vllm:8000", "127.0.0.1:8000", "10.0.0.1", "[::1]:80",
+                                     "::1:8001"]
     found = check_problems(write(tmp_path, data), capsys)
-    assert [p.split(":")[0] for p in found] == ["pools[0].endpoints[0]", "pools[0].endpoints[2]"]
+    assert [p.split(":")[0] for p in found] == ["pools[0].endpoints[0]", "pools[0].endpoints[2]",
+                                                "pools[0].endpoints[4]"]
+    assert found[2].endswith("write an IPv6 address in brackets, [::1]:8001")  # as Envoy reads
+    # a destination and a URL holds it: unbracketed, it was accepted and routed nowhere
 
 
 def test_files_the_config_names_are_checked(tmp_path, capsys):
