@@ -157,10 +157,16 @@ class NvmlReader:
         for index in range(nvml.nvmlDeviceGetCount()):
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                readings.append(self._reading(handle, index))
-                readings.extend(self._mig_readings(handle, index))
             except nvml.NVMLError as exc:
                 log.debug("NVML: GPU %d did not answer: %s", index, exc)
+                continue
+            try:
+                readings.append(self._reading(handle, index))
+            except nvml.NVMLError as exc:
+                # its slices are read all the same: in a container, NVML refuses a MIG
+                # GPU's own memory query (Insufficient Permissions) while each slice answers
+                log.debug("NVML: GPU %d did not answer: %s", index, exc)
+            readings.extend(self._mig_readings(handle, index))
         return readings
 
     def close(self) -> None:
@@ -177,7 +183,12 @@ class NvmlReader:
             return  # not MIG-capable
         if current_mode != nvml.NVML_DEVICE_MIG_ENABLE:
             return
-        for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+        except nvml.NVMLError as exc:
+            log.debug("NVML: GPU %d's MIG slots did not answer: %s", parent, exc)
+            return
+        for slot in range(slots):
             try:
                 mig_handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except nvml.NVMLError:

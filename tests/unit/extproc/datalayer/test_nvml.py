@@ -182,6 +182,41 @@ def test_a_mig_slice_that_fails_mid_read_hides_only_itself() -> None:
     assert [r.key for r in NvmlReader(SliceGone()).read()] == ["0", "1", "1:2"]
 
 
+
+class ParentMemoryDenied(StubNvml):
+    """A MIG node seen from a container: NVML refuses the MIG-enabled GPU's own memory
+    query (``Insufficient Permissions``; nvidia-smi shows it so) while each slice answers
+    (NVIDIA/nvidia-container-toolkit#842, NVIDIA/k8s-device-plugin#1683)."""
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+        if handle == ("gpu", 1):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+        return super().nvmlDeviceGetMemoryInfo(handle)
+
+
+def test_a_gpu_whose_own_reading_fails_still_gives_its_mig_slices() -> None:
+    """The parent's refused memory query left out its slices too: every endpoint on them lost
+    its own watermark, and a node of MIG GPUs alone read as no GPUs at all."""
+    assert [r.key for r in NvmlReader(ParentMemoryDenied()).read()] == ["0", "1:0", "1:2"]
+
+    class OnlyMig(ParentMemoryDenied):
+        def nvmlDeviceGetCount(self) -> int:
+            return 1
+
+        def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+            return ("gpu", 1)
+
+    reader = open_gpu_reader(OnlyMig())
+    assert reader is not None and [r.uuid for r in reader.read()] == ["MIG-10", "MIG-12"]
+
+
+def test_a_gpu_whose_mig_slots_cannot_be_counted_keeps_its_own_reading() -> None:
+    class SlotsUnknown(StubNvml):
+        def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    assert [r.key for r in NvmlReader(SlotsUnknown()).read()] == ["0", "1"]
+
 def test_open_gpu_reader_with_working_nvml(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
         reader = open_gpu_reader(StubNvml())
