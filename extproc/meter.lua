@@ -88,21 +88,48 @@ local function report(handle, meta, what, body)
   handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true) -- asynchronous
 end
 
--- Where the event at `pos` ends: the blank line after it (LF or CRLF line ends, as SSE
--- allows), and the separator's length.
-local function event_end(text, pos)
-  local lf = string.find(text, "\n\n", pos, true)
-  local crlf = string.find(text, "\r\n\r\n", pos, true)
-  if crlf ~= nil and (lf == nil or crlf < lf) then return crlf, 4 end
-  return lf, 2
+-- The length of the line end at `i` (SSE's line ends: LF, CRLF, and CR alone), or nil when
+-- it cannot be told yet: a CR that ends `text` may be the first half of a CRLF.
+local function line_end(text, i)
+  local c = string.byte(text, i)
+  if c == 10 then return 1 end
+  if i == #text then return nil end
+  return string.byte(text, i + 1) == 10 and 2 or 1
 end
 
--- Whether an unfinished event may still turn out to be the usage-only event (a data line,
--- not [DONE], with no choices in it yet): only such an event is held back, so a stream
--- whose last event never gets its blank line loses nothing but that event.
+-- Where the event at `pos` ends: its blank line, a line end right after another (LF, CRLF
+-- or CR line ends, mixed as SSE allows), and the separator's length.
+local function event_end(text, pos)
+  local i = string.find(text, "[\r\n]", pos)
+  while i ~= nil do
+    local first = line_end(text, i)
+    if first == nil then return nil end
+    local c = string.byte(text, i + first)
+    if c == 10 or c == 13 then
+      local second = line_end(text, i + first)
+      if second == nil then return nil end
+      return i, first + second
+    end
+    i = string.find(text, "[\r\n]", i + first)
+  end
+  return nil
+end
+
+-- The lines an event may open with: its data, and the id, event name, retry or comment
+-- lines an engine may put before it.
+local FIELDS = {"data:", "id:", "event:", "retry:", ":"}
+
+-- Whether an unfinished event may still turn out to be the usage-only event (SSE field
+-- lines, no [DONE], with no choices in it yet): only such an event is held back, so a
+-- stream whose last event never gets its blank line loses nothing but that event.
 local function may_be_usage(partial)
-  local head = string.sub(partial, 1, 5)
-  if head ~= string.sub("data:", 1, #head) then return false end
+  local lines = string.match(partial, "^[\r\n]*(.*)$")
+  local field = false
+  for _, name in ipairs(FIELDS) do
+    local n = math.min(#lines, #name)
+    if string.sub(lines, 1, n) == string.sub(name, 1, n) then field = true break end
+  end
+  if not field then return false end
   if string.find(partial, "[DONE]", 1, true) then return false end
   return string.find(partial, '"choices"%s*:%s*%[%s*[^%]%s]') == nil
 end

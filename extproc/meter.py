@@ -10,8 +10,8 @@ tail of the body, never all of it).
 With ``strip`` it also removes the usage-only event kvgate asked the engine for when the
 client did not ask for it. An unfinished event is held back only while stripping, only up to
 its end (what an SSE client waits for anyway), and only while it may still be that small
-usage event (short, a data line, no choice in it yet). Events end at a blank line, with LF
-or CRLF line ends, as in the Lua meter.
+usage event (short, SSE field lines, no choice in it yet). Events end at a blank line, with
+LF, CRLF or CR line ends, as in the Lua meter.
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ USAGE_MAX, USAGE_TRIES = 4096, 4
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _SOME_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*[^\]\s]')
-# an event ends at a blank line: SSE allows LF and CRLF line ends (the earlier one wins)
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")
+# an event ends at a blank line: a line end right after another, SSE's line ends being LF,
+# CRLF and CR alone (mixed); a CR that ends the text read so far may be half a CRLF: no end yet
+_EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?=[^\n])|\n)")
+# the lines an event may open with: its data, and the id, event name, retry or comment lines
+# an engine may put before it
+_FIELDS = (b"data:", b"id:", b"event:", b"retry:", b":")
 
 
 class ResponseMeter:
@@ -114,11 +118,12 @@ class ResponseMeter:
 
 
 def _may_be_usage(partial: bytes) -> bool:
-    """Whether an unfinished event may still turn out to be the usage-only event (a data
-    line, not ``[DONE]``, no choice in it yet): only such an event is held back, so a stream
-    whose last event never gets its blank line loses nothing but that event."""
-    return (b"data:".startswith(partial[:5]) and b"[DONE]" not in partial
-            and _SOME_CHOICE.search(partial) is None)
+    """Whether an unfinished event may still turn out to be the usage-only event (SSE field
+    lines, not ``[DONE]``, no choice in it yet): only such an event is held back, so a
+    stream whose last event never gets its blank line loses nothing but that event."""
+    lines = partial.lstrip(b"\r\n")
+    return (any(name.startswith(lines[:len(name)]) for name in _FIELDS)
+            and b"[DONE]" not in partial and _SOME_CHOICE.search(partial) is None)
 
 
 def _last_usage(text: bytes) -> Usage | None:

@@ -365,6 +365,33 @@ def test_crlf_events_are_read_and_stripped_like_lf_ones(meter_stack, at):
     assert recorder.done == [(Usage(13, 4), 2)]
 
 
+@pytest.mark.parametrize("end", [b"\r\r", b"\n\r\n", b"\r\r\n"])
+@pytest.mark.parametrize("at", [[], [60], [90, 91, 92]])
+def test_cr_and_mixed_line_ends_are_read_and_stripped(meter_stack, end, at):
+    """SSE's line ends are LF, CRLF and CR alone, mixed. With CR alone (or an LF line
+    then a CRLF blank line) no event ever ended: the usage event reached a client that did
+    not ask for it, and no usage was read (the tenant was charged its reservation)."""
+    events = [text(0), text(1), {"choices": [], "usage": USAGE}]
+    body = b"".join(b"data: " + orjson.dumps(e) + end for e in events) + b"data: [DONE]" + end
+    got, recorder = exchange(meter_stack, cut(body, at), "sse-strip")
+    assert got == body.replace(b"data: " + orjson.dumps(events[2]) + end, b"")
+    assert recorder.done == [(Usage(13, 4), 2)]
+
+
+@pytest.mark.parametrize("lead", [b"id: 7\n", b"event: message\n", b": ping\n"])
+def test_a_usage_event_opened_by_another_field_is_stripped_wherever_split(meter_stack, lead):
+    """An id, event name or comment line may open the usage event: a write that ended
+    inside it passed the unfinished event on (only a data line was held), so the usage
+    event reached the client whenever the engine's writes split it there."""
+    head = sse([text(0), text(1)]).removesuffix(b"data: [DONE]\n\n")
+    body = head + lead + b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) \
+        + b"\n\ndata: [DONE]\n\n"
+    for at in range(len(head) + 1, len(head) + len(lead) + 8):
+        got, recorder = exchange(meter_stack, cut(body, [at]), "sse-strip")
+        assert got == head + b"data: [DONE]\n\n", at
+        assert recorder.done == [(Usage(13, 4), 2)]
+
+
 def test_a_last_event_without_its_blank_line_still_arrives(meter_stack):
     """A held, unfinished event is one that may be the usage event: [DONE] (or a chunk with
     choices) whose blank line never comes is passed on, not lost at the body's end."""

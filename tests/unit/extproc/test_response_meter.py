@@ -68,17 +68,39 @@ def test_a_cut_off_stream_passes_its_half_event_on_at_the_end():
 
 
 def test_only_what_may_be_the_usage_event_is_held():
-    """An unfinished event with a choice in it, [DONE], or no data line cannot be the
-    usage-only event: it goes on at once, as in the Lua meter (a stream whose last event
-    never gets its blank line loses nothing)."""
-    for partial in (b'data: {"choices": [{"delta"', b"data: [DONE]", b": keep-alive",
-                    b"event: message", b"id: 7"):
+    """An unfinished event with a choice in it, [DONE], or what is no SSE field cannot be
+    the usage-only event: it goes on at once, as in the Lua meter (a stream whose last
+    event never gets its blank line loses nothing but that event)."""
+    for partial in (b'data: {"choices": [{"delta"', b"data: [DONE]", b"<html>bad gateway",
+                    b'{"error": "x"}'):
         meter = ResponseMeter(sse=True, strip=True)
         assert meter.feed(partial) == partial
         assert meter.finish() == b""
     meter = ResponseMeter(sse=True, strip=True)
     assert meter.feed(b"da") == b""  # may still become "data:"
     assert meter.feed(b'ta: {"choices": [{"x') == b'data: {"choices": [{"x'
+    # an id, event name or comment line may open the usage event: held to its end
+    for partial in (b": keep-alive", b"event: message", b"id: 7", b"\nid: 7\nda"):
+        meter = ResponseMeter(sse=True, strip=True)
+        assert meter.feed(partial) == b""
+        assert meter.finish() == partial
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 600), max_size=10), st.booleans(),
+       st.sampled_from([b"\r\r", b"\n\r\n", b"\r\n\n", b"\r\r\n"]),
+       st.sampled_from([b"", b"id: 7\n", b"event: message\r", b": ping\r\n"]))
+def test_cr_and_mixed_line_ends_and_lead_lines_are_read_split_anywhere(cuts, strip, end, lead):
+    """SSE's line ends are LF, CRLF and CR alone, mixed: with CR alone no event ever
+    ended (the usage event reached a client that did not ask for it, and no usage was
+    read); an id, event name or comment line before the usage event let it through
+    whenever a write ended inside it."""
+    usage_event = lead + b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + end
+    body = sse(EVENTS, end).replace(b"data: [DONE]", usage_event + b"data: [DONE]")
+    meter = ResponseMeter(sse=True, strip=strip)
+    passed = run(meter, body, cuts)
+    assert passed == (sse(EVENTS, end) if strip else body)
+    assert meter.usage == Usage(13, 4) and meter.events == 5
 
 
 def test_json_usage_flat_nested_tail_bounded_and_the_last_one_wins():
