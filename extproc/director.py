@@ -234,19 +234,20 @@ class Director:
     def authenticate(self, authorization: str | None) -> Tenant:
         return self.tenants.authenticate(authorization)
 
-    async def precheck(self, tenant: Tenant) -> Reject | None:
-        """Before the body arrives: is the tenant over its request rate or concurrency?"""
+    async def precheck(self, tenant: Tenant, *, body_here: bool = False) -> Reject | None:
+        """Before the body is parsed: is the tenant over its request rate or concurrency?
+        ``body_here``: the body came with the headers (request attributes). A tenant with a
+        token limit is then left to :meth:`admit`, which reads every limit: this peek reads
+        the request counts alone, so its retry time left the token bucket out (the client,
+        back then, was refused again by tokens)."""
+        policy = self.tenants.policy(tenant)
+        if body_here and (policy.token_rate is not None or policy.quotas()):
+            return None
         self._enter(tenant)
         try:
-            return await self.store.check_requests(tenant.name, self.tenants.policy(tenant))
+            return await self.store.check_requests(tenant.name, policy)
         finally:
             self._leave(tenant.name)
-
-    def limits_tokens(self, tenant: Tenant) -> bool:
-        """Whether the tenant has a token limit (a token rate or a quota): one only the
-        body's price is checked against, so :meth:`precheck`'s refusal leaves it out."""
-        policy = self.tenants.policy(tenant)
-        return policy.token_rate is not None or bool(policy.quotas())
 
     # -- body phase: the pipeline ----------------------------------------------------------
 

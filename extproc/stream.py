@@ -197,14 +197,9 @@ class RequestStream:
         if not metered:
             raise _out_of_order(f"a request body for {self.path}, which is decided on headers")
         assert self.tenant is not None
-        # refused before the body is parsed, as the headers phase would — unless the tenant
-        # has a token limit: the peek reads the request counts alone, so its retry time
-        # left the token bucket out (a client back then was refused again, by tokens),
-        # and the admission, with the body here already, reads every limit
-        if not director.limits_tokens(self.tenant):
-            reject = await director.precheck(self.tenant)
-            if reject is not None:
-                return self._refuse(reject)
+        reject = await director.precheck(self.tenant, body_here=True)  # before it is parsed
+        if reject is not None:
+            return self._refuse(reject)
         reply = await self._on_request_body(message.request_body)
         if self.done:
             return reply
