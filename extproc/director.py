@@ -240,11 +240,11 @@ class Director:
         token limit is then left to :meth:`admit`, which reads every limit: this peek reads
         the request counts alone, so its retry time left the token bucket out (the client,
         back then, was refused again by tokens)."""
-        policy = self.tenants.policy(tenant)
-        if body_here and (policy.token_rate is not None or policy.quotas()):
-            return None
-        self._enter(tenant)
+        self._enter(tenant)  # (a tenant forgotten meanwhile: 401, as its key now is)
         try:
+            policy = self.tenants.policy(tenant)
+            if body_here and (policy.token_rate is not None or policy.quotas()):
+                return None
             return await self.store.check_requests(tenant.name, policy)
         finally:
             self._leave(tenant.name)
