@@ -1,7 +1,7 @@
 """What one admitted request really used, as Envoy's Lua meter reports it.
 
 The meter (``meter.lua``) reads the response inside Envoy; kvgate hears of it twice at most
-(``reports.py``): when a stream's first chunk passes, and when the response ends, with the
+(``reports.py``): when a stream's first token passes, and when the response ends, with the
 engine's usage object. The charge settled on release follows from what arrived.
 """
 
@@ -26,7 +26,7 @@ class ResponseRecord:
 
     def __init__(self, *, stream: bool):
         self.stream = stream
-        self.started = False  # the first chunk has passed (streams)
+        self.started = False  # the first token has passed (streams)
         self.done = False  # the response ended and its report arrived
         self.usage: Usage | None = None  # the engine's own count, when it gave one
         self.events = 0  # SSE data events with text: ~ one token each

@@ -16,7 +16,7 @@ possibly rewritten body as ``streamed_response`` chunks of at most :data:`CHUNK_
 (the last with ``end_of_stream``), and the trailers if any. A refusal is one
 ImmediateResponse, as in kvgate's own mode. On the way back every response chunk is sent
 back as it came (with kvgate's injected usage event removed), read on the way by
-``meter.ResponseMeter``: the first chunk of a stream, the usage, the end — after which
+``meter.ResponseMeter``: a stream's first token, the usage, the end — after which
 kvgate ends the RPC and releases the request (or when Envoy ends the stream first: the
 client left).
 
@@ -276,9 +276,10 @@ class DuplexStream(RequestStream):
             chunk = body.body
             meter = self._meter
             if meter is not None:
-                if chunk and meter.sse:
-                    self.first_reported()
+                started = meter.started
                 chunk = meter.feed(chunk)
+                if meter.started and not started:  # a data line began: prefill is done
+                    self.first_reported()
             if body.end_of_stream:
                 chunk += self._finish_response()
             return self._response_chunk(chunk, body.end_of_stream)

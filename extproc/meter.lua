@@ -5,8 +5,10 @@
 -- answer would otherwise cost one gRPC message per chunk, and Python time that grows with
 -- the answer. This script reads the response as it passes, never holding a chunk back, and
 -- reports to the kvgate process that admitted the request (over the kvgate_report cluster):
---   * streams only, when the first chunk passes: POST /first/<lease> (fire and forget):
---     the engine has finished prefilling;
+--   * streams only, when the first token passes (the chunk in which the first SSE data
+--     line begins: comments such as a proxy's ": ping" keep-alives, blank lines and id: or
+--     event: lines carry none): POST /first/<lease> (fire and forget): the engine has
+--     finished prefilling;
 --   * every response, when its body has ended: POST /done/<lease> with the engine's usage
 --     object (and whether it was an answer, a 2xx), also fire and forget. The response's
 --     end never waits for kvgate, and the call outlives the request: a client that hangs up
@@ -29,7 +31,9 @@
 -- the client did not ask for it.
 -- Unfinished events are held back only while stripping, and only up to the end of the
 -- event, which is what an SSE client waits for anyway. A body cut off mid-event loses
--- that half event, as an SSE client would discard it.
+-- that half event, as an SSE client would discard it. The body's end also ends its last
+-- event for the meter: a usage event with no blank line after it is read, provided its data
+-- is one whole JSON object (a cut-off one is no usage).
 
 local TAIL = 8192 -- bytes of an unfinished SSE event, or of the JSON read so far, kept
 local HOLD = 4096 -- an unfinished event longer than this is no usage event: never held
@@ -39,11 +43,11 @@ local TIMEOUT_MS = 1000 -- a report kvgate has not answered by then is given up
 -- engine that writes the key thousands of times costs a scan, not a scan per key
 local USAGE_MAX, USAGE_TRIES = 4096, 4
 
--- The JSON object that starts at `from` (a "{"), strings honoured, within USAGE_MAX bytes;
--- nil when unfinished there.
-local function object_at(text, from)
+-- The JSON object that starts at `from` (a "{"), strings honoured, within `max` bytes
+-- (USAGE_MAX unless told); nil when unfinished there.
+local function object_at(text, from, max)
   local depth, in_string, escaped = 0, false, false
-  for i = from, math.min(#text, from + USAGE_MAX) do
+  for i = from, math.min(#text, from + (max or USAGE_MAX)) do
     local c = string.byte(text, i)
     if in_string then
       if escaped then escaped = false
@@ -118,6 +122,48 @@ end
 -- The lines an event may open with: its data, and the id, event name, retry or comment
 -- lines an engine may put before it.
 local FIELDS = {"data:", "id:", "event:", "retry:", ":"}
+local DATA = "data:"
+
+-- Whether a stream's chunk (not empty) begins a data line, the first token's sign:
+-- comments (keep-alive pings), blank lines, and id, event or retry lines carry none.
+-- `fresh`: the chunk starts a line. A data line cut by the chunk's end counts from its
+-- first byte ("d"): the chunk in which it begins reports it. Run until the first token only.
+local function opens_data(bytes, fresh)
+  if fresh then
+    local start = string.sub(bytes, 1, 5)
+    if start == string.sub(DATA, 1, #start) then return true end
+  end
+  if string.find(bytes, "[\r\n]data:") ~= nil then return true end
+  -- the chunk's last line, when it is short enough to be the start of "data:"
+  for i = math.max(1, #bytes - 4), #bytes - 1 do
+    local c = string.byte(bytes, i)
+    if c == 10 or c == 13 then
+      local rest = string.sub(bytes, i + 1)
+      if rest == string.sub(DATA, 1, #rest) then return true end
+    end
+  end
+  return false
+end
+
+-- The data of an event (its data lines' values joined by LF, as an SSE client joins them)
+-- when it is one whole JSON object, else nil: only such an event is read when the body's
+-- end, not a blank line, ends it (an object cut off never closes its first brace).
+local function whole_object(event)
+  local values = {}
+  for line in string.gmatch(event, "[^\r\n]+") do
+    if string.sub(line, 1, 5) == DATA then
+      local value = string.sub(line, 6)
+      if string.sub(value, 1, 1) == " " then value = string.sub(value, 2) end
+      values[#values + 1] = value
+    end
+  end
+  local data = table.concat(values, "\n")
+  local from = string.match(data, "^%s*(){")
+  if from == nil then return nil end
+  local object = object_at(data, from, #data)
+  if object == nil or string.find(data, "^%s*$", from + #object) == nil then return nil end
+  return object
+end
 
 -- Whether an unfinished event may still turn out to be the usage-only event (SSE field
 -- lines, no [DONE], with no choices in it yet): only such an event is held back, so a
@@ -134,6 +180,22 @@ local function may_be_usage(partial)
   return string.find(partial, '"choices"%s*:%s*%[%s*[^%]%s]') == nil
 end
 
+-- One whole event: note its usage and count it when it is a data event with tokens;
+-- true when it is the usage-only event (to strip). `head`: its first bytes, when its
+-- carry lost them.
+local function note_event(state, event, head)
+  local usage_only = false
+  if string.find(event, '"usage"', 1, true) then
+    state.usage = last_usage(event) or state.usage
+    usage_only = string.find(event, '"choices"%s*:%s*%[%s*%]') ~= nil
+  end
+  if not usage_only and string.sub(head or event, 1, 5) == DATA
+      and not string.find(event, "[DONE]", 1, true) then
+    state.events = state.events + 1
+  end
+  return usage_only
+end
+
 -- One streamed chunk: note usage, count data events, and with `strip` drop the usage-only
 -- event. Stripping holds back an unfinished event that may be the usage event at a chunk's
 -- end until its end arrives (no SSE client can act on half an event, so nothing is delayed
@@ -147,17 +209,8 @@ local function read_events(state, chunk, bytes)
     local s, gap = event_end(text, pos)
     if s == nil then break end
     local event = string.sub(text, pos, s - 1)
-    local usage_only = false
-    if string.find(event, '"usage"', 1, true) then
-      state.usage = last_usage(event) or state.usage
-      usage_only = string.find(event, '"choices"%s*:%s*%[%s*%]') ~= nil
-    end
     -- an event longer than TAIL lost its head while carried: state.head kept it
-    local head = (pos == 1 and state.head) or event
-    if not usage_only and string.sub(head, 1, 5) == "data:"
-        and not string.find(event, "[DONE]", 1, true) then
-      state.events = state.events + 1
-    end
+    local usage_only = note_event(state, event, pos == 1 and state.head or nil)
     if state.strip and not (usage_only and sent < pos) then
       out[#out + 1] = string.sub(text, math.max(pos, sent + 1), s + gap - 1)
     end
@@ -225,7 +278,7 @@ end
 
 -- What kvgate charges an answer it cannot meter, published as the total until the real
 -- usage replaces it (publish): a client that leaves mid-answer is charged it too, as
--- kvgate charges it (its prompt before a stream's first chunk, then its reservation).
+-- kvgate charges it (its prompt before a stream's first token, then its reservation).
 local function provisional(handle, tokens)
   handle:streamInfo():dynamicMetadata():set("kvgate.usage", "total_tokens",
                                             string.format("%d", tokens))
@@ -264,16 +317,21 @@ function envoy_on_response(handle)
   local prompt, output = reserved(handle)
   if not answered then prompt = nil end
   if prompt ~= nil then provisional(handle, stream and prompt or prompt + output) end
-  local first = true
+  local first = stream -- the first token is still to come
+  local fresh = true -- the next chunk starts a line (while the first token is to come)
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
-    if size > 0 and stream and first then
+    local bytes = size > 0 and readable and chunk:getBytes(0, size) or nil
+    -- an unreadable (compressed) stream's first chunk stands for its first token
+    if first and size > 0 and (bytes == nil or opens_data(bytes, fresh)) then
       first = false
       report(handle, meta, "first", "")
       if prompt ~= nil then provisional(handle, prompt + output) end
+    elseif first and bytes ~= nil then
+      local last = string.byte(bytes, -1)
+      fresh = last == 10 or last == 13
     end
-    if size > 0 and readable then
-      local bytes = chunk:getBytes(0, size)
+    if bytes ~= nil then
       if stream then
         read_events(state, chunk, bytes)
       else
@@ -284,6 +342,12 @@ function envoy_on_response(handle)
         state.carry = #text > TAIL and string.sub(text, -TAIL) or text
       end
     end
+  end
+  -- the body's end ends its last event: read it when whole (its start kept, its data one
+  -- whole JSON object), as if its blank line had come
+  if stream and readable and state.carry ~= "" and state.head == nil
+      and whole_object(state.carry) ~= nil then
+    note_event(state, state.carry, nil)
   end
   if limited then state.usage = NOTHING end
   -- an answer that ended without a usage the meter could read: its reservation, as kvgate

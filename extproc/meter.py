@@ -4,14 +4,16 @@ In kvgate's own Envoy configuration the response never reaches kvgate (the Lua m
 it inside Envoy). Behind a Gateway API Inference Extension gateway there is no Lua meter:
 the gateway sends kvgate every response chunk (``FULL_DUPLEX_STREAMED``) and kvgate sends
 each one back (``extproc/duplex.py``), reading it on the way with this meter: the first
-chunk of a stream, the engine's usage, the data events, the end. Memory stays bounded (a
-tail of the body, never all of it).
+chunk of a stream that carries a token (the start of a data line: SSE comments such as a
+proxy's ``: ping`` keep-alives are none), the engine's usage, the data events, the end.
+Memory stays bounded (a tail of the body, never all of it).
 
 With ``strip`` it also removes the usage-only event kvgate asked the engine for when the
 client did not ask for it. An unfinished event is held back only while stripping, only up to
 its end (what an SSE client waits for anyway), and only while it may still be that small
 usage event (short, SSE field lines, no choice in it yet). Events end at a blank line, with
-LF, CRLF or CR line ends, as in the Lua meter.
+LF, CRLF or CR line ends, as in the Lua meter, and at the body's end: a last event whose
+blank line never came is read as if it had, when its data is one whole JSON object.
 """
 
 from __future__ import annotations
@@ -37,14 +39,18 @@ _EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?=[^\n])|\n)")
 # the lines an event may open with: its data, and the id, event name, retry or comment lines
 # an engine may put before it
 _FIELDS = (b"data:", b"id:", b"event:", b"retry:", b":")
+_DATA = b"data:"
+_LINES = re.compile(rb"\r\n|\r|\n")
 
 
 class ResponseMeter:
     """Follows one response body: ``feed`` each chunk (it returns the bytes to pass on),
     then ``finish`` (the bytes still held back). ``usage`` is the engine's own count once
-    it gave one; ``events`` the SSE data events with tokens (the estimate without it)."""
+    it gave one; ``events`` the SSE data events with tokens (the estimate without it);
+    ``started`` whether a stream's first data line has begun (the engine has prefilled)."""
 
-    __slots__ = ("_carry", "_head", "_sent", "events", "sse", "strip", "usage")
+    __slots__ = ("_carry", "_fresh", "_head", "_sent", "events", "sse", "started", "strip",
+                 "usage")
 
     def __init__(self, *, sse: bool, strip: bool = False):
         self.sse = sse
@@ -54,6 +60,8 @@ class ResponseMeter:
         self._carry = b""  # the unfinished event (SSE), or the body's last TAIL bytes (JSON)
         self._sent = 0  # leading bytes of the carry already passed on (stripping)
         self._head = b""  # an unfinished event's first bytes, once its carry was cut
+        self.started = False
+        self._fresh = True  # the next chunk starts a line (until started)
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.sse:
@@ -63,6 +71,9 @@ class ResponseMeter:
             self.usage = _last_usage(text) or self.usage
             self._carry = text[-TAIL:]
             return chunk
+        if not self.started and chunk:
+            self.started = _opens_data(chunk, self._fresh)
+            self._fresh = chunk[-1] in b"\r\n"
         text = self._carry + chunk
         sent = self._sent  # leading bytes of ``text`` the client already has
         out: list[bytes] = []
@@ -108,11 +119,19 @@ class ResponseMeter:
         return usage_only
 
     def finish(self) -> bytes:
-        """The end of the body: a held-back event fragment goes on (an SSE client drops half
-        an event, as it would have)."""
+        """The end of the body. It ends the last event too: an engine's usage event with no
+        blank line after it is read (and stripped) as if it had one, provided its data is
+        one whole JSON object (a cut-off one is no usage). Otherwise a held-back fragment
+        goes on (an SSE client drops half an event, as it would have)."""
         if not self.sse:
             return b""
-        held = self._carry[self._sent :] if self.strip else b""
+        event, sent = self._carry, self._sent
+        held = event[sent:] if self.strip else b""
+        # an event longer than TAIL lost its start: it cannot be told whole
+        if event and not self._head and _whole_object(event):
+            usage_only = self._read_event(event, b"")
+            if usage_only and self.strip and sent == 0:
+                held = b""
         self._carry, self._sent = b"", 0
         return held
 
@@ -124,6 +143,35 @@ def _may_be_usage(partial: bytes) -> bool:
     lines = partial.lstrip(b"\r\n")
     return (any(name.startswith(lines[:len(name)]) for name in _FIELDS)
             and b"[DONE]" not in partial and _SOME_CHOICE.search(partial) is None)
+
+
+def _opens_data(chunk: bytes, fresh: bool) -> bool:
+    """Whether ``chunk`` (not empty) begins a data line, the first token's sign: comments
+    (keep-alive pings), blank lines, and id, event or retry lines carry none. ``fresh``:
+    the chunk starts a line. A data line cut by the chunk's end counts from its first
+    byte (``d``): the chunk in which it begins reports it."""
+    if fresh and _DATA.startswith(chunk[:5]):
+        return True
+    if b"\ndata:" in chunk or b"\rdata:" in chunk:
+        return True
+    # the chunk's last line, when it is short enough to be the start of "data:"
+    return any(chunk[i] in b"\r\n" and _DATA.startswith(chunk[i + 1 :])
+               for i in range(max(0, len(chunk) - 5), len(chunk) - 1))
+
+
+def _whole_object(event: bytes) -> bool:
+    """Whether an event's data (its data lines' values joined by LF, as an SSE client joins
+    them) is one whole JSON object: only such an event is read when the body's end, not a
+    blank line, ends it."""
+    values = []
+    for line in _LINES.split(event):
+        if line.startswith(_DATA):
+            value = line[len(_DATA) :]
+            values.append(value[1:] if value.startswith(b" ") else value)
+    try:
+        return isinstance(orjson.loads(b"\n".join(values)), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def _last_usage(text: bytes) -> Usage | None:

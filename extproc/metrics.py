@@ -248,7 +248,7 @@ class Metrics:
         )
         self.reports = Tally(
             "kvgate_meter_reports",
-            "Calls from Envoy's Lua response meter, by kind: first (a stream's first chunk), "
+            "Calls from Envoy's Lua response meter, by kind: first (a stream's first token), "
             "done (a response's end and usage), refused (a wrong key or a malformed call).",
             ["kind"], self.registry,
         )

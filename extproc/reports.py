@@ -3,7 +3,7 @@
 kvgate reads no response body over ext_proc: at one gRPC message per chunk, a streamed
 answer would cost Python time in proportion to its length. The Lua filter reads the response
 inside Envoy instead and sends this process at most two small HTTP/1.1 calls per request:
-``POST /first/<lease>`` when a stream's first chunk passes (the engine has prefilled) and
+``POST /first/<lease>`` when a stream's first token (data line) passes (prefill is done) and
 ``POST /done/<lease>`` with the engine's usage when the response's body has ended. Both are
 sent without waiting for the answer: the response's end never waits for this process, and a
 client that hangs up at once cancels no call (a cancelled HTTP/1.1 call costs Envoy its

@@ -7,7 +7,7 @@ any other order (only a hand-edited filter config sends one) is a 400. kvgate re
 response over ext_proc — a streamed answer would cost one message per chunk — but keeps the
 stream open (the bootstrap asks for response trailers, which an engine never sends, so no
 message comes) until Envoy ends it with the response. Envoy's Lua meter reports the response
-meanwhile (``reports.py``): the first chunk of a stream, then the usage at its end.
+meanwhile (``reports.py``): the first token of a stream, then the usage at its end.
 Whatever ends the stream — completion, an error, the client going away — ``close`` releases
 what the request held, exactly once.
 """
@@ -278,7 +278,7 @@ class RequestStream:
     # -- the response, as Envoy's Lua meter reports it --------------------------------------
 
     def first_reported(self) -> None:
-        """A stream's first chunk has passed: prefill is done."""
+        """A stream's first token has passed: prefill is done."""
         record, admission = self.response, self.admission
         if record is None or admission is None or record.started or self._released:
             return

@@ -55,11 +55,13 @@ PUBLISHED = ("%REQ(x-test-lease)% %DYNAMIC_METADATA(kvgate.usage:prompt_tokens)%
 class Recorder:
     lease: str = ""
     first: int = 0
+    first_at: float = 0.0  # time.monotonic() of the first report
     done: list[tuple[Usage | None, int]] = field(default_factory=list)
     answered: list[bool] = field(default_factory=list)
 
     def first_reported(self) -> None:
         self.first += 1
+        self.first_at = self.first_at or time.monotonic()
 
     def done_reported(self, usage: Usage | None, events: int, answered: bool) -> None:
         self.done.append((usage, events))
@@ -72,7 +74,9 @@ class Harness:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.desk = ReportDesk()
-        self.bodies: dict[str, tuple[bytes, list[bytes]]] = {}  # lease → (type, pieces)
+        # lease → (type, pieces); a number among the pieces: a pause of that many seconds
+        self.bodies: dict[str, tuple[bytes, list[bytes | float]]] = {}
+        self.written: dict[str, list[float]] = {}  # lease → when each piece was written
         self.statuses: dict[str, bytes] = {}  # lease → status line, when not 200
         self.extra: dict[str, bytes] = {}  # lease → more header lines (and a declared length)
         self.upstream_port = free_port()
@@ -98,12 +102,19 @@ class Harness:
                 content_type, pieces = self.bodies[lease]
                 status = self.statuses.get(lease, b"200 OK")
                 extra = self.extra.get(lease, b"")
-                framing = (b"content-length: %d\r\n" % sum(map(len, pieces))
+                framing = (b"content-length: %d\r\n"
+                           % sum(len(p) for p in pieces if isinstance(p, bytes))
                            if b"content-length" in extra else b"transfer-encoding: chunked\r\n")
                 writer.write(b"HTTP/1.1 %s\r\n%scontent-type: %s\r\n%s\r\n"
                              % (status, framing, content_type,
                                 extra.replace(b"content-length\r\n", b"")))
+                written = self.written.setdefault(lease, [])
                 for piece in pieces:
+                    if not isinstance(piece, bytes):
+                        await asyncio.sleep(piece)
+                        written.append(time.monotonic())
+                        continue
+                    written.append(time.monotonic())
                     writer.write(piece if b"content-length" in extra
                                  else b"%x\r\n%s\r\n" % (len(piece), piece))
                     await writer.drain()
@@ -153,12 +164,14 @@ def meter_stack(tmp_path_factory) -> Iterator[tuple[Harness, EnvoyProcess]]:
 _leases = iter(range(1_000_000))
 
 
-def exchange(meter_stack, pieces: list[bytes], meter: str,
+def exchange(meter_stack, pieces: list[bytes | float], meter: str,
              content_type: bytes | None = None, status: bytes = b"200 OK",
-             extra: bytes = b"", bound: str | None = None) -> tuple[bytes, Recorder]:
+             extra: bytes = b"", bound: str | None = None,
+             first: bool = True) -> tuple[bytes, Recorder]:
     """The body the client gets for an upstream answer in ``pieces``, and the reports.
     ``extra``: more response header lines; ``content-length\r\n`` among them declares the
-    body's length instead of chunking it. ``bound``: kvgate's usage bound, prompt:output."""
+    body's length instead of chunking it. ``bound``: kvgate's usage bound, prompt:output.
+    ``first``: whether a stream has a first token to report (a data line)."""
     harness, envoy = meter_stack
     lease = f"case-{next(_leases)}"
     if content_type is None:
@@ -177,7 +190,7 @@ def exchange(meter_stack, pieces: list[bytes], meter: str,
     assert response.status_code == int(status[:3])
     # the meter does not wait for kvgate's answer: its report may be a moment behind
     assert wait_for(lambda: recorder.done, timeout=5), "no done report"
-    if meter.startswith("sse") and content_type == b"text/event-stream":  # and first
+    if meter.startswith("sse") and content_type == b"text/event-stream" and first:
         assert wait_for(lambda: recorder.first, timeout=5), "no first report"
     recorder.lease = lease
     return response.content, recorder
@@ -435,3 +448,66 @@ def test_the_published_usage_is_held_to_kvgates_bound(meter_stack, meter):
                 else sse([text(0), {"choices": [], "usage": usage}]))
         _, recorder = exchange(meter_stack, [body], meter, bound=bound)
         assert published(meter_stack, recorder.lease) == expected, (usage, bound)
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+def test_keep_alive_comments_before_the_first_token_are_no_first_token(meter_stack, meter):
+    """An engine (or a proxy) that pings with SSE comments (or sends an event: line) before
+    its first token: the meter reported the first token at the first ping, and the
+    scheduler took prefill for done. A stream with no data line reports none."""
+    pings = [b": ping\n\n", b": ping\r\n\r\n", b"event: message\n", b"id: 1\r\r\n"]
+    got, recorder = exchange(meter_stack, pings, meter, first=False)
+    assert got == b"".join(pings)
+    time.sleep(0.2)  # a first report would be on its way with the done one
+    assert recorder.first == 0 and recorder.done == [(None, 0)]
+
+
+@pytest.mark.parametrize("lead", [b": ping\n\n", b": ping\r", b"event: message\n"])
+@pytest.mark.parametrize("split", [0, 1, 2, 5])
+def test_the_first_token_is_reported_with_the_chunk_its_data_line_begins_in(
+        meter_stack, lead, split):
+    """A ping, a pause, then the first token, its data line split after ``split`` bytes
+    by another pause: the first report comes after the first pause, before the second."""
+    data = b"data: " + orjson.dumps(text(0)) + b"\n\n"
+    pieces: list[bytes | float] = [lead, 0.4, *([data[:split], 0.4] if split else []),
+                                   data[split:], b"data: [DONE]\n\n"]
+    got, recorder = exchange(meter_stack, pieces, "sse-strip")
+    assert got == lead + data + b"data: [DONE]\n\n"
+    written = meter_stack[0].written[recorder.lease]
+    assert recorder.first == 1 and recorder.done[0][0] is None
+    assert written[1] <= recorder.first_at  # not at the ping
+    if split:
+        assert recorder.first_at < written[3]  # at "d", "da" or "data:", not at the rest
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+@pytest.mark.parametrize("end", [b"", b"\n", b"\r", b"\r\n", b"\n\r"])
+def test_a_last_usage_event_without_its_blank_line_is_read_at_the_end(meter_stack, meter, end):
+    """A stream that ends right after its usage event, without the blank line that ends an
+    SSE event: its usage was never read (the tenant was charged its reservation). The
+    body's end ends the event, read (and stripped) as if its blank line had come."""
+    head = sse([text(0), text(1)]).removesuffix(b"data: [DONE]\n\n")
+    body = head + b"id: 9\ndata: " + orjson.dumps({"choices": [], "usage": USAGE}) + end
+    for at in ([], [len(head) + 4], [len(body) - 2]):
+        got, recorder = exchange(meter_stack, cut(body, at), meter)
+        assert recorder.done == [(Usage(13, 4), 2)], at
+        assert got == (head if meter == "sse-strip" else body)
+        assert published(meter_stack, recorder.lease) == ["13", "4", "17"]
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+def test_a_cut_off_last_usage_event_is_not_read(meter_stack, meter):
+    """Only a last event whose data is one whole JSON object is read at the end: one cut
+    off (its usage object whole, the document not) is no usage."""
+    head = sse([text(0)]).removesuffix(b"data: [DONE]\n\n")
+    whole = b"data: " + orjson.dumps({"choices": [], "usage": USAGE, "id": "x"})
+    for tail in (whole[:-1], whole[: whole.index(b',"id"') + 2], b"data: [DONE]",
+                 b'data: {"usage": ' + orjson.dumps(USAGE) + b"} x"):
+        _, recorder = exchange(meter_stack, [head + tail], meter)
+        assert recorder.done == [(None, 1)], tail
+
+
+def test_a_last_content_event_without_its_blank_line_counts(meter_stack):
+    body = sse([text(0), text(1)]).removesuffix(b"\n\ndata: [DONE]\n\n")
+    got, recorder = exchange(meter_stack, cut(body, [30]), "sse-strip")
+    assert got == body and recorder.done == [(None, 2)]

@@ -250,6 +250,23 @@ async def test_a_streamed_response_is_echoed_metered_and_ends_the_stream(content
     assert stream.response.usage.total == 17 and stream.response.events == 3
 
 
+async def test_keep_alive_comments_before_the_first_token_do_not_end_prefill():
+    """A ping (an SSE comment) before the first token used to count as the first chunk:
+    the scheduler took prefill for done. The first data line does; an unterminated last
+    usage event is read at the body's end."""
+    stream = new_stream()
+    await admitted(stream, chat(stream=True))
+    await stream.exchange(response_headers("text/event-stream"))
+    for ping in (b": ping\n\n", b"event: message\n", b"da"):
+        await stream.exchange(response_body(ping))
+        assert not stream.response.started or ping == b"da"
+    assert stream.response.started  # the chunk in which the data line began
+    await stream.exchange(response_body(
+        b'ta: {"choices": [{"delta": {"content": "a"}}]}\n\ndata: '
+        + orjson.dumps({"choices": [], "usage": USAGE}), end_of_stream=True))
+    assert stream.done and stream.response.usage.total == 17
+
+
 async def test_a_client_asking_for_usage_keeps_it_and_json_usage_is_read():
     stream = new_stream()
     await admitted(stream, chat(stream=True, stream_options={"include_usage": True}))

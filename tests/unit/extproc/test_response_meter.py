@@ -4,6 +4,7 @@ anywhere, bounded memory, the injected usage event stripped and nothing else."""
 from __future__ import annotations
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,3 +171,92 @@ def test_json_usage_before_long_fields_is_found_wherever_cut(cuts):
     meter = ResponseMeter(sse=False)
     assert run(meter, body, cuts) == body
     assert meter.usage == Usage(13, 4) and len(meter._carry) <= TAIL
+
+
+def started_at(meter: ResponseMeter, pieces: list[bytes]) -> int | None:
+    """The index of the piece after which the meter saw a stream's first token."""
+    for i, piece in enumerate(pieces):
+        meter.feed(piece)
+        if meter.started:
+            return i
+    return None
+
+
+def test_keep_alive_comments_and_lead_fields_are_no_first_token():
+    """An engine (or a proxy) pings with SSE comments before the first token: the first
+    chunk used to count, so the scheduler took prefill for done at the first ping. Only a
+    data line starts the answer; comments, blank lines, id:/event:/retry: lines do not."""
+    for pieces, first in (
+            ([b": ping\n\n", b": ping\n\n", b'data: {"choices": []}\n\n'], 2),
+            ([b"\n", b"\r\n", b"event: message\n", b"id: 7\r", b"retry: 10\n", b"data: {}"], 5),
+            ([b": ping\n\nevent: message\ndata: {}\n\n"], 0),
+            ([b": data: not a token\n\n", b"xdata: no\n", b"data: {}"], 2),
+            ([b"data: {}\n\n"], 0)):
+        for strip in (False, True):
+            assert started_at(ResponseMeter(sse=True, strip=strip), pieces) == first, pieces
+    meter = ResponseMeter(sse=True)
+    assert started_at(meter, [b": ping\n\n", b": ping\n\n"]) is None
+    meter.finish()
+    assert not meter.started
+
+
+def test_a_data_line_split_across_chunks_starts_the_answer_where_it_begins():
+    """The first token is seen no later than the chunk in which its data line begins,
+    wherever a write cuts "data:" (LF, CRLF or CR line ends, a CRLF itself cut)."""
+    for lead in (b"", b": ping\n\n", b": ping\r\n\r\n", b": ping\r\r", b"event: x\n"):
+        body = lead + b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+        begins = len(lead)
+        for cut in range(1, len(body)):
+            meter = ResponseMeter(sse=True)
+            first = started_at(meter, [body[:cut], body[cut:]])
+            assert first == (0 if cut > begins else 1), (lead, cut)
+    # a chunk ending inside a line that is no data line does not start it
+    assert started_at(ResponseMeter(sse=True), [b": pi", b"ng\n\n", b"da", b"ta: {}"]) == 2
+    assert started_at(ResponseMeter(sse=True), [b": da", b"ta: x\n\n"]) is None
+
+
+def test_a_json_answer_is_no_stream_and_starts_nothing():
+    meter = ResponseMeter(sse=False)
+    assert started_at(meter, [b'{"data: ": 1}', b"\ndata: x"]) is None
+
+
+@pytest.mark.parametrize("end", [b"", b"\n", b"\r", b"\r\n", b"\n\r"])
+@pytest.mark.parametrize("lead", [b"", b": ping\n", b"id: 7\r\n"])
+def test_a_last_usage_event_without_its_blank_line_is_read_at_the_end(end, lead):
+    """A stream that ended (end of stream) right after its usage event, without the blank
+    line that ends an SSE event: the usage was never read (the tenant was charged its
+    reservation). The body's end ends the event, read as if its blank line had come."""
+    usage_event = lead + b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + end
+    body = sse(EVENTS).removesuffix(b"data: [DONE]\n\n") + usage_event
+    for strip in (False, True):
+        for cut in (len(body) // 2, len(body) - len(end) - 3, len(body) - 1):
+            meter = ResponseMeter(sse=True, strip=strip)
+            passed = run(meter, body, [cut])
+            assert meter.usage == Usage(13, 4) and meter.events == 5, (strip, cut)
+            # stripped as it would have been with its blank line (as the Lua meter drops it)
+            assert passed == (sse(EVENTS).removesuffix(b"data: [DONE]\n\n") if strip else body)
+
+
+def test_a_last_content_event_without_its_blank_line_counts():
+    body = sse(EVENTS).removesuffix(b"\n\ndata: [DONE]\n\n")
+    meter = ResponseMeter(sse=True)
+    run(meter, body, [len(body) - 4])
+    assert meter.events == 5 and meter.usage is None
+
+
+def test_a_cut_off_last_usage_event_is_not_read():
+    """Conservative: only an event whose data is one whole JSON object is read at the
+    end; a truncated one (a usage object whole, the document not) reads as no usage."""
+    whole = b"data: " + orjson.dumps({"choices": [], "usage": USAGE, "id": "x"})
+    for cut_at in (len(whole) - 1, len(whole) - 8, whole.index(b',"id"') + 2):
+        for strip in (False, True):
+            meter = ResponseMeter(sse=True, strip=strip)
+            body = sse(EVENTS).removesuffix(b"data: [DONE]\n\n") + whole[:cut_at]
+            passed = run(meter, body, [])
+            assert meter.usage is None and meter.events == 5, (cut_at, strip)
+            assert passed == body  # a half event the meter held goes on, as before
+    for tail in (b"data: [DONE]", b"data: not json", b'data: {"usage": {}} trailing',
+                 b"event: x\nid: 1", b": ping"):
+        meter = ResponseMeter(sse=True)
+        run(meter, sse(EVENTS).removesuffix(b"data: [DONE]\n\n") + tail, [])
+        assert meter.usage is None and meter.events == 5, tail
