@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import pynvml
@@ -41,6 +41,9 @@ LABELS = ("gpu", "uuid", "name", "mig_instance")
 # NVML's start (``nvmlInit`` and a first read) on a healthy node takes well under a second,
 # several seconds on many GPUs without the persistence daemon; past this it is taken as hung
 OPEN_TIMEOUT_S = 30.0
+# NVML's "not available" (NVML_VALUE_NOT_AVAILABLE_ulonglong): all 64 bits set. A memory
+# figure this large, or the float it becomes in Prometheus text (2**64), is that sentinel
+NOT_AVAILABLE_BYTES = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +51,8 @@ class GpuReading:
     """One GPU, or one MIG instance of a GPU (``mig=True``, ``parent_index`` set).
 
     ``index`` is NVML's device index for a whole GPU and the MIG slot index within the parent
-    for an instance. ``utilization_pct`` is None where NVML does not support it (MIG).
+    for an instance. ``utilization_pct`` is None where NVML does not support it (MIG), or
+    answers a figure outside 0–100 (:func:`checked`).
     """
 
     index: int
@@ -161,11 +165,14 @@ class NvmlReader:
                 log.debug("NVML: GPU %d did not answer: %s", index, exc)
                 continue
             try:
-                readings.append(self._reading(handle, index))
+                reading = self._reading(handle, index)
             except nvml.NVMLError as exc:
                 # its slices are read all the same: in a container, NVML refuses a MIG
                 # GPU's own memory query (Insufficient Permissions) while each slice answers
                 log.debug("NVML: GPU %d did not answer: %s", index, exc)
+                reading = None
+            if reading is not None:
+                readings.append(reading)
             readings.extend(self._mig_readings(handle, index))
         return readings
 
@@ -194,16 +201,22 @@ class NvmlReader:
             except nvml.NVMLError:
                 continue  # an empty slot answers NVML_ERROR_NOT_FOUND
             try:
-                yield self._reading(mig_handle, slot, parent)
+                reading = self._reading(mig_handle, slot, parent)
             except nvml.NVMLError as exc:
                 # a slice destroyed mid-read, or one sick: only it is left out, not the
                 # slices after it (their endpoints would lose their own watermark)
                 log.debug("NVML: MIG slot %d of GPU %d did not answer: %s", slot, parent, exc)
+                continue
+            if reading is not None:
+                yield reading
 
-    def _reading(self, handle: Any, index: int, parent: int | None = None) -> GpuReading:
+    def _reading(self, handle: Any, index: int, parent: int | None = None
+                 ) -> GpuReading | None:
+        """The device's reading, checked (:func:`checked`): None when its memory figures
+        are NVML's "not available" or impossible."""
         nvml = self.nvml
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        return GpuReading(
+        reading = checked(GpuReading(
             index=index,
             uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
             name=_text(nvml.nvmlDeviceGetName(handle)),
@@ -212,13 +225,37 @@ class NvmlReader:
             utilization_pct=self._utilization(handle),
             mig=parent is not None,
             parent_index=parent,
-        )
+        ))
+        if reading is None:
+            log.debug("NVML: %s reported memory used %d of %d bytes: taken as unknown",
+                      f"MIG slot {index} of GPU {parent}" if parent is not None
+                      else f"GPU {index}", memory.used, memory.total)
+        return reading
 
     def _utilization(self, handle: Any) -> float | None:
         try:
             return float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
         except self.nvml.NVMLError:
             return None  # MIG instances, and whole GPUs in MIG mode, do not report it
+
+
+def checked(reading: GpuReading) -> GpuReading | None:
+    """``reading`` with NVML's "not available" sentinels and impossible figures taken as
+    unknown, never passed on.
+
+    A utilization outside 0–100 becomes None, as on MIG: some devices and drivers answer
+    0xFFFFFFFF, which was served as a ratio of 4.3e7. Memory figures no GPU can have (no
+    total, the all-ones sentinel, more used than there is) leave the reading out (None),
+    as a memory query that fails does: a watermark read from them would hold an endpoint
+    for good, or send work to a full GPU.
+    """
+    used, total = reading.memory_used_bytes, reading.memory_total_bytes
+    if not (0 < total < NOT_AVAILABLE_BYTES and 0 <= used <= total):
+        return None
+    pct = reading.utilization_pct
+    if pct is not None and not 0 <= pct <= 100:  # NaN included
+        return replace(reading, utilization_pct=None)
+    return reading
 
 
 def _text(value: str | bytes) -> str:
@@ -305,7 +342,10 @@ def parse_gpu_metrics(text: str) -> list[GpuReading]:
     """The readings in ``render_gpu_metrics`` text; incomplete or malformed ones are skipped.
 
     A GPU is identified by its UUID; one without both memory figures is left out (a reading
-    that cannot give a memory ratio is no watermark). Order follows first appearance.
+    that cannot give a memory ratio is no watermark). Figures no GPU can have are checked
+    as NVML's own are (:func:`checked`): an agent from before that check (a rolling
+    upgrade), or another exporter, may serve NVML's sentinels. Order follows first
+    appearance.
     """
     samples, problems = read_samples(text, (MEMORY_USED, MEMORY_TOTAL, UTILIZATION))
     for problem in problems:
@@ -333,7 +373,7 @@ def _reading_from_row(uuid: str, row: dict[str, Any]) -> GpuReading | None:
     except ValueError:
         return None
     ratio = row.get(UTILIZATION)
-    return GpuReading(
+    return checked(GpuReading(
         index=gpu if mig_instance is None else mig_instance,
         uuid=uuid,
         name=labels.get("name", ""),
@@ -342,4 +382,4 @@ def _reading_from_row(uuid: str, row: dict[str, Any]) -> GpuReading | None:
         utilization_pct=None if ratio is None else round(ratio * 100, 6),
         mig=mig_instance is not None,
         parent_index=gpu if mig_instance is not None else None,
-    )
+    ))

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 from extproc.datalayer.agent import NO_NVML_TEXT, start_agent
 from extproc.datalayer.nvml import (
+    NOT_AVAILABLE_BYTES,
+    UTILIZATION,
     AsyncGpuReader,
     GpuReading,
     NvmlReader,
@@ -217,6 +219,78 @@ def test_a_gpu_whose_mig_slots_cannot_be_counted_keeps_its_own_reading() -> None
 
     assert [r.key for r in NvmlReader(SlotsUnknown()).read()] == ["0", "1"]
 
+NOT_AVAILABLE_UINT = pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value  # 0xFFFFFFFF
+
+
+class Sentinels(StubNvml):
+    """NVML's "not available" where a figure should be: GPU 0's utilization is 0xFFFFFFFF
+    (as some devices and drivers answer), and each of GPUs 2-5 has memory figures no GPU
+    can have; GPU 1 and its MIG slices read as in ``StubNvml``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices[("gpu", 0)]["util"] = NOT_AVAILABLE_UINT
+        bad_memory = {2: (NOT_AVAILABLE_BYTES, 100), 3: (5, NOT_AVAILABLE_BYTES), 4: (0, 0),
+                      5: (101, 100)}
+        for index, (used, total) in bad_memory.items():
+            self.devices[("gpu", index)] = dict(uuid=f"GPU-{index}", name="NVIDIA H200",
+                                                used=used, total=total, util=7, mig=None)
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 6
+
+
+SENTINEL_READINGS = [
+    GpuReading(0, "GPU-0", "NVIDIA H200", 5, 100, None),  # the utilization is unknown
+    GpuReading(1, "GPU-1", "NVIDIA H200", 30, 100, None),
+    GpuReading(0, "MIG-10", "NVIDIA H200 MIG 3g", 10, 50, None, mig=True, parent_index=1),
+    GpuReading(2, "MIG-12", "NVIDIA H200 MIG 1g", 2, 16, None, mig=True, parent_index=1),
+]  # GPUs 2-5, their memory unknown, are left out as a GPU whose memory query fails is
+
+
+def test_nvml_sentinels_are_read_as_unknown() -> None:
+    """Read in-process (``gpu_source: local``): 0xFFFFFFFF utilization was 4294967295 %,
+    a used-memory sentinel a GPU 1.8e17 times full (its endpoint held for good)."""
+    readings = NvmlReader(Sentinels()).read()
+    assert readings == SENTINEL_READINGS
+    text = render_gpu_metrics(readings)
+    assert f"{UTILIZATION}{{" not in text and "GPU-2" not in text
+
+
+@pytest.mark.parametrize("util", [101, -1, float("nan"), NOT_AVAILABLE_UINT])
+def test_a_utilization_outside_0_to_100_is_unknown(util: float) -> None:
+    nvml = StubNvml()
+    nvml.devices[("gpu", 0)]["util"] = util
+    assert NvmlReader(nvml).read()[0].utilization_pct is None
+
+
+async def test_the_agent_serves_no_nvml_sentinel() -> None:
+    agent = await start_agent(reader=NvmlReader(Sentinels()), interval_s=0.05)
+    try:
+        status, text = await get(agent.metrics_url)
+    finally:
+        await agent.stop()
+    assert status == 200 and f"{UTILIZATION}{{" not in text
+    assert parse_gpu_metrics(text) == SENTINEL_READINGS
+
+
+def test_parse_takes_sentinels_from_an_older_agent_as_unknown() -> None:
+    """A gateway scraping an agent from before the check (a rolling upgrade) or another
+    exporter: the sentinels it serves are unknown here too, not a watermark."""
+    line = '{}{{gpu="{}",uuid="GPU-{}",name="x",mig_instance=""}} {}\n'
+    page = "".join(
+        line.format("kvgate_gpu_memory_used_bytes", gpu, gpu, used)
+        + line.format("kvgate_gpu_memory_total_bytes", gpu, gpu, total)
+        + line.format(UTILIZATION, gpu, gpu, ratio)
+        for gpu, used, total, ratio in [
+            (0, 5, 100, NOT_AVAILABLE_UINT / 100),  # what such an agent served
+            (1, float(NOT_AVAILABLE_BYTES), 100, 0.5),  # 2**64 once a float
+            (2, 5, float(NOT_AVAILABLE_BYTES), 0.5), (3, 0, 0, 0.5), (4, -1, 100, 0.5),
+            (5, 5, 100, -0.5)])
+    assert parse_gpu_metrics(page) == [GpuReading(0, "GPU-0", "x", 5, 100, None),
+                                       GpuReading(5, "GPU-5", "x", 5, 100, None)]
+
+
 def test_open_gpu_reader_with_working_nvml(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="extproc.datalayer"):
         reader = open_gpu_reader(StubNvml())
@@ -285,10 +359,10 @@ readings = st.builds(
     uuid=st.uuids().map(lambda u: f"GPU-{u}"),
     name=st.text(max_size=30),
     memory_used_bytes=st.integers(0, 1 << 50),
-    memory_total_bytes=st.integers(0, 1 << 50),
+    memory_total_bytes=st.integers(1, 1 << 50),
     utilization_pct=st.none() | st.integers(0, 100).map(float),
     mig=st.just(False),
-)
+).map(lambda r: replace(r, memory_used_bytes=r.memory_used_bytes % (r.memory_total_bytes + 1)))
 
 
 @given(st.lists(readings, max_size=8, unique_by=lambda r: r.uuid))
@@ -457,6 +531,60 @@ def test_kvgate_agent_exits_on_sigterm_while_an_nvml_read_hangs() -> None:
             agent.kill()
             agent.communicate()
     assert agent.returncode == 0, output
+
+
+SENTINEL_NVML = """
+import sys
+from types import SimpleNamespace
+import pynvml
+
+def no_mig(handle):
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+memory = {0: SimpleNamespace(used=5, total=100),  # GPU 1: NVML's "not available"
+          1: SimpleNamespace(used=pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value, total=100)}
+utilization = SimpleNamespace(gpu=pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value, memory=0)
+pynvml.nvmlInit = pynvml.nvmlShutdown = lambda: None
+pynvml.nvmlDeviceGetCount = lambda: 2
+pynvml.nvmlDeviceGetHandleByIndex = lambda index: index
+pynvml.nvmlDeviceGetMemoryInfo = memory.__getitem__
+pynvml.nvmlDeviceGetUUID = lambda handle: f"GPU-{handle}"
+pynvml.nvmlDeviceGetName = lambda handle: "stub"
+pynvml.nvmlDeviceGetUtilizationRates = lambda handle: utilization
+pynvml.nvmlDeviceGetMigMode = no_mig
+from extproc.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kvgate_agent_command_serves_no_nvml_sentinel() -> None:
+    """What ``kvgate agent`` serves from NVML's "not available" answers: no utilization
+    (it served a ratio of 42949672.95), and no reading for a GPU whose memory is unknown."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from extproc.ports import free_port
+
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-c", SENTINEL_NVML, "agent", "--host",
+                              "127.0.0.1", "--port", str(port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the agent did not start"
+                time.sleep(0.1)
+    finally:
+        agent.terminate()
+        output = agent.communicate(timeout=10)[0].decode()
+    assert agent.returncode == 0, output
+    assert f"{UTILIZATION}{{" not in page and "GPU-1" not in page, page
+    assert parse_gpu_metrics(page) == [GpuReading(0, "GPU-0", "stub", 5, 100, None)]
 
 
 async def test_a_read_cancelled_as_it_completes_stays_cancelled() -> None:

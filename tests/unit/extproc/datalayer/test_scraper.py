@@ -25,7 +25,7 @@ from extproc.config import hash_api_key, parse_config
 from extproc.datalayer.agent import start_agent
 from extproc.datalayer.endpoints import EndpointState, EndpointStore, StoreSnapshot
 from extproc.datalayer.metrics import VLLM, parse_metrics
-from extproc.datalayer.nvml import GpuReading
+from extproc.datalayer.nvml import NOT_AVAILABLE_BYTES, GpuReading, NvmlReader
 from extproc.datalayer.scraper import (
     MAX_GPU_PAGE_BYTES,
     GpuSource,
@@ -36,7 +36,7 @@ from extproc.engine.server import EngineHandle, start_engine
 from extproc.scheduler import PoolScheduler
 from limiter import Reject
 from tests.paths import DATA
-from tests.unit.extproc.datalayer.test_nvml import GPUS, FakeGpuReader
+from tests.unit.extproc.datalayer.test_nvml import GPUS, FakeGpuReader, StubNvml
 
 SAMPLE = (DATA / "vllm-sample-metrics.txt").read_text()
 ENGINE_OPTS = {"ms_per_token": 1, "prefill_us_per_token": 1, "kv_blocks": 100,
@@ -520,6 +520,33 @@ async def test_a_gpu_reading_kept_past_the_staleness_bound_is_unknown(
     finally:
         await scraper.stop()
         await agent.stop()
+
+
+async def test_an_nvml_memory_sentinel_is_no_watermark(engine: EngineHandle) -> None:
+    """``gpu_source: local`` on a GPU whose memory NVML answers with its "not available"
+    sentinel: the endpoint's GPU memory is unknown (placed on its own figures, as without
+    NVML), where it read as 1.8e17 times full and was held for good."""
+    nvml = StubNvml()
+    nvml.devices[("gpu", 0)].update(used=NOT_AVAILABLE_BYTES, util=0xFFFFFFFF)
+    store = await one_engine_store(engine)
+    scraper = Scraper(store, timeout_s=2.0, gpu_reader=NvmlReader(nvml),
+                      gpu_sources={"chat": GpuSource(gpus=frozenset({"0"}))})
+    pool = parse_config({
+        "tiers": {"t": {}},
+        "tenants": [{"name": "x", "tier": "t", "api_keys": [hash_api_key("k")]}],
+        "pools": [{"name": "chat", "models": ["m"], "endpoints": [address(engine)],
+                   "gpu_source": "local", "gpus": ["0"]}],
+    }).pools[0]
+    try:
+        snapshot = await scraper.scrape_once()
+    finally:
+        await scraper.stop()
+    state = snapshot.get("chat", address(engine))
+    assert state.healthy and state.gpus == () and state.gpus_read_at is not None
+    assert state.current_gpu_memory_used_ratio() is None
+    placement = PoolScheduler(pool, {"x": 1.0}).place("x", 10, snapshot, state.scraped_at,
+                                                      random.Random(1))
+    assert not isinstance(placement, Reject)
 
 
 async def test_a_hung_local_gpu_read_does_not_hold_the_round(engine: EngineHandle) -> None:
