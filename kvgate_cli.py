@@ -9,6 +9,10 @@ is ignored from the first line the interpreter runs for ``kvgate`` (what comes b
 interpreter's own start, is beyond any Python program's reach: the launcher must ignore the
 signal to close that too), and ``--workers``' workers inherit it. ``python -m extproc.cli``
 does the same as soon as that package is imported.
+
+SIGTERM likewise, where its default action does nothing (a container's PID 1): it ends the
+process from here until ``serve`` or ``agent`` takes it over
+(:func:`extproc.processes.exit_on_sigterm_while_starting`).
 """
 
 import signal
@@ -16,6 +20,10 @@ import signal
 signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 import sys  # noqa: E402
+
+from extproc.processes import exit_on_sigterm_while_starting  # noqa: E402
+
+exit_on_sigterm_while_starting()
 
 from extproc.cli import main  # noqa: E402
 

@@ -12,6 +12,9 @@ import sys
 
 if __name__ == "__main__":  # `python -m extproc.cli`: SIGHUP ignored before the imports
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (the `kvgate` command: kvgate_cli.py)
+    from extproc.processes import exit_on_sigterm_while_starting
+
+    exit_on_sigterm_while_starting()  # as PID 1, SIGTERM is otherwise lost until serving
 
 import argparse
 import asyncio
@@ -48,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         # forwarding, the demo's stop), SIGHUP is ignored: its default action ended a
         # `kvgate serve` that was sent a reload while it started. Workers inherit it. The
         # `kvgate` command (kvgate_cli.py) ignores it before any import: here, for a caller
-        # that did not.
+        # that did not. As PID 1, SIGTERM ends it until then (it would be lost).
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        from extproc.processes import exit_on_sigterm_while_starting
+
+        exit_on_sigterm_while_starting()
     parser = _parser()
     args = parser.parse_args(argv)
     _setup_logging(args.log_level, args.log_format or "plain")

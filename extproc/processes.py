@@ -4,9 +4,11 @@ OS to schedule it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,12 +42,33 @@ def set_cpu_policy(policy: str) -> bool:
     return True
 
 
+def exit_on_sigterm_while_starting() -> None:
+    """As a container's PID 1 (the image's ENTRYPOINT is ``kvgate``): SIGTERM ends the
+    process until a command installs its own handler.
+
+    The kernel drops a signal sent to a PID namespace's init that has no handler for it.
+    Before ``kvgate serve`` and ``kvgate agent`` installed theirs (imports, the config, a
+    tokenizer, NVML), a deleted pod's SIGTERM was lost: kvgate went on starting, served,
+    and was SIGKILLed at the end of the pod's grace period, cutting what it had admitted by
+    then. Anywhere else SIGTERM's default action ends the process at once, even mid-call in
+    C (a Python handler waits for the main thread), so it is left as it is. Call it from
+    the main thread; the command's own handler replaces it.
+    """
+    if os.getpid() == 1:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, b"kvgate: SIGTERM while starting; exiting\n")
+    os._exit(128 + signum)  # the status a shell reports for a process SIGTERM ended
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Linux: this process gets SIGTERM (and drains) when its parent dies, however it died.
     A `kvgate serve --workers` parent killed with SIGKILL left its workers serving on as
     orphans that no reload or stop reached any more. Elsewhere, nothing changes."""
     import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)

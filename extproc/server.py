@@ -670,23 +670,35 @@ class KvgateServer:
         await stopping
 
     async def serve_forever(self) -> None:
-        """Serve until SIGTERM/SIGINT, then drain: open streams get ``shutdown_grace_s``."""
-        await self.start()
-        # Everything built so far (modules, config, protobuf descriptors) lives as long as
-        # the process: keep it out of the collector's way, so its full passes only walk
-        # what requests allocate.
-        gc.collect()
-        gc.freeze()
+        """Serve until SIGTERM/SIGINT, then drain: open streams get ``shutdown_grace_s``.
+
+        The stop is handled from before the start: the gRPC port opens during it, and a
+        SIGTERM between that and a handler installed after it took the default action (the
+        process killed, its admitted requests' streams cut, their leases held in Redis until
+        they expire) or, as a container's PID 1, was lost. One that comes while it starts
+        drains as soon as it has started, without ``drain_delay_s``: it never reported ready.
+        """
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
-        await stop.wait()
+        await self.start()
+        stopped_starting = stop.is_set()
+        if stopped_starting:
+            log.info("stop asked while starting: draining at once")
+        else:
+            # Everything built so far (modules, config, protobuf descriptors) lives as long
+            # as the process: keep it out of the collector's way, so its full passes only
+            # walk what requests allocate.
+            gc.collect()
+            gc.freeze()
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+            await stop.wait()
         # not removed: without a handler SIGHUP's default action ends the process, which
         # cut every stream still draining and left its leases held
         loop.add_signal_handler(signal.SIGHUP, _ignored_while_draining)
-        await self.drain(self.config.server.shutdown_grace_s, self.config.server.drain_delay_s)
+        await self.drain(self.config.server.shutdown_grace_s,
+                         0 if stopped_starting else self.config.server.drain_delay_s)
 
 
 def _label_names(config: Config) -> tuple[list[str], list[str], list[str]]:

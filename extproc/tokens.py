@@ -66,7 +66,10 @@ class HFTokenizer:
     def __init__(self, path: Path, chat_template: Path | None = None):
         from tokenizers import Tokenizer  # imported only when a model names a tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(path))
+        # read here, not by from_file: its read, in Rust, holds the GIL, and a Python signal
+        # handler (all a container's PID 1 has for SIGTERM) then waits for a slow or hung
+        # file system to answer
+        self.tokenizer = Tokenizer.from_str(Path(path).read_text(encoding="utf-8"))
         self.template: ChatTemplate | None = None
         self._render_failure_logged = False
         try:
