@@ -460,8 +460,16 @@ def _run_workers(config_path: Path, workers: int, log_level: str, log_format: st
         )
         for i in range(workers)
     ]
-    for process in processes:
-        process.start()
+    # Workers start with SIGINT ignored, until each serves and handles it: a terminal's
+    # Ctrl-C reaches every process of its group, and a worker still starting raised
+    # KeyboardInterrupt wherever it was (a traceback apiece, exit 1). The parent's stop
+    # reaches them as SIGTERM.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
     def forward(signum: int, _frame: object) -> None:
         for process in processes:
@@ -470,10 +478,10 @@ def _run_workers(config_path: Path, workers: int, log_level: str, log_format: st
 
     stopping = False
 
-    def stop(signum: int, frame: object) -> None:
+    def stop(_signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
-        forward(signum, frame)
+        forward(signal.SIGTERM, frame)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop)
@@ -490,7 +498,8 @@ def _watch_workers(processes: list[Any], stopping: Callable[[], bool],
     heartbeat (``beats``, as :func:`_serve_worker` writes them) is ``stall_s`` old, or
     that has not begun it ``start_s`` after it was started, is killed first: a stuck worker
     answered no probe (the pod's liveness asks worker 0) and was never restarted. The exit
-    status is 1 when any worker failed (a negative exit code is a signal)."""
+    status is 1 when any worker failed (a negative exit code is a signal; one ended by the
+    SIGTERM the parent forwarded, while still starting, did not fail)."""
     import time
 
     from extproc.processes import StallWatch
@@ -510,7 +519,11 @@ def _watch_workers(processes: list[Any], stopping: Callable[[], bool],
                     if other.pid and other.is_alive():
                         os.kill(other.pid, signal.SIGTERM)
         time.sleep(0.2)
-    failed = failed or any(p.exitcode for p in processes)
+    # a worker still starting ends by the forwarded SIGTERM's default action (its handler
+    # comes later): asked to, so a clean stop (counted as failed, a pod deleted while
+    # kvgate started ended 1, and systemd marked the unit failed)
+    failed = failed or any(p.exitcode and not (stopping() and p.exitcode == -signal.SIGTERM)
+                           for p in processes)
     return 1 if failed else 0
 
 
