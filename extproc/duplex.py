@@ -117,7 +117,7 @@ class DuplexStream(RequestStream):
     REMOVED_HEADERS = (*STRIPPED_HEADERS, *ENGINE_CONTROL_HEADERS)
 
     __slots__ = ("_answered", "_bodies", "_chunks", "_held", "_meter", "_new_body",
-                 "_request_ended", "_response_mode", "_size", "_strip")
+                 "_request_ended", "_response_mode", "_size", "_streamed", "_strip")
 
     def __init__(self, *args, bodies: HeldBodies | None = None,  # type: ignore[no-untyped-def]
                  **kwargs) -> None:
@@ -132,6 +132,7 @@ class DuplexStream(RequestStream):
         self._meter: ResponseMeter | None = None
         self._answered = False  # the response is the engine's answer (2xx), not an error
         self._strip = False  # remove the usage event kvgate asked the engine for
+        self._streamed = False  # the request asked for a stream (its answer may be SSE)
         self._response_mode = FULL_DUPLEX  # how Envoy sends the response body
 
     async def exchange(self, message: pb.ProcessingRequest) -> list[messages.Reply]:
@@ -248,6 +249,7 @@ class DuplexStream(RequestStream):
         with an ORIGINAL_DST cluster (Envoy Gateway's way) takes only a single address."""
         self._new_body = body
         self._strip = meter == "sse-strip"
+        self._streamed = meter not in ("", "json")
         admission.endpoints = admission.endpoints[:1]
         return super()._route(admission, body=None, in_body_phase=False)
 
@@ -258,7 +260,10 @@ class DuplexStream(RequestStream):
             headers = message.response_headers
             values, _ = messages.header_map(headers, _RESPONSE_HEADERS)
             if self.response is not None:
-                sse = "text/event-stream" in values.get("content-type", "").lower()
+                # as the Lua meter: an answer to a request that asked for no stream is JSON,
+                # whatever type it claims (its usage is read, and it starts nothing)
+                sse = (self._streamed
+                       and "text/event-stream" in values.get("content-type", "").lower())
                 self._meter = ResponseMeter(sse=sse, strip=self._strip)
                 self._answered = values.get(":status", "").startswith("2")
             reply = pb.ProcessingResponse()

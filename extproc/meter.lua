@@ -34,6 +34,10 @@
 -- that half event, as an SSE client would discard it. The body's end also ends its last
 -- event for the meter: a usage event with no blank line after it is read, provided its data
 -- is one whole JSON object (a cut-off one is no usage).
+-- An event counts (the done report's "events") when any of its lines is a data line,
+-- whatever id:, event: or comment lines an engine puts before it. A UTF-8 byte order mark
+-- at the stream's very start is no part of its first line (an SSE client drops it): it
+-- passes on, unread.
 
 local TAIL = 8192 -- bytes of an unfinished SSE event, or of the JSON read so far, kept
 local HOLD = 4096 -- an unfinished event longer than this is no usage event: never held
@@ -123,6 +127,33 @@ end
 -- lines an engine may put before it.
 local FIELDS = {"data:", "id:", "event:", "retry:", ":"}
 local DATA = "data:"
+local BOM = "\239\187\191" -- UTF-8's byte order mark: SSE drops one at a stream's start
+
+-- The stream's first bytes: a byte order mark there is no part of its first line.
+-- state.bom: the mark's bytes seen so far (nil once the stream's start is past). Returns
+-- the chunk's bytes past the mark, and the mark's bytes in it (passed on, never read).
+local function skip_bom(state, bytes)
+  local seen = state.bom
+  local n = math.min(#bytes, #BOM - seen)
+  if string.sub(bytes, 1, n) ~= string.sub(BOM, seen + 1, seen + n) then
+    state.bom = nil
+    -- no mark after all: the bytes taken for one begin the first line (already passed on)
+    state.carry = string.sub(BOM, 1, seen)
+    if state.strip then state.sent = seen end
+    state.fresh = seen == 0
+    return bytes, ""
+  end
+  state.bom = seen + n < #BOM and seen + n or nil
+  return string.sub(bytes, n + 1), string.sub(bytes, 1, n)
+end
+
+-- Whether an event has a data line (SSE: a line that begins "data:"), a token's sign,
+-- whatever id:, event: or comment lines come first: one find, none for the usual event
+-- that begins with its data. `whole`: `event` begins at its start (no carry cut mid-line).
+local function has_data(event, whole)
+  if whole and string.sub(event, 1, 5) == DATA then return true end
+  return string.find(event, "[\r\n]data:") ~= nil
+end
 
 -- Whether a stream's chunk (not empty) begins a data line, the first token's sign:
 -- comments (keep-alive pings), blank lines, and id, event or retry lines carry none.
@@ -181,15 +212,15 @@ local function may_be_usage(partial)
 end
 
 -- One whole event: note its usage and count it when it is a data event with tokens;
--- true when it is the usage-only event (to strip). `head`: its first bytes, when its
--- carry lost them.
-local function note_event(state, event, head)
+-- true when it is the usage-only event (to strip). `lost`: nil when `event` is whole,
+-- else whether the start its carry lost had a data line.
+local function note_event(state, event, lost)
   local usage_only = false
   if string.find(event, '"usage"', 1, true) then
     state.usage = last_usage(event) or state.usage
     usage_only = string.find(event, '"choices"%s*:%s*%[%s*%]') ~= nil
   end
-  if not usage_only and string.sub(head or event, 1, 5) == DATA
+  if not usage_only and (lost or has_data(event, lost == nil))
       and not string.find(event, "[DONE]", 1, true) then
     state.events = state.events + 1
   end
@@ -200,25 +231,31 @@ end
 -- event. Stripping holds back an unfinished event that may be the usage event at a chunk's
 -- end until its end arrives (no SSE client can act on half an event, so nothing is delayed
 -- for it) unless it grows past HOLD bytes: then it cannot be the small usage event and
--- goes on at once.
-local function read_events(state, chunk, bytes)
+-- goes on at once. `lead`: a byte order mark's bytes before `bytes`, passed on unread.
+local function read_events(state, chunk, bytes, lead)
   local text = state.carry .. bytes
   local sent = state.sent -- leading bytes of `text` the client already has
-  local out, pos = {}, 1
+  local out, pos = {lead}, 1
   while true do
     local s, gap = event_end(text, pos)
     if s == nil then break end
     local event = string.sub(text, pos, s - 1)
-    -- an event longer than TAIL lost its head while carried: state.head kept it
-    local usage_only = note_event(state, event, pos == 1 and state.head or nil)
+    -- an event longer than TAIL lost its start while carried: state.lost tells its data
+    -- (false is an answer too: no `pos == 1 and state.lost or nil`)
+    local lost = nil
+    if pos == 1 then lost = state.lost end
+    local usage_only = note_event(state, event, lost)
     if state.strip and not (usage_only and sent < pos) then
       out[#out + 1] = string.sub(text, math.max(pos, sent + 1), s + gap - 1)
     end
     pos = s + gap
   end
   local partial = string.sub(text, pos)
-  if pos > 1 then state.head = nil end
-  if #partial > TAIL then state.head = state.head or string.sub(partial, 1, 5) end
+  if pos > 1 then state.lost = nil end
+  -- its carry loses its start: note whether a data line was in it
+  if #partial > TAIL and not state.lost then
+    state.lost = has_data(partial, state.lost == nil)
+  end
   if not state.strip then
     state.carry = #partial > TAIL and string.sub(partial, -TAIL) or partial
     return
@@ -309,7 +346,8 @@ function envoy_on_response(handle)
   local limited = status == "429" and handle:headers():get("x-envoy-ratelimited") ~= nil
   -- an engine's answer (2xx): one with no usage kvgate could read is charged its reservation
   local answered = string.sub(status, 1, 1) == "2"
-  local state = {carry = "", sent = 0, usage = nil, events = 0,
+  -- fresh: the next chunk starts a line (while the first token is to come)
+  local state = {carry = "", sent = 0, usage = nil, events = 0, bom = 0, fresh = true,
                  strip = readable and stream and meta.meter == "sse-strip"}
   if state.strip then -- the stripped body is shorter than any length the engine declared
     handle:headers():remove("content-length")
@@ -318,22 +356,26 @@ function envoy_on_response(handle)
   if not answered then prompt = nil end
   if prompt ~= nil then provisional(handle, stream and prompt or prompt + output) end
   local first = stream -- the first token is still to come
-  local fresh = true -- the next chunk starts a line (while the first token is to come)
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
     local bytes = size > 0 and readable and chunk:getBytes(0, size) or nil
+    local text, lead = bytes, "" -- a stream's bytes to read, past a byte order mark
+    if stream and bytes ~= nil and state.bom ~= nil then
+      text, lead = skip_bom(state, bytes)
+    end
     -- an unreadable (compressed) stream's first chunk stands for its first token
-    if first and size > 0 and (bytes == nil or opens_data(bytes, fresh)) then
+    if first and size > 0
+        and (bytes == nil or (text ~= "" and opens_data(text, state.fresh))) then
       first = false
       report(handle, meta, "first", "")
       if prompt ~= nil then provisional(handle, prompt + output) end
-    elseif first and bytes ~= nil then
-      local last = string.byte(bytes, -1)
-      fresh = last == 10 or last == 13
+    elseif first and bytes ~= nil and text ~= "" then
+      local last = string.byte(text, -1)
+      state.fresh = last == 10 or last == 13
     end
     if bytes ~= nil then
       if stream then
-        read_events(state, chunk, bytes)
+        read_events(state, chunk, text, lead)
       else
         -- vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids) that
         -- a client can make far longer than TAIL: read every chunk, not the body's end
@@ -345,7 +387,7 @@ function envoy_on_response(handle)
   end
   -- the body's end ends its last event: read it when whole (its start kept, its data one
   -- whole JSON object), as if its blank line had come
-  if stream and readable and state.carry ~= "" and state.head == nil
+  if stream and readable and state.carry ~= "" and state.lost == nil
       and whole_object(state.carry) ~= nil then
     note_event(state, state.carry, nil)
   end

@@ -13,7 +13,10 @@ client did not ask for it. An unfinished event is held back only while stripping
 its end (what an SSE client waits for anyway), and only while it may still be that small
 usage event (short, SSE field lines, no choice in it yet). Events end at a blank line, with
 LF, CRLF or CR line ends, as in the Lua meter, and at the body's end: a last event whose
-blank line never came is read as if it had, when its data is one whole JSON object.
+blank line never came is read as if it had, when its data is one whole JSON object. An
+event counts (``events``) when any of its lines is a data line, whatever id:, event: or
+comment lines come before it. A UTF-8 byte order mark at the stream's very start is no part
+of its first line (an SSE client drops it): it passes on, unread.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ _EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?=[^\n])|\n)")
 # an engine may put before it
 _FIELDS = (b"data:", b"id:", b"event:", b"retry:", b":")
 _DATA = b"data:"
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: SSE's decoder drops one at the stream's start
 _LINES = re.compile(rb"\r\n|\r|\n")
 
 
@@ -49,8 +53,8 @@ class ResponseMeter:
     it gave one; ``events`` the SSE data events with tokens (the estimate without it);
     ``started`` whether a stream's first data line has begun (the engine has prefilled)."""
 
-    __slots__ = ("_carry", "_fresh", "_head", "_sent", "events", "sse", "started", "strip",
-                 "usage")
+    __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_sent", "events", "sse", "started",
+                 "strip", "usage")
 
     def __init__(self, *, sse: bool, strip: bool = False):
         self.sse = sse
@@ -59,9 +63,11 @@ class ResponseMeter:
         self.events = 0
         self._carry = b""  # the unfinished event (SSE), or the body's last TAIL bytes (JSON)
         self._sent = 0  # leading bytes of the carry already passed on (stripping)
-        self._head = b""  # an unfinished event's first bytes, once its carry was cut
+        # once an unfinished event's carry was cut: whether the start it lost had a data line
+        self._lost: bool | None = None
         self.started = False
         self._fresh = True  # the next chunk starts a line (until started)
+        self._bom: int | None = 0  # a byte order mark's bytes seen (None: the start is past)
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.sse:
@@ -71,27 +77,30 @@ class ResponseMeter:
             self.usage = _last_usage(text) or self.usage
             self._carry = text[-TAIL:]
             return chunk
+        lead = b""  # a byte order mark's bytes in this chunk: passed on, never read
+        if self._bom is not None and chunk:
+            lead, chunk = self._skip_bom(chunk)
         if not self.started and chunk:
             self.started = _opens_data(chunk, self._fresh)
             self._fresh = chunk[-1] in b"\r\n"
         text = self._carry + chunk
         sent = self._sent  # leading bytes of ``text`` the client already has
-        out: list[bytes] = []
+        out: list[bytes] = [lead]
         pos = 0
         for blank in _EVENT_END.finditer(text):
             event = text[pos : blank.start()]
-            usage_only = self._read_event(event, self._head if pos == 0 else b"")
+            usage_only = self._read_event(event, self._lost if pos == 0 else None)
             if self.strip and not (usage_only and sent <= pos):
                 out.append(text[max(pos, sent) : blank.end()])
             pos = blank.end()
         partial = text[pos:]
         if pos:
-            self._head = b""
-        if len(partial) > TAIL and not self._head:
-            self._head = partial[:5]
+            self._lost = None
+        if len(partial) > TAIL and not self._lost:  # its carry loses its start: note a data line
+            self._lost = _has_data(partial, whole=self._lost is None)
         if not self.strip:
             self._carry = partial[-TAIL:]
-            return chunk
+            return lead + chunk
         partial_sent = max(0, sent - pos)
         if len(partial) > HOLD or not _may_be_usage(partial):  # on at once
             out.append(partial[partial_sent:])
@@ -101,8 +110,25 @@ class ResponseMeter:
         self._carry, self._sent = partial, partial_sent
         return b"".join(out)
 
-    def _read_event(self, event: bytes, head: bytes) -> bool:
-        """Note one whole event; True when it is the usage-only event to strip."""
+    def _skip_bom(self, chunk: bytes) -> tuple[bytes, bytes]:
+        """The stream's first bytes: a byte order mark there (which an SSE client drops) is
+        no part of its first line. ``chunk`` split into the mark's bytes and the rest."""
+        seen = self._bom or 0
+        n = min(len(chunk), len(_BOM) - seen)
+        if chunk[:n] != _BOM[seen : seen + n]:
+            self._bom = None
+            # no mark after all: the bytes taken for one begin the first line, passed on
+            self._carry = _BOM[:seen]
+            self._sent = seen if self.strip else 0
+            self._fresh = not seen
+            return b"", chunk
+        self._bom = seen + n if seen + n < len(_BOM) else None
+        return chunk[:n], chunk[n:]
+
+    def _read_event(self, event: bytes, lost: bool | None) -> bool:
+        """Note one whole event; True when it is the usage-only event to strip. ``lost``:
+        None when ``event`` is whole, else whether the start its carry lost had a data line.
+        """
         usage_only = False
         if b'"usage"' in event:
             # the usage-only event as the Lua meter knows it: no choices, whatever its usage
@@ -113,8 +139,8 @@ class ResponseMeter:
                 except orjson.JSONDecodeError:
                     document = None
                 self.usage = usage_from(document) or self.usage
-        start = head or event[:5]
-        if not usage_only and start.startswith(b"data:") and b"[DONE]" not in event:
+        if (not usage_only and (lost or _has_data(event, whole=lost is None))
+                and b"[DONE]" not in event):
             self.events += 1
         return usage_only
 
@@ -128,8 +154,8 @@ class ResponseMeter:
         event, sent = self._carry, self._sent
         held = event[sent:] if self.strip else b""
         # an event longer than TAIL lost its start: it cannot be told whole
-        if event and not self._head and _whole_object(event):
-            usage_only = self._read_event(event, b"")
+        if event and self._lost is None and _whole_object(event):
+            usage_only = self._read_event(event, None)
             if usage_only and self.strip and sent == 0:
                 held = b""
         self._carry, self._sent = b"", 0
@@ -143,6 +169,14 @@ def _may_be_usage(partial: bytes) -> bool:
     lines = partial.lstrip(b"\r\n")
     return (any(name.startswith(lines[:len(name)]) for name in _FIELDS)
             and b"[DONE]" not in partial and _SOME_CHOICE.search(partial) is None)
+
+
+def _has_data(event: bytes, *, whole: bool) -> bool:
+    """Whether an event has a data line (SSE: a line that begins ``data:``), the sign of
+    a token, whatever id:, event: or comment lines come first. ``whole``: ``event`` starts
+    at its start (not a carry cut mid-line)."""
+    return ((whole and event.startswith(_DATA)) or b"\ndata:" in event
+            or b"\rdata:" in event)
 
 
 def _opens_data(chunk: bytes, fresh: bool) -> bool:

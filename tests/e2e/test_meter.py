@@ -511,3 +511,85 @@ def test_a_last_content_event_without_its_blank_line_counts(meter_stack):
     body = sse([text(0), text(1)]).removesuffix(b"\n\ndata: [DONE]\n\n")
     got, recorder = exchange(meter_stack, cut(body, [30]), "sse-strip")
     assert got == body and recorder.done == [(None, 2)]
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+@pytest.mark.parametrize("lead", [b"event: message\n", b"id: 7\r\n", b": x\rid: 8\n"])
+def test_an_event_whose_data_follows_other_fields_counts(meter_stack, meter, lead):
+    """An engine that puts an event:, id: or comment line before each data line: only an
+    event that began with "data:" counted, so the done report's events (what an error
+    answer is charged without usage) were 0. [DONE] and the usage event still count none."""
+    events = [text(0), text(1), text(2), {"choices": [], "usage": USAGE}]
+    body = b"".join(lead + b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+    body += b"event: ping\n\n" + lead + b"data: [DONE]\n\n"
+    usage_event = lead + b"data: " + orjson.dumps(events[-1]) + b"\n\n"
+    for at in ([], [len(lead) - 1, len(lead) + 3], list(range(20, len(body), 40))):
+        got, recorder = exchange(meter_stack, cut(body, at), meter)
+        assert recorder.done == [(Usage(13, 4), 3)], at
+        assert got == (body.replace(usage_event, b"") if meter == "sse-strip" else body)
+    error = b"".join(lead + b"data: " + orjson.dumps(text(i)) + b"\n\n" for i in range(4))
+    _, recorder = exchange(meter_stack, [error], meter, status=b"500 Internal Server Error")
+    assert recorder.done == [(None, 4)] and recorder.answered == [False]
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+def test_a_long_event_counts_by_its_data_line_wherever_its_carry_was_cut(meter_stack, meter):
+    """An event longer than the meter's carry loses its start: whether that start had a
+    data line is kept, and the carry's first bytes (cut mid-line) are no line's start."""
+    later = b": " + b"x" * 9000 + b"\ndata: " + b"y" * 20000 + b"\n\n"
+    got, recorder = exchange(meter_stack, cut(later, list(range(1000, len(later), 1000))),
+                             meter)
+    assert got == later and recorder.done == [(None, 1)]
+    # a comment whose last 8192 bytes (the carry) begin "data:", then its blank line
+    mid_line = b": " + b"x" * 100 + b"data: " + b"y" * (8192 - 6)
+    pieces: list[bytes | float] = [*cut(mid_line, [4000]), 0.05, b"\n\n", text_event(1)]
+    got, recorder = exchange(meter_stack, pieces, meter)
+    assert got == mid_line + b"\n\n" + text_event(1) and recorder.done == [(None, 1)]
+
+
+def text_event(i: int) -> bytes:
+    return b"data: " + orjson.dumps(text(i)) + b"\n\n"
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+@pytest.mark.parametrize("at", [[], [1], [2], [3], [4], [1, 2, 3]])
+def test_a_byte_order_mark_at_the_streams_start_is_ignored(meter_stack, meter, at):
+    """SSE's decoder drops a UTF-8 byte order mark at a stream's start: the first data
+    line after one was not recognised (no first token until the end, that event not
+    counted). The mark passes on to the client."""
+    body = BOM + sse([text(0), text(1), {"choices": [], "usage": USAGE}])
+    got, recorder = exchange(meter_stack, cut(body, at), meter)
+    assert recorder.first == 1 and recorder.done == [(Usage(13, 4), 2)]
+    assert got == (BOM + sse([text(0), text(1)]) if meter == "sse-strip" else body)
+
+
+def test_the_first_token_after_a_byte_order_mark_is_reported_with_its_chunk(meter_stack):
+    pieces: list[bytes | float] = [BOM + text_event(0), 0.4, text_event(1), b"data: [DONE]\n\n"]
+    got, recorder = exchange(meter_stack, pieces, "sse-strip")
+    written = meter_stack[0].written[recorder.lease]
+    assert got == BOM + sse([text(0), text(1)]) and recorder.done == [(None, 2)]
+    assert recorder.first == 1 and recorder.first_at < written[1]  # before the pause's end
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+def test_only_a_whole_byte_order_mark_at_the_very_start_is_ignored(meter_stack, meter):
+    """A mark later in the stream, or one cut short, is part of its line (then no data
+    line), as an SSE client reads it."""
+    for body in (text_event(0) + BOM + sse([text(1)]), BOM[:2] + sse([text(0), text(1)]),
+                 BOM + BOM + sse([text(0), text(1)])):
+        got, recorder = exchange(meter_stack, cut(body, [1, 2]), meter)
+        assert got == body and recorder.done == [(None, 1)], body[:8]
+
+
+def test_a_non_streamed_answer_labelled_an_event_stream_is_read_as_json(meter_stack):
+    """A meter of "json" (the request asked for no stream) reads JSON whatever the
+    answer's type says (kvgate's full-duplex path now does as this one)."""
+    body = orjson.dumps({"choices": [{"message": {"content": "data: x"}}], "usage": USAGE})
+    got, recorder = exchange(meter_stack, cut(b"data: " + body, [6, 30]), "json",
+                             content_type=b"text/event-stream")
+    time.sleep(0.2)  # a first report would be on its way with the done one
+    assert got == b"data: " + body
+    assert recorder.first == 0 and recorder.done == [(Usage(13, 4), 0)]

@@ -267,6 +267,41 @@ async def test_keep_alive_comments_before_the_first_token_do_not_end_prefill():
     assert stream.done and stream.response.usage.total == 17
 
 
+async def test_a_byte_order_mark_and_fields_before_the_data_are_read_through():
+    """A stream that opens with a UTF-8 byte order mark, and whose events put an event:
+    line before their data: the first token is its first data line, and each event counts
+    (the estimate an error answer is charged)."""
+    stream = new_stream()
+    await admitted(stream, chat(stream=True))
+    await stream.exchange(response_headers("text/event-stream"))
+    await stream.exchange(response_body(b"\xef\xbb"))
+    await stream.exchange(response_body(b"\xbf: ping\n\nevent: message\n"))
+    assert not stream.response.started
+    body = b"".join(b"event: message\ndata: " + orjson.dumps(e) + b"\n\n" for e in (
+        {"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]}))
+    await stream.exchange(response_body(body[15:]))
+    assert stream.response.started
+    await stream.exchange(response_body(b"data: [DONE]\n\n", end_of_stream=True))
+    assert stream.done and stream.response.usage is None and stream.response.events == 2
+
+
+@pytest.mark.parametrize("content_type", ["text/event-stream", "application/json"])
+async def test_a_non_streamed_answer_is_read_as_json_whatever_its_type(content_type):
+    """As the Lua meter (a meter of "json" reads JSON): an engine that labels a request's
+    non-streamed answer text/event-stream was read as SSE, its usage not found (the tenant
+    charged its reservation) and its first chunk a first token."""
+    stream = new_stream()
+    await admitted(stream, chat())
+    await stream.exchange(response_headers(content_type))
+    body = orjson.dumps({"choices": [{"message": {"content": "data: x"}}], "usage": USAGE})
+    replies = await stream.exchange(response_body(b"data: " + body[:20]))
+    assert not stream.response.started
+    replies += await stream.exchange(response_body(body[20:], end_of_stream=True))
+    assert b"".join(streamed(r, "response_body").body for r in replies) == b"data: " + body
+    assert stream.done and stream.response.usage.total == 17
+    assert stream.response.events == 0  # (the end counts as started: done_reported)
+
+
 async def test_a_client_asking_for_usage_keeps_it_and_json_usage_is_read():
     stream = new_stream()
     await admitted(stream, chat(stream=True, stream_options={"include_usage": True}))

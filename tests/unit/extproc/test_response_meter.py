@@ -260,3 +260,92 @@ def test_a_cut_off_last_usage_event_is_not_read():
         meter = ResponseMeter(sse=True)
         run(meter, sse(EVENTS).removesuffix(b"data: [DONE]\n\n") + tail, [])
         assert meter.usage is None and meter.events == 5, tail
+
+
+LEADS = [b"event: message\n", b"id: 7\r\n", b": ping\r", b"id: 1\nevent: message\n: x\n"]
+
+
+@pytest.mark.parametrize("lead", LEADS)
+@pytest.mark.parametrize("strip", [False, True])
+def test_an_event_whose_data_follows_other_fields_counts(lead, strip):
+    """An engine that puts an event:, id: or comment line before each event's data line:
+    only an event that began with "data:" counted, so the estimate without usage (an
+    error's charge) was 0. An event counts when any of its lines is a data line; [DONE]
+    and the usage-only event still do not, nor an event with no data line."""
+    events = [*EVENTS, {"choices": [], "usage": USAGE}]
+    body = b"".join(lead + b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+    body += b": ping\n\nevent: ping\n\n" + lead + b"data: [DONE]\n\n"
+    for cut in range(0, len(body), 7):
+        meter = ResponseMeter(sse=True, strip=strip)
+        passed = run(meter, body, [cut, cut + 3])
+        assert meter.events == 5 and meter.usage == Usage(13, 4), cut
+        usage_event = lead + b"data: " + orjson.dumps(events[-1]) + b"\n\n"
+        assert passed == (body.replace(usage_event, b"") if strip else body)
+
+
+def test_data_on_a_later_line_of_a_long_event_counts_and_a_cut_carry_is_no_line_start():
+    """An event longer than TAIL loses its start from the carry: whether that start had a
+    data line is kept (read again at each cut until one is found); the carry's first
+    bytes, cut mid-line, are no line's start."""
+    later = b": " + b"x" * TAIL + b"\ndata: " + b"y" * (2 * TAIL) + b"\n\n"
+    long_lead = b"event: message\ndata: " + b"y" * (2 * TAIL) + b"\n\n"
+    # a comment line whose last TAIL bytes begin "data:": the carry starts there, mid-line
+    mid_line = b": " + b"x" * 100 + b"data: " + b"y" * (TAIL - 6)
+    for body, events in ((later, 1), (long_lead, 1), (mid_line + b"\n\n", 0)):
+        for strip in (False, True):
+            for step in (1000, 4096, TAIL + 1):
+                meter = ResponseMeter(sse=True, strip=strip)
+                cuts = list(range(step, len(body), step))
+                if body.startswith(mid_line):
+                    cuts = [len(mid_line)]  # all of it, then its blank line
+                assert run(meter, body, cuts) == body
+                assert meter.events == events, (body[:20], strip, step)
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_a_byte_order_mark_at_the_streams_start_is_ignored_wherever_cut(strip):
+    """SSE's decoder drops a UTF-8 byte order mark at the stream's start: the first data
+    line after one was not recognised (no first token until the end, the event not
+    counted). It passes on to the client, unread."""
+    for lead in (b"", b": ping\n\n", b"event: message\n"):
+        body = BOM + lead + sse([*EVENTS, {"choices": [], "usage": USAGE}])
+        want = BOM + lead + sse(EVENTS) if strip else body
+        for cut in range(1, 12):
+            meter = ResponseMeter(sse=True, strip=strip)
+            pieces = [body[:1], body[1:cut], body[cut:]]
+            outs = []
+            for piece in pieces:
+                outs.append(meter.feed(piece))
+                # started with the chunk in which the data line begins
+                assert meter.started == (len(b"".join(pieces[: len(outs)]))
+                                         > len(BOM + lead)), (lead, cut)
+            assert b"".join(outs) + meter.finish() == want, (lead, cut)
+            assert meter.events == 5 and meter.usage == Usage(13, 4), (lead, cut)
+    # a stream that is one unterminated usage event after the mark: read at the end
+    meter = ResponseMeter(sse=True, strip=strip)
+    body = BOM + b"data: " + orjson.dumps({"choices": [], "usage": USAGE})
+    assert run(meter, body, [2]) == (BOM if strip else body)
+    assert meter.usage == Usage(13, 4)
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_only_a_whole_byte_order_mark_at_the_very_start_is_ignored(strip):
+    """A mark later in the stream, or the start of one that does not go on, is part of its
+    line (which is then no data line), as an SSE client reads it."""
+    one = sse([EVENTS[0]]).removesuffix(b"data: [DONE]\n\n")
+    for body, events in ((one + BOM + sse([EVENTS[1]]), 1),
+                         (BOM[:2] + sse(EVENTS[:2]), 1),
+                         (BOM[:1] + b"\n" + sse(EVENTS[:2]), 2),
+                         (BOM + BOM + sse(EVENTS[:2]), 1)):
+        # where the first data line begins: the first line's, or the next event's
+        begins = 0 if body.startswith(b"data:") else body.index(b"\ndata:") + 1
+        for cut in range(1, 8):
+            meter = ResponseMeter(sse=True, strip=strip)
+            assert run(meter, body, [1, cut]) == body, (body[:8], cut)
+            assert meter.events == events, (body[:8], cut)
+            pieces = [body[:1], body[1:cut], body[cut:]]
+            first = started_at(ResponseMeter(sse=True, strip=strip), pieces)
+            assert first == (0 if begins < 1 else 1 if begins < cut else 2), (body[:8], cut)
