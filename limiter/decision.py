@@ -22,6 +22,7 @@ from limiter.herd import (
     concurrency_interval,
     concurrency_wait,
     herd_wait,
+    live_promise,
     observe,
     promise_bucket,
     promise_window,
@@ -248,6 +249,8 @@ class TenantLimiter:
         self._gone: dict[str, tuple[int, _Lease]] = {}
         self._next_expiry: int | None = None  # a lower bound on the earliest lease expiry
         self._promised: dict[Reason, int] = {}  # dimension → its last promised retry slot
+        # bucket or shaper → when the last client promised a slot in its schedule is back
+        self._back: dict[Reason, int] = {}
         # the entries promised clients will log in the sliding window: (ms, requests)
         self._window_promised: Promised = []
         self._mean_ms = 0  # observed mean request duration (limiter.herd), and its samples
@@ -335,6 +338,7 @@ class TenantLimiter:
         """Drop the retry slots promised to refused clients (``limiter.herd``): the next
         refusal gets the exact wait."""
         self._promised.clear()
+        self._back.clear()
         self._window_promised = []
 
     def _rewindow(self, policy: TenantPolicy, now_ms: int) -> SlidingWindow | None:
@@ -586,9 +590,10 @@ class TenantLimiter:
             (Reason.REQUESTS, self._requests, requests),
             (Reason.TOKENS, self._tokens if tokens is not None else None, tokens or 0),
         ) if bucket is not None and (cost or reason in exact)]
+        live = {reason: self._live(reason, now_ms) for reason, _, _ in paced}
         for reason, bucket, cost in paced:
-            slots[reason] = bucket_slot(self._promised.get(reason), bucket, cost,
-                                        exact.get(reason, 0), now_ms)
+            slots[reason] = bucket_slot(live[reason], bucket, cost, exact.get(reason, 0),
+                                        now_ms)
         window = self._window if requests else None
         if window is not None:
             own_slot, self._window_promised = window_slot(window, requests, now_ms,
@@ -597,8 +602,9 @@ class TenantLimiter:
                                        min(own_slot, MAX_HERD_WAIT_MS))
         shaper = self._shaper if requests else None
         if shaper is not None:
-            slots[Reason.SHAPING] = self._shaper_slot(shaper, exact.get(Reason.SHAPING, 0),
-                                                      now_ms)
+            live[Reason.SHAPING] = self._live(Reason.SHAPING, now_ms)
+            slots[Reason.SHAPING] = self._shaper_slot(shaper, live[Reason.SHAPING],
+                                                      exact.get(Reason.SHAPING, 0), now_ms)
         for reason, wait in waits:
             if reason not in slots:  # concurrency: a slot frees as requests end
                 slot = herd_wait(now_ms, wait, self._promised.get(reason), concurrency_interval(
@@ -607,35 +613,44 @@ class TenantLimiter:
                 self._promised[reason] = now_ms + slot
         final = max(slots.values())
         for reason, bucket, cost in paced:
-            self._promised[reason] = promise_bucket(self._promised.get(reason), bucket, cost,
-                                                    final, now_ms)
+            self._promised[reason] = promise_bucket(live[reason], bucket, cost, final, now_ms)
         if window is not None and own_slot <= final:  # past the bound: no place to keep
             self._window_promised = promise_window(self._window_promised, window.window_ms,
                                                    now_ms + final, requests)
         if shaper is not None:
-            self._promise_shaper(shaper, final, now_ms)
+            self._promise_shaper(shaper, live[Reason.SHAPING], final, now_ms)
+        for reason, promise in live.items():  # this client is back at now + final too
+            back = self._back.get(reason)
+            at = now_ms + final
+            self._back[reason] = at if promise is None or back is None else max(back, at)
         scheduled = [(reason, slots[reason]) for reason, _ in waits]
         top = max(range(len(scheduled)), key=lambda i: scheduled[i][1])
         scheduled[top] = (scheduled[top][0], final)  # one that did not refuse may set it
         return scheduled
 
-    def _shaper_slot(self, shaper: Shaper, wait: int, now_ms: int) -> int:
+    def _live(self, reason: Reason, now_ms: int) -> int | None:
+        """The promise of a bucket's or the shaper's schedule while a client it was made to
+        may still come back (:func:`~limiter.herd.live_promise`)."""
+        return live_promise(self._promised.get(reason), self._back.get(reason), now_ms)
+
+    def _shaper_slot(self, shaper: Shaper, promised: int | None, wait: int,
+                     now_ms: int) -> int:
         """This client's slot in the shaper's schedule: its promise is the backlog's virtual
         tail (ms, rounded up) once every promised client took its departure slot, and the
         client fits once that tail is within the backlog of its return."""
-        promised = self._promised.get(Reason.SHAPING)
         if promised is None or promised <= now_ms + shaper.drain_ms(now_ms):
             return wait  # nothing promised beyond the shaper's own slots
         rate = shaper.rate
         room = shaper.backlog * rate.period_ms // rate.amount
         return max(wait, min(promised - room - now_ms, MAX_HERD_WAIT_MS))
 
-    def _promise_shaper(self, shaper: Shaper, final: int, now_ms: int) -> None:
+    def _promise_shaper(self, shaper: Shaper, promised: int | None, final: int,
+                        now_ms: int) -> None:
         """The virtual tail once this client, back at ``now + final``, takes the slot after
         the tail (bounded like a bucket's promise)."""
         rate = shaper.rate
         tail = max(now_ms + shaper.drain_ms(now_ms), now_ms + final)
-        base = max(self._promised.get(Reason.SHAPING, tail), tail)
+        base = tail if promised is None else max(promised, tail)
         bound = now_ms + MAX_HERD_WAIT_MS + rate_interval(shaper.backlog + 1, rate)
         self._promised[Reason.SHAPING] = min(base + rate_interval(1, rate), bound)
 

@@ -11,9 +11,10 @@ back, so each is scheduled at every refusal, whichever refused: the token bucket
 the shaper by its backlog's virtual tail, and a sliding window by the entries the promised
 clients will log at their retry times (``SlidingWindow.herd_wait_ms``; at most a window's
 limit of them are kept). Promises expire by themselves: once ``tat`` is in the past the rule
-gives back the exact wait, and no state grows with the number of clients. A single client
-still gets the exact time; nothing is reserved for a promise (admission is unchanged), so a
-promise is a schedule, not a lease.
+gives back the exact wait, and no state grows with the number of clients; a bucket's and the
+shaper's also once the last client they were made to is back (:func:`live_promise`). A
+single client still gets the exact time; nothing is reserved for a promise (admission is
+unchanged), so a promise is a schedule, not a lease.
 
 Concurrency has no exact time (a slot frees when some request ends), so its wait is an
 expected completion: the tenant's observed mean request duration (the configured
@@ -57,6 +58,20 @@ def herd_wait(now_ms: int, wait_ms: int, tat: int | None, interval_ms: int) -> i
 def rate_interval(cost: int, rate: Rate) -> int:
     """Ms for a bucket refilling at ``rate`` to refill ``cost`` (rounded up)."""
     return ceil_div(cost * rate.period_ms, rate.amount)
+
+
+def live_promise(promised: int | None, back_ms: int | None, now_ms: int) -> int | None:
+    """A bucket's (or the shaper's) promise while a client it was made to may still come
+    back: ``back_ms`` is when the last of them was told to (None: not known, the promise
+    stands). Once that is past, every promised client is back (its take is in the bucket)
+    or is not coming, and the promise says nothing the bucket does not: None, the exact
+    wait. Asking whether the bucket's own full time has caught up with the promise instead
+    is not enough: a refund (a request that used less than it reserved) or the slots'
+    rounding up leaves it short of the promise for good, and a client alone was spaced
+    behind clients that were all back (told 9,900 ms for a 4,900 ms wait)."""
+    if back_ms is not None and back_ms < now_ms:
+        return None
+    return promised
 
 
 def bucket_slot(promised: int | None, bucket: TokenBucket, cost: int, wait: int,

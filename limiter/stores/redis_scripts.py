@@ -27,7 +27,9 @@ and window length); ``leases`` a ZSET lease_id → expiry ms and ``leases:meta``
 ``"tokens:tb:day:month"`` (the reservation and which dimensions it was charged to);
 ``q:day`` and ``q:month`` hashes ``{s, u}`` (the period start the count belongs to, used);
 ``cancelled`` a ZSET lease_id → expiry ms of admissions kvgate gave up on (below);
-``herd`` a hash of the retry slots last promised per dimension (``limiter.herd``), the
+``herd`` a hash of the retry slots last promised per dimension (``limiter.herd``), when
+the last client promised a slot of the request or token bucket or the shaper is back
+(``b:requests``, ``b:tokens``, ``b:shaping_backlog_full``: past it, that promise is over), the
 window entries the promised clients will log (``wp``, ``"ms:requests,…"``), the policy they
 were promised under (``pol``) and the observed mean request duration (``d``, ``n``
 samples; a lease's meta ends with its start ms, field 13).
@@ -521,15 +523,22 @@ end
 
 -- retry slots for a herd (limiter.herd) -------------------------------------------------
 local HERD_FIELDS = {'requests', 'tokens', 'concurrency', 'shaping_backlog_full'}
+-- when the last client promised a slot of these schedules is back (TenantLimiter._back)
+local BACK_FIELDS = {'b:requests', 'b:tokens', 'b:shaping_backlog_full'}
 local HERD
 
 local MAX_HERD_WAIT = 60000  -- limiter.herd.MAX_HERD_WAIT_MS
 
 local function herd()  -- read once per call
   if HERD then return HERD end
-  local h = redis.call('HMGET', KHERD, 'd', 'n', 'wp', unpack(HERD_FIELDS))
-  HERD = {d = tonumber(h[1]) or 0, n = tonumber(h[2]) or 0, tat = {}, wp = {}}
+  local read = {'d', 'n', 'wp', unpack(HERD_FIELDS)}
+  for _, f in ipairs(BACK_FIELDS) do table.insert(read, f) end
+  local h = redis.call('HMGET', KHERD, unpack(read))
+  HERD = {d = tonumber(h[1]) or 0, n = tonumber(h[2]) or 0, tat = {}, wp = {}, back = {}}
   for i, f in ipairs(HERD_FIELDS) do HERD.tat[f] = tonumber(h[i + 3]) end
+  for i, f in ipairs(BACK_FIELDS) do
+    HERD.back[string.sub(f, 3)] = tonumber(h[i + 3 + #HERD_FIELDS])
+  end
   -- the window entries promised clients will log: "ms:requests,..." (TenantLimiter's
   -- _window_promised)
   for ts, n in string.gmatch(h[3] or '', '(%d+):(%d+)') do
@@ -548,6 +557,13 @@ local function herd_save(H, t)
       if v > last then last = v end
     end
   end
+  for _, f in ipairs(BACK_FIELDS) do
+    local v = H.back[string.sub(f, 3)]
+    if v then
+      table.insert(args, f)
+      table.insert(args, str(v))
+    end
+  end
   local wp = {}
   for _, p in ipairs(H.wp) do table.insert(wp, str(p[1]) .. ':' .. str(p[2])) end
   table.insert(args, 'wp')
@@ -561,6 +577,7 @@ local function herd_policy()  -- TenantLimiter.update_policy: new limits forget 
   local pol = redis.call('HGET', KHERD, 'pol')
   if pol and pol ~= ARGV[4] then
     redis.call('HDEL', KHERD, 'wp', unpack(HERD_FIELDS))
+    redis.call('HDEL', KHERD, unpack(BACK_FIELDS))
     redis.call('HSET', KHERD, 'pol', ARGV[4])
   end
 end
@@ -575,6 +592,14 @@ local function completion(mean) return mean + cdiv(mean, 2) + 10 end  -- herd.co
 local function herd_observe(H, duration)  -- limiter.herd.observe
   H.n = math.min(H.n + 1, 8)
   H.d = H.d + fdiv(math.max(0, duration) - H.d, H.n)
+end
+
+-- limiter.herd.live_promise: a schedule's promise while a client it was made to may still
+-- come back; past the last one's return it is over (nil, so it is written afresh). Returns it
+local function herd_live(H, reason, t)
+  local back = H.back[reason]
+  if back and back < t then H.tat[reason] = nil end
+  return H.tat[reason]
 end
 
 -- limiter.herd.bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is
@@ -627,12 +652,13 @@ end
 -- (TenantLimiter._schedule). tokens nil: the headers-phase check
 local function herd_schedule(waits, requests, tokens, t, st)
   local H = herd()
-  local exact, slots, paced = {}, {}, {}
+  local exact, slots, paced, live = {}, {}, {}, {}
   for i = 1, #waits, 2 do exact[waits[i]] = waits[i + 1] end
   local buckets = {{'requests', st.req, requests}, {'tokens', tokens and st.tok, tokens or 0}}
   for _, p in ipairs(buckets) do
     if p[2] and (p[3] > 0 or exact[p[1]]) then
       table.insert(paced, p)
+      live[p[1]] = herd_live(H, p[1], t) or false
       slots[p[1]] = herd_bucket_slot(H, p[1], p[2], p[3], exact[p[1]] or 0, t)
     end
   end
@@ -650,6 +676,7 @@ local function herd_schedule(waits, requests, tokens, t, st)
   end
   local sh = requests > 0 and st.sh
   if sh then
+    live['shaping_backlog_full'] = herd_live(H, 'shaping_backlog_full', t) or false
     slots['shaping_backlog_full'] = herd_shaper_slot(H, sh, exact['shaping_backlog_full'] or 0, t)
   end
   for i = 1, #waits, 2 do
@@ -669,6 +696,10 @@ local function herd_schedule(waits, requests, tokens, t, st)
   for _, p in ipairs(paced) do herd_promise_bucket(H, p[1], p[2], p[3], final, t) end
   if win and win_slot <= final then herd_promise_window(H, t + final, requests) end
   if sh then herd_promise_shaper(H, sh, final, t) end
+  for reason, promise in pairs(live) do  -- this client is back at t + final too
+    local back = H.back[reason]
+    if not promise or not back or back < t + final then H.back[reason] = t + final end
+  end
   for i = 1, #waits, 2 do
     waits[i + 1] = slots[waits[i]]
     if not top or waits[i + 1] > waits[top + 1] then top = i end

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import os
 import time
 from collections.abc import AsyncIterator
@@ -797,3 +798,112 @@ async def test_a_herd_over_a_window_a_token_rate_and_a_shaper_is_admitted_on_its
     for k in sorted(range(len(herd)), key=lambda k: waits[k]):
         clock.now = start + waits[k]
         assert isinstance(await admit(herd[k], f"retry{k}"), Admit), (k, waits)
+
+
+# --- usage reconciled with the reservation, and the retry slots promised ---------------------
+
+RECONCILED = {  # (ms, lease, cost or None for a release, used, the retry-after-ms expected)
+    "a refund, the herd back: a client alone gets the exact wait": [
+        (0, "a", Cost(100, 0), None, None), (0, "b", Cost(50, 0), None, 5000),
+        (5000, "b", Cost(50, 0), None, None), (5100, "b", None, 0, None),
+        (5100, "c", Cost(100, 0), None, 4900), (10_000, "c", Cost(100, 0), None, None)],
+    "the schedule's rounding, its client back": [
+        (0, "a", Cost(3, 0), None, None), (0, "b", Cost(140, 0), None, 4),
+        (4, "b", Cost(140, 0), None, None), (5, "c", Cost(2, 0), None, 2),
+        (7, "c", Cost(2, 0), None, None)],
+}
+RECONCILED_POLICIES = {
+    "the schedule's rounding, its client back": TenantPolicy(token_rate=Rate(399, 625),
+                                                             token_burst=141),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECONCILED))
+async def test_reconciled_usage_moves_the_retry_slots_alike_on_both_stores(
+    client: aioredis.Redis, case: str
+) -> None:
+    """Refunds and the schedule's rounding (tests/unit/limiter/test_herd.py, the reported
+    long retry-after-ms): memory and Redis give the same, exact, answers."""
+    await client.flushdb()
+    clock = FakeClock()
+    start = clock.now
+    policy = RECONCILED_POLICIES.get(case, TenantPolicy(token_rate=Rate(10, 1000),
+                                                        token_burst=100))
+    stores: list[LimiterStore] = [MemoryStore(clock), RedisStore(client, clock=clock)]
+    for at, lease, cost, used, told in RECONCILED[case]:
+        clock.now = start + at
+        if cost is None:
+            assert [await s.release("acme", policy, lease, used) for s in stores] == [True] * 2
+            continue
+        memory, shared = [await s.admit("acme", policy, cost, lease) for s in stores]
+        assert memory == shared, (at, lease)
+        if told is None:
+            assert isinstance(memory, Admit), (at, lease, memory)
+        else:
+            assert isinstance(memory, Reject) and memory.retry_after_ms == told, (at, lease)
+
+
+@PARITY
+@given(st.data(), no_concurrency_policies(), starts)
+async def test_clients_that_honour_retry_after_get_the_same_answers_and_exact_waits(
+    client: aioredis.Redis, data: st.DataObject, policy: TenantPolicy, start: int
+) -> None:
+    """Refused clients come back when told, requests end using less, as much, more or an
+    unknown part of their reservation, or are never served: memory and Redis give the same
+    answers throughout (test_retry_after_stays_exact_through_refunds_and_overcharges checks
+    these on the memory store), and a last client refused alone, no other refused client
+    still out, gets the exact wait through Redis too."""
+    await client.flushdb()
+    draw = data.draw
+    clock = FakeClock(start)
+    stores: list[LimiterStore] = [MemoryStore(clock), RedisStore(client, clock=clock)]
+    held: dict[str, tuple[int, int]] = {}  # lease → reserved tokens, ms it is sent at
+    due: list[tuple[int, int, Cost, int]] = []  # retry ms, n, cost, tries
+    out_until, n = -1, 0
+
+    async def admit(cost: Cost, tries: int) -> Admit | Reject:
+        nonlocal n, out_until
+        n += 1
+        memory, shared = [await s.admit("acme", policy, cost, f"l{n}") for s in stores]
+        assert memory == shared, (n, clock.now - start)
+        if isinstance(memory, Admit):
+            held[memory.lease_id] = (cost.tokens, clock.now + memory.hold_ms)
+        elif memory.retry_after_ms is not None:
+            out_until = max(out_until, clock.now + memory.retry_after_ms)
+            if tries < 3:
+                heapq.heappush(due, (clock.now + memory.retry_after_ms, n, cost, tries + 1))
+        return memory
+
+    cap = policy.token_burst or 3000
+    for step in range(draw(st.integers(1, 25))):
+        now = clock.now + draw(st.one_of(st.just(0), st.integers(0, 50), st.integers(0, 3000)))
+        while due and due[0][0] <= now:
+            clock.now, _, cost, tries = heapq.heappop(due)
+            await admit(cost, tries)
+        clock.now = now
+        sent = sorted(lease for lease, (_, at) in held.items() if at <= now)
+        if sent and draw(st.booleans()):
+            lease = draw(st.sampled_from(sent))
+            reserved, _ = held.pop(lease)
+            used = draw(st.one_of(st.none(), st.integers(0, reserved),
+                                  st.integers(reserved, 2 * reserved + 5)))
+            served = draw(st.integers(0, 9)) > 0
+            answers = [await s.release("acme", policy, lease, used, served=served)
+                       for s in stores]
+            assert answers == [True, True], (step, lease)
+            continue
+        prompt = draw(st.integers(0, cap))
+        await admit(Cost(prompt, draw(st.integers(0, cap - prompt)), 1), 0)
+    clock.now += draw(st.integers(1, 3000))
+    alone = out_until < clock.now
+    prompt = draw(st.integers(0, cap))
+    cost = Cost(prompt, draw(st.integers(0, cap - prompt)), 1)
+    result = await admit(cost, 3)
+    event(f"last refusal alone: {alone and isinstance(result, Reject)}")
+    if not alone or not isinstance(result, Reject) or result.retry_after_ms is None:
+        return
+    now, wait = clock.now, result.retry_after_ms
+    clock.now = now + wait - 1
+    assert isinstance(await admit(cost, 3), Reject)
+    clock.now = now + wait
+    assert isinstance(await admit(cost, 3), Admit)

@@ -291,3 +291,43 @@ def test_every_client_of_a_herd_over_any_rate_limits_is_admitted_on_its_first_re
     costs = costs[len(costs) - len(waits):]
     assume(waits and max(waits) < MAX_HERD_WAIT_MS)
     assert _retry_in_order(limiter, waits, now, costs) == []
+
+
+# --- a request's usage reconciled with its reservation (release) ----------------------------
+
+
+def _admitted(limiter: TenantLimiter, cost: Cost, lease: str, now: int) -> None:
+    assert isinstance(limiter.admit(cost, lease, now), Admit), (lease, now)
+
+
+def _told(limiter: TenantLimiter, cost: Cost, lease: str, now: int) -> int:
+    result = limiter.admit(cost, lease, now)
+    assert isinstance(result, Reject) and result.retry_after_ms is not None, (lease, now)
+    return result.retry_after_ms
+
+
+def test_a_refund_does_not_space_a_client_alone_behind_a_herd_that_is_back() -> None:
+    """Reported: the refund made the next refusal's promise long. B, refused, came back when
+    told and ran; it used nothing and gave its 50 tokens back. C, alone (no refused client
+    still out), was told 9,900 ms for a 4,900 ms wait: the schedule promised to B, past
+    the bucket's own full time for good once the tokens came back, still spaced C."""
+    limiter = TenantLimiter(TenantPolicy(token_rate=Rate(10, 1000), token_burst=100), 0)
+    _admitted(limiter, Cost(100, 0), "a", 0)
+    assert _told(limiter, Cost(50, 0), "b", 0) == 5000
+    _admitted(limiter, Cost(50, 0), "b", 5000)
+    assert limiter.release("b", 0, 5100)
+    assert _told(limiter, Cost(100, 0), "c", 5100) == 4900
+    _told(limiter, Cost(100, 0), "c", 9999)
+    _admitted(limiter, Cost(100, 0), "c", 10_000)
+
+
+def test_a_client_alone_is_not_spaced_by_the_schedule_s_rounding() -> None:
+    """Every slot promised is rounded up to a whole ms: the schedule ended 1 ms past the
+    bucket's full time once its client was back, and the next client alone was told 3 ms
+    for a 2 ms wait."""
+    limiter = TenantLimiter(TenantPolicy(token_rate=Rate(399, 625), token_burst=141), 0)
+    _admitted(limiter, Cost(3, 0), "a", 0)
+    assert _told(limiter, Cost(140, 0), "b", 0) == 4
+    _admitted(limiter, Cost(140, 0), "b", 4)
+    assert _told(limiter, Cost(2, 0), "c", 5) == 2
+    _admitted(limiter, Cost(2, 0), "c", 7)

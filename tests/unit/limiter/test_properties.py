@@ -9,7 +9,9 @@ backlog.
 
 from __future__ import annotations
 
+import heapq
 import re
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -29,6 +31,7 @@ from limiter import (
     TokenBucket,
     format_duration,
 )
+from limiter.herd import MAX_HERD_WAIT_MS
 from tests.limiter_support import assert_never_faster, policies
 
 FAST = settings(max_examples=250, deadline=None)
@@ -388,3 +391,120 @@ def test_check_requests_retry_exactness(data: st.DataObject, policy: TenantPolic
     assert result.retry_after_ms is not None
     assert limiter.check_requests(now + result.retry_after_ms - 1) is not None
     assert limiter.check_requests(now + result.retry_after_ms) is None
+
+
+# --- reconciliation: refunds and overcharges, with clients that honour Retry-After ---------
+
+Step = tuple[str, int, str, Any]
+"""``("admit", ms, lease, cost)`` or ``("release", ms, lease, (used, served))``."""
+
+
+def _replayed(policy: TenantPolicy, steps: list[Step]) -> TenantLimiter:
+    """The same calls on a new limiter: a copy of the state (see
+    test_tenant_limiter_retry_exactness)."""
+    limiter = TenantLimiter(policy, now_ms=0)
+    for kind, now, lease, arg in steps:
+        if kind == "admit":
+            limiter.admit(arg, lease, now)
+        else:
+            limiter.release(lease, arg[0], now, served=arg[1])
+    return limiter
+
+
+@dataclass
+class _Honest:
+    """One tenant's clients that come back when told: a refused client retries at exactly
+    its ``retry-after-ms`` (up to three times), every admitted request ends after it was
+    sent and reconciles its reservation with what it used (less, the same, more, unknown),
+    or gives everything back (never served). Checks every answer as it comes:
+
+    - a client refused while no other refused client is still out (every one of them was
+      told a time before now) gets the exact wait: admitted then, refused 1 ms earlier;
+    - a refused client coming back is admitted, unless someone took from what its schedule
+      counted on: a request charged over its reservation since the client was refused, or a
+      newcomer admitted while the herd was out (admissions do not move the schedule: the
+      store cannot tell a newcomer from a client coming back)."""
+
+    policy: TenantPolicy
+    limiter: TenantLimiter
+    steps: list[Step] = field(default_factory=list)
+    held: dict[str, tuple[Cost, int]] = field(default_factory=dict)  # lease → cost, sent ms
+    due: list[tuple[int, int, str, Cost, int, int]] = field(default_factory=list)
+    out_until: int = -1  # the latest time a refused client was told
+    overcharges: int = 0
+    newcomers: int = 0  # admitted while a herd was out
+    herd_start: int = 0  # newcomers when the herd now out began
+    unbounded: bool = False  # a wait past MAX_HERD_WAIT_MS: the herd shares its end
+    exact_checks: int = 0
+    n: int = 0
+
+    def attempt(self, client: str, cost: Cost, now: int, tries: int = 0,
+                since: int | None = None) -> None:
+        self.n += 1
+        lease, alone = f"{client}.{self.n}", self.out_until < now
+        if alone:
+            self.herd_start = self.newcomers
+        result = self.limiter.admit(cost, lease, now)
+        self.steps.append(("admit", now, lease, cost))
+        if isinstance(result, Admit):
+            self.held[lease] = (cost, now + result.hold_ms)
+            self.newcomers += tries == 0 and not alone
+            return
+        assert since is None or since != self.overcharges or self.unbounded \
+            or self.herd_start != self.newcomers, (client, now, result, self.steps)
+        wait = result.retry_after_ms
+        if wait is None:
+            return
+        self.unbounded |= wait >= MAX_HERD_WAIT_MS
+        if alone:
+            self.exact_checks += 1
+            early = _replayed(self.policy, self.steps).admit(cost, "probe", now + wait - 1)
+            assert isinstance(early, Reject), (now, wait, self.steps)
+            on_time = _replayed(self.policy, self.steps).admit(cost, "probe", now + wait)
+            assert isinstance(on_time, Admit), (now, wait, self.steps)
+        self.out_until = max(self.out_until, now + wait)
+        if tries < 3:
+            heapq.heappush(self.due, (now + wait, self.n, client, cost, tries + 1,
+                                      self.overcharges))
+
+    def come_back(self, until: int) -> None:
+        """The refused clients due by ``until`` retry, in the order of their times."""
+        while self.due and self.due[0][0] <= until:
+            at, _, client, cost, tries, since = heapq.heappop(self.due)
+            self.attempt(client, cost, at, tries, since)
+
+    def release(self, lease: str, used: int | None, served: bool, now: int) -> None:
+        cost, _ = self.held.pop(lease)
+        self.overcharges += served and used is not None and used > cost.tokens
+        self.limiter.release(lease, used, now, served=served)
+        self.steps.append(("release", now, lease, (used, served)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), policies(concurrency=False))
+def test_retry_after_stays_exact_through_refunds_and_overcharges(
+    data: st.DataObject, policy: TenantPolicy
+) -> None:
+    """Reported: a refund made the next token refusal's retry-after-ms long (a client alone
+    told 9,900 ms for a 4,900 ms wait: the schedule promised to a herd, all back by then,
+    still counted the tokens given back). See :class:`_Honest` for what is checked."""
+    draw = data.draw
+    world, now = _Honest(policy, TenantLimiter(policy, now_ms=0)), 0
+    cap = policy.token_burst or 3000
+    for step in range(draw(st.integers(1, 30))):
+        now += draw(st.one_of(st.just(0), st.integers(0, 50), st.integers(0, 3000)))
+        world.come_back(now)
+        sent = sorted(lease for lease, (_, at) in world.held.items() if at <= now)
+        if sent and draw(st.booleans()):
+            lease = draw(st.sampled_from(sent))
+            reserved = world.held[lease][0].tokens
+            used = draw(st.one_of(st.none(), st.integers(0, reserved),
+                                  st.integers(reserved, 2 * reserved + 5)))
+            world.release(lease, used, draw(st.integers(0, 9)) > 0, now)
+            continue
+        prompt = draw(st.integers(0, cap))
+        cost = Cost(prompt, draw(st.integers(0, cap - prompt)), draw(st.sampled_from([1, 1, 0])))
+        world.attempt(f"c{step}", cost, now)
+    world.come_back(now + 10**9)
+    event(f"exact waits checked: {min(world.exact_checks, 3)}")
+    event(f"overcharged: {world.overcharges > 0}")
