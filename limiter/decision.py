@@ -27,6 +27,7 @@ from limiter.herd import (
     promise_bucket,
     promise_window,
     rate_interval,
+    reconcile_promise,
     window_slot,
 )
 from limiter.outcome import (
@@ -527,23 +528,37 @@ class TenantLimiter:
                 served: bool) -> None:
         """Reconcile a lease's reserved tokens with those used, on the token bucket and
         the quotas it was charged to; one never served gives back its request too."""
+        requests, tokens = self._requests, self._tokens
         if not served:
-            if lease.requests_charged and self._requests is not None:
-                self._requests.refund(lease.cost.requests, now_ms)
+            if lease.requests_charged and requests is not None:
+                before = requests.level_at(now_ms)
+                requests.refund(lease.cost.requests, now_ms)
+                self._reconciled(Reason.REQUESTS, requests, before, now_ms)
             if lease.window_ts is not None and self._window is not None:
                 self._window.refund_at(lease.window_ts, lease.cost.requests, now_ms)
         reserved = lease.cost.tokens
         used = reserved if used_tokens is None else max(0, used_tokens)
-        if lease.tokens_charged and self._tokens is not None:
+        if lease.tokens_charged and tokens is not None and used != reserved:
+            before = tokens.level_at(now_ms)
             if used < reserved:
-                self._tokens.refund(reserved - used, now_ms)
-            elif used > reserved:
-                self._tokens.charge(used - reserved, now_ms)
+                tokens.refund(reserved - used, now_ms)
+            else:
+                tokens.charge(used - reserved, now_ms)
+            self._reconciled(Reason.TOKENS, tokens, before, now_ms)
         if lease.quotas_charged:
             configured = {period for period, _ in self.policy.quotas()}
             for period in lease.quotas_charged:
                 if period in configured:
                     self._quotas[period].reconcile(reserved - used, now_ms)
+
+    def _reconciled(self, reason: Reason, bucket: TokenBucket, before: int, now_ms: int) -> None:
+        """A release moved ``bucket``'s level from ``before``: so does the schedule it
+        promised, while a client it promised a slot may still come back
+        (:func:`~limiter.herd.reconcile_promise`)."""
+        promised = self._live(reason, now_ms)
+        if promised is not None:
+            self._promised[reason] = reconcile_promise(promised, self._back.get(reason), bucket,
+                                                       before, now_ms)
 
     def _waits(self, requests: int, tokens: int | None, now_ms: int) -> list[tuple[Reason, int]]:
         """Every dimension without room for ``requests`` and ``tokens`` now, with its exact

@@ -14,7 +14,8 @@ limit of them are kept). Promises expire by themselves: once ``tat`` is in the p
 gives back the exact wait, and no state grows with the number of clients; a bucket's and the
 shaper's also once the last client they were made to is back (:func:`live_promise`). A
 single client still gets the exact time; nothing is reserved for a promise (admission is
-unchanged), so a promise is a schedule, not a lease.
+unchanged), so a promise is a schedule, not a lease. A request's usage reconciled at its
+release moves a bucket's live promise with the bucket (:func:`reconcile_promise`).
 
 Concurrency has no exact time (a slot frees when some request ends), so its wait is an
 expected completion: the tenant's observed mean request duration (the configured
@@ -96,6 +97,35 @@ def promise_bucket(promised: int | None, bucket: TokenBucket, cost: int, final: 
     base = full if promised is None else max(promised, full)
     bound = max(full, now_ms + MAX_HERD_WAIT_MS) + rate_interval(bucket.capacity, rate)
     return min(base + rate_interval(cost, rate), bound)
+
+
+def reconcile_promise(promised: int, back_ms: int | None, bucket: TokenBucket,
+                      before_scaled: int, now_ms: int) -> int:
+    """A bucket's live promise once a release moved the bucket's level at ``now_ms`` from
+    ``before_scaled`` to what it is now (a request's usage reconciled with its reservation),
+    so a refusal while promised clients are still out is not spaced behind tokens given back
+    (or ahead of tokens charged).
+
+    An overcharge (usage above the reservation) leaves the promised clients that much less:
+    the promise moves on by its refill time, never less than they lose. A refund moves it
+    back by what the promised clients are sure to keep of it: the bucket may fill before
+    the last of them is back (``back_ms``) and lose the rest, at most the refill from when
+    it would fill to then; so a slot is never early either. Without ``back_ms`` (a promise
+    kept by an older version) nothing is moved back."""
+    rate = bucket.rate
+    after = bucket.level_at(now_ms)
+    if after < before_scaled:  # charged
+        return promised + ceil_div(before_scaled - after, rate.amount)
+    if after == before_scaled or back_ms is None:
+        return promised
+    # the bucket had room for ``headroom`` before the refund, and refilling until the last
+    # promised client is back fills ``refill_ms`` of it: what is beyond is kept for sure
+    headroom = bucket.full_scaled - before_scaled
+    refill_ms = max(0, back_ms - now_ms)
+    if refill_ms >= ceil_div(headroom, rate.amount):  # (compared first: no huge product)
+        return promised
+    kept = min(after - before_scaled, headroom - refill_ms * rate.amount)
+    return promised - kept // rate.amount
 
 
 Promised = list[tuple[int, int]]

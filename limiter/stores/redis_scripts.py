@@ -602,6 +602,25 @@ local function herd_live(H, reason, t)
   return H.tat[reason]
 end
 
+-- TenantLimiter._reconciled (limiter.herd.reconcile_promise): a release moved a bucket's
+-- level from before; its live promise moves with it. Returns whether it was changed
+local function herd_reconcile(reason, b, before, t)
+  local after = tb_level(b, t)
+  if after == before then return false end
+  local H = herd()
+  local promised, back = H.tat[reason], H.back[reason]
+  if not promised or (back and back < t) then return false end
+  if after < before then  -- charged
+    H.tat[reason] = promised + cdiv(before - after, b.a)
+    return true
+  end
+  if not back then return false end
+  local headroom, refill = b.full - before, math.max(0, back - t)
+  if refill >= cdiv(headroom, b.a) then return false end
+  H.tat[reason] = promised - fdiv(math.min(after - before, headroom - refill * b.a), b.a)
+  return true
+end
+
 -- limiter.herd.bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is
 -- when it would be full again once every promised client took its cost)
 local function herd_bucket_slot(H, reason, b, cost, exact, t)
@@ -944,12 +963,19 @@ for i = OP + 1, last, 2 do
     elseif used_arg ~= '' then used = math.max(0, tonumber(used_arg)) end
     if unserved and f[5] then
       local requests = tonumber(f[5])
-      if f[6] == '1' and st.req then tb_refund(st.req, requests, NOW); req_dirty = true end
+      if f[6] == '1' and st.req then
+        local before = tb_level(st.req, NOW)
+        tb_refund(st.req, requests, NOW)
+        req_dirty = true
+        if herd_reconcile('requests', st.req, before, NOW) then H = herd() end
+      end
       if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
     end
     if tb == '1' and st.tok then
+      local before = tb_level(st.tok, NOW)
       if used < reserved then tb_refund(st.tok, reserved - used, NOW)
       elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end
+      if herd_reconcile('tokens', st.tok, before, NOW) then H = herd() end
       tok_dirty = true
     end
     for kind, charged in pairs({d = day, m = month}) do

@@ -807,6 +807,15 @@ RECONCILED = {  # (ms, lease, cost or None for a release, used, the retry-after-
         (0, "a", Cost(100, 0), None, None), (0, "b", Cost(50, 0), None, 5000),
         (5000, "b", Cost(50, 0), None, None), (5100, "b", None, 0, None),
         (5100, "c", Cost(100, 0), None, 4900), (10_000, "c", Cost(100, 0), None, None)],
+    "a refund, the herd out: its schedule moves back": [
+        (0, "a", Cost(100, 0), None, None), (0, "b", Cost(50, 0), None, 5000),
+        (0, "d", Cost(50, 0), None, 10_000), (5000, "b", Cost(50, 0), None, None),
+        (5100, "b", None, 0, None), (5100, "c", Cost(100, 0), None, 9900),
+        (10_000, "d", Cost(50, 0), None, None), (15_000, "c", Cost(100, 0), None, None)],
+    "a refund partly lost before the herd is back": [
+        (0, "a", Cost(100, 0), None, None), (0, "b", Cost(50, 0), None, 5000),
+        (100, "a", None, 40, None), (100, "c", Cost(100, 0), None, 9900),
+        (5000, "b", Cost(50, 0), None, None), (10_000, "c", Cost(100, 0), None, None)],
     "the schedule's rounding, its client back": [
         (0, "a", Cost(3, 0), None, None), (0, "b", Cost(140, 0), None, 4),
         (4, "b", Cost(140, 0), None, None), (5, "c", Cost(2, 0), None, 2),

@@ -331,3 +331,50 @@ def test_a_client_alone_is_not_spaced_by_the_schedule_s_rounding() -> None:
     _admitted(limiter, Cost(140, 0), "b", 4)
     assert _told(limiter, Cost(2, 0), "c", 5) == 2
     _admitted(limiter, Cost(2, 0), "c", 7)
+
+
+def test_a_refund_while_the_herd_is_out_moves_its_schedule_back() -> None:
+    """B and D refused; B came back and gave its 50 tokens back while D was still out. C
+    was told 14,900 ms: D takes its 50 at 10 s, and the bucket holds C's 100 from 15 s."""
+    limiter = TenantLimiter(TenantPolicy(token_rate=Rate(10, 1000), token_burst=100), 0)
+    _admitted(limiter, Cost(100, 0), "a", 0)
+    assert [_told(limiter, Cost(50, 0), lease, 0) for lease in "bd"] == [5000, 10_000]
+    _admitted(limiter, Cost(50, 0), "b", 5000)
+    assert limiter.release("b", 0, 5100)
+    assert _told(limiter, Cost(100, 0), "c", 5100) == 9900
+    _admitted(limiter, Cost(50, 0), "d", 10_000)
+    assert isinstance(limiter.admit(Cost(100, 0), "early", 14_999), Reject)
+    _admitted(limiter, Cost(100, 0), "c", 15_000)
+
+
+def test_a_refund_the_bucket_cannot_hold_until_the_herd_is_back_counts_in_part() -> None:
+    """A gives back 60 tokens while B is out: the bucket is full at 4 s, B takes its 50 at
+    5 s, so 10 of the 60 overflow and C's 100 are there at 10 s — not at 9 s, as the whole
+    refund would say (C would be refused again), nor at 15 s, as none of it would."""
+    limiter = TenantLimiter(TenantPolicy(token_rate=Rate(10, 1000), token_burst=100), 0)
+    _admitted(limiter, Cost(100, 0), "a", 0)
+    assert _told(limiter, Cost(50, 0), "b", 0) == 5000
+    assert limiter.release("a", 40, 100)
+    assert _told(limiter, Cost(100, 0), "c", 100) == 9900
+    _admitted(limiter, Cost(50, 0), "b", 5000)
+    assert isinstance(limiter.admit(Cost(100, 0), "early", 9999), Reject)
+    _admitted(limiter, Cost(100, 0), "c", 10_000)
+
+
+def test_an_overcharge_while_the_herd_is_out_moves_its_schedule_on() -> None:
+    """A used 50 tokens over its reservation while B (refused by the request rate) was out:
+    C was told 10,900 ms, as if the debt were the only thing ahead of it, and came back
+    before B had taken its 10 tokens and the bucket had them again. The schedule now moves
+    on by the debt's refill: never early, though later than needed here (15,900 ms for
+    11,900), since the bucket fills before B is back and absorbs part of the debt, which
+    the schedule cannot count on without knowing when B comes."""
+    policy = TenantPolicy(request_rate=Rate(1, 10_000), request_burst=1,
+                          token_rate=Rate(10, 1000), token_burst=100)
+    limiter = TenantLimiter(policy, 0)
+    _admitted(limiter, Cost(60, 0), "a", 0)
+    assert _told(limiter, Cost(10, 0), "b", 0) == 10_000
+    assert limiter.release("a", 110, 100)
+    tokens_only = Cost(100, 0, requests=0)
+    assert _told(limiter, tokens_only, "c", 100) == 15_900
+    _admitted(limiter, Cost(10, 0), "b", 10_000)
+    _admitted(limiter, tokens_only, "c", 16_000)
