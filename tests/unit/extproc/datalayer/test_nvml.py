@@ -499,9 +499,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_kvgate_agent_exits_on_sigterm_while_an_nvml_read_hangs() -> None:
-    """The agent serves "NVML did not answer" while a read hangs, and SIGTERM still ends it:
-    the hung read's thread must not be one ``asyncio.run`` waits for at exit."""
+def _agent_page(script: str, ready: str, why: str) -> tuple[str, int, str]:
+    """``kvgate agent`` run by ``script`` (NVML patched in it): its first ``/metrics`` page
+    that contains ``ready``, then its exit status and output after SIGTERM."""
     import subprocess
     import sys
 
@@ -510,7 +510,7 @@ def test_kvgate_agent_exits_on_sigterm_while_an_nvml_read_hangs() -> None:
     from extproc.ports import free_port
 
     port = free_port()
-    agent = subprocess.Popen([sys.executable, "-c", HANGING_NVML, "agent", "--host",
+    agent = subprocess.Popen([sys.executable, "-c", script, "agent", "--host",
                               "127.0.0.1", "--port", str(port)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -518,11 +518,11 @@ def test_kvgate_agent_exits_on_sigterm_while_an_nvml_read_hangs() -> None:
         while True:
             try:
                 page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
-                if "did not answer" in page:
+                if ready in page:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "the agent did not report the hung read"
+            assert time.monotonic() < deadline, why
             time.sleep(0.1)
         agent.terminate()
         output = agent.communicate(timeout=10)[0].decode()
@@ -530,7 +530,15 @@ def test_kvgate_agent_exits_on_sigterm_while_an_nvml_read_hangs() -> None:
         if agent.poll() is None:
             agent.kill()
             agent.communicate()
-    assert agent.returncode == 0, output
+    return page, agent.returncode, output
+
+
+def test_kvgate_agent_exits_on_sigterm_while_an_nvml_read_hangs() -> None:
+    """The agent serves "NVML did not answer" while a read hangs, and SIGTERM still ends it:
+    the hung read's thread must not be one ``asyncio.run`` waits for at exit."""
+    _page, status, output = _agent_page(HANGING_NVML, "did not answer",
+                                        "the agent did not report the hung read")
+    assert status == 0, output
 
 
 SENTINEL_NVML = """
@@ -559,30 +567,8 @@ sys.exit(main(sys.argv[1:]))
 def test_kvgate_agent_command_serves_no_nvml_sentinel() -> None:
     """What ``kvgate agent`` serves from NVML's "not available" answers: no utilization
     (it served a ratio of 42949672.95), and no reading for a GPU whose memory is unknown."""
-    import subprocess
-    import sys
-
-    import httpx
-
-    from extproc.ports import free_port
-
-    port = free_port()
-    agent = subprocess.Popen([sys.executable, "-c", SENTINEL_NVML, "agent", "--host",
-                              "127.0.0.1", "--port", str(port)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "the agent did not start"
-                time.sleep(0.1)
-    finally:
-        agent.terminate()
-        output = agent.communicate(timeout=10)[0].decode()
-    assert agent.returncode == 0, output
+    page, status, output = _agent_page(SENTINEL_NVML, "", "the agent did not start")
+    assert status == 0, output
     assert f"{UTILIZATION}{{" not in page and "GPU-1" not in page, page
     assert parse_gpu_metrics(page) == [GpuReading(0, "GPU-0", "stub", 5, 100, None)]
 
