@@ -8,7 +8,9 @@ to keep of it. This benchmark measures what that does to a tenant that reserves 
 than it uses, with the real limiter (``TenantLimiter``, the in-memory store's core) driven
 by a virtual clock.
 
-One tenant with a token bucket only: 1,000 tokens/s, burst 4,000. Every request reserves
+One tenant with a token bucket only: 1,000 tokens/s, burst 4,000 (``--burst``; a tenant's
+default is a minute's worth, 60,000, under which the effect measured here is gone below the
+rate). Every request reserves
 2,000 tokens and uses 2,000 (``reserve = use``), 1,000 (``2x``), 400 (``5x``) or a uniform
 17-100% of them; it is released with what it used a uniform 50-150% of ``--hold-ms``
 (2,000) after its admission.
@@ -73,9 +75,8 @@ from limiter import Admit, Cost, Rate, Reason, Reject, TenantLimiter, TenantPoli
 from limiter.herd import observe, promise_bucket
 
 RATE = 1000  # tokens/s
-BURST = 4000
+BURST = 4000  # --burst; a tenant's default is a minute's worth (60,000 here)
 RESERVE = 2000  # tokens each request reserves (prompt + max_tokens)
-POLICY = TenantPolicy(token_rate=Rate(RATE, 1000), token_burst=BURST)
 # what a request uses: a fixed share of its reservation, or a uniform range of shares
 USAGES: dict[str, float | tuple[float, float]] = {
     "reserve = use": 1.0, "reserve 2x use": 0.5, "reserve 5x use": 0.2,
@@ -204,8 +205,13 @@ def arrivals(usage: float | tuple[float, float], load: float, seed: int, run_ms:
         requests.append(draw(rng, int(t), usage, hold_ms))
 
 
+def policy(burst: int) -> TenantPolicy:
+    return TenantPolicy(token_rate=Rate(RATE, 1000), token_burst=burst)
+
+
 def simulate(variant: str, usage: float | tuple[float, float], load: float | None,
-             seed: int, run_ms: int, hold_ms: int, max_tries: int) -> list[Request]:
+             seed: int, run_ms: int, hold_ms: int, max_tries: int,
+             burst: int = BURST) -> list[Request]:
     """Every request of one run, with what happened to it (``load`` None: the lone client)."""
     rng = random.Random(f"{seed}/{usage}/lone")  # the lone client's requests
     lone = load is None
@@ -214,8 +220,8 @@ def simulate(variant: str, usage: float | tuple[float, float], load: float | Non
     else:
         requests = arrivals(usage, load, seed, run_ms, hold_ms)
     if variant == "oracle":
-        return _oracle(requests, usage, lone, rng, run_ms, hold_ms)
-    limiter = LIMITERS[variant](POLICY, 0)
+        return _oracle(requests, usage, lone, rng, run_ms, hold_ms, burst)
+    limiter = LIMITERS[variant](policy(burst), 0)
     bucket = limiter.token_bucket
     assert bucket is not None
     cost = Cost(RESERVE, 0)
@@ -254,9 +260,9 @@ def simulate(variant: str, usage: float | tuple[float, float], load: float | Non
 
 
 def _oracle(requests: list[Request], usage: float | tuple[float, float], lone: bool,
-            rng: random.Random, run_ms: int, hold_ms: int) -> list[Request]:
+            rng: random.Random, run_ms: int, hold_ms: int, burst: int) -> list[Request]:
     """One FIFO queue; its head is admitted the first ms the bucket holds it."""
-    limiter = TenantLimiter(POLICY, 0)
+    limiter = TenantLimiter(policy(burst), 0)
     bucket = limiter.token_bucket
     assert bucket is not None
     cost = Cost(RESERVE, 0)
@@ -340,10 +346,10 @@ def scenarios() -> list[tuple[str, float | tuple[float, float], float | None]]:
 
 
 def run(name: str, usage: float | tuple[float, float], load: float | None, variant: str,
-        seed: int, run_s: float, warmup_s: float, hold_ms: int, max_tries: int
-        ) -> dict[str, Any]:
+        seed: int, run_s: float, warmup_s: float, hold_ms: int, max_tries: int,
+        burst: int = BURST) -> dict[str, Any]:
     run_ms, warmup_ms = int(run_s * 1000), int(warmup_s * 1000)
-    requests = simulate(variant, usage, load, seed, run_ms, hold_ms, max_tries)
+    requests = simulate(variant, usage, load, seed, run_ms, hold_ms, max_tries, burst)
     return {"scenario": name, "variant": variant, "seed": seed,
             **measure(requests, load is None, run_ms, warmup_ms)}
 
@@ -399,6 +405,9 @@ def main() -> None:
                         help="arrivals before this are not counted")
     parser.add_argument("--hold-ms", type=int, default=2000,
                         help="each request's mean time from admission to release")
+    parser.add_argument("--burst", type=int, default=BURST,
+                        help="the token bucket's burst (a tenant's default: a minute's worth, "
+                        "60000 at this rate)")
     parser.add_argument("--max-tries", type=int, default=10,
                         help="attempts before a client gives up (0: never)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -416,7 +425,7 @@ def main() -> None:
     if args.scenarios:
         chosen = [s for s in chosen if re.search(args.scenarios, s[0])]
     rows = [run(name, usage, load, variant, int(seed), args.run_s, args.warmup_s,
-                args.hold_ms, args.max_tries)
+                args.hold_ms, args.max_tries, args.burst)
             for name, usage, load in chosen for variant in variants
             for seed in args.seeds.split(",")]
     text = table(rows)
@@ -424,7 +433,7 @@ def main() -> None:
     if args.out:
         env = ["KVGATE_NATIVE=0"] if os.environ.get("KVGATE_NATIVE") == "0" else []
         command = shlex.join([*env, "python", "-m", "bench.herd_refunds", *sys.argv[1:]])
-        settings = {"rate_tokens_per_s": RATE, "burst": BURST, "reserve": RESERVE,
+        settings = {"rate_tokens_per_s": RATE, "burst": args.burst, "reserve": RESERVE,
                     "hold_ms": args.hold_ms, "max_tries": args.max_tries, "run_s": args.run_s,
                     "warmup_s": args.warmup_s, "seeds": args.seeds}
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -432,7 +441,7 @@ def main() -> None:
             {"command": command, "settings": settings, "rows": rows}, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(
             f"# {__doc__.splitlines()[0]}\n\n`{command}`\n\n"
-            f"Token rate {RATE:,}/s, burst {BURST:,}, every request reserving {RESERVE:,}; "
+            f"Token rate {RATE:,}/s, burst {args.burst:,}, every request reserving {RESERVE:,}; "
             f"held {args.hold_ms // 2}-{args.hold_ms * 3 // 2} ms; "
             f"{args.max_tries or 'unlimited'} tries; arrivals for "
             f"{args.run_s:g} s, counted after {args.warmup_s:g} s; seeds {args.seeds} "
