@@ -35,9 +35,12 @@
 -- event for the meter: a usage event with no blank line after it is read, provided its data
 -- is one whole JSON object (a cut-off one is no usage).
 -- An event counts (the done report's "events") when any of its lines is a data line,
--- whatever id:, event: or comment lines an engine puts before it. A UTF-8 byte order mark
--- at the stream's very start is no part of its first line (an SSE client drops it): it
--- passes on, unread.
+-- whatever id:, event: or comment lines an engine puts before it, unless its data is
+-- [DONE] (the end: a token that quotes it counts). An event's usage is read from its data
+-- (its data lines' values joined by LF, as an SSE client joins them: a usage object may
+-- span lines; comment, id: and event: lines hold none). A UTF-8 byte order mark at the
+-- stream's very start is no part of its first line (an SSE client drops it): it passes
+-- on, unread.
 
 local TAIL = 8192 -- bytes of an unfinished SSE event, or of the JSON read so far, kept
 local HOLD = 4096 -- an unfinished event longer than this is no usage event: never held
@@ -127,6 +130,7 @@ end
 -- lines an engine may put before it.
 local FIELDS = {"data:", "id:", "event:", "retry:", ":"}
 local DATA = "data:"
+local DONE = "[DONE]" -- the data of the event that ends an OpenAI stream
 local BOM = "\239\187\191" -- UTF-8's byte order mark: SSE drops one at a stream's start
 
 -- The stream's first bytes: a byte order mark there is no part of its first line.
@@ -176,19 +180,43 @@ local function opens_data(bytes, fresh)
   return false
 end
 
--- The data of an event (its data lines' values joined by LF, as an SSE client joins them)
--- when it is one whole JSON object, else nil: only such an event is read when the body's
--- end, not a blank line, ends it (an object cut off never closes its first brace).
-local function whole_object(event)
-  local values = {}
-  for line in string.gmatch(event, "[^\r\n]+") do
+-- An event's data: its data lines' values (each less one leading space) joined by LF, as
+-- an SSE client joins them; what its usage and [DONE] are read from (a comment, id: or
+-- event: line is none of it). The usual event, one data line, costs a find and a sub: no
+-- pass over lines. `lost`: nil when `event` is whole, else whether the start its carry
+-- lost had a data line: its first line, cut, is then taken as data (a long event is a long
+-- data line), else as none.
+local function event_data(event, lost)
+  if lost == nil and string.sub(event, 1, 5) == DATA
+      and string.find(event, "[\r\n]") == nil then
+    return string.sub(event, string.byte(event, 6) == 32 and 7 or 6)
+  end
+  local values, from = {}, 1
+  if lost ~= nil then
+    local cut = string.find(event, "[\r\n]") or #event + 1
+    if lost then values[1] = string.sub(event, 1, cut - 1) end
+    from = cut
+  end
+  for line in string.gmatch(string.sub(event, from), "[^\r\n]+") do
     if string.sub(line, 1, 5) == DATA then
-      local value = string.sub(line, 6)
-      if string.sub(value, 1, 1) == " " then value = string.sub(value, 2) end
-      values[#values + 1] = value
+      values[#values + 1] = string.sub(line, string.byte(line, 6) == 32 and 7 or 6)
     end
   end
-  local data = table.concat(values, "\n")
+  return table.concat(values, "\n")
+end
+
+-- Whether an event is the end of an OpenAI stream: its data is [DONE] (an event that only
+-- mentions it, a token quoting it, is not). `data`: the event's, when already read.
+local function is_done(event, lost, data)
+  if not string.find(event, DONE, 1, true) then return false end
+  return (data or event_data(event, lost)) == DONE
+end
+
+-- The data of an event when it is one whole JSON object, else nil: only such an event is
+-- read when the body's end, not a blank line, ends it (an object cut off never closes its
+-- first brace).
+local function whole_object(event)
+  local data = event_data(event, nil)
   local from = string.match(data, "^%s*(){")
   if from == nil then return nil end
   local object = object_at(data, from, #data)
@@ -197,8 +225,10 @@ local function whole_object(event)
 end
 
 -- Whether an unfinished event may still turn out to be the usage-only event (SSE field
--- lines, no [DONE], with no choices in it yet): only such an event is held back, so a
--- stream whose last event never gets its blank line loses nothing but that event.
+-- lines, its data not begun with [DONE], with no choices in it yet): only such an event is
+-- held back, so a stream whose last event never gets its blank line loses nothing but that
+-- event. (One that merely mentions [DONE] may be the usage event: held. Each test, once
+-- failed, fails for every longer partial: what is held does not depend on the splits.)
 local function may_be_usage(partial)
   local lines = string.match(partial, "^[\r\n]*(.*)$")
   local field = false
@@ -207,7 +237,10 @@ local function may_be_usage(partial)
     if string.sub(lines, 1, n) == string.sub(name, 1, n) then field = true break end
   end
   if not field then return false end
-  if string.find(partial, "[DONE]", 1, true) then return false end
+  if string.find(partial, DONE, 1, true)
+      and string.sub(event_data(partial, nil), 1, #DONE) == DONE then
+    return false
+  end
   return string.find(partial, '"choices"%s*:%s*%[%s*[^%]%s]') == nil
 end
 
@@ -215,13 +248,16 @@ end
 -- true when it is the usage-only event (to strip). `lost`: nil when `event` is whole,
 -- else whether the start its carry lost had a data line.
 local function note_event(state, event, lost)
-  local usage_only = false
-  if string.find(event, '"usage"', 1, true) then
-    state.usage = last_usage(event) or state.usage
-    usage_only = string.find(event, '"choices"%s*:%s*%[%s*%]') ~= nil
+  local usage_only, data = false, nil
+  if string.find(event, '"usage"', 1, true) then -- else its data has none either
+    data = event_data(event, lost)
+    if string.find(data, '"usage"', 1, true) then
+      state.usage = last_usage(data) or state.usage
+      usage_only = string.find(data, '"choices"%s*:%s*%[%s*%]') ~= nil
+    end
   end
   if not usage_only and (lost or has_data(event, lost == nil))
-      and not string.find(event, "[DONE]", 1, true) then
+      and not is_done(event, lost, data) then
     state.events = state.events + 1
   end
   return usage_only

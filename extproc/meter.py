@@ -15,7 +15,10 @@ usage event (short, SSE field lines, no choice in it yet). Events end at a blank
 LF, CRLF or CR line ends, as in the Lua meter, and at the body's end: a last event whose
 blank line never came is read as if it had, when its data is one whole JSON object. An
 event counts (``events``) when any of its lines is a data line, whatever id:, event: or
-comment lines come before it. A UTF-8 byte order mark at the stream's very start is no part
+comment lines come before it, unless its data is ``[DONE]`` (the end: a token that quotes
+it counts). An event's usage is read from its data (its data lines' values joined by LF, as
+an SSE client joins them: a usage object may span lines; comment, id: and event: lines hold
+none), as in the Lua meter. A UTF-8 byte order mark at the stream's very start is no part
 of its first line (an SSE client drops it): it passes on, unread.
 """
 
@@ -27,7 +30,7 @@ from collections import deque
 
 import orjson
 
-from extproc.openai import Usage, usage_from, usage_of
+from extproc.openai import Usage, usage_of
 
 TAIL = 8192  # bytes of an unfinished SSE event, or of the JSON read so far, kept
 HOLD = 4096  # an unfinished event longer than this is no usage event: never held
@@ -43,6 +46,7 @@ _EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?=[^\n])|\n)")
 # an engine may put before it
 _FIELDS = (b"data:", b"id:", b"event:", b"retry:", b":")
 _DATA = b"data:"
+_DONE = b"[DONE]"  # the data of the event that ends an OpenAI stream
 _BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: SSE's decoder drops one at the stream's start
 _LINES = re.compile(rb"\r\n|\r|\n")
 
@@ -129,18 +133,16 @@ class ResponseMeter:
         """Note one whole event; True when it is the usage-only event to strip. ``lost``:
         None when ``event`` is whole, else whether the start its carry lost had a data line.
         """
-        usage_only = False
-        if b'"usage"' in event:
-            # the usage-only event as the Lua meter knows it: no choices, whatever its usage
-            usage_only = _NO_CHOICES.search(event) is not None
-            if _USAGE.search(event):
-                try:
-                    document = orjson.loads(event.partition(b"data:")[2].strip())
-                except orjson.JSONDecodeError:
-                    document = None
-                self.usage = usage_from(document) or self.usage
+        usage_only, data = False, None
+        if b'"usage"' in event:  # else its data has none either: read no further
+            data = _data(event, lost)
+            if b'"usage"' in data:
+                # the usage-only event as the Lua meter knows it: no choices, whatever its
+                # usage; the usage read as a JSON answer's is (its last few keys, bounded)
+                usage_only = _NO_CHOICES.search(data) is not None
+                self.usage = _last_usage(data) or self.usage
         if (not usage_only and (lost or _has_data(event, whole=lost is None))
-                and b"[DONE]" not in event):
+                and not _is_done(event, lost, data)):
             self.events += 1
         return usage_only
 
@@ -164,11 +166,14 @@ class ResponseMeter:
 
 def _may_be_usage(partial: bytes) -> bool:
     """Whether an unfinished event may still turn out to be the usage-only event (SSE field
-    lines, not ``[DONE]``, no choice in it yet): only such an event is held back, so a
-    stream whose last event never gets its blank line loses nothing but that event."""
+    lines, its data not begun with ``[DONE]``, no choice in it yet): only such an event is
+    held back, so a stream whose last event never gets its blank line loses nothing but that
+    event. (One that merely mentions ``[DONE]`` may be the usage event: held. Each test, once
+    failed, fails for every longer partial: what is held does not depend on the splits.)"""
     lines = partial.lstrip(b"\r\n")
     return (any(name.startswith(lines[:len(name)]) for name in _FIELDS)
-            and b"[DONE]" not in partial and _SOME_CHOICE.search(partial) is None)
+            and not (_DONE in partial and _data(partial, None).startswith(_DONE))
+            and _SOME_CHOICE.search(partial) is None)
 
 
 def _has_data(event: bytes, *, whole: bool) -> bool:
@@ -193,17 +198,41 @@ def _opens_data(chunk: bytes, fresh: bool) -> bool:
                for i in range(max(0, len(chunk) - 5), len(chunk) - 1))
 
 
-def _whole_object(event: bytes) -> bool:
-    """Whether an event's data (its data lines' values joined by LF, as an SSE client joins
-    them) is one whole JSON object: only such an event is read when the body's end, not a
-    blank line, ends it."""
+def _data(event: bytes, lost: bool | None) -> bytes:
+    """An event's data: its data lines' values (each less one leading space) joined by LF,
+    as an SSE client joins them; what its usage and ``[DONE]`` are read from (a comment,
+    id: or event: line is none of it). The usual event, one data line, is sliced, not split
+    into lines. ``lost``: None when ``event`` is whole, else whether the start its carry lost
+    had a data line: its first line, cut, is then taken as data (a long event is a long data
+    line), else as none."""
+    if lost is None and event.startswith(_DATA) and b"\n" not in event and b"\r" not in event:
+        return event[6:] if event[5:6] == b" " else event[5:]
+    lines = _LINES.split(event)
     values = []
-    for line in _LINES.split(event):
+    if lost is not None:
+        cut = lines.pop(0)
+        if lost:
+            values.append(cut)
+    for line in lines:
         if line.startswith(_DATA):
-            value = line[len(_DATA) :]
-            values.append(value[1:] if value.startswith(b" ") else value)
+            values.append(line[6:] if line[5:6] == b" " else line[5:])
+    return b"\n".join(values)
+
+
+def _is_done(event: bytes, lost: bool | None, data: bytes | None = None) -> bool:
+    """Whether an event is the end of an OpenAI stream: its data is ``[DONE]`` (an event that
+    only mentions it, a token quoting it, is not). ``data``: the event's, when already read.
+    """
+    if _DONE not in event:
+        return False
+    return (_data(event, lost) if data is None else data) == _DONE
+
+
+def _whole_object(event: bytes) -> bool:
+    """Whether an event's data is one whole JSON object: only such an event is read when
+    the body's end, not a blank line, ends it."""
     try:
-        return isinstance(orjson.loads(b"\n".join(values)), dict)
+        return isinstance(orjson.loads(_data(event, None)), dict)
     except orjson.JSONDecodeError:
         return False
 

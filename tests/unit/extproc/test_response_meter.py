@@ -3,6 +3,8 @@ anywhere, bounded memory, the injected usage event stripped and nothing else."""
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -349,3 +351,216 @@ def test_only_a_whole_byte_order_mark_at_the_very_start_is_ignored(strip):
             pieces = [body[:1], body[1:cut], body[cut:]]
             first = started_at(ResponseMeter(sse=True, strip=strip), pieces)
             assert first == (0 if begins < 1 else 1 if begins < cut else 2), (body[:8], cut)
+
+
+# --- the usage read from the event's data (its data lines joined by LF); [DONE] as data ---
+
+USAGE_EVENT = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [],
+               "usage": USAGE}
+
+
+def spread(document: dict, end: bytes = b"\n") -> bytes:
+    """``document`` as one SSE event's data lines, a line per JSON member (an SSE client
+    joins an event's data lines with LF: the same JSON, whitespace between its tokens).
+    No line end after the last line."""
+    parts = orjson.dumps(document).replace(b",", b",\n").split(b"\n")
+    return end.join(b"data: " + part for part in parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 700), max_size=8), st.booleans(),
+       st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r"]),
+       st.sampled_from([b"", b"id: 7", b": data: not the data", b"event: data: x"]))
+def test_a_usage_object_over_several_data_lines_is_read_and_stripped(cuts, strip, end, lead):
+    """SSE joins an event's data lines with LF, a legal way to send JSON: the usage was
+    read only from the first ``data:`` text anywhere in the event (then also one inside a
+    comment, id: or event: line before it), so none was found and the tenant was charged
+    its reservation."""
+    line_end = end[: len(end) // 2]
+    usage_event = (lead + line_end if lead else b"") + spread(USAGE_EVENT, line_end) + end
+    body = sse(EVENTS, end).replace(b"data: [DONE]", usage_event + b"data: [DONE]")
+    meter = ResponseMeter(sse=True, strip=strip)
+    passed = run(meter, body, cuts)
+    assert passed == (sse(EVENTS, end) if strip else body)
+    assert meter.usage == Usage(13, 4) and meter.events == 5
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_usage_text_outside_the_data_lines_is_no_usage(strip):
+    """Only the event's data holds its usage: a comment, id: or event: line that mentions
+    one is no usage (nor makes its event the usage-only one, stripped)."""
+    for lead in (b': {"usage": {"prompt_tokens": 99, "completion_tokens": 1}}\n',
+                 b'id: {"choices": [], "usage": {"prompt_tokens": 99}}\n',
+                 b'event: "usage": {"prompt_tokens": 99}\r\n'):
+        body = b"".join(lead + b"data: " + orjson.dumps(e) + b"\n\n" for e in EVENTS)
+        meter = ResponseMeter(sse=True, strip=strip)
+        assert run(meter, body, [len(body) // 2]) == body, lead
+        assert meter.usage is None and meter.events == 5, lead
+    # a usage object cut by a comment line between two data lines: still one object
+    usage_event = spread(USAGE_EVENT).replace(b'\ndata: "usage"', b'\n: ping\ndata: "usage"')
+    meter = ResponseMeter(sse=True, strip=strip)
+    body = sse(EVENTS).replace(b"data: [DONE]", usage_event + b"\n\ndata: [DONE]")
+    assert run(meter, body, []) == (sse(EVENTS) if strip else body)
+    assert meter.usage == Usage(13, 4)
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_only_an_event_whose_data_is_done_ends_the_stream(strip):
+    """An event counted none when the text ``[DONE]`` was anywhere in it: a model quoting
+    it, an id: or comment line. Only an event whose data is ``[DONE]`` (after the one
+    optional space) is the end; one with more data counts as any data event."""
+    quoting = [{"choices": [{"delta": {"content": text}}]}
+               for text in ("[DONE]", "data: [DONE]\n\n", " [DONE] ")]
+    counted = [b"data: " + orjson.dumps(e) + b"\n\n" for e in quoting] + [
+        b"id: [DONE]\ndata: " + orjson.dumps(EVENTS[0]) + b"\n\n",
+        b": [DONE]\r\ndata: " + orjson.dumps(EVENTS[1]) + b"\r\n\r\n",
+        b"data:  [DONE]\n\n",  # its data is " [DONE]": one space only is dropped
+        b"data: [DONE]\ndata: [DONE]\n\n"]  # "[DONE]\n[DONE]"
+    ends = [b"data: [DONE]\n\n", b"data:[DONE]\r\r", b"event: end\r\ndata: [DONE]\r\n\r\n",
+            b"id: 9\ndata: [DONE]"]  # the last without its blank line
+    body = b"".join(counted) + b"".join(ends)
+    for cut in range(0, len(body), 11):
+        meter = ResponseMeter(sse=True, strip=strip)
+        assert run(meter, body, [cut, cut + 5]) == body, cut
+        assert meter.events == len(counted), cut
+
+
+def test_a_usage_event_that_mentions_done_is_held_and_stripped_wherever_split():
+    """An unfinished event with ``[DONE]`` anywhere in it went on at once, taken for the
+    end: a usage-only event that mentions it reached the client whenever the engine's
+    writes split it past the mention. Only an event whose data is ``[DONE]`` is the end."""
+    head = sse(EVENTS).removesuffix(b"data: [DONE]\n\n")
+    usage_event = b"data: " + orjson.dumps({**USAGE_EVENT, "id": "[DONE]"}) + b"\n\n"
+    body = head + usage_event + b"data: [DONE]\n\n"
+    for cut in range(len(head) + 1, len(head) + len(usage_event)):
+        meter = ResponseMeter(sse=True, strip=True)
+        assert run(meter, body, [cut]) == head + b"data: [DONE]\n\n", cut
+        assert meter.usage == Usage(13, 4) and meter.events == 5, cut
+    meter = ResponseMeter(sse=True, strip=True)
+    assert meter.feed(b"data: [DONE]\r") == b"data: [DONE]\r"  # the end: on at once
+
+
+def test_the_usage_at_the_end_of_an_event_longer_than_the_carry_is_read():
+    """A data line longer than the carry (continuous usage with a long chunk) loses its
+    start, "data:" included: its usage, at its end, is still in the data read (as the Lua
+    meter reads it)."""
+    long = {"choices": [{"delta": {"content": "y" * (2 * TAIL)}}], "usage": USAGE}
+    for lead in (b"", b"id: 7\n"):
+        for body in (lead + sse([long]), lead + spread(long) + b"\n\n"):
+            for strip in (False, True):
+                for step in (1000, 4096, TAIL + 1, len(body)):
+                    meter = ResponseMeter(sse=True, strip=strip)
+                    assert run(meter, body, list(range(step, len(body), step))) == body
+                    assert meter.usage == Usage(13, 4), (lead, strip, step)
+                    assert meter.events == 1, (lead, strip, step)
+
+
+# --- random streams: the Python meter's result does not depend on where writes split them
+# (the e2e suite feeds the same streams to Envoy's Lua meter and compares the two) ---
+
+STREAM_LEADS = [b"id: 7", b"event: message", b": ping", b"retry: 10", b": data: x",
+                b'id: data: {"usage": {"prompt_tokens": 99, "completion_tokens": 1}}',
+                b': {"choices": [], "usage": {"prompt_tokens": 99, "completion_tokens": 1}}',
+                b"id: [DONE]", b": [DONE]"]
+CONTENTS = ["t ", "[DONE]", "data: [DONE]", '"usage": {"prompt_tokens": 1}', "a\nb", "",
+            "data: x\n\n"]
+
+
+def random_stream(rng) -> bytes:
+    """An SSE stream as an engine, or a proxy in front of it, may write one: LF, CRLF or
+    CR line ends (one kind, or mixed), id:, event:, retry: and comment lines (some that
+    mention data:, a usage or [DONE]), data over several lines, tokens that quote
+    ``[DONE]``, a long event now and then, the usage event or none, the end sentinel or
+    none, a last event without its blank line, a byte order mark."""
+    style = rng.choice([b"\n", b"\r\n", b"\r", None])
+    last = [b""]
+
+    def end() -> bytes:
+        """A line end; mixed ones never CR then LF (that is one CRLF: two events joined)."""
+        last[0] = style or rng.choice([b"\r\n", b"\r"] if last[0] == b"\r"
+                                      else [b"\n", b"\r\n", b"\r"])
+        return last[0]
+
+    def event(document: dict | bytes) -> bytes:
+        lines = [rng.choice(STREAM_LEADS) for _ in range(rng.choice([0, 0, 0, 1, 2]))]
+        data = document if isinstance(document, bytes) else orjson.dumps(document)
+        parts = data.replace(b",", b",\n").split(b"\n")  # JSON: commas inside no string
+        if rng.random() < 0.6:
+            parts = [b"".join(parts)]
+        else:  # a line per member, some lines joined again
+            joined = [parts[0]]
+            for part in parts[1:]:
+                if rng.random() < 0.5:
+                    joined[-1] += part
+                else:
+                    joined.append(part)
+            parts = joined
+        data_lines = [b"data:" + rng.choice([b" ", b" ", b""]) + part for part in parts]
+        if len(data_lines) > 1 and rng.random() < 0.3:  # a comment between data lines
+            data_lines.insert(rng.randrange(1, len(data_lines)), b": between")
+        return b"".join(line + end() for line in lines + data_lines) + end()
+
+    usage = {"prompt_tokens": rng.randint(0, 5000), "completion_tokens": rng.randint(0, 500)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    if rng.random() < 0.3:
+        usage["prompt_tokens_details"] = {"cached_tokens": 0}
+    out = [b"\xef\xbb\xbf"] if rng.random() < 0.1 else []
+    for i in range(rng.randint(0, 5)):
+        content = rng.choice(CONTENTS) + str(i)
+        if rng.random() < 0.05:
+            content += "y" * rng.choice([5000, 20000])
+        document: dict = {"id": "c", "choices": [{"index": 0, "delta": {"content": content}}]}
+        if rng.random() < 0.15:  # continuous usage stats
+            document["usage"] = dict(usage, completion_tokens=i + 1)
+        out.append(event(document))
+    if rng.random() < 0.7:
+        out.append(event({"id": "c", "object": "chat.completion.chunk", "choices": [],
+                          "usage": usage}))
+    if rng.random() < 0.8:
+        out.append(event(rng.choice([b"[DONE]", b"[DONE]", b" [DONE]", b"[DONE] x"])))
+    body = b"".join(out) or b": ping\n\n"
+    if rng.random() < 0.2:  # the last event without its blank line (or its line's end)
+        body = body.rstrip(b"\r\n") + rng.choice([b"", b"\n", b"\r"])
+    return body or b": ping"
+
+
+def random_cuts(rng, body: bytes) -> list[int]:
+    return sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(0, 6))))
+
+
+def metered(body: bytes, cuts: list[int], strip: bool) -> tuple:
+    """What the Python meter makes of ``body`` written in pieces split at ``cuts``: the
+    bytes passed on as the pieces came, those ``finish`` passes on at the end (the Lua
+    meter cannot: it drops them), the usage, the events, whether a first token was seen."""
+    meter = ResponseMeter(sse=True, strip=strip)
+    edges = [0, *cuts, len(body)]
+    passed = b"".join(meter.feed(body[a:b]) for a, b in itertools.pairwise(edges))
+    return passed, meter.finish(), meter.usage, meter.events, meter.started
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_random_stream_is_metered_alike_however_split(seed):
+    import random
+
+    rng = random.Random(seed)
+    body, strip = random_stream(rng), rng.random() < 0.5
+    whole = metered(body, [], strip)
+    for _ in range(3):
+        assert metered(body, random_cuts(rng, body), strip) == whole, body
+    if not strip:
+        assert whole[0] + whole[1] == body
+
+
+def test_an_event_repeating_the_usage_key_costs_one_scan():
+    """The bound on ``"usage":{`` keys holds for an SSE event's data too, one data line or
+    one per key (the lines joined once, then one scan), whole or in pieces."""
+    import time
+
+    for body in (b'data: {"x":' + b'"usage":{' * 56_000 + b"}\n\n",
+                 b'data: {"x":\n' + b'data: "usage":{\n' * 56_000 + b"data: }\n\n"):
+        for cuts in ([], list(range(65_536, len(body), 65_536))):
+            for strip in (False, True):
+                started = time.monotonic()
+                meter = ResponseMeter(sse=True, strip=strip)
+                assert run(meter, body, cuts) == body
+                assert meter.usage is None and time.monotonic() - started < 2
