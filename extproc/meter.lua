@@ -430,8 +430,9 @@ function envoy_on_response(handle)
   if limited then state.usage = NOTHING end
   -- an answer that ended without a usage the meter could read: its reservation, as kvgate
   if prompt ~= nil and state.usage == nil then provisional(handle, prompt + output) end
+  -- the usage last: an engine's object kvgate cannot parse costs only itself (reports.py)
   report(handle, meta, "done",
-         '{"usage":' .. (state.usage or "null") .. ',"events":' .. state.events ..
-         ',"answered":' .. tostring(answered) .. '}')
+         '{"events":' .. state.events .. ',"answered":' .. tostring(answered) ..
+         ',"usage":' .. (state.usage or "null") .. '}')
   publish(handle, state.usage)
 end

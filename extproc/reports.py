@@ -35,7 +35,7 @@ import resource
 import secrets
 import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import orjson
 
@@ -135,18 +135,27 @@ class ReportDesk:
 
 
 def parse_done(body: bytes) -> tuple[Usage | None, int, bool]:
-    """``{"usage": <the engine's usage object or null>, "events": <SSE data events>,
-    "answered": <a 2xx response>}``; a report that does not say is taken as an answer (the
-    charge without usage is then the reservation, never less than what was used)."""
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None, 0, True
+    """``{"events": <SSE data events>, "answered": <a 2xx response>, "usage": <the engine's
+    usage object or null>}``; a report that does not say is taken as an answer (the charge
+    without usage is then the reservation, never less than what was used). The meter copies
+    the engine's usage object as it found it, last: one that is no JSON (balanced braces
+    around anything) loses only the usage, not the events and the status before it."""
+    document = _json(body)
+    if document is None:  # the meter's own fields come first, and hold no such key
+        head, found, _usage = body.partition(b',"usage":')
+        document = _json(head + b"}") if found else None
     if not isinstance(document, dict):
         return None, 0, True
     events = document.get("events")
     return (usage_from(document), events if type(events) is int and events >= 0 else 0,
             document.get("answered") is not False)
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def connection_cap() -> int:

@@ -269,6 +269,20 @@ def test_json_without_a_valid_usage_reports_none(meter_stack):
     assert recorder.done == [(None, 0)] and recorder.answered == [False]
 
 
+def test_a_usage_object_that_is_no_json_loses_only_the_usage(meter_stack):
+    """The meter copies the engine's usage object as it found it (its braces balanced): one
+    that is no JSON made the whole done report unreadable, and kvgate lost the events and
+    took an engine's error for an answer."""
+    bad = b'{"prompt_tokens": 13, "completion_tokens": x}'
+    body = sse([text(i) for i in range(3)]).removesuffix(b"data: [DONE]\n\n") + (
+        b'data: {"choices": [], "usage": ' + bad + b"}\n\ndata: [DONE]\n\n")
+    _, recorder = exchange(meter_stack, [body], "sse")
+    assert recorder.done == [(None, 3)] and recorder.answered == [True]
+    error = b'{"error": {"message": "bad", "code": 400}, "usage": ' + bad + b"}"
+    _, recorder = exchange(meter_stack, [error], "json", status=b"400 Bad Request")
+    assert recorder.done == [(None, 0)] and recorder.answered == [False]
+
+
 def test_json_the_last_usage_wins_whatever_the_spacing(meter_stack):
     body = (b'{"x": {"usage" :{"prompt_tokens": 1}}, "usage"\n:\t{"prompt_tokens": 13, '
             b'"completion_tokens": 4, "d": {"a": "}"}}}')

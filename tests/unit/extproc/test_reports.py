@@ -157,6 +157,18 @@ def test_a_done_report_says_whether_the_engine_answered():
     assert parse_done(b"garbage") == (None, 0, True)
 
 
+def test_a_usage_object_that_is_no_json_loses_only_the_usage():
+    """The meter copies the engine's usage object as it found it (balanced braces), last:
+    one that is no JSON cost the whole report, and an engine's error answer was then taken
+    as an answer with no events."""
+    for usage in (b'{"prompt_tokens": 3, "completion_tokens": "2\n3}', b"{nope}",
+                  b'{"x": 1,"usage":{"usage":{}', b'{"prompt_tokens": 1,"usage":}'):
+        body = b'{"events":4,"answered":false,"usage":' + usage + b"}"
+        assert parse_done(body) == (None, 4, False), usage
+    whole = b'{"events":4,"answered":true,"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+    assert parse_done(whole) == (Usage(3, 2), 4, True)
+
+
 async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
     try:
         return await asyncio.wait_for(reader.read(65536), seconds) == b""
