@@ -24,6 +24,7 @@ from limiter.herd import (
     herd_wait,
     live_promise,
     observe,
+    promise_back,
     promise_bucket,
     promise_window,
     rate_interval,
@@ -635,9 +636,7 @@ class TenantLimiter:
         if shaper is not None:
             self._promise_shaper(shaper, live[Reason.SHAPING], final, now_ms)
         for reason, promise in live.items():  # this client is back at now + final too
-            back = self._back.get(reason)
-            at = now_ms + final
-            self._back[reason] = at if promise is None or back is None else max(back, at)
+            self._back[reason] = promise_back(promise, self._back.get(reason), now_ms + final)
         scheduled = [(reason, slots[reason]) for reason, _ in waits]
         top = max(range(len(scheduled)), key=lambda i: scheduled[i][1])
         scheduled[top] = (scheduled[top][0], final)  # one that did not refuse may set it

@@ -75,6 +75,17 @@ def live_promise(promised: int | None, back_ms: int | None, now_ms: int) -> int 
     return promised
 
 
+def promise_back(promised: int | None, back_ms: int | None, at_ms: int) -> int:
+    """When the last client of a bucket's (or the shaper's) schedule is back once one more
+    is promised a slot at ``at_ms``: ``promised`` is the schedule's live promise before it
+    (:func:`live_promise`; None: this client starts a new schedule). A live promise kept
+    without ``back_ms`` (by an older version) has clients whose return is not known: from
+    now on, the schedule lasts until this one's."""
+    if promised is None or back_ms is None:
+        return at_ms
+    return max(back_ms, at_ms)
+
+
 def bucket_slot(promised: int | None, bucket: TokenBucket, cost: int, wait: int,
                 now_ms: int) -> int:
     """This client's slot in a token bucket's schedule (GCRA): ``promised`` is when the

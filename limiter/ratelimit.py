@@ -33,6 +33,8 @@ from limiter.herd import (
     Promised,
     bucket_slot,
     fixed_slot,
+    live_promise,
+    promise_back,
     promise_bucket,
     promise_fixed,
     promise_window,
@@ -268,26 +270,34 @@ def take(counter: Counter, cost: int, fits: bool, now_ms: int) -> None:
 @dataclass
 class Promise:
     """The retry slots a counter promised refused clients (:mod:`limiter.herd`): a token
-    bucket's virtual full time (``at``), a fixed window's last promised window and what
-    the clients will count there (``at``, ``used``), a sliding window's promised entries.
-    Bounded (one or two integers; at most a window's limit of entries) and over once its
-    last slot is past (:func:`promised_until`)."""
+    bucket's virtual full time and when the last client promised a slot is back (``at``,
+    ``back``), a fixed window's last promised window and what the clients will count there
+    (``at``, ``used``), a sliding window's promised entries. Bounded (two integers; at most
+    a window's limit of entries) and over once its last slot is past
+    (:func:`promised_until`)."""
 
     at: int | None = None
     used: int = 0
     entries: Promised = field(default_factory=list)
+    back: int | None = None  # a token bucket's (None: not known, ``at`` stands)
 
 
 def promised_until(promise: Promise) -> int | None:
-    """The last slot promised (None: none): once past, the promise changes no answer."""
+    """The last slot promised (None: none): once past, the promise changes no answer. A
+    token bucket's virtual full time lies beyond it: once its last client is back, each
+    promised client has taken its cost or is not coming, and the bucket itself says the
+    rest (:func:`~limiter.herd.live_promise`)."""
     if promise.entries:
         return promise.entries[-1][0]
+    if promise.back is not None:
+        return promise.back
     return promise.at
 
 
 def _slot(counter: Counter, promise: Promise, need: int, wait: int, now_ms: int) -> int:
     """This client's slot in one counter's schedule (unbounded for the windows)."""
     if isinstance(counter, TokenBucket):
+        promise.at = live_promise(promise.at, promise.back, now_ms)
         return bucket_slot(promise.at, counter, need, wait, now_ms)
     if isinstance(counter, SlidingWindow):
         slot, promise.entries = window_slot(counter, need, now_ms, promise.entries)
@@ -302,6 +312,7 @@ def _promise(counter: Counter, promise: Promise, cost: int, slot: int, final: in
     slot past the bound has no place to keep (a client refused in a loop would count its
     promises over the limit)."""
     if isinstance(counter, TokenBucket):
+        promise.back = promise_back(promise.at, promise.back, now_ms + final)
         promise.at = promise_bucket(promise.at, counter, cost, final, now_ms)
     elif slot > final or cost == 0:
         return

@@ -127,9 +127,11 @@ class MemoryRateCounters:
 # 's' sliding window, 'f' fixed window), amount, period ms, capacity (the window's limit
 # for windows), window ms, cost, flags ('s' shadow, 'd' debt). KEYS: three per hit (counter,
 # its meta, its retry slots), then the call's record: absent (never ran), 'x' (cancelled) or
-# what it charged. The retry slots (limiter.ratelimit.Promise) are a hash {sig, at, n, wp}:
+# what it charged. The retry slots (limiter.ratelimit.Promise) are a hash {sig, at, n, wp, b}:
 # the limit they were promised under, the bucket's virtual full time or the fixed window's
-# start, what the clients count there, a sliding window's promised entries "ms:cost,...".
+# start, what the clients count there, a sliding window's promised entries "ms:cost,...",
+# when the bucket's last promised client is back (absent, written by an older kvgate: the
+# promise stands until ``at``).
 _RLS = r"""
 local MODE, CALL_TTL = ARGV[5], ARGV[6]
 local N = (#KEYS - 1) / 3
@@ -204,17 +206,20 @@ end
 
 -- the retry slots of a refused herd (limiter.ratelimit.schedule) -------------------------
 local function promise_open(c)  -- read only when a call is refused
-  c.h = {tat = {}, wp = {}, n = 0}
-  local h = redis.call('HMGET', c.hkey, 'sig', 'at', 'n', 'wp')
+  c.h = {tat = {}, wp = {}, n = 0, back = {}}
+  local h = redis.call('HMGET', c.hkey, 'sig', 'at', 'n', 'wp', 'b')
   if h[1] ~= c.sig then return end  -- none, or promised under another limit
-  c.h.tat.at, c.h.n = tonumber(h[2]), tonumber(h[3]) or 0
+  c.h.tat.at, c.h.n, c.h.back.at = tonumber(h[2]), tonumber(h[3]) or 0, tonumber(h[5])
   for ts, n in string.gmatch(h[4] or '', '(%d+):(%d+)') do
     table.insert(c.h.wp, {tonumber(ts), tonumber(n)})
   end
 end
 
 local function slot(c, need, exact, t)  -- limiter.ratelimit._slot
-  if c.algo == 't' then return herd_bucket_slot(c.h, 'at', c.b, need, exact, t) end
+  if c.algo == 't' then
+    herd_live(c.h, 'at', t)
+    return herd_bucket_slot(c.h, 'at', c.b, need, exact, t)
+  end
   if c.algo == 's' then
     point(c)
     local kept = {}
@@ -231,7 +236,10 @@ local function slot(c, need, exact, t)  -- limiter.ratelimit._slot
 end
 
 local function promise(c, s, final, t)  -- limiter.ratelimit._promise
-  if c.algo == 't' then return herd_promise_bucket(c.h, 'at', c.b, c.cost, final, t) end
+  if c.algo == 't' then
+    herd_back(c.h, 'at', c.h.tat.at, t + final)
+    return herd_promise_bucket(c.h, 'at', c.b, c.cost, final, t)
+  end
   if s > final or c.cost == 0 then return end
   if c.algo == 's' then
     point(c)
@@ -248,13 +256,14 @@ end
 
 local function promise_save(c, t)  -- kept until its last slot (promised_until) is past
   redis.call('DEL', c.hkey)
-  local last = c.h.tat.at
+  local last = c.h.back.at or c.h.tat.at
   if #c.h.wp > 0 then last = c.h.wp[#c.h.wp][1] end
   if not last or last < t then return end
   local wp = {}
   for _, p in ipairs(c.h.wp) do table.insert(wp, str(p[1]) .. ':' .. str(p[2])) end
   redis.call('HSET', c.hkey, 'sig', c.sig, 'n', str(c.h.n), 'wp', table.concat(wp, ','))
   if c.h.tat.at then redis.call('HSET', c.hkey, 'at', str(c.h.tat.at)) end
+  if c.h.back.at then redis.call('HSET', c.hkey, 'b', str(c.h.back.at)) end
   redis.call('PEXPIRE', c.hkey, str(last - t + SLACK))
 end
 

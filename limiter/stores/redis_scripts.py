@@ -602,6 +602,13 @@ local function herd_live(H, reason, t)
   return H.tat[reason]
 end
 
+-- limiter.herd.promise_back: when the last client of a schedule is back once one more is
+-- promised a slot at ``at`` (live: the schedule's live promise before it; nil or false: none)
+local function herd_back(H, reason, live, at)
+  local back = H.back[reason]
+  if not live or not back or back < at then H.back[reason] = at end
+end
+
 -- TenantLimiter._reconciled (limiter.herd.reconcile_promise): a release moved a bucket's
 -- level from before; its live promise moves with it. Returns whether it was changed
 local function herd_reconcile(reason, b, before, t)
@@ -716,8 +723,7 @@ local function herd_schedule(waits, requests, tokens, t, st)
   if win and win_slot <= final then herd_promise_window(H, t + final, requests) end
   if sh then herd_promise_shaper(H, sh, final, t) end
   for reason, promise in pairs(live) do  -- this client is back at t + final too
-    local back = H.back[reason]
-    if not promise or not back or back < t + final then H.back[reason] = t + final end
+    herd_back(H, reason, promise, t + final)
   end
   for i = 1, #waits, 2 do
     waits[i + 1] = slots[waits[i]]

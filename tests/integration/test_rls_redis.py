@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -22,6 +23,7 @@ from extproc.config import RateLimitSettings, RedisSettings
 from extproc.rls import OK, OVER_LIMIT, RateLimitService
 from extproc.rls_import import import_files
 from extproc.wiring import redis_client
+from limiter.ratelimit import Hit, Limit
 from limiter.stores.ratelimit import MemoryRateCounters, RateCounters, RedisRateCounters
 from tests.paths import REPO
 from tests.rls_support import descriptor
@@ -452,7 +454,7 @@ async def test_a_hostile_herd_keeps_a_bounded_schedule_in_redis_as_in_memory(alg
             keys = [k async for k in client.scan_iter(match=f"{store._prefix}:*h:*")]
             assert len(keys) == 1, keys
             schedule = await client.hgetall(keys[0])
-            assert set(schedule) <= {b"sig", b"at", b"n", b"wp"}
+            assert set(schedule) <= {b"sig", b"at", b"n", b"wp", b"b"}
             assert len([e for e in schedule[b"wp"].split(b",") if e]) <= 5
             assert 0 < await client.pttl(keys[0]) <= 2 * MINUTE + 1000  # slack: 60 s
             await client.aclose()
@@ -505,3 +507,82 @@ async def test_a_hung_redis_opens_the_domains_breaker(redis, caplog):
     assert breakers_open() == 0
     assert "Redis circuit breaker half_open → closed" in caplog.text
     await service.close()
+
+
+# -- a token bucket's promise is over once its last client is back (limiter.herd) -----------
+
+TEN_A_SECOND = Limit(10, "second", burst=100)
+ALONE = {  # (ms, call, limit, cost, the retry-after-ms told: None when admitted)
+    "a client that did not come back": [
+        (0, "a", TEN_A_SECOND, 100, None), (0, "b", TEN_A_SECOND, 50, 5000),
+        (5100, "c", TEN_A_SECOND, 100, 4900), (10_000, "c2", TEN_A_SECOND, 100, None)],
+    "the schedule's rounding, its client back": [
+        (0, "a", Limit(38_304, "minute", burst=141), 3, None),
+        (0, "b", Limit(38_304, "minute", burst=141), 140, 4),
+        (4, "b2", Limit(38_304, "minute", burst=141), 140, None),
+        (5, "c", Limit(38_304, "minute", burst=141), 2, 2),
+        (7, "c2", Limit(38_304, "minute", burst=141), 2, None)],
+    "a herd still out keeps its schedule": [
+        (0, "a", TEN_A_SECOND, 100, None), (0, "b", TEN_A_SECOND, 50, 5000),
+        (0, "d", TEN_A_SECOND, 50, 10_000), (5000, "b2", TEN_A_SECOND, 50, None),
+        (5100, "c", TEN_A_SECOND, 100, 14_900), (10_000, "d2", TEN_A_SECOND, 50, None),
+        (20_000, "c2", TEN_A_SECOND, 100, None)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALONE))
+async def test_a_client_alone_gets_the_exact_wait_in_redis_as_in_memory(case, redis):
+    """tests/unit/limiter/test_ratelimit.py's cases (a client alone was told 9,900 ms for a
+    4,900 ms wait, or 3 ms for 2): both stores give the same, exact, answers."""
+    runs = []
+    for kind in ("memory", "redis"):
+        clock = Clock()
+        start, store = clock.now, counters(kind, redis, clock)
+        answers = []
+        for at, call, limit, cost, expected in ALONE[case]:
+            clock.now = start + at
+            verdict, = await store.hit("d", [Hit("d|k=v", limit, cost)], call)
+            answers.append(None if verdict.fits else verdict.wait_ms)
+            assert answers[-1] == expected, (kind, at, call)
+        runs.append(answers)
+        await store.close()
+    assert runs[0] == runs[1]
+
+
+async def test_a_cancelled_charge_does_not_space_a_client_alone(redis):
+    """B, refused (5,000 ms), came back and was charged its 50, but its answer was lost and
+    the call cancelled (refunded). C, alone at 5,100 ms, was told 9,900 ms for a 4,900 ms
+    wait: the promise still counted B's 50, given back for good."""
+    clock = Clock()
+    start, store = clock.now, counters("redis", redis, clock)
+    hit = Hit("d|k=v", TEN_A_SECOND, 100)
+    half = dataclasses.replace(hit, cost=50)
+    assert (await store.hit("d", [hit], "a"))[0].fits
+    assert (await store.hit("d", [half], "b"))[0].wait_ms == 5000
+    clock.now = start + 5000
+    assert (await store.hit("d", [half], "b2"))[0].fits
+    await store.cancel("d", [half], "b2")
+    clock.now = start + 5100
+    assert (await store.hit("d", [hit], "c"))[0].wait_ms == 4900
+    clock.now = start + 9999
+    assert not (await store.hit("d", [hit], "c2"))[0].fits
+    clock.now = start + 10_000
+    assert (await store.hit("d", [hit], "c3"))[0].fits
+    await store.close()
+
+
+async def test_a_schedule_kept_before_its_clients_return_was_known_stands(redis):
+    """A schedule hash without ``b`` (when its last client is back: written by an older
+    kvgate) is read as before: its promise stands until its virtual full time."""
+    clock = Clock()
+    start, store = clock.now, counters("redis", redis, clock)
+    hit = Hit("d|k=v", TEN_A_SECOND, 100)
+    assert (await store.hit("d", [hit], "a"))[0].fits
+    assert (await store.hit("d", [dataclasses.replace(hit, cost=50)], "b"))[0].wait_ms == 5000
+    client = aioredis.from_url(redis.url)
+    key, = [k async for k in client.scan_iter(match=f"{store._prefix}:*th:*")]
+    assert await client.hdel(key, "b") == 1
+    await client.aclose()
+    clock.now = start + 5100
+    assert (await store.hit("d", [hit], "c"))[0].wait_ms == 9900
+    await store.close()

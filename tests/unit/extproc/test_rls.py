@@ -260,15 +260,20 @@ def test_idle_counters_are_forgotten(clock):
 
 def test_a_counter_is_kept_until_the_retry_slots_it_promised_are_past(clock):
     """A herd's schedule lives with its counter: swept once the counter is idle and its last
-    slot is past (a bucket back to full with slots still ahead keeps them)."""
+    slot is past (a bucket back to full with slots still ahead keeps them). A bucket's
+    virtual full time, which may lie beyond its last slot, no longer keeps it: once its
+    last client is back, the promise changes no answer (limiter.herd.live_promise)."""
     counters = MemoryRateCounters(clock, sweep_every=1)
     service = RateLimitService(RateLimitSettings.model_validate(RULES), counters, timeout_s=None)
     d = descriptor(("bursty", "x"))  # 60/min, burst 3
-    assert codes(service, 6, d) == [OK, OK, OK, OVER_LIMIT, OVER_LIMIT, OVER_LIMIT]
-    clock.now += 3500  # full again (nobody came back), the bucket's promise is 6 s out
+    assert codes(service, 8, d) == [OK] * 3 + [OVER_LIMIT] * 5  # told 1 s, 2 s, ... 5 s
+    clock.now += 3500  # full again (nobody came back), two slots still ahead
     ask(service, descriptor(("user", "u")))
     assert len(counters) == 2
-    clock.now += 3000
+    clock.now += 1500  # the last slot now (the bucket's virtual full time is 8 s out)
+    ask(service, descriptor(("user", "u")))
+    assert len(counters) == 2
+    clock.now += 1
     ask(service, descriptor(("user", "u")))
     assert len(counters) == 1
 

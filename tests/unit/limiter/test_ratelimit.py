@@ -3,6 +3,9 @@ fixed window, and the all-or-nothing decision over in-process counters."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -218,3 +221,110 @@ def test_a_hostile_herd_keeps_a_bounded_promise_per_counter(algorithm):
     assert len(promise.entries) <= limit.requests_per_unit
     assert promise.at is None or promise.at <= herd.now + MAX_HERD_WAIT_MS + limit.unit_ms
     assert promise.used <= limit.requests_per_unit
+
+
+# -- a token bucket's promise is over once its last client is back (limiter.herd) -----------
+
+
+def told(herd: Herd, hit: Hit) -> int | None:
+    """The retry-after-ms a refused one-descriptor call is told; None when admitted."""
+    verdict, = herd.call(hit)
+    return None if verdict.fits else verdict.wait_ms
+
+
+def test_a_client_alone_is_not_spaced_behind_a_client_that_did_not_come_back():
+    """B, refused, was told 5,000 ms and never came back (its request went elsewhere, or
+    its client gave up). C, alone at 5,100 ms (no refused client still out), was told
+    9,900 ms for a 4,900 ms wait: the bucket's promise, its virtual full time once B had
+    taken its 50, outlived B's slot. kvgate's own limits end a bucket's promise once its
+    last client is back (limiter.herd.live_promise): so do the RLS counters."""
+    herd = Herd(1_700_000_040_000)
+    start = herd.now
+    hit = Hit("d|k=v", Limit(10, "second", burst=100), 100)
+    assert told(herd, hit) is None
+    assert told(herd, dataclasses.replace(hit, cost=50)) == 5000
+    herd.now = start + 5100
+    assert told(herd, hit) == 4900
+    herd.now = start + 9999
+    assert told(herd, hit) is not None
+    herd.now = start + 10_000
+    assert told(herd, hit) is None
+
+
+def test_a_client_alone_is_not_spaced_by_the_schedule_s_rounding():
+    """Every promised slot is rounded up to a whole ms (38,304 a minute is 399 per 625 ms):
+    the promise ended 1 ms past the bucket's full time once its client was back, and the
+    next client alone was told 3 ms for a 2 ms wait."""
+    herd = Herd(1_700_000_040_000)
+    start = herd.now
+    limit = Limit(38_304, "minute", burst=141)
+    assert told(herd, Hit("d|k=v", limit, 3)) is None
+    assert told(herd, Hit("d|k=v", limit, 140)) == 4
+    herd.now = start + 4
+    assert told(herd, Hit("d|k=v", limit, 140)) is None
+    herd.now = start + 5
+    assert told(herd, Hit("d|k=v", limit, 2)) == 2
+    herd.now = start + 7
+    assert told(herd, Hit("d|k=v", limit, 2)) is None
+
+
+def test_a_herd_still_out_keeps_its_schedule():
+    """B and D refused (5 s, 10 s); B came back. C, refused while D is out, is still spaced
+    behind D: it is told 14,900 ms, when the bucket holds its 100 once B and D have taken
+    their 50 each."""
+    herd = Herd(1_700_000_040_000)
+    start = herd.now
+    hit = Hit("d|k=v", Limit(10, "second", burst=100), 100)
+    half = dataclasses.replace(hit, cost=50)
+    assert told(herd, hit) is None
+    assert [told(herd, half), told(herd, half)] == [5000, 10_000]
+    herd.now = start + 5000
+    assert told(herd, half) is None
+    herd.now = start + 5100
+    assert told(herd, hit) == 14_900
+    herd.now = start + 10_000
+    assert told(herd, half) is None
+    herd.now = start + 19_999
+    assert told(herd, hit) is not None
+    herd.now = start + 20_000
+    assert told(herd, hit) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 50), st.sampled_from(["second", "minute"]), st.integers(0, 3),
+       st.data())
+def test_a_client_alone_gets_the_exact_wait_whatever_the_herd_did(per_unit, unit, extra,
+                                                                  data):
+    """Clients refused by one token bucket come back when told, late, or never, and
+    newcomers come and go; a client refused while no refused client is still out (each was
+    told a time already past) is admitted at its retry-after-ms and refused 1 ms before."""
+    limit = Limit(per_unit, unit, burst=per_unit + extra)
+    herd = Herd(1_700_000_000_000 + data.draw(st.integers(0, 59_999)))
+    due: list[tuple[int, int]] = []  # (ms a refused client is told to come back, its cost)
+    out_until = -1
+
+    def attempt(cost: int) -> None:
+        nonlocal out_until
+        alone = out_until < herd.now
+        wait = told(herd, Hit("d|k=v", limit, cost))
+        if wait is None:
+            return
+        if alone:
+            for at, fits in ((herd.now + wait - 1, False), (herd.now + wait, True)):
+                probe = copy.deepcopy(herd)
+                probe.now = at
+                assert (told(probe, Hit("d|k=v", limit, cost)) is None) is fits, (at, wait)
+        out_until = max(out_until, herd.now + wait)
+        due.append((herd.now + wait, cost))
+
+    for _ in range(data.draw(st.integers(1, 30))):
+        if due and data.draw(st.booleans()):  # the next one due comes back, late, or never
+            due.sort()
+            at, cost = due.pop(0)
+            herd.now = max(herd.now, at + data.draw(st.sampled_from([0, 0, 1, 100])))
+            if data.draw(st.integers(0, 3)):
+                attempt(cost)
+            continue
+        herd.now += data.draw(st.one_of(st.just(0), st.integers(0, 50),
+                                         st.integers(0, 2 * limit.unit_ms)))
+        attempt(data.draw(st.integers(0, limit.capacity)))
