@@ -41,9 +41,10 @@ from extproc.ports import free_port
 
 VARIANTS = ("kvgate_sync", "kvgate_als", "kvgate_nodone", "kvgate_nopublish", "kvgate_noop")
 ALL_MODES = ("minimal", "kvgate", *VARIANTS)
-DONE_CALL = ("  report(handle, meta, \"done\",\n         '{\"usage\":' .. (state.usage or "
-             "\"null\") .. ',\"events\":' .. state.events ..\n"
-             "         ',\"answered\":' .. tostring(answered) .. '}')\n")
+DONE_CALL = ("  report(handle, meta, \"done\",\n"
+             "         '{\"events\":' .. state.events .. ',\"answered\":' .. "
+             "tostring(answered) ..\n"
+             "         ',\"usage\":' .. (state.usage or \"null\") .. '}')\n")
 ASYNC_CALL = 'handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true)'
 SYNC_DONE_CALL = 'handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, what == "first")'
 ENTRY = "function envoy_on_response(handle)\n"
