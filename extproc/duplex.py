@@ -53,7 +53,7 @@ reads it (16 KiB and up from a client that sends whole frames): a 1 MiB body is 
 HELD_BODIES = 64
 """How many bodies of ``server.max_body_bytes`` the process's full-duplex streams may hold
 together while they gather them (:class:`HeldBodies`)."""
-_RESPONSE_HEADERS = frozenset((":status", "content-type"))
+_RESPONSE_HEADERS = frozenset((":status", "content-type", "content-encoding"))
 
 
 class HeldBodies:
@@ -264,7 +264,9 @@ class DuplexStream(RequestStream):
                 # whatever type it claims (its usage is read, and it starts nothing)
                 sse = (self._streamed
                        and "text/event-stream" in values.get("content-type", "").lower())
-                self._meter = ResponseMeter(sse=sse, strip=self._strip)
+                # as the Lua meter: a compressed answer (a proxy's) passes unread
+                readable = values.get("content-encoding", "identity") == "identity"
+                self._meter = ResponseMeter(sse=sse, strip=self._strip, readable=readable)
                 self._answered = values.get(":status", "").startswith("2")
             reply = pb.ProcessingResponse()
             admission = self.admission

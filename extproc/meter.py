@@ -55,14 +55,17 @@ class ResponseMeter:
     """Follows one response body: ``feed`` each chunk (it returns the bytes to pass on),
     then ``finish`` (the bytes still held back). ``usage`` is the engine's own count once
     it gave one; ``events`` the SSE data events with tokens (the estimate without it);
-    ``started`` whether a stream's first data line has begun (the engine has prefilled)."""
+    ``started`` whether a stream's first data line has begun (the engine has prefilled).
+    ``readable=False`` (a compressed answer, as the Lua meter takes one): nothing is read
+    or stripped, and a stream's first chunk stands for its first token."""
 
-    __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_sent", "events", "sse", "started",
-                 "strip", "usage")
+    __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_sent", "events", "readable", "sse",
+                 "started", "strip", "usage")
 
-    def __init__(self, *, sse: bool, strip: bool = False):
+    def __init__(self, *, sse: bool, strip: bool = False, readable: bool = True):
         self.sse = sse
-        self.strip = sse and strip
+        self.readable = readable
+        self.strip = sse and strip and readable
         self.usage: Usage | None = None
         self.events = 0
         self._carry = b""  # the unfinished event (SSE), or the body's last TAIL bytes (JSON)
@@ -74,6 +77,9 @@ class ResponseMeter:
         self._bom: int | None = 0  # a byte order mark's bytes seen (None: the start is past)
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self.readable:
+            self.started = self.started or (self.sse and bool(chunk))
+            return chunk
         if not self.sse:
             # vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids)
             # that a client can make far longer than TAIL: read every chunk, not the end
@@ -151,7 +157,7 @@ class ResponseMeter:
         blank line after it is read (and stripped) as if it had one, provided its data is
         one whole JSON object (a cut-off one is no usage). Otherwise a held-back fragment
         goes on (an SSE client drops half an event, as it would have)."""
-        if not self.sse:
+        if not self.sse or not self.readable:
             return b""
         event, sent = self._carry, self._sent
         held = event[sent:] if self.strip else b""

@@ -43,8 +43,9 @@ def first(message, response_mode=ProcessingMode.FULL_DUPLEX_STREAMED):
     return message
 
 
-def response_headers(content_type="application/json", end_of_stream=False):
-    values = {":status": "200", "content-type": content_type}
+def response_headers(content_type="application/json", end_of_stream=False, **more):
+    values = {":status": "200", "content-type": content_type,
+              **{k.replace("_", "-"): v for k, v in more.items()}}
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(
         headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
                                    for k, v in values.items()]),
@@ -283,6 +284,25 @@ async def test_a_byte_order_mark_and_fields_before_the_data_are_read_through():
     assert stream.response.started
     await stream.exchange(response_body(b"data: [DONE]\n\n", end_of_stream=True))
     assert stream.done and stream.response.usage is None and stream.response.events == 2
+
+
+async def test_a_compressed_stream_passes_unread_its_first_chunk_the_first_token():
+    """As the Lua meter: a compressed answer (a proxy's) cannot be read, so its first chunk
+    stands for its first token, and it passes untouched. Since the first token became the
+    first data line, such a stream never started: a client that left mid-answer was charged
+    its prompt alone, and the scheduler took the request for one still prefilling."""
+    import gzip
+
+    stream = new_stream()
+    await admitted(stream, chat(stream=True))
+    await stream.exchange(response_headers("text/event-stream", content_encoding="gzip"))
+    body = gzip.compress(sse([{"choices": [{"delta": {"content": "a"}}]},
+                              {"choices": [], "usage": USAGE}]))
+    replies = await stream.exchange(response_body(body[:10]))
+    assert stream.response.started
+    replies += await stream.exchange(response_body(body[10:], end_of_stream=True))
+    assert b"".join(streamed(r, "response_body").body for r in replies) == body
+    assert stream.done and stream.response.usage is None and stream.response.events == 0
 
 
 @pytest.mark.parametrize("content_type", ["text/event-stream", "application/json"])
