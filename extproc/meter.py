@@ -235,12 +235,17 @@ def _is_done(event: bytes, lost: bool | None, data: bytes | None = None) -> bool
 
 
 def _whole_object(event: bytes) -> bool:
-    """Whether an event's data is one whole JSON object: only such an event is read when
-    the body's end, not a blank line, ends it."""
-    try:
-        return isinstance(orjson.loads(_data(event, None)), dict)
-    except orjson.JSONDecodeError:
+    """Whether an event's data is one whole object (whitespace around it, its braces
+    balanced, strings honoured): only such an event is read when the body's end, not a
+    blank line, ends it (one cut off never closes its first brace). As the Lua meter tells
+    it, which cannot parse JSON: one that is not quite JSON is read as a blank line would
+    have had it read."""
+    data = _data(event, None)
+    start = len(data) - len(data.lstrip())
+    if data[start : start + 1] != b"{":
         return False
+    found = _object_at(data, start, len(data))
+    return found is not None and not data[start + len(found) :].strip()
 
 
 def _last_usage(text: bytes) -> Usage | None:
@@ -258,11 +263,11 @@ def _last_usage(text: bytes) -> Usage | None:
     return None
 
 
-def _object_at(text: bytes, start: int) -> bytes | None:
+def _object_at(text: bytes, start: int, most: int = USAGE_MAX) -> bytes | None:
     """``text[start:]`` up to the brace that closes the one at ``start`` (strings honoured),
-    within ``USAGE_MAX`` bytes."""
+    within ``most`` bytes (``USAGE_MAX`` unless told)."""
     depth, in_string, escaped = 0, False, False
-    for i in range(start, min(len(text), start + USAGE_MAX + 1)):
+    for i in range(start, min(len(text), start + most + 1)):
         c = text[i]
         if in_string:
             if escaped:

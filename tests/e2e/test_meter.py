@@ -529,6 +529,22 @@ def test_a_cut_off_last_usage_event_is_not_read(meter_stack, meter):
         assert recorder.done == [(None, 1)], tail
 
 
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+def test_a_last_event_of_balanced_braces_is_read_at_the_end_as_the_python_meter_reads_it(
+        meter_stack, meter):
+    """The body's end ends a last event whose data is one object, its braces balanced:
+    the Lua meter cannot parse JSON, so one that is not quite JSON is read too (its usage
+    object, and the event counted), as it is when a blank line ends it. The Python meter
+    (kvgate's full-duplex path) parsed the whole data as JSON and read none of it."""
+    head = sse([text(0)]).removesuffix(b"data: [DONE]\n\n")
+    for tail in (b'data: {"choices": [], "usage": ' + orjson.dumps(USAGE) + b", x}",
+                 b'data: {"choices": [{"delta": {"content": "a"}}], "x": 1,}\f'):
+        body = head + tail
+        passed, _held, usage, events, _started = metered(body, [], meter == "sse-strip")
+        got, recorder = exchange(meter_stack, [body], meter)
+        assert (got, recorder.done) == (passed, [(usage, events)]), tail
+
+
 def test_a_last_content_event_without_its_blank_line_counts(meter_stack):
     body = sse([text(0), text(1)]).removesuffix(b"\n\ndata: [DONE]\n\n")
     got, recorder = exchange(meter_stack, cut(body, [30]), "sse-strip")
