@@ -288,9 +288,11 @@ local function read_events(state, chunk, bytes, lead)
   end
   local partial = string.sub(text, pos)
   if pos > 1 then state.lost = nil end
-  -- its carry loses its start: note whether a data line was in it
+  -- its carry loses its start: note whether a data line was in it (once looked at, only
+  -- this chunk's bytes and the line end before them: no rescan of the carry per chunk)
   if #partial > TAIL and not state.lost then
-    state.lost = has_data(partial, state.lost == nil)
+    local from = state.lost == nil and 1 or math.max(1, #partial - #bytes - 5)
+    state.lost = has_data(string.sub(partial, from), state.lost == nil)
   end
   if not state.strip then
     state.carry = #partial > TAIL and string.sub(partial, -TAIL) or partial

@@ -575,9 +575,11 @@ def test_a_long_event_counts_by_its_data_line_wherever_its_carry_was_cut(meter_s
     """An event longer than the meter's carry loses its start: whether that start had a
     data line is kept, and the carry's first bytes (cut mid-line) are no line's start."""
     later = b": " + b"x" * 9000 + b"\ndata: " + b"y" * 20000 + b"\n\n"
-    got, recorder = exchange(meter_stack, cut(later, list(range(1000, len(later), 1000))),
-                             meter)
-    assert got == later and recorder.done == [(None, 1)]
+    # the data line's start in one chunk, or cut between its line end and "data:"
+    for at in ([], [9003], [9005], [9008]):
+        got, recorder = exchange(
+            meter_stack, cut(later, sorted({*range(1000, len(later), 1000), *at})), meter)
+        assert got == later and recorder.done == [(None, 1)], at
     # a comment whose last 8192 bytes (the carry) begin "data:", then its blank line
     mid_line = b": " + b"x" * 100 + b"data: " + b"y" * (8192 - 6)
     pieces: list[bytes | float] = [*cut(mid_line, [4000]), 0.05, b"\n\n", text_event(1)]
