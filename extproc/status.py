@@ -93,8 +93,9 @@ def render_page(state: dict[str, Any]) -> bytes:
 async def status(director: Director, *, started: float) -> dict[str, Any]:
     """Everything the page shows, as plain JSON-friendly data."""
     config = director.config
-    tenants = await asyncio.gather(*(_tenant(director, name)
-                                     for name in _busiest_tenants(director)))
+    rows = await asyncio.gather(*(_tenant(director, name)
+                                  for name in _busiest_tenants(director)))
+    tenants = [row for row in rows if row is not None]
     return {
         "generated_at": time.time(),
         "uptime_s": round(time.time() - started, 1),
@@ -162,9 +163,12 @@ async def _queue(flow: FlowController, class_order: list[str]) -> dict[str, Any]
     }
 
 
-async def _tenant(director: Director, name: str) -> dict[str, Any]:
+async def _tenant(director: Director, name: str) -> dict[str, Any] | None:
+    """None: a reload removed the tenant since it was picked (each row is read in a task
+    of its own, a loop turn later)."""
     tenant = director.tenants.get(name)
-    assert tenant is not None
+    if tenant is None:
+        return None
     row: dict[str, Any] = {"tenant": name, "tier": tenant.tier,
                            "weight": director.tenants.weight(tenant)}
     try:

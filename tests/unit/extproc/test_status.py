@@ -170,3 +170,24 @@ async def test_every_admin_answer_says_nosniff(server) -> None:
                      "/admin/tenants/acme/usage", "/admin/tenants/nobody/usage"):
             response = await client.get(admin + path)
             assert response.headers["x-content-type-options"] == "nosniff", path
+
+
+async def test_a_reload_swapped_in_as_the_page_reads_its_tenants_is_no_500(server) -> None:
+    """The tenants shown are picked from the running config, then each row is read in a
+    task of its own, a loop turn later: a reload that removed one in that turn (its thread's
+    read finished as the poll came) failed the row's ``assert`` and the page was a 500."""
+    import asyncio
+
+    from extproc.status import status
+
+    kvgate, _admin = server
+    data = kvgate.config.model_dump()
+    both = parse_config({**data, "tenants": [
+        *data["tenants"], {"name": "other", "tier": "gold", "api_keys": [hash_api_key("sk-o")]}]})
+    kvgate.director.reconfigure(both)  # two tenants
+    without_acme = parse_config({**data, "tenants": [t.model_dump() for t in both.tenants
+                                                     if t.name != "acme"]})
+    reading = asyncio.ensure_future(status(kvgate.director, started=0))
+    asyncio.get_running_loop().call_soon(kvgate.director.reconfigure, without_acme)
+    state = await reading
+    assert [t["tenant"] for t in state["tenants"]] == ["other"]
