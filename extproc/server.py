@@ -693,6 +693,11 @@ class KvgateServer:
             gc.collect()
             gc.freeze()
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+            if self.config_file is not None and self.config_file.changed():
+                # changed while kvgate started (read at its start): a SIGHUP then was ignored
+                task = loop.create_task(self.reload_in_thread("file changed while starting"))
+                self._reloads.add(task)
+                task.add_done_callback(self._reloads.discard)
             await stop.wait()
         # not removed: without a handler SIGHUP's default action ends the process, which
         # cut every stream still draining and left its leases held

@@ -506,3 +506,40 @@ async def test_a_request_leaving_its_wait_after_a_reload_gives_back_under_the_ne
             await spent
     finally:
         await churn.stop()
+
+
+async def test_a_file_changed_while_the_server_starts_is_applied_once_it_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGHUP while kvgate starts is ignored ("the file is read as it starts anyway"),
+    but the file was read at the start of a start that can take seconds (discovery, the
+    first scrape, a tokenizer): a ConfigMap updated meanwhile, and its SIGHUP, were lost
+    with ``reload_poll_s: 0`` — the process ran the old file until the next SIGHUP."""
+    import gc
+    import signal
+
+    cfg = {**data(), "server": {"grpc_port": 0, "admin_port": None, "report_port": 0,
+                                "reload_poll_s": 0}}
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    server = KvgateServer(parse_config(cfg), config_path=path)
+    scrape_once = server.scraper.scrape_once
+
+    async def updated_while_starting() -> None:
+        path.write_text(yaml.safe_dump({**cfg, "tenants": cfg["tenants"][:1]}))
+        await scrape_once()  # (a SIGHUP sent now is ignored: no handler yet)
+
+    monkeypatch.setattr(server.scraper, "scrape_once", updated_while_starting)
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+    serving = asyncio.create_task(server.serve_forever())
+    try:
+        deadline = time.monotonic() + 10
+        while [t.name for t in server.config.tenants] != ["acme"]:
+            assert time.monotonic() < deadline and not serving.done(), (
+                [t.name for t in server.config.tenants])
+            await asyncio.sleep(0.05)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(serving, 10)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
