@@ -549,7 +549,10 @@ class KvgateServer:
         if self._sighup_waiting:
             return
         self._sighup_waiting = True
-        task = asyncio.get_running_loop().create_task(self._sighup_reload())
+        self._reload_soon(self._sighup_reload())
+
+    def _reload_soon(self, reload: Coroutine[Any, Any, bool]) -> None:
+        task = asyncio.get_running_loop().create_task(reload)
         self._reloads.add(task)  # (held until done: the loop keeps only weak references)
         task.add_done_callback(self._reloads.discard)
 
@@ -695,9 +698,7 @@ class KvgateServer:
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
             if self.config_file is not None and self.config_file.changed():
                 # changed while kvgate started (read at its start): a SIGHUP then was ignored
-                task = loop.create_task(self.reload_in_thread("file changed while starting"))
-                self._reloads.add(task)
-                task.add_done_callback(self._reloads.discard)
+                self._reload_soon(self.reload_in_thread("file changed while starting"))
             await stop.wait()
         # not removed: without a handler SIGHUP's default action ends the process, which
         # cut every stream still draining and left its leases held
