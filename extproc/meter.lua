@@ -9,7 +9,9 @@
 --     line begins: comments such as a proxy's ": ping" keep-alives, blank lines and id: or
 --     event: lines carry none): POST /first/<lease> (fire and forget): the engine has
 --     finished prefilling;
---   * every response, when its body has ended: POST /done/<lease> with the engine's usage
+--   * every response, when its body has ended (a stream: at its [DONE] event, after which
+--     openai-python hangs up at once, maybe before the body's end reaches Envoy): POST
+--     /done/<lease> with the engine's usage
 --     object (and whether it was an answer, a 2xx), also fire and forget. The response's
 --     end never waits for kvgate, and the call outlives the request: a client that hangs up
 --     as soon as it has the last byte cancels nothing (a call Envoy cancels costs its
@@ -256,9 +258,12 @@ local function note_event(state, event, lost)
       usage_only = string.find(data, '"choices"%s*:%s*%[%s*%]') ~= nil
     end
   end
-  if not usage_only and (lost or has_data(event, lost == nil))
-      and not is_done(event, lost, data) then
-    state.events = state.events + 1
+  if not usage_only and (lost or has_data(event, lost == nil)) then
+    if is_done(event, lost, data) then
+      state.ended = true -- the stream's end: a client may hang up now (openai-python does)
+    else
+      state.events = state.events + 1
+    end
   end
   return usage_only
 end
@@ -386,6 +391,7 @@ function envoy_on_response(handle)
   local answered = string.sub(status, 1, 1) == "2"
   -- fresh: the next chunk starts a line (while the first token is to come)
   local state = {carry = "", sent = 0, usage = nil, events = 0, bom = 0, fresh = true,
+                 ended = false,
                  strip = readable and stream and meta.meter == "sse-strip"}
   if state.strip then -- the stripped body is shorter than any length the engine declared
     handle:headers():remove("content-length")
@@ -394,6 +400,20 @@ function envoy_on_response(handle)
   if not answered then prompt = nil end
   if prompt ~= nil then provisional(handle, stream and prompt or prompt + output) end
   local first = stream -- the first token is still to come
+  local reported = false
+  -- the done report, once: at the stream's [DONE] event, else at the body's end
+  local function finish()
+    if reported then return end
+    reported = true
+    if limited then state.usage = NOTHING end
+    -- an answer that ended without a usage the meter could read: its reservation, as kvgate
+    if prompt ~= nil and state.usage == nil then provisional(handle, prompt + output) end
+    -- the usage last: an engine's object kvgate cannot parse costs only itself (reports.py)
+    report(handle, meta, "done",
+           '{"events":' .. state.events .. ',"answered":' .. tostring(answered) ..
+           ',"usage":' .. (state.usage or "null") .. '}')
+    publish(handle, state.usage)
+  end
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
     local bytes = size > 0 and readable and chunk:getBytes(0, size) or nil
@@ -414,6 +434,9 @@ function envoy_on_response(handle)
     if bytes ~= nil then
       if stream then
         read_events(state, chunk, text, lead)
+        -- a client that has [DONE] may hang up before the body's end reaches Envoy (the
+        -- engine's last write): the rest of this script would then never run
+        if state.ended then finish() end
       else
         -- vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids) that
         -- a client can make far longer than TAIL: read every chunk, not the body's end
@@ -429,12 +452,5 @@ function envoy_on_response(handle)
       and whole_object(state.carry) ~= nil then
     note_event(state, state.carry, nil)
   end
-  if limited then state.usage = NOTHING end
-  -- an answer that ended without a usage the meter could read: its reservation, as kvgate
-  if prompt ~= nil and state.usage == nil then provisional(handle, prompt + output) end
-  -- the usage last: an engine's object kvgate cannot parse costs only itself (reports.py)
-  report(handle, meta, "done",
-         '{"events":' .. state.events .. ',"answered":' .. tostring(answered) ..
-         ',"usage":' .. (state.usage or "null") .. '}')
-  publish(handle, state.usage)
+  finish()
 end

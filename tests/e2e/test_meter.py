@@ -726,3 +726,34 @@ def test_an_event_repeating_the_usage_key_costs_one_scan(meter_stack):
         got, recorder = exchange(meter_stack, [body], "sse-strip")
         assert got == body and recorder.done == [(None, 1)]
         assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+def test_a_client_that_hangs_up_at_done_is_charged_its_usage(meter_stack, meter):
+    """openai-python closes the connection as soon as it reads ``data: [DONE]``: when the
+    engine's end of the body came a moment later, the meter never saw the body end, sent
+    no done report, and kvgate charged the whole reservation (cut off) for an answer whose
+    usage had passed. The [DONE] event ends an OpenAI stream: the report goes then."""
+    harness, envoy = meter_stack
+    lease = f"case-{next(_leases)}"
+    body = sse([*(text(i) for i in range(3)), {"choices": [], "usage": USAGE}])
+    harness.bodies[lease] = (b"text/event-stream", [body, 0.5])  # the end a moment later
+    harness.statuses[lease] = b"200 OK"
+    harness.extra[lease] = b""
+    recorder = Recorder()
+    harness.desk.expect(lease, recorder)
+    got = b""
+    with httpx.stream(
+            "POST", f"http://127.0.0.1:{envoy.listen_port}/v1/chat/completions", content=b"{}",
+            headers={"x-test-upstream": f"127.0.0.1:{harness.upstream_port}",
+                     "x-test-lease": lease, "x-test-meter": meter,
+                     "x-test-report": harness.desk.address, "x-test-key": harness.desk.key},
+            timeout=10) as response:
+        for piece in response.iter_raw():
+            got += piece
+            if got.endswith(b"data: [DONE]\n\n"):
+                break  # and hang up, as openai-python does
+    assert wait_for(lambda: recorder.done, timeout=3), "no done report"
+    assert recorder.done == [(Usage(13, 4), 3)]
+    assert published(meter_stack, lease) == ["13", "4", "17"]
+    assert wait_for(lambda: len(harness.written[lease]) == 2)  # the upstream is done too
