@@ -41,10 +41,11 @@ from extproc.ports import free_port
 
 VARIANTS = ("kvgate_sync", "kvgate_als", "kvgate_nodone", "kvgate_nopublish", "kvgate_noop")
 ALL_MODES = ("minimal", "kvgate", *VARIANTS)
-DONE_CALL = ("  report(handle, meta, \"done\",\n"
-             "         '{\"events\":' .. state.events .. ',\"answered\":' .. "
+DONE_CALL = ("    report(handle, meta, \"done\",\n"
+             "           '{\"events\":' .. state.events .. ',\"answered\":' .. "
              "tostring(answered) ..\n"
-             "         ',\"usage\":' .. (state.usage or \"null\") .. '}')\n")
+             "           ',\"usage\":' .. (state.usage or \"null\") .. '}')\n")
+PUBLISH_CALL = "    publish(handle, state.usage)\n  end"
 ASYNC_CALL = 'handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, true)'
 SYNC_DONE_CALL = 'handle:httpCall("kvgate_report", headers, body, TIMEOUT_MS, what == "first")'
 ENTRY = "function envoy_on_response(handle)\n"
@@ -100,7 +101,7 @@ def variant_bootstrap(mode: str, bootstrap: dict[str, Any], sink_port: int) -> d
         if mode == "kvgate_als":
             _access_log(bootstrap, sink_port)
     elif mode == "kvgate_nopublish":
-        _edit(source, "  publish(handle, state.usage)\nend", "end")
+        _edit(source, PUBLISH_CALL, "  end")
     elif mode == "kvgate_noop":
         _edit(source, ENTRY, ENTRY + "  if true then return end\n")
     return bootstrap
