@@ -287,6 +287,8 @@ class DuplexStream(RequestStream):
                 chunk = meter.feed(chunk)
                 if meter.started and not started:  # a data line began: prefill is done
                     self.first_reported()
+                if meter.ended:  # [DONE]: its client may hang up before the body's end
+                    self.done_reported(meter.usage, meter.events, self._answered)
             if body.end_of_stream:
                 chunk += self._finish_response()
             return self._response_chunk(chunk, body.end_of_stream)

@@ -55,12 +55,14 @@ class ResponseMeter:
     """Follows one response body: ``feed`` each chunk (it returns the bytes to pass on),
     then ``finish`` (the bytes still held back). ``usage`` is the engine's own count once
     it gave one; ``events`` the SSE data events with tokens (the estimate without it);
-    ``started`` whether a stream's first data line has begun (the engine has prefilled).
-    ``readable=False`` (a compressed answer, as the Lua meter takes one): nothing is read
-    or stripped, and a stream's first chunk stands for its first token."""
+    ``started`` whether a stream's first data line has begun (the engine has prefilled);
+    ``ended`` whether its ``[DONE]`` event has passed (a client may hang up at once, before
+    the body's end: openai-python does). ``readable=False`` (a compressed answer, as the
+    Lua meter takes one): nothing is read or stripped, and a stream's first chunk stands for
+    its first token."""
 
-    __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_sent", "events", "readable", "sse",
-                 "started", "strip", "usage")
+    __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_sent", "ended", "events", "readable",
+                 "sse", "started", "strip", "usage")
 
     def __init__(self, *, sse: bool, strip: bool = False, readable: bool = True):
         self.sse = sse
@@ -73,6 +75,7 @@ class ResponseMeter:
         # once an unfinished event's carry was cut: whether the start it lost had a data line
         self._lost: bool | None = None
         self.started = False
+        self.ended = False
         self._fresh = True  # the next chunk starts a line (until started)
         self._bom: int | None = 0  # a byte order mark's bytes seen (None: the start is past)
 
@@ -147,9 +150,11 @@ class ResponseMeter:
                 # usage; the usage read as a JSON answer's is (its last few keys, bounded)
                 usage_only = _NO_CHOICES.search(data) is not None
                 self.usage = _last_usage(data) or self.usage
-        if (not usage_only and (lost or _has_data(event, whole=lost is None))
-                and not _is_done(event, lost, data)):
-            self.events += 1
+        if not usage_only and (lost or _has_data(event, whole=lost is None)):
+            if _is_done(event, lost, data):
+                self.ended = True
+            else:
+                self.events += 1
         return usage_only
 
     def finish(self) -> bytes:

@@ -473,6 +473,21 @@ async def test_a_routed_stream_dropped_at_a_later_reply_is_charged_as_cut_off():
     assert metrics.charges.values == {("cut_off",): 1}
 
 
+async def test_a_client_that_hangs_up_at_done_is_charged_its_usage():
+    """openai-python stops reading at ``[DONE]`` and hangs up: when the engine's end of the
+    body had not reached Envoy by then, Envoy ended the stream before kvgate saw the
+    response end, and it was charged as cut off (its reservation) with its usage read."""
+    body = sse([{"choices": [{"delta": {"content": "t "}}]}, {"choices": [], "usage": USAGE}])
+    handler, director, metrics, released = handler_for(
+        first(headers_msg()), body_msg(orjson.dumps(chat(stream=True)), end_of_stream=True),
+        response_headers("text/event-stream"), response_body(body, False),
+        body_mode="full_duplex", then_end=True)
+    async for _reply in handler:
+        pass
+    assert director.active == {} and released == [17]
+    assert metrics.charges.values == {("usage",): 1}
+
+
 @pytest.mark.parametrize("ended", ["closed", "reset"])
 async def test_a_meter_report_just_after_the_streams_end_is_charged_as_reported(ended):
     """The meter sends its done report without waiting for the answer: it may reach kvgate
