@@ -3,7 +3,6 @@ fixed window, and the all-or-nothing decision over in-process counters."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -299,20 +298,29 @@ def test_a_client_alone_gets_the_exact_wait_whatever_the_herd_did(per_unit, unit
     newcomers come and go; a client refused while no refused client is still out (each was
     told a time already past) is admitted at its retry-after-ms and refused 1 ms before."""
     limit = Limit(per_unit, unit, burst=per_unit + extra)
-    herd = Herd(1_700_000_000_000 + data.draw(st.integers(0, 59_999)))
+    start = 1_700_000_000_000 + data.draw(st.integers(0, 59_999))
+    herd = Herd(start)
+    calls: list[tuple[int, int]] = []  # (ms, cost) of every call: a probe replays them
     due: list[tuple[int, int]] = []  # (ms a refused client is told to come back, its cost)
     out_until = -1
+
+    def replayed(at: int) -> Herd:
+        probe = Herd(start)
+        for probe.now, cost in calls:
+            told(probe, Hit("d|k=v", limit, cost))
+        probe.now = at
+        return probe
 
     def attempt(cost: int) -> None:
         nonlocal out_until
         alone = out_until < herd.now
+        calls.append((herd.now, cost))
         wait = told(herd, Hit("d|k=v", limit, cost))
         if wait is None:
             return
         if alone:
             for at, fits in ((herd.now + wait - 1, False), (herd.now + wait, True)):
-                probe = copy.deepcopy(herd)
-                probe.now = at
+                probe = replayed(at)
                 assert (told(probe, Hit("d|k=v", limit, cost)) is None) is fits, (at, wait)
         out_until = max(out_until, herd.now + wait)
         due.append((herd.now + wait, cost))
