@@ -631,9 +631,10 @@ def test_http2_streams_past_the_heap_cap_are_reset_and_envoy_recovers(example: C
                 with contextlib.suppress(OSError, h2.exceptions.ProtocolError):
                     resets += stalled_stream(client, connection)
         assert wait_for(lambda: envoy_memory(envoy) < 60 * 2**20), envoy_memory(envoy)
-        for client, connection in connections:
-            resets += sum(isinstance(event, h2.events.StreamReset)
-                          for event in connection.receive_data(recv_once(client)))
+        for client, connection in connections:  # (Envoy may have closed a connection)
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                resets += sum(isinstance(event, h2.events.StreamReset)
+                              for event in connection.receive_data(recv_once(client)))
         clients.close()
         assert resets, "no stream was reset"
         assert wait_for(lambda: json.loads(post(envoy.url + "/v1/chat/completions")[2])[

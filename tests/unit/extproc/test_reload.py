@@ -525,8 +525,13 @@ async def test_a_file_changed_while_the_server_starts_is_applied_once_it_serves(
     scrape_once = server.scraper.scrape_once
 
     async def updated_while_starting() -> None:
-        path.write_text(yaml.safe_dump({**cfg, "tenants": cfg["tenants"][:1]}))
+        if not rounds:  # the first round only: the scrape loop's later rounds come here too,
+            # and a rewrite there could meet the reload reading the file half written
+            path.write_text(yaml.safe_dump({**cfg, "tenants": cfg["tenants"][:1]}))
+        rounds.append(None)
         await scrape_once()  # (a SIGHUP sent now is ignored: no handler yet)
+
+    rounds: list[None] = []
 
     monkeypatch.setattr(server.scraper, "scrape_once", updated_while_starting)
     monkeypatch.setattr(gc, "freeze", lambda: None)
