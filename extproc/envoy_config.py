@@ -694,6 +694,9 @@ def _http_connection_manager(config: Config) -> Any:
         # Also covers replies produced before a route is chosen.
         **client_options(config),
         use_remote_address=True,
+        # every answer carries the request's id (the one the engine got and kvgate logs),
+        # not only kvgate's refusals: a client can quote it for an answer it doubts
+        always_set_request_id_in_response=True,
         # The engine decodes the path before routing, so a path must mean one thing to
         # Envoy, kvgate and the engine (kvgate normalises again, for hand-written configs).
         # An escaped slash or backslash (%2F, %5C) is refused (400): no OpenAI client sends

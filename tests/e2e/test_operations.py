@@ -187,15 +187,19 @@ def test_metrics_carry_bounded_labels_after_traffic(stack) -> None:
 
 def test_request_ids_tie_log_lines_to_the_engine_and_the_client(stack, caplog) -> None:
     """Envoy sets x-request-id (it replaces a client's at the edge); kvgate's log lines about
-    a request carry it, the engine gets it, a refused client sees it."""
+    a request carry it, the engine gets it, the client sees it (admitted or refused: only
+    refusals carried it)."""
     (engine,) = stack.engines.values()
     engine.clear_requests()
     with caplog.at_level(logging.DEBUG, logger="extproc.stream"):
-        assert post(stack.url, "acme", chat()).status_code == 200
+        admitted = post(stack.url, "acme", chat())
+        assert admitted.status_code == 200
         refused = post(stack.url, "sk-nobody", chat())
         wait_until(lambda: len([r for r in caplog.records if hasattr(r, "request_id")]) >= 2)
     upstream = engine.requests()[-1]["headers"]["x-request-id"]
+    assert admitted.headers.get_list("x-request-id") == [upstream]
     assert refused.status_code == 401 and refused.headers["x-request-id"] != upstream
+    assert len(refused.headers.get_list("x-request-id")) == 1
     logged = {r.request_id: r for r in caplog.records if hasattr(r, "request_id")}
     assert logged[upstream].tenant == "acme"
     assert "invalid" in logged[refused.headers["x-request-id"]].getMessage()
