@@ -17,13 +17,16 @@ its tenants every day no longer grows kvgate by every tenant it ever had.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.config import Config, ConfigError, load_config
-from extproc.yaml_input import read_capped
+from extproc.yaml_input import MAX_BYTES
 
 LIVE = ("tiers", "tenants", "classification")
 """The sections a reload applies to a running process — but ``classification.header``: the
@@ -69,41 +72,93 @@ def plan(running: Config, new: Config, source: str = "<config>") -> Reload:
     )
 
 
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, for a log line."""
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+@dataclass(frozen=True)
+class Polled:
+    """What one look at the config file found."""
+
+    changed: bool  # its content differs from the last read
+    problem: str | None = None  # why it cannot be read now (gone, not a regular file)
+
+
 class ConfigFile:
     """The file the running configuration came from: whether it has changed since it was
-    last read (its size and mtime first; a content hash decides, so a touch or a rewrite
-    with the same bytes is no change)."""
+    last read (its identity, size and mtime first; a content hash decides, so a touch or a
+    rewrite with the same bytes is no change).
+
+    Only a regular file is read (a symlink to one, as a ConfigMap's ``..data`` layout, is
+    followed): a FIFO, device or directory at the path is refused from its ``stat`` without
+    being opened, since reading a FIFO waits for a writer and a device may never end.
+    :meth:`check` and :meth:`load` read the file: call them off the event loop."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._stat = self._stat_key()
-        self.digest = self._digest()
+        self._stat: tuple[int, int, int, int] | None = None
+        self.digest: str | None = None
+        with contextlib.suppress(OSError):
+            self._stat, self.digest = self._read_key()
 
-    def _stat_key(self) -> tuple[int, int] | None:
-        try:
-            stat = os.stat(self.path)
-        except OSError:
-            return None
-        return stat.st_mtime_ns, stat.st_size
+    def _regular_stat(self) -> os.stat_result:
+        """The file's stat; OSError if it is gone or not a regular file (not opened)."""
+        st = os.stat(self.path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{_kind(st.st_mode)}, not a regular file",
+                          str(self.path))
+        return st
 
-    def _digest(self) -> str | None:
+    @staticmethod
+    def _key(st: os.stat_result) -> tuple[int, int, int, int]:
+        # the inode too: a file replaced by rename (an editor, a ConfigMap's symlink swap)
+        # with the same size in the same nanosecond is still a new file
+        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _read_key(self) -> tuple[tuple[int, int, int, int], str]:
+        """The file's stat key and content hash; OSError if it is not a regular file. The
+        open does not block and is checked again: a FIFO swapped in after the stat is
+        refused, not waited on."""
+        key = self._key(self._regular_stat())
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as file:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"{_kind(st.st_mode)}, not a regular file",
+                              str(self.path))
+            return key, hashlib.sha256(file.read(MAX_BYTES + 1)).hexdigest()
+
+    def check(self) -> Polled:
+        """Whether the content differs from the last read, or why the file cannot be read
+        now. A file gone or not regular is no change (the running config stays; an editor
+        replacing it, or a ConfigMap's symlink swap, shows up on a later check)."""
         try:
-            return hashlib.sha256(read_capped(self.path)).hexdigest()
-        except OSError:
-            return None
+            key = self._key(self._regular_stat())
+            if key == self._stat:
+                return Polled(False)
+            key, digest = self._read_key()
+        except OSError as error:
+            return Polled(False, error.strerror or str(error))
+        self._stat = key
+        return Polled(digest != self.digest)
 
     def changed(self) -> bool:
-        """Whether the content differs from the last read; a missing file is no change (an
-        editor replacing it, or a ConfigMap's symlink swap, shows up on a later poll)."""
-        stat = self._stat_key()
-        if stat is None or stat == self._stat:
-            return False
-        self._stat = stat
-        digest = self._digest()
-        return digest is not None and digest != self.digest
+        """:meth:`check`'s verdict alone."""
+        return self.check().changed
 
     def load(self) -> Config:
         """Read and validate the file; it counts as read whether or not it is valid (a
-        broken file is reported once, not on every poll)."""
-        self._stat, self.digest = self._stat_key(), self._digest()
+        broken file is reported once, not on every poll). A file that is not regular is
+        refused without being opened."""
+        try:
+            self._stat, self.digest = self._read_key()
+        except OSError as error:
+            self._stat, self.digest = None, None
+            raise ConfigError(str(self.path), [f"cannot read: {error.strerror}"]) from None
         return load_config(self.path)

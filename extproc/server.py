@@ -341,6 +341,7 @@ class KvgateServer:
         self._reload_lock = asyncio.Lock()
         self._reloads: set[asyncio.Task[bool]] = set()
         self._sighup_waiting = False  # a SIGHUP's reload waits for its turn (see _on_sighup)
+        self._config_problem: str | None = None  # why the polled file is unreadable, once
         self.endpoints = EndpointStore({p.name: p.kv_capacity_tokens for p in config.pools
                                         if p.kv_capacity_tokens})
         self.director = build_director(config, store or build_store(config, self.metrics),
@@ -515,10 +516,37 @@ class KvgateServer:
         while True:
             await asyncio.sleep(every_s)
             try:
-                if self.config_file is not None and self.config_file.changed():
-                    await self.reload_in_thread("file changed")
+                await self.reload_if_changed("file changed")
             except Exception:  # the poll must outlive any one failure
                 log.exception("config poll failed")
+
+    async def reload_if_changed(self, why: str) -> bool:
+        """Reload if the file's content changed. The look runs in a worker thread: hashing
+        a large file took milliseconds of every admission's loop, and a FIFO at the path
+        blocked it. A file gone or not regular keeps the running config; it is logged and
+        counted as a rejected reload once, not at every poll, until it is readable again.
+        Whether a reload was applied."""
+        if self.config_file is None:
+            return False
+        async with self._reload_lock:  # the look and a reload's read do not interleave
+            polled = await asyncio.to_thread(self.config_file.check)
+            self._note_unreadable(polled.problem)
+            if polled.changed:
+                return await self._reload_locked(why)
+        return False
+
+    def _note_unreadable(self, problem: str | None) -> None:
+        """Report the config file turning unreadable once, and its coming back."""
+        assert self.config_file is not None
+        if problem == self._config_problem:
+            return
+        if problem is None:
+            log.info("config file %s is readable again", self.config_file.path)
+        else:
+            self.metrics.reloads.labels("rejected").inc()
+            log.warning("config file %s cannot be read (%s): the running config stays until "
+                        "it can", self.config_file.path, problem)
+        self._config_problem = problem
 
     async def _forget_every(self, every_s: float) -> None:
         while True:
@@ -696,9 +724,9 @@ class KvgateServer:
             gc.collect()
             gc.freeze()
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
-            if self.config_file is not None and self.config_file.changed():
+            if self.config_file is not None:
                 # changed while kvgate started (read at its start): a SIGHUP then was ignored
-                self._reload_soon(self.reload_in_thread("file changed while starting"))
+                self._reload_soon(self.reload_if_changed("file changed while starting"))
             await stop.wait()
         # not removed: without a handler SIGHUP's default action ends the process, which
         # cut every stream still draining and left its leases held

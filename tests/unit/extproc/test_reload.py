@@ -106,6 +106,147 @@ def test_config_file_changes_only_when_its_content_does(tmp_path: Path) -> None:
     assert not watched.changed()
 
 
+def rejected(server: KvgateServer) -> float:
+    value = server.metrics.registry.get_sample_value("kvgate_config_reloads_total",
+                                                      {"result": "rejected"})
+    assert value is not None
+    return value
+
+
+async def poll_for(server: KvgateServer, seconds: float, every_s: float = 0.05) -> float:
+    """Run the config poll for ``seconds`` beside a 10 ms ticker; the longest the loop
+    went without ticking."""
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    poller = asyncio.create_task(server._poll_config(every_s))
+    await asyncio.sleep(seconds)
+    for task in (poller, ticker):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    while server._reloads:
+        await asyncio.gather(*server._reloads)
+    return max(gaps)
+
+
+async def test_the_poll_hashes_a_changed_file_off_the_event_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed stat made the poll read and hash the file on the loop that serves every
+    admission (milliseconds for a large file)."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    server = KvgateServer(parse_config(data()), config_path=path)
+    path.write_text(yaml.safe_dump(data(concurrency=1)))
+    import hashlib
+    import types
+
+    import extproc.reload as reload_module
+
+    on_loop: list[bool] = []
+
+    def slow(content: bytes):  # a large file, a slow disk
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.3)
+        return hashlib.sha256(content)
+
+    monkeypatch.setattr(reload_module, "hashlib", types.SimpleNamespace(sha256=slow))
+    gap = await poll_for(server, 1.2)
+    assert on_loop and not any(on_loop), on_loop
+    assert gap < 0.2, gap  # the loop kept ticking through the 0.3 s reads
+    assert server.config.tiers["gold"].limits.max_concurrency == 1
+
+
+async def test_a_fifo_at_the_config_path_is_refused_unopened_and_reported_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A FIFO put where the config was: the poll saw its stat change and opened it on the
+    event loop, which then waited for a writer (up to ``FIFO_WAIT_S``; a slow writer held
+    it for as long as it wrote) — every admission stalled — and said nothing of it."""
+    monkeypatch.setattr("extproc.yaml_input.FIFO_WAIT_S", 1.0)
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    server = KvgateServer(parse_config(data()), config_path=path)
+    path.unlink()
+    os.mkfifo(path)
+    with caplog.at_level("INFO", logger="extproc.server"):
+        gap = await poll_for(server, 0.6)
+    assert gap < 0.2, gap
+    [warning] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "a FIFO, not a regular file" in warning.getMessage()
+    assert "the running config stays" in warning.getMessage()
+    assert rejected(server) == 1
+    assert server.config.tiers["gold"].limits.max_concurrency == 5
+    # a SIGHUP refuses it without opening it either
+    assert await asyncio.wait_for(server.reload_in_thread("SIGHUP"), 0.5) is False
+    # a regular file again: read, applied, and said
+    caplog.clear()
+    path.unlink()
+    path.write_text(yaml.safe_dump(data(concurrency=2)))
+    with caplog.at_level("INFO", logger="extproc.server"):
+        await poll_for(server, 0.3)
+    assert server.config.tiers["gold"].limits.max_concurrency == 2
+    assert any("is readable again" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_deleted_config_file_is_reported_once_and_the_running_config_stays(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A deleted file was silent: the poll found no stat and said nothing, poll after
+    poll, while the running config quietly outlived its file."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(data()))
+    server = KvgateServer(parse_config(data()), config_path=path)
+    path.unlink()
+    with caplog.at_level("WARNING", logger="extproc.server"):
+        await poll_for(server, 0.5)  # ~10 polls
+    [warning] = caplog.records
+    assert f"config file {path} cannot be read (No such file or directory)" in (
+        warning.getMessage())
+    assert rejected(server) == 1
+    assert server.config.tiers["gold"].limits.max_concurrency == 5
+    path.write_text(yaml.safe_dump(data(concurrency=3)))
+    await poll_for(server, 0.3)
+    assert server.config.tiers["gold"].limits.max_concurrency == 3
+    caplog.clear()
+    path.unlink()  # gone again: said again, once
+    with caplog.at_level("WARNING", logger="extproc.server"):
+        await poll_for(server, 0.3)
+    assert len(caplog.records) == 1 and rejected(server) == 2
+
+
+async def test_a_configmap_symlink_swap_is_picked_up(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The kubelet's layout: ``kvgate.yaml -> ..data/kvgate.yaml``, ``..data -> ..<ts>``,
+    updated by pointing ``..data`` at a new directory in one rename. The file is followed
+    through its links (a regular file), and the swap is neither a deletion nor a FIFO."""
+    def version(name: str, concurrency: int) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kvgate.yaml").write_text(yaml.safe_dump(data(concurrency)))
+        (tmp_path / "..data_tmp").symlink_to(name)
+        os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+
+    version("..2024_01_01", 5)
+    path = tmp_path / "kvgate.yaml"
+    path.symlink_to("..data/kvgate.yaml")
+    server = KvgateServer(parse_config(data()), config_path=path)
+    version("..2024_01_02", 2)
+    for old in (tmp_path / "..2024_01_01").iterdir():
+        old.unlink()
+    (tmp_path / "..2024_01_01").rmdir()
+    with caplog.at_level("WARNING", logger="extproc.server"):
+        await poll_for(server, 0.3)
+    assert server.config.tiers["gold"].limits.max_concurrency == 2
+    assert caplog.records == [] and rejected(server) == 0
+
+
 def test_removed_tenants_keep_their_policy_but_cannot_authenticate() -> None:
     before = Tenants(parse_config(data()))
     gone = before.get("gone")
