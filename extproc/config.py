@@ -416,7 +416,8 @@ class Degradation(_Strict):
 
     classes: list[str] = Field(default_factory=lambda: ["batch", "offline"])
     fallback_model: str | None = Field(None, description="rewrite the model to this one")
-    max_tokens_cap: PositiveInt | None = Field(None, description="cap max_tokens to this")
+    max_tokens_cap: PositiveInt | None = Field(
+        None, description="cap max_tokens (each answer's, with n > 1) to this")
 
     @model_validator(mode="after")
     def _does_something(self) -> Degradation:

@@ -281,7 +281,7 @@ class Director:
             "max_tokens": output_cap(model, request)}
 
         def route_now() -> Route | Reject:
-            route = self._route(tenant, scheduler, cost, klass)
+            route = self._route(tenant, scheduler, cost, klass, request.choices)
             if cap and isinstance(route, Route):
                 route.overrides = cap | route.overrides  # a degradation's smaller cap wins
             return route
@@ -356,7 +356,8 @@ class Director:
         return [(m.name, pool.name) for pool in self.config.pools for m in pool.models], decision
 
     def _route(
-        self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass
+        self, tenant: Tenant, scheduler: PoolScheduler, cost: Cost, klass: RequestClass,
+        choices: int = 1,
     ) -> Route | Reject:
         """An endpoint with room now; else a degraded form that fits; else the pool's queue
         when waiting can help; else the scheduler's refusal. While anything is queued, the
@@ -367,7 +368,7 @@ class Director:
         queueing = self._queueing and overflow != "reject"
         flow = self.flows.get(scheduler.config.name) if queueing else None
         if isinstance(placed, Reject):
-            degraded = self._degrade(tenant, klass, scheduler, cost,
+            degraded = self._degrade(tenant, klass, scheduler, cost, choices,
                                      every_class=overflow == "degrade")
             if degraded is not None:
                 return degraded
@@ -594,16 +595,18 @@ class Director:
 
     def _degrade(
         self, tenant: Tenant, klass: RequestClass, scheduler: PoolScheduler, cost: Cost,
-        *, every_class: bool = False,
+        choices: int = 1, *, every_class: bool = False,
     ) -> Route | None:
         """Under saturation, a low-priority class (or, ``every_class``, any class of a tenant
         whose overflow mode is ``degrade``) gets a smaller answer or a cheaper model rather
-        than a refusal — when its pool is configured to degrade."""
+        than a refusal — when its pool is configured to degrade. ``max_tokens_cap`` caps
+        each of the request's ``choices`` answers (``max_tokens`` is per answer): the
+        capped reservation covers them all."""
         plan = scheduler.config.degradation
         if plan is None or not (every_class or klass.name in plan.classes):
             return None
-        if plan.max_tokens_cap and cost.max_output_tokens > plan.max_tokens_cap:
-            capped = Cost(cost.prompt_tokens, plan.max_tokens_cap)
+        if plan.max_tokens_cap and cost.max_output_tokens > plan.max_tokens_cap * choices:
+            capped = Cost(cost.prompt_tokens, plan.max_tokens_cap * choices)
             placed = self._place(tenant, scheduler, capped, klass.band)
             if isinstance(placed, Placement):
                 return Route(scheduler, capped, placed,

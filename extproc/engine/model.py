@@ -36,6 +36,7 @@ ends with its next token. No prefix caching: every prompt is unique.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import heapq
 import itertools
@@ -436,21 +437,45 @@ class EngineModel(StepScheduler):
         Whatever ends the iteration (completion, an exception, ``aclose()`` or cancellation
         when the client goes away) frees the request's slot and blocks exactly once.
         """
-        req.wake = asyncio.Event()
-        self.add(req)
+        async with contextlib.aclosing(self.generate_many([req])) as tokens:
+            async for _, index in tokens:
+                yield index
+
+    async def generate_many(self, reqs: list[SimRequest]) -> AsyncIterator[tuple[int, int]]:
+        """The sequences of one API request (``n`` > 1: one per choice, as vLLM V1 runs a
+        child request per choice, each its own sequence in the scheduler): queue them all,
+        then yield ``(choice, token index)`` as steps make the tokens, in choice order
+        within a step.
+
+        A sequence's slot and blocks are freed once its last token has been taken (the
+        client has read it); whatever ends the iteration early frees the rest, each exactly
+        once (``abort`` for those not finished).
+        """
+        wake = asyncio.Event()  # one for all: any of them got a token
+        for req in reqs:
+            req.wake = wake
+            self.add(req)
         self._kick()
-        sent = 0
+        sent = [0] * len(reqs)
         try:
-            while sent < req.max_tokens:
-                if req.generated > sent:
-                    sent += 1
-                    yield sent - 1
-                    continue
-                req.wake.clear()
-                await req.wake.wait()
+            while any(n < req.max_tokens for n, req in zip(sent, reqs, strict=True)):
+                progressed = False
+                for choice, req in enumerate(reqs):
+                    if req.generated > sent[choice]:
+                        sent[choice] += 1
+                        progressed = True
+                        yield choice, sent[choice] - 1
+                        if sent[choice] == req.max_tokens:
+                            self.release(req, "length", self.clock())
+                            self._kick()
+                if not progressed:
+                    wake.clear()
+                    await wake.wait()
         finally:
-            reason = "length" if req.generated >= req.max_tokens else "abort"
-            self.release(req, reason, self.clock())
+            now = self.clock()
+            for req in reqs:  # (release is once: those already released are left alone)
+                self.release(req, "length" if req.generated >= req.max_tokens else "abort",
+                             now)
             self._kick()
 
     def record_pooling(self, prompt_tokens: int) -> None:

@@ -39,6 +39,17 @@ text is one vocabulary word plus a space per token, so its word count is the tok
 The output length is ``max_completion_tokens`` or ``max_tokens`` (default 16), always run to
 the end, as with ``ignore_eos: true`` (which is accepted and changes nothing).
 
+``n`` answers that many choices, as vLLM does: each choice is its own sequence in the
+scheduler (vLLM V1 runs a child request per choice, ``<choice>_<id>`` in ``/debug/state``),
+each with the prompt and run to the cap; the answer's ``choices`` have ``index`` 0..n-1, a
+stream opens with a role chunk per choice (chat) and its chunks name their choice's
+``index``; ``usage`` counts the prompt once and every choice's tokens (``completion_tokens``
+= n × the cap), and a ``continuous_usage_stats`` chunk carries its own choice's count, as
+vLLM's do. Simplification: with no prefix caching, each choice holds its own copy of the
+prompt's KV blocks (vLLM with prefix caching shares them), so n > 1 costs the simulated
+cache (n - 1) prompts more than a real one. ``best_of`` is ignored, as before; a batch of
+prompts is still answered as one prompt (one set of choices).
+
 Test hooks, under ``/debug/`` only (a real vLLM has none of them):
 
 - ``GET /debug/requests``: every ``/v1/*`` request received, most recent last: method, path,
@@ -191,6 +202,7 @@ class Generation:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    n: int = 1  # choices: each its own sequence, run to max_tokens
 
 
 def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> Generation:
@@ -217,8 +229,10 @@ def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> 
     priority = int_field(body, "priority") or 0
     if config.metrics_flavour == "sglang":
         priority = -priority  # SGLang runs higher values first; the model, lower first
-    if int_field(body, "n") not in (None, 1):
-        raise ApiError(400, "the simulated engine supports n=1 only", param="n")
+    n = int_field(body, "n")
+    n = 1 if n is None else n
+    if n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}.", param="n")
     stream = body.get("stream")
     stream = False if stream is None else stream  # vLLM takes null as the default
     if not isinstance(stream, bool):
@@ -241,7 +255,7 @@ def parse_generation(body: dict[str, Any], kind: Kind, config: EngineConfig) -> 
     check_priority(priority, config)
     check_cache_salt(body)
     return Generation(kind, prompt_tokens, max_tokens, priority, stream, include_usage,
-                      continuous)
+                      continuous, n)
 
 
 def check_model(body: dict[str, Any], config: EngineConfig) -> None:
@@ -530,26 +544,32 @@ class EngineServer:
         body = parse_json(await request.read())
         gen = parse_generation(body, kind, self.config)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        req = self.model.new_request(gen.prompt_tokens, gen.max_tokens, gen.priority, request_id)
+        # n > 1: a sequence per choice, each with the prompt (vLLM V1's child requests,
+        # named "<choice>_<id>" as vLLM names them)
+        reqs = [self.model.new_request(gen.prompt_tokens, gen.max_tokens, gen.priority,
+                                       request_id if gen.n == 1 else f"{choice}_{request_id}")
+                for choice in range(gen.n)]
         chunks = ChunkMaker(kind, request_id, self.config.model, gen)
         if gen.stream:
-            return await self._stream(request, req, chunks)
-        words: list[str] = []
-        async with contextlib.aclosing(self.model.generate(req)) as tokens:
-            async for index in tokens:
-                words.append(token_text(index))
-        return json_response(chunks.full_response("".join(words)), headers=self._headers())
+            return await self._stream(request, reqs, chunks)
+        words: list[list[str]] = [[] for _ in reqs]
+        async with contextlib.aclosing(self.model.generate_many(reqs)) as tokens:
+            async for choice, index in tokens:
+                words[choice].append(token_text(index))
+        return json_response(chunks.full_response(["".join(w) for w in words]),
+                             headers=self._headers())
 
-    async def _stream(self, request: web.Request, req: SimRequest, chunks: ChunkMaker
+    async def _stream(self, request: web.Request, reqs: list[SimRequest], chunks: ChunkMaker
                       ) -> web.StreamResponse:
-        """SSE, one token per chunk. Headers go out at once, as vLLM's do, even if queued."""
+        """SSE, one token of one choice per chunk. Headers go out at once, as vLLM's do,
+        even if queued."""
         resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8",
                                            "cache-control": "no-cache", **self._headers()})
         await resp.prepare(request)
         try:
-            async with contextlib.aclosing(self.model.generate(req)) as tokens:
-                async for index in tokens:
-                    for chunk in chunks.token_chunks(index):
+            async with contextlib.aclosing(self.model.generate_many(reqs)) as tokens:
+                async for choice, index in tokens:
+                    for chunk in chunks.token_chunks(choice, index):
                         await resp.write(sse(chunk))
             if chunks.gen.include_usage:
                 await resp.write(sse(chunks.usage_chunk()))
@@ -644,56 +664,67 @@ class ChunkMaker:
         self.kind, self.model, self.gen = kind, model, gen
         self.id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
         self.created = int(time.time())
+        self._opening = True  # the stream's first token is still to come
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
     def _usage(self, completion: int | None = None) -> dict[str, int]:
+        """The prompt once, however many choices (vLLM's count); ``completion`` defaults to
+        every choice's tokens: all run to ``max_tokens``."""
         prompt = self.gen.prompt_tokens
-        completion = self.gen.max_tokens if completion is None else completion
+        completion = self.gen.max_tokens * self.gen.n if completion is None else completion
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def token_chunks(self, index: int) -> list[dict[str, Any]]:
-        """The chunk(s) for token ``index``; chat opens with a role chunk, like vLLM. With
-        ``continuous_usage_stats`` each carries the usage so far, as vLLM's do."""
-        chunks = self._token_chunks(index)
+    def token_chunks(self, choice: int, index: int) -> list[dict[str, Any]]:
+        """The chunk(s) for token ``index`` of ``choice``; a chat stream opens with a role
+        chunk per choice, all before the first token, like vLLM. With
+        ``continuous_usage_stats`` each carries the usage so far — of its own choice, as
+        vLLM's do: only the final usage chunk sums the choices."""
+        chunks = self._role_chunks() if self._opening else []
+        self._opening = False
+        chunks.append(self._token_chunk(choice, index))
         if self.gen.continuous_usage:
             for chunk in chunks:
-                chunk["usage"] = self._usage(index + 1 if chunk is chunks[-1] else index)
+                chunk["usage"] = self._usage(index + 1 if chunk is chunks[-1] else 0)
         return chunks
 
-    def _token_chunks(self, index: int) -> list[dict[str, Any]]:
+    def _role_chunks(self) -> list[dict[str, Any]]:
+        if self.kind == "completion":
+            return []
+        return [self._envelope("chat.completion.chunk", [{
+            "index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]) for choice in range(self.gen.n)]
+
+    def _token_chunk(self, choice: int, index: int) -> dict[str, Any]:
         finish = "length" if index == self.gen.max_tokens - 1 else None
         text = token_text(index)
         if self.kind == "completion":
-            return [self._envelope("text_completion", [{
-                "index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                "stop_reason": None}])]
-        chunks = []
-        if index == 0:
-            chunks.append(self._envelope("chat.completion.chunk", [{
-                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}]))
-        chunks.append(self._envelope("chat.completion.chunk", [{
-            "index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}]))
-        return chunks
+            return self._envelope("text_completion", [{
+                "index": choice, "text": text, "logprobs": None, "finish_reason": finish,
+                "stop_reason": None}])
+        return self._envelope("chat.completion.chunk", [{
+            "index": choice, "delta": {"content": text}, "logprobs": None,
+            "finish_reason": finish}])
 
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._envelope(obj, []), "usage": self._usage()}
 
-    def full_response(self, text: str) -> dict[str, Any]:
+    def full_response(self, texts: list[str]) -> dict[str, Any]:
+        """The whole answer: one choice per text, ``index`` 0..n-1."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": "length", "stop_reason": None}
+                       for i, text in enumerate(texts)]
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                      "stop_reason": None}
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": "length",
+                        "stop_reason": None} for i, text in enumerate(texts)]
             obj = "text_completion"
-        return {**self._envelope(obj, [choice]), "usage": self._usage()}
+        return {**self._envelope(obj, choices), "usage": self._usage()}
 
 
 # -- lifecycle: in-process, subprocess, CLI ------------------------------------------------

@@ -185,6 +185,78 @@ def test_metrics_carry_bounded_labels_after_traffic(stack) -> None:
     assert samples(admin, "kvgate_store_breaker_open")[0]["value"] == 0
 
 
+def acme_tokens(admin: str) -> dict[str, float]:
+    """acme's reserved, prompt and completion tokens on tiny-llama, and its charges (all
+    bases), from kvgate's /metrics."""
+    found = {"reserved": 0.0, "prompt": 0.0, "completion": 0.0}
+    for s in samples(admin, "kvgate_tokens_reserved_total"):
+        if (s["tenant"], s["model"]) == ("acme", "tiny-llama"):
+            found["reserved"] += float(s["value"])
+    for s in samples(admin, "kvgate_tokens_used_total"):
+        if (s["tenant"], s["model"]) == ("acme", "tiny-llama"):
+            found[str(s["kind"])] += float(s["value"])
+    for s in samples(admin, "kvgate_charges_total"):
+        found[f"charged_{s['basis']}"] = found.get(f"charged_{s['basis']}", 0.0) + s["value"]
+    return found
+
+
+def settled(stack, admin: str, before: dict[str, float], body: dict,
+            **headers: str) -> tuple[httpx.Response, dict[str, float]]:
+    """Send ``body`` as acme; once kvgate has settled it, the response and what changed in
+    acme's token counters."""
+    response = post(stack.url, "acme", body, **headers)
+    assert response.status_code == 200, response.text
+    charges = sum(v for k, v in before.items() if k.startswith("charged_"))
+    wait_until(lambda: sum(v for k, v in acme_tokens(admin).items()
+                           if k.startswith("charged_")) > charges)
+    after = acme_tokens(admin)
+    return response, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+@pytest.mark.parametrize("mode", ["json", "stream", "stream_usage"])
+def test_n_answers_are_reserved_and_charged_as_the_engine_counts_them(stack, mode) -> None:
+    """``n: 2``: kvgate reserves the output of both answers (one more ``max_tokens`` than
+    the same request with ``n: 1``), the engine answers two choices, and what kvgate
+    charges is the engine's own usage, both answers' tokens, streamed or not (the engine
+    refused n > 1, so none of this had an end-to-end test)."""
+    admin = f"http://127.0.0.1:{stack.kvgate.server.admin_port}"
+    (engine,) = stack.engines.values()
+    stream = mode != "json"
+    body = chat(4, stream=stream)
+    if mode == "stream_usage":
+        body["stream_options"] = {"include_usage": True}
+    _, one = settled(stack, admin, acme_tokens(admin), body)
+    engine.clear_requests()
+    response, two = settled(stack, admin, acme_tokens(admin), {**body, "n": 2})
+    sent = engine.requests()[-1]["body"]
+    assert (sent["n"], sent["max_tokens"]) == (2, 4)  # each answer's cap, as asked
+    assert two["reserved"] - one["reserved"] == 4  # the second answer's output
+
+    if not stream:
+        answer = response.json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        usage = answer["usage"]
+    else:
+        events = [orjson.loads(e.removeprefix("data: ")) for e in response.text.split("\n\n")
+                  if e.startswith("data: ") and e != "data: [DONE]"]
+        assert response.text.rstrip().endswith("data: [DONE]")
+        texts = {0: "", 1: ""}
+        for event in events:
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["delta"].get("content", "")
+        assert texts == {0: "the quick brown fox ", 1: "the quick brown fox "}
+        if mode == "stream_usage":
+            assert events[-1]["choices"] == []
+            usage = events[-1]["usage"]
+        else:  # kvgate's usage event, stripped: the engine counted the prompt's one word
+            assert all(e["choices"] and "usage" not in e for e in events)
+            usage = {"prompt_tokens": 1, "completion_tokens": 8}
+    assert usage["completion_tokens"] == 2 * 4
+    assert two["completion"] == usage["completion_tokens"]
+    assert two["prompt"] == usage["prompt_tokens"] == one["prompt"]
+    assert two.get("charged_usage") == 1 and one.get("charged_usage") == 1
+
+
 def test_request_ids_tie_log_lines_to_the_engine_and_the_client(stack, caplog) -> None:
     """Envoy sets x-request-id (it replaces a client's at the edge); kvgate's log lines about
     a request carry it, the engine gets it, the client sees it (admitted or refused: only

@@ -73,6 +73,22 @@ async def test_degradation_caps_max_tokens_for_low_priority_classes():
     assert outcome.cost.max_output_tokens == 100
 
 
+async def test_degradation_caps_each_of_n_answers_and_reserves_them_all():
+    """``max_tokens`` is per answer: capped to 50 with ``n: 3`` the engine makes 150
+    tokens, but the capped reservation held 50 (and the charge was held to it), so a
+    degraded n > 1 request was under-reserved and under-charged by (n - 1) × the cap."""
+    cfg = config({"classes": ["batch"], "max_tokens_cap": 50})
+    director = await director_with_usage(cfg, big=0.7)
+    tenant = director.authenticate(f"Bearer {KEY}")
+    body = {"model": "big-model", "max_tokens": 300, "n": 3,
+            "messages": [{"role": "user", "content": "x" * 40}]}
+    outcome = await director.admit(tenant, parse_body("/v1/chat/completions",
+                                                      orjson.dumps(body)))
+    assert isinstance(outcome, Admission), outcome
+    assert outcome.body_overrides == {"max_tokens": 50}
+    assert outcome.cost.max_output_tokens == 3 * 50
+
+
 async def test_degradation_falls_back_to_a_cheaper_model():
     cfg = config({"classes": ["batch"], "fallback_model": "small-model"})
     director = await director_with_usage(cfg, big=0.9, small=0.1)

@@ -96,6 +96,54 @@ def test_chat_stream_include_usage(client: httpx.Client) -> None:
     assert usage["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
 
 
+def test_n_answers_that_many_choices_and_counts_them_all(client: httpx.Client) -> None:
+    """vLLM answers ``n`` choices, ``index`` 0..n-1, and counts the prompt once and every
+    choice's tokens: the engine refused n > 1, so kvgate's pricing of it had no end-to-end
+    test."""
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "n": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "the quick brown " and c["finish_reason"] == "length"
+               for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 9, "total_tokens": 16}
+    r = client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2, "n": 2})
+    assert [(c["index"], c["text"]) for c in r.json()["choices"]] == [
+        (0, "the quick "), (1, "the quick ")]
+    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert client.post("/v1/completions", json={"prompt": "a", "n": 1}).status_code == 200
+    for bad in (0, -1, 1.5, True):
+        assert client.post("/v1/completions", json={"prompt": "a", "n": bad}).status_code == 400
+
+
+def test_a_stream_of_n_choices_names_each_chunks_choice(client: httpx.Client) -> None:
+    body = {**CHAT, "max_tokens": 3, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks, final = events[:-2], events[-2]
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    # a role chunk per choice first, as vLLM sends them
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:2]] == [
+        (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
+    for choice in (0, 1):
+        mine = [c for c in chunks[2:] if c["choices"][0]["index"] == choice]
+        assert "".join(c["choices"][0]["delta"]["content"] for c in mine) == "the quick brown "
+        assert [c["choices"][0]["finish_reason"] for c in mine] == [None, None, "length"]
+        # continuous usage: the choice's own count, as vLLM's
+        assert [c["usage"]["completion_tokens"] for c in mine] == [1, 2, 3]
+    assert final["choices"] == []
+    assert final["usage"] == {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13}
+    body = {"prompt": "a b", "max_tokens": 2, "n": 2, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
+    assert sorted((e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-1]) == [
+        (0, "quick "), (0, "the "), (1, "quick "), (1, "the ")]
+
+
 def test_stream_without_include_usage_has_no_usage_chunk(client: httpx.Client) -> None:
     body = {"prompt": "one two three", "max_tokens": 3, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
@@ -318,6 +366,34 @@ async def test_kv_blocks_follow_prompt_and_generated_tokens() -> None:
     # ceil((7 + generated) / 4) blocks while running, none once finished.
     assert seen == [(1, 2), (2, 3), (3, 3)]
     assert model.used_blocks == 0 and model.finished["length"] == 1
+
+
+async def test_n_choices_are_n_sequences_each_with_its_kv() -> None:
+    """Each choice runs as its own sequence (vLLM V1's child requests): n slots, n × the
+    blocks (no prefix caching here, so each holds its prompt), each freed at its end."""
+    model = EngineModel(EngineConfig(kv_blocks=20, block_size=4, ms_per_token=0,
+                                     prefill_us_per_token=0))
+    reqs = [model.new_request(prompt_tokens=7, max_tokens=3, request_id=f"{i}_r")
+            for i in range(2)]
+    seen = []
+    async for choice, index in model.generate_many(reqs):
+        seen.append((choice, index, len(model.running), model.used_blocks))
+    assert [(c, i) for c, i, _, _ in seen] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert [(running, used) for _, _, running, used in seen[:4]] == [
+        (2, 4), (2, 4), (2, 6), (2, 6)]  # both decode together: ceil((7 + k) / 4) each
+    assert model.used_blocks == 0 and model.finished["length"] == 2
+    assert model.generation_tokens_total == 6
+
+
+async def test_a_client_leaving_an_n_request_frees_every_choice() -> None:
+    model = EngineModel(EngineConfig(kv_blocks=20, block_size=4, ms_per_token=1))
+    reqs = [model.new_request(prompt_tokens=4, max_tokens=50) for _ in range(3)]
+    tokens = model.generate_many(reqs)
+    async for _ in tokens:
+        break
+    await tokens.aclose()
+    assert model.used_blocks == 0 and not model.running and len(model.waiting) == 0
+    assert model.finished["abort"] == 3
 
 
 async def test_full_kv_cache_preempts_the_least_important() -> None:
