@@ -117,15 +117,20 @@ _UNPARSABLE = ("(response.code_details.startsWith('http1.') || "
 DO_NOT_RETRY = {"x-should-retry": "false"}
 MALFORMED_MESSAGE = ("malformed HTTP request: the gateway could not parse its request line, "
                      "path or headers")
-# Envoy's refusals that carry no body (or only a status phrase), by response.code_details
-REFUSAL_MESSAGES = {
-    "upgrade_failed": "connection upgrades (WebSocket and the like) are not supported: send a "
-                      "plain HTTP/1.1 or HTTP/2 request",
-    "low_version": "only HTTP/1.1 and HTTP/2 are supported: send one of them",
+# Envoy's refusals that carry no body (or only a status phrase), by response.code_details:
+# (error.code, message)
+REFUSALS = {
+    "upgrade_failed": ("upgrade_not_supported",
+                       "connection upgrades (WebSocket and the like) are not supported: send a "
+                       "plain HTTP/1.1 or HTTP/2 request"),
+    "low_version": ("unsupported_http_version",
+                    "only HTTP/1.1 and HTTP/2 are supported: send one of them"),
     # Envoy answers these with a bare status and no body: say what was wrong
-    "absolute_path_rejected": "the request target must be a path such as "
-                              "/v1/chat/completions (not '*' or an absolute URI)",
-    "missing_host_header": "the request has no Host header (HTTP/1.1 requires one)",
+    "absolute_path_rejected": ("invalid_request_target",
+                               "the request target must be a path such as "
+                               "/v1/chat/completions (not '*' or an absolute URI)"),
+    "missing_host_header": ("missing_host_header",
+                            "the request has no Host header (HTTP/1.1 requires one)"),
 }
 # Envoy's HTTP/1 codec answers a transfer-encoding other than chunked with 501 Not
 # Implemented: a 5xx (so openai-python retries it, twice) for a request that can never
@@ -133,6 +138,26 @@ REFUSAL_MESSAGES = {
 BAD_TRANSFER_ENCODING = ("http1.invalid_transfer_encoding",
                          "transfer-encoding must be chunked (or absent): a compressed or other "
                          "transfer coding is not supported; send the body as plain JSON")
+# error.code of Envoy's own replies: a string, as in OpenAI's errors and kvgate's own
+# refusals (extproc/rejections.py), never the status again (openai-python keeps it as
+# APIStatusError.code). Replies a mapper recognises get their own code (REFUSALS' too); the
+# rest one by status, then one for their class.
+BAD_TRANSFER_ENCODING_CODE = "unsupported_transfer_encoding"
+MALFORMED_CODE = "malformed_request"
+EXT_PROC_FAILURE_CODE = "admission_unavailable"
+OVERLOAD_CODE = "gateway_overloaded"  # as kvgate's own 503 when it holds too many bodies
+RATE_LIMITED_CODE = "rate_limit_exceeded"  # as kvgate's own 429
+# Envoy's other 5xx: no healthy upstream or connection refused (503), the engine reset the
+# request or broke the protocol (502), no answer within the route timeout (504)
+SERVER_ERROR_CODES = {502: "upstream_error", 503: "upstream_unavailable",
+                      504: "upstream_timeout"}
+SERVER_ERROR_CODE = "gateway_error"
+# Envoy's other 4xx that cannot succeed on a retry; 413 as kvgate's own (a body over Envoy's
+# buffer is the same fault as one over server.max_body_bytes)
+CLIENT_FAULT_CODES = {413: "request_too_large", 431: "request_headers_too_large",
+                      404: "unknown_url"}
+CLIENT_FAULT_CODE = "invalid_request"
+REQUEST_TIMEOUT_CODE = "request_timeout"  # 408: the client sent its request too slowly
 OVERLOAD_MESSAGE = "the gateway is short of memory; retry later"
 EXT_PROC_FAILURE_MESSAGE = "admission control is unavailable; retry later"
 RATE_LIMITED_MESSAGE = "rate limit exceeded; retry after the time in retry-after"
@@ -457,19 +482,13 @@ def _cel_filter(expression: str) -> Any:
     )
 
 
-def _json_error_format(error_type: str) -> Any:
+def _json_error_format(error_type: str, code: str) -> Any:
     from envoy_data_plane.envoy.config.core.v3 import SubstitutionFormatString
     from envoy_data_plane.google.protobuf import Struct
 
     return SubstitutionFormatString(
         json_format=Struct.from_dict(
-            {
-                "error": {
-                    "message": "%LOCAL_REPLY_BODY%",
-                    "type": error_type,
-                    "code": "%RESPONSE_CODE%",
-                }
-            }
+            {"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type, "code": code}}
         ),
         content_type="application/json",
     )
@@ -477,7 +496,8 @@ def _json_error_format(error_type: str) -> Any:
 
 def _local_reply_config() -> Any:
     """Envoy's own local replies (413 over the buffer limit, 503 no healthy upstream, 504
-    upstream timeout, kvgate unreachable, …) as OpenAI-style JSON errors.
+    upstream timeout, kvgate unreachable, …) as OpenAI-style JSON errors, each with a string
+    ``code`` that says what happened (``error.code`` is a string or null in OpenAI's API).
 
     No top-level ``body_format``: it would apply to *every* local reply, kvgate's immediate
     responses included. Each mapper carries the "Envoy's own reply" condition instead.
@@ -491,61 +511,71 @@ def _local_reply_config() -> Any:
     own = _ENVOY_OWN_REPLY
     do_not_retry = [_header_option(k, v) for k, v in DO_NOT_RETRY.items()]
 
-    def refusal(condition: str, message: str, status: int | None = None) -> Any:
+    def refusal(condition: str, message: str, code: str, status: int | None = None) -> Any:
         """A client fault Envoy answers with no body (or only a status phrase): say it
         (with ``status``: as that status, a 4xx, instead of Envoy's)."""
         return ResponseMapper(filter=_cel_filter(f"{own} && {condition}"),
                               body=DataSource(inline_string=message),
-                              body_format_override=_json_error_format("invalid_request_error"),
+                              body_format_override=_json_error_format("invalid_request_error",
+                                                                      code),
                               headers_to_add=do_not_retry,
                               **({} if status is None else {"status_code": status}))
+
+    def by_status(condition: str, error_type: str, codes: dict[int, str], fallback: str,
+                  **extra: Any) -> list[Any]:
+        """Envoy's replies matching ``condition`` with its own body: one mapper for each
+        status in ``codes``, then one for the rest (a mapper's format has one code)."""
+        return [
+            *(ResponseMapper(filter=_cel_filter(f"{own} && {condition} && "
+                                                f"response.code == {status}"),
+                             body_format_override=_json_error_format(error_type, code),
+                             **extra)
+              for status, code in codes.items()),
+            ResponseMapper(filter=_cel_filter(f"{own} && {condition}"),
+                           body_format_override=_json_error_format(error_type, fallback),
+                           **extra),
+        ]
 
     bad_te_details, bad_te_message = BAD_TRANSFER_ENCODING
 
     return LocalReplyConfig(
         mappers=[
-            # before the >= 500 mapper: a client's unknown transfer-encoding is its fault
-            refusal(f"response.code_details == '{bad_te_details}'", bad_te_message, 400),
+            # before the >= 500 mappers: a client's unknown transfer-encoding is its fault
+            refusal(f"response.code_details == '{bad_te_details}'", bad_te_message,
+                    BAD_TRANSFER_ENCODING_CODE, 400),
             # ext_proc could not reach kvgate, the stream failed or a message timed out:
             # Envoy's body is empty, so say what happened.
             ResponseMapper(
                 filter=_cel_filter(f"{own} && {_EXT_PROC_FAILED}"),
                 body=DataSource(inline_string=EXT_PROC_FAILURE_MESSAGE),
-                body_format_override=_json_error_format("server_error"),
+                body_format_override=_json_error_format("server_error", EXT_PROC_FAILURE_CODE),
             ),
             # past the heap cap (a 500 when an HTTP/1 connection is cut off mid-request)
             ResponseMapper(
                 filter=_cel_filter(f"{own} && response.code_details == 'overload'"),
                 status_code=503,
                 body=DataSource(inline_string=OVERLOAD_MESSAGE),
-                body_format_override=_json_error_format("server_error"),
+                body_format_override=_json_error_format("server_error", OVERLOAD_CODE),
                 headers_to_add=[_header_option("retry-after", "1")],
             ),
-            ResponseMapper(
-                filter=_cel_filter(f"{own} && response.code >= 500"),
-                body_format_override=_json_error_format("server_error"),
-            ),
+            *by_status("response.code >= 500", "server_error", SERVER_ERROR_CODES,
+                       SERVER_ERROR_CODE),
             # the ratelimit filter's 429 (kvgate's RLS said OVER_LIMIT): retryable, and its
             # retry-after / x-ratelimit-* headers stay
             ResponseMapper(
                 filter=_cel_filter(f"{own} && response.code == 429"),
                 body=DataSource(inline_string=RATE_LIMITED_MESSAGE),
-                body_format_override=_json_error_format("rate_limit_error"),
+                body_format_override=_json_error_format("rate_limit_error", RATE_LIMITED_CODE),
             ),
             # Envoy could not parse the request (a header line without a colon, an escaped NUL
             # in the path, …): its body is empty, so say what happened
-            refusal(f"response.code == 400 && {_UNPARSABLE}", MALFORMED_MESSAGE),
-            *(refusal(f"response.code_details == '{details}'", message)
-              for details, message in REFUSAL_MESSAGES.items()),
-            ResponseMapper(
-                filter=_cel_filter(f"{own} && {_CLIENT_FAULT}"),
-                body_format_override=_json_error_format("invalid_request_error"),
-                headers_to_add=do_not_retry,
-            ),
-            ResponseMapper(
-                filter=_cel_filter(f"{own} && response.code >= 400"),
-                body_format_override=_json_error_format("invalid_request_error"),
-            ),
+            refusal(f"response.code == 400 && {_UNPARSABLE}", MALFORMED_MESSAGE, MALFORMED_CODE),
+            *(refusal(f"response.code_details == '{details}'", message, code)
+              for details, (code, message) in REFUSALS.items()),
+            *by_status(_CLIENT_FAULT, "invalid_request_error", CLIENT_FAULT_CODES,
+                       CLIENT_FAULT_CODE, headers_to_add=do_not_retry),
+            *by_status("response.code >= 400", "invalid_request_error",
+                       {408: REQUEST_TIMEOUT_CODE}, CLIENT_FAULT_CODE),
         ]
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -29,11 +30,16 @@ from google.protobuf.struct_pb2 import Struct
 from extproc.config import EXAMPLE_CONFIG, Config, hash_api_key, load_config, parse_config
 from extproc.demo import local_stack
 from extproc.envoy_config import (
+    CLIENT_FAULT_CODE,
+    CLIENT_FAULT_CODES,
     EXT_PROC_CLUSTER,
     EXT_PROC_FAILURE_MESSAGE,
+    OVERLOAD_CODE,
     OVERLOAD_MESSAGE,
     REPORT_CLUSTER,
     RUNTIME_FLAGS,
+    SERVER_ERROR_CODE,
+    SERVER_ERROR_CODES,
     UPSTREAM_CLUSTER,
     buffer_limit_bytes,
     ext_proc_filter_config,
@@ -283,7 +289,30 @@ def test_local_reply_mappers_spare_kvgate_replies(example: Config) -> None:
         body_format = mapper["body_format_override"]
         assert body_format["content_type"] == "application/json"
         assert body_format["json_format"]["error"]["message"] == "%LOCAL_REPLY_BODY%"
-        assert body_format["json_format"]["error"]["code"] == "%RESPONSE_CODE%"
+        code = body_format["json_format"]["error"]["code"]
+        # a string saying what happened, as OpenAI's and kvgate's own codes: not the status
+        assert re.fullmatch(r"[a-z]+(_[a-z]+)+", code), code
+
+
+def test_envoys_own_replies_name_their_cause_by_status(example: Config) -> None:
+    """A status with a code of its own is mapped before its class's catch-all (mappers
+    match in order), and Envoy's codes are kvgate's own where the cause is the same."""
+    from extproc.rejections import overloaded
+    from extproc.stream import _too_large
+
+    mappers = hcm_of(render_bootstrap(example))["local_reply_config"]["mappers"]
+    expressions = [m["filter"]["extension_filter"]["typed_config"]["expression"]
+                   for m in mappers]
+    codes = [m["body_format_override"]["json_format"]["error"]["code"] for m in mappers]
+    for group, fallback in ((SERVER_ERROR_CODES, SERVER_ERROR_CODE),
+                            (CLIENT_FAULT_CODES, CLIENT_FAULT_CODE)):
+        catch_all = codes.index(fallback)
+        for status, code in group.items():
+            own = next(i for i, e in enumerate(expressions)
+                       if e.endswith(f" && response.code == {status}"))
+            assert codes[own] == code and own < catch_all, (status, expressions[own])
+    assert CLIENT_FAULT_CODES[413] == _too_large(1).code
+    assert json.loads(overloaded("x")[1])["error"]["code"] == OVERLOAD_CODE
 
 
 def test_committed_gateway_yaml_is_current(example: Config) -> None:
@@ -413,7 +442,8 @@ def test_envoy_process_start_failure_carries_the_log(example: Config) -> None:
 
 # -- local replies: Envoy's own become JSON, kvgate's stay untouched --------------------------
 
-KVGATE_429 = {"error": {"message": "slow down", "type": "rate_limit_error", "code": 429}}
+KVGATE_429 = {"error": {"message": "slow down", "type": "rate_limit_error",
+                        "code": "rate_limit_exceeded"}}
 
 
 def start_stub_processor(port: int, upstream: str) -> Any:
@@ -456,7 +486,7 @@ def start_stub_processor(port: int, upstream: str) -> Any:
                         return
                     common = pb.CommonResponse()
                     routing = Struct()
-                    if path == "/up":  # the cluster routes by metadata, like kvgate's replies
+                    if path.startswith("/up"):  # the cluster routes by metadata, as kvgate
                         common = pb.CommonResponse(clear_route_cache=True)
                         routing.update({"envoy.lb": {DESTINATION_HEADER: upstream}})
                     yield pb.ProcessingResponse(
@@ -480,6 +510,8 @@ def start_stub_processor(port: int, upstream: str) -> Any:
 class Upstream(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
+        if self.path == "/up/slow":  # past the route timeout
+            time.sleep(3)
         body = b'{"ok": true}'
         self.send_response(200)
         self.send_header("content-type", "application/json")
@@ -516,7 +548,8 @@ def test_local_replies_through_a_live_envoy(example: Config, upstream_server: st
     grpc_port = free_port()
     processor = start_stub_processor(grpc_port, upstream_server)
     try:
-        with EnvoyProcess(local_config(example, grpc_port=grpc_port)) as envoy:
+        with EnvoyProcess(local_config(example, grpc_port=grpc_port,
+                                       route_timeout_s=1)) as envoy:
             status, headers, body = post(envoy.url + "/up")
             assert (status, json.loads(body)) == (200, {"ok": True})
 
@@ -531,20 +564,116 @@ def test_local_replies_through_a_live_envoy(example: Config, upstream_server: st
             status, headers, body = post(envoy.url + "/unrouted")
             assert status == 503
             assert headers["content-type"] == "application/json"
-            assert json.loads(body) == {
-                "error": {"message": "no healthy upstream", "type": "server_error", "code": 503}
-            }
+            assert json.loads(body) == {"error": {"message": "no healthy upstream",
+                                                  "type": "server_error",
+                                                  "code": "upstream_unavailable"}}
 
-            # A body over Envoy's buffer limit (max_body_bytes + headroom): Envoy's 413.
+            # The engine does not answer within the route timeout: Envoy's 504.
+            status, headers, body = post(envoy.url + "/up/slow")
+            assert status == 504
+            assert json.loads(body) == {"error": {"message": "upstream request timeout",
+                                                  "type": "server_error",
+                                                  "code": "upstream_timeout"}}
+
+            # A body over Envoy's buffer limit (max_body_bytes + headroom): Envoy's 413, with
+            # the code kvgate's own 413 has.
             status, headers, body = post(envoy.url + "/up", b"x" * (1024 + 80 * 1024))
             assert status == 413
+            assert headers["x-should-retry"] == "false"
             assert json.loads(body)["error"] == {
                 "message": "Payload Too Large",
                 "type": "invalid_request_error",
-                "code": 413,
+                "code": "request_too_large",
             }
     finally:
         processor.stop(grace=None)
+
+
+@pytest.mark.e2e
+def test_openai_python_reads_envoys_own_replies(example: Config, upstream_server: str) -> None:
+    """openai-python's APIStatusError carries Envoy's JSON: ``code`` a string saying what
+    happened, ``type`` by status; x-should-retry: false stops its retries of the 413."""
+    import openai
+
+    grpc_port = free_port()
+    processor = start_stub_processor(grpc_port, upstream_server)
+    try:
+        with EnvoyProcess(local_config(example, grpc_port=grpc_port)) as envoy, openai.OpenAI(
+                api_key="sk-x", base_url=envoy.url + "/v1", max_retries=2) as api:
+            sent = envoy_counter(envoy, "http.kvgate_gateway.downstream_rq_total")
+            with pytest.raises(openai.APIStatusError) as too_large:
+                api.chat.completions.create(model="m", messages=[
+                    {"role": "user", "content": "x" * 200_000}])  # over Envoy's buffer
+            assert too_large.value.status_code == 413
+            assert (too_large.value.code, too_large.value.type) == (
+                "request_too_large", "invalid_request_error")
+            assert envoy_counter(envoy, "http.kvgate_gateway.downstream_rq_total") == sent + 1
+
+            with pytest.raises(openai.InternalServerError) as unavailable:  # not routed
+                api.with_options(max_retries=0).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}])
+            assert unavailable.value.status_code == 503
+            assert (unavailable.value.code, unavailable.value.type) == (
+                "upstream_unavailable", "server_error")
+    finally:
+        processor.stop(grace=None)
+
+
+def envoy_counter(envoy: EnvoyProcess, name: str) -> int:
+    with urllib.request.urlopen(f"{envoy.admin_url}/stats?filter=^{name}$", timeout=5) as r:
+        return int(r.read().decode().split(":")[1])
+
+
+@pytest.mark.e2e
+def test_an_http2_body_over_the_buffer_gets_a_whole_413_then_a_no_error_reset(
+        example: Config, upstream_server: str) -> None:
+    """HTTP/2 has no connection to close: Envoy answers a body over its buffer with the whole
+    JSON 413, then RST_STREAM(NO_ERROR), HTTP/2's "stop sending, read my answer" (RFC 9113
+    §8.1). Envoy resets every stream whose answer ends before its request, so no setting
+    spares it; clients that report the reset as an error and drop the 413 (httpx/httpcore,
+    curl 7.88) are the README's "Request size limits"."""
+    import h2.connection
+    import h2.errors
+    import h2.events
+    import h2.exceptions
+
+    grpc_port = free_port()
+    processor = start_stub_processor(grpc_port, upstream_server)
+    try:
+        with EnvoyProcess(local_config(example, grpc_port=grpc_port)) as envoy, \
+                socket.create_connection(("127.0.0.1", envoy.listen_port), timeout=10) as client:
+            connection = h2.connection.H2Connection()
+            connection.initiate_connection()
+            connection.send_headers(1, [(":method", "POST"), (":path", "/up"),
+                                        (":authority", "x"), (":scheme", "http"),
+                                        ("content-length", str(5_000_000))])
+            client.sendall(connection.data_to_send())
+            events: list[Any] = []
+            left = 5_000_000
+            deadline = time.monotonic() + 10
+            while not any(isinstance(e, h2.events.StreamReset) for e in events):
+                assert time.monotonic() < deadline, events
+                with contextlib.suppress(h2.exceptions.StreamClosedError):
+                    while left and (window := min(16_384, left,
+                                                  connection.local_flow_control_window(1))):
+                        connection.send_data(1, b"x" * window)
+                        left -= window
+                client.sendall(connection.data_to_send())
+                events += connection.receive_data(recv_once(client))
+            client.sendall(connection.data_to_send())
+    finally:
+        processor.stop(grace=None)
+    assert left, "the whole body went: Envoy answered only at its end"
+    kinds = [type(e) for e in events if type(e) in (
+        h2.events.ResponseReceived, h2.events.StreamEnded, h2.events.StreamReset)]
+    assert kinds == [h2.events.ResponseReceived, h2.events.StreamEnded, h2.events.StreamReset]
+    response = next(e for e in events if isinstance(e, h2.events.ResponseReceived))
+    headers = {k.decode(): v.decode() for k, v in response.headers}
+    assert headers[":status"] == "413" and headers["x-should-retry"] == "false"
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    reset = next(e for e in events if isinstance(e, h2.events.StreamReset))
+    assert reset.error_code == h2.errors.ErrorCodes.NO_ERROR
 
 
 @pytest.mark.e2e
@@ -561,7 +690,7 @@ def test_a_client_trickling_its_headers_gets_a_json_408_and_the_connection_close
         waited = time.monotonic() - started
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408")
-    assert json.loads(body)["error"]["code"] == 408
+    assert json.loads(body)["error"]["code"] == "request_timeout"
     assert 0.4 < waited < 5
 
 
@@ -597,7 +726,8 @@ def test_slow_large_bodies_past_the_heap_cap_get_json_503s_and_envoy_recovers(
             assert head_bytes.startswith(b"HTTP/1.1 503"), reply[:200]
             assert b"\r\nretry-after: 1\r\n" in head_bytes.lower()
             assert json.loads(body)["error"] == {"message": OVERLOAD_MESSAGE,
-                                                 "type": "server_error", "code": 503}
+                                                 "type": "server_error",
+                                                 "code": "gateway_overloaded"}
         assert wait_for(lambda: json.loads(post(envoy.url + "/v1/chat/completions")[2])[
             "error"]["message"] == EXT_PROC_FAILURE_MESSAGE, timeout=10)
 
@@ -674,7 +804,7 @@ def test_unreachable_kvgate_gives_json_503(example: Config) -> None:
     assert json.loads(body)["error"] == {
         "message": EXT_PROC_FAILURE_MESSAGE,
         "type": "server_error",
-        "code": 503,
+        "code": "admission_unavailable",
     }
 
 
