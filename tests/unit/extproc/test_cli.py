@@ -888,10 +888,14 @@ def test_a_worker_that_dies_stops_the_others_and_fails_the_parent():
     from extproc.cli import _watch_workers
 
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_sleep_forever, name=f"w{i}") for i in range(2)]
+    ready = [context.Value("b", 0, lock=False) for _ in range(2)]
+    workers = [context.Process(target=_sleep_forever, args=(ready[i],), name=f"w{i}")
+               for i in range(2)]
     for worker in workers:
         worker.start()
-    time.sleep(1.0)  # (spawned: the interpreter starts first)
+    # (spawned: the interpreter starts first, seconds on a busy machine; a SIGTERM before
+    # the handler is in place ends a worker by its default action)
+    assert wait_for(lambda: all(flag.value for flag in ready), 30)
     os.kill(workers[0].pid, signal.SIGKILL)
     assert _watch_workers(workers, lambda: False) == 1
     assert workers[0].exitcode == -signal.SIGKILL and workers[1].exitcode == 0
@@ -928,10 +932,12 @@ def test_a_stuck_worker_is_killed_and_fails_the_parent():
     assert workers[1].exitcode == -signal.SIGKILL and workers[0].exitcode == 0
 
 
-def _sleep_forever() -> None:
+def _sleep_forever(ready: object = None) -> None:
     import signal as signals
 
     signals.signal(signals.SIGTERM, lambda *_: sys.exit(0))
+    if ready is not None:
+        ready.value = 1  # type: ignore[attr-defined]
     time.sleep(3600)
 
 
@@ -944,11 +950,14 @@ def test_a_worker_that_never_starts_serving_is_killed_and_fails_the_parent():
 
     context = multiprocessing.get_context("spawn")
     beats = [context.Value("d", 0.0, lock=False) for _ in range(2)]
+    w1_ready = context.Value("b", 0, lock=False)
     workers = [context.Process(target=_beat_forever, args=(beats[0],), name="w0"),
-               context.Process(target=_sleep_forever, name="w1")]
-    started = time.monotonic()
+               context.Process(target=_sleep_forever, args=(w1_ready,), name="w1")]
     for worker in workers:
         worker.start()
+    # both interpreters up first (seconds on a busy machine): w0 then beats within start_s
+    assert wait_for(lambda: beats[0].value and w1_ready.value, 30)
+    started = time.monotonic()
     assert _watch_workers(workers, lambda: False, beats, stall_s=1.0, start_s=2.0) == 1
     assert 2.0 <= time.monotonic() - started < 10.0
     assert workers[1].exitcode == -signal.SIGKILL and workers[0].exitcode == 0
