@@ -32,10 +32,16 @@
 -- With "sse-strip" it also removes the usage-only event kvgate asked the engine for when
 -- the client did not ask for it.
 -- Unfinished events are held back only while stripping, and only up to the end of the
--- event, which is what an SSE client waits for anyway. A body cut off mid-event loses
--- that half event, as an SSE client would discard it. The body's end also ends its last
--- event for the meter: a usage event with no blank line after it is read, provided its data
--- is one whole JSON object (a cut-off one is no usage).
+-- event, which is what an SSE client waits for anyway. The body's end also ends its last
+-- event for the meter: a usage event with no blank line after it is read (and stripped),
+-- provided its data is one whole JSON object (a cut-off one is no usage); any other event
+-- still held then goes on, added to the body's last chunk (as kvgate's Python meter passes
+-- it on: an SSE client discards half an event itself).
+-- The engine's usage is the last complete "usage" object read (of an event's data, of the
+-- stream, of a JSON body), as a JSON parser keeps the last of repeated keys and a later
+-- count replaces an earlier one. It is reported as found: one that is no valid usage (no
+-- JSON, a count that is no whole number in range) is none to kvgate, which charges the
+-- answer as if none had come, never an earlier object's count (extproc/meter.py alike).
 -- An event counts (the done report's "events") when any of its lines is a data line,
 -- whatever id:, event: or comment lines an engine puts before it, unless its data is
 -- [DONE] (the end: a token that quotes it counts). An event's usage is read from its data
@@ -72,7 +78,8 @@ local function object_at(text, from, max)
   return nil
 end
 
--- The last complete "usage": {...} object in `text` (of its last USAGE_TRIES).
+-- The last complete "usage": {...} object in `text` (of its last USAGE_TRIES): its braces
+-- balanced (one cut off by the text's end is passed over), valid or not (kvgate tells).
 local function last_usage(text)
   local starts, at = {}, 1
   while true do
@@ -110,10 +117,12 @@ local function line_end(text, i)
   return string.byte(text, i + 1) == 10 and 2 or 1
 end
 
--- Where the event at `pos` ends: its blank line, a line end right after another (LF, CRLF
--- or CR line ends, mixed as SSE allows), and the separator's length.
-local function event_end(text, pos)
-  local i = string.find(text, "[\r\n]", pos)
+-- Where the next event in `text` ends: its blank line, a line end right after another (LF,
+-- CRLF or CR line ends, mixed as SSE allows), and the separator's length. The scan starts
+-- at `from`: the event's start, or where an earlier scan of its text left off (never the
+-- LF of a CRLF; see resume_at).
+local function event_end(text, from)
+  local i = string.find(text, "[\r\n]", from)
   while i ~= nil do
     local first = line_end(text, i)
     if first == nil then return nil end
@@ -126,6 +135,19 @@ local function event_end(text, pos)
     i = string.find(text, "[\r\n]", i + first)
   end
   return nil
+end
+
+-- Where the scan for an event's end goes on once more bytes follow `text`, in which none
+-- was found from `pos`: a blank line the next bytes complete begins at one of its last
+-- three bytes at the earliest (its first line end a CRLF, its second a CR that may be half
+-- of one), so a long event of short lines is scanned once, not once a chunk. A CRLF is
+-- never split there (its LF would read as a line end of its own).
+local function resume_at(text, pos)
+  local at = math.max(pos, #text - 2)
+  if at > pos and string.byte(text, at) == 10 and string.byte(text, at - 1) == 13 then
+    at = at - 1
+  end
+  return at
 end
 
 -- The lines an event may open with: its data, and the id, event name, retry or comment
@@ -144,7 +166,7 @@ local function skip_bom(state, bytes)
   if string.sub(bytes, 1, n) ~= string.sub(BOM, seen + 1, seen + n) then
     state.bom = nil
     -- no mark after all: the bytes taken for one begin the first line (already passed on)
-    state.carry = string.sub(BOM, 1, seen)
+    state.carry, state.scan = string.sub(BOM, 1, seen), 1
     if state.strip then state.sent = seen end
     state.fresh = seen == 0
     return bytes, ""
@@ -278,7 +300,8 @@ local function read_events(state, chunk, bytes, lead)
   local sent = state.sent -- leading bytes of `text` the client already has
   local out, pos = {lead}, 1
   while true do
-    local s, gap = event_end(text, pos)
+    -- the carry was looked at up to state.scan: the first event's end is not before it
+    local s, gap = event_end(text, math.max(pos, state.scan))
     if s == nil then break end
     local event = string.sub(text, pos, s - 1)
     -- an event longer than TAIL lost its start while carried: state.lost tells its data
@@ -292,6 +315,7 @@ local function read_events(state, chunk, bytes, lead)
     pos = s + gap
   end
   local partial = string.sub(text, pos)
+  local scan = resume_at(text, pos) - pos + 1 -- in `partial`; less what a cut takes
   if pos > 1 then state.lost = nil end
   -- its carry loses its start: note whether a data line was in it (once looked at, only
   -- this chunk's bytes and the line end before them: no rescan of the carry per chunk)
@@ -301,16 +325,33 @@ local function read_events(state, chunk, bytes, lead)
   end
   if not state.strip then
     state.carry = #partial > TAIL and string.sub(partial, -TAIL) or partial
+    state.scan = math.max(1, scan - (#partial - #state.carry))
     return
   end
   local partial_sent = math.max(0, sent - (pos - 1))
   if #partial > HOLD or not may_be_usage(partial) then
     out[#out + 1] = string.sub(partial, partial_sent + 1)
     partial_sent = #partial
-    if #partial > TAIL then partial, partial_sent = string.sub(partial, -TAIL), TAIL end
+    if #partial > TAIL then
+      scan = math.max(1, scan - (#partial - TAIL))
+      partial, partial_sent = string.sub(partial, -TAIL), TAIL
+    end
   end
-  state.carry, state.sent = partial, partial_sent
+  state.carry, state.sent, state.scan = partial, partial_sent, scan
   chunk:setBytes(table.concat(out))
+end
+
+-- Bytes still held back at the body's end (an unfinished event that might have been the
+-- usage event: one whose blank line never came, or whose last CR might have begun a CRLF)
+-- go on at the end of its last chunk: the script runs within the turn in which Envoy hands
+-- that chunk to it, so the chunk has not been sent yet. After a body ended by trailers
+-- (engines send none) the chunk kept may be out of the script's reach: the error is caught
+-- and the bytes are lost, as before.
+local function pass_on(chunk, bytes)
+  pcall(function()
+    local size = chunk:length()
+    chunk:setBytes((size > 0 and chunk:getBytes(0, size) or "") .. bytes)
+  end)
 end
 
 -- A 429 from Envoy's ratelimit filter (after kvgate admitted the request) never reached
@@ -389,9 +430,10 @@ function envoy_on_response(handle)
   local limited = status == "429" and handle:headers():get("x-envoy-ratelimited") ~= nil
   -- an engine's answer (2xx): one with no usage kvgate could read is charged its reservation
   local answered = string.sub(status, 1, 1) == "2"
-  -- fresh: the next chunk starts a line (while the first token is to come)
-  local state = {carry = "", sent = 0, usage = nil, events = 0, bom = 0, fresh = true,
-                 ended = false,
+  -- fresh: the next chunk starts a line (while the first token is to come); scan: where in
+  -- the carry the search for its event's end goes on
+  local state = {carry = "", sent = 0, scan = 1, usage = nil, events = 0, bom = 0,
+                 fresh = true, ended = false,
                  strip = readable and stream and meta.meter == "sse-strip"}
   if state.strip then -- the stripped body is shorter than any length the engine declared
     handle:headers():remove("content-length")
@@ -414,7 +456,9 @@ function envoy_on_response(handle)
            ',"usage":' .. (state.usage or "null") .. '}')
     publish(handle, state.usage)
   end
+  local last = nil -- the body's last chunk (held bytes go on in it)
   for chunk in handle:bodyChunks() do
+    last = chunk
     local size = chunk:length()
     local bytes = size > 0 and readable and chunk:getBytes(0, size) or nil
     local text, lead = bytes, "" -- a stream's bytes to read, past a byte order mark
@@ -447,10 +491,13 @@ function envoy_on_response(handle)
     end
   end
   -- the body's end ends its last event: read it when whole (its start kept, its data one
-  -- whole JSON object), as if its blank line had come
+  -- whole JSON object), as if its blank line had come; what stripping still holds of it
+  -- goes on, unless it is the usage-only event, held whole
+  local held = state.strip and string.sub(state.carry, state.sent + 1) or ""
   if stream and readable and state.carry ~= "" and state.lost == nil
       and whole_object(state.carry) ~= nil then
-    note_event(state, state.carry, nil)
+    if note_event(state, state.carry, nil) and state.sent == 0 then held = "" end
   end
+  if held ~= "" and last ~= nil then pass_on(last, held) end
   finish()
 end

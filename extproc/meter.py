@@ -18,13 +18,16 @@ event counts (``events``) when any of its lines is a data line, whatever id:, ev
 comment lines come before it, unless its data is ``[DONE]`` (the end: a token that quotes
 it counts). An event's usage is read from its data (its data lines' values joined by LF, as
 an SSE client joins them: a usage object may span lines; comment, id: and event: lines hold
-none), as in the Lua meter. A UTF-8 byte order mark at the stream's very start is no part
-of its first line (an SSE client drops it): it passes on, unread.
+none), as in the Lua meter. The engine's usage is the last complete usage object read (of
+an event's data, of the stream, of a JSON body): one that is no valid usage leaves none (as
+if none had come), never an earlier object's count, as the Lua meter's report of it does.
+A UTF-8 byte order mark at the stream's very start is no part of its first line (an SSE
+client drops it): it passes on, unread. The search for an event's end
+goes on where the last chunk's stopped (a long event of short lines is scanned once).
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import deque
 
@@ -61,8 +64,8 @@ class ResponseMeter:
     Lua meter takes one): nothing is read or stripped, and a stream's first chunk stands for
     its first token."""
 
-    __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_sent", "ended", "events", "readable",
-                 "sse", "started", "strip", "usage")
+    __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_scan", "_sent", "ended", "events",
+                 "readable", "sse", "started", "strip", "usage")
 
     def __init__(self, *, sse: bool, strip: bool = False, readable: bool = True):
         self.sse = sse
@@ -72,6 +75,7 @@ class ResponseMeter:
         self.events = 0
         self._carry = b""  # the unfinished event (SSE), or the body's last TAIL bytes (JSON)
         self._sent = 0  # leading bytes of the carry already passed on (stripping)
+        self._scan = 0  # where in the carry the search for its event's end goes on
         # once an unfinished event's carry was cut: whether the start it lost had a data line
         self._lost: bool | None = None
         self.started = False
@@ -87,7 +91,7 @@ class ResponseMeter:
             # vLLM writes fields after the usage (prompt_logprobs, prompt_text, token ids)
             # that a client can make far longer than TAIL: read every chunk, not the end
             text = self._carry + chunk
-            self.usage = _last_usage(text) or self.usage
+            self._note_usage(text)
             self._carry = text[-TAIL:]
             return chunk
         lead = b""  # a byte order mark's bytes in this chunk: passed on, never read
@@ -100,27 +104,31 @@ class ResponseMeter:
         sent = self._sent  # leading bytes of ``text`` the client already has
         out: list[bytes] = [lead]
         pos = 0
-        for blank in _EVENT_END.finditer(text):
+        # the carry was looked at up to _scan: the first event's end is not before it
+        for blank in _EVENT_END.finditer(text, self._scan):
             event = text[pos : blank.start()]
             usage_only = self._read_event(event, self._lost if pos == 0 else None)
             if self.strip and not (usage_only and sent <= pos):
                 out.append(text[max(pos, sent) : blank.end()])
             pos = blank.end()
         partial = text[pos:]
+        scan = _resume_at(text, pos) - pos  # in ``partial``; less what a cut takes
         if pos:
             self._lost = None
         if len(partial) > TAIL and not self._lost:  # its carry loses its start: note a data line
             self._lost = _has_data(partial, whole=self._lost is None)
         if not self.strip:
             self._carry = partial[-TAIL:]
+            self._scan = max(0, scan - (len(partial) - len(self._carry)))
             return lead + chunk
         partial_sent = max(0, sent - pos)
         if len(partial) > HOLD or not _may_be_usage(partial):  # on at once
             out.append(partial[partial_sent:])
             partial_sent = len(partial)
             if len(partial) > TAIL:
+                scan = max(0, scan - (len(partial) - TAIL))
                 partial, partial_sent = partial[-TAIL:], TAIL
-        self._carry, self._sent = partial, partial_sent
+        self._carry, self._sent, self._scan = partial, partial_sent, scan
         return b"".join(out)
 
     def _skip_bom(self, chunk: bytes) -> tuple[bytes, bytes]:
@@ -131,7 +139,7 @@ class ResponseMeter:
         if chunk[:n] != _BOM[seen : seen + n]:
             self._bom = None
             # no mark after all: the bytes taken for one begin the first line, passed on
-            self._carry = _BOM[:seen]
+            self._carry, self._scan = _BOM[:seen], 0
             self._sent = seen if self.strip else 0
             self._fresh = not seen
             return b"", chunk
@@ -149,13 +157,22 @@ class ResponseMeter:
                 # the usage-only event as the Lua meter knows it: no choices, whatever its
                 # usage; the usage read as a JSON answer's is (its last few keys, bounded)
                 usage_only = _NO_CHOICES.search(data) is not None
-                self.usage = _last_usage(data) or self.usage
+                self._note_usage(data)
         if not usage_only and (lost or _has_data(event, whole=lost is None)):
             if _is_done(event, lost, data):
                 self.ended = True
             else:
                 self.events += 1
         return usage_only
+
+    def _note_usage(self, text: bytes) -> None:
+        """The last complete usage object in ``text`` (if any) is the engine's count, and
+        replaces any read before: one that is no valid usage leaves none (the request is
+        charged as if none came), as the Lua meter's report of it does: no earlier one,
+        which a JSON parser would have overwritten, or the engine's later count replaced."""
+        found = _last_usage(text)
+        if found is not None:
+            self.usage = _usage(found)
 
     def finish(self) -> bytes:
         """The end of the body. It ends the last event too: an engine's usage event with no
@@ -171,8 +188,20 @@ class ResponseMeter:
             usage_only = self._read_event(event, None)
             if usage_only and self.strip and sent == 0:
                 held = b""
-        self._carry, self._sent = b"", 0
+        self._carry, self._sent, self._scan = b"", 0, 0
         return held
+
+
+def _resume_at(text: bytes, pos: int) -> int:
+    """Where the search for an event's end goes on once more bytes follow ``text``, in
+    which none was found from ``pos``: a blank line the next bytes complete begins at one of
+    its last three bytes at the earliest (its first line end a CRLF, its second a CR that may
+    be half of one), so a long event of short lines is scanned once, not once a chunk (as
+    in the Lua meter). A CRLF is never split there (its LF would match as a line end)."""
+    at = max(pos, len(text) - 3)
+    if at > pos and text[at - 1 : at + 1] == b"\r\n":
+        at -= 1
+    return at
 
 
 def _may_be_usage(partial: bytes) -> bool:
@@ -253,19 +282,27 @@ def _whole_object(event: bytes) -> bool:
     return found is not None and not data[start + len(found) :].strip()
 
 
-def _last_usage(text: bytes) -> Usage | None:
+def _last_usage(text: bytes) -> bytes | None:
     """The last complete ``"usage": {…}`` object in ``text``, of its last ``USAGE_TRIES``
     (as the Lua meter reads it: an engine that writes the key thousands of times costs one
-    scan, not one per key, on kvgate's event loop)."""
+    scan, not one per key, on kvgate's event loop). Complete: its braces balanced (a key
+    whose object is cut off by the text's end is passed over); whether it is valid is not
+    asked here (``_usage``), as the Lua meter, which cannot parse JSON, does not."""
     starts = deque((match.end() - 1 for match in _USAGE.finditer(text)), maxlen=USAGE_TRIES)
     for start in reversed(starts):
         obj = _object_at(text, start)
         if obj is not None:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                found = usage_of(orjson.loads(obj))
-                if found is not None:
-                    return found
+            return obj
     return None
+
+
+def _usage(obj: bytes) -> Usage | None:
+    """A usage object's counts, or None when it is no JSON or no valid usage (as kvgate
+    reads the one the Lua meter reports)."""
+    try:
+        return usage_of(orjson.loads(obj))
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _object_at(text: bytes, start: int, most: int = USAGE_MAX) -> bytes | None:

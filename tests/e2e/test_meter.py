@@ -10,6 +10,7 @@ that writes the test's body in the pieces the test chose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import gzip
 import itertools
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import orjson
@@ -30,7 +32,10 @@ from extproc.openai import Usage
 from extproc.reports import ReportDesk
 from tests.conftest import free_port, wait_for
 from tests.unit.extproc.test_response_meter import (
+    BAD_USAGES,
     USAGE_EVENT,
+    line_end_cuts,
+    line_end_soup,
     metered,
     random_cuts,
     random_stream,
@@ -290,6 +295,32 @@ def test_json_the_last_usage_wins_whatever_the_spacing(meter_stack):
     assert recorder.done == [(Usage(13, 4), 0)]
 
 
+@pytest.mark.parametrize("meter", ["json", "sse", "sse-strip"])
+def test_the_last_usage_object_is_read_valid_or_not_as_the_python_meter_reads_it(
+        meter_stack, meter):
+    """Several usage objects in an event's data (or a JSON answer): the last complete one is
+    the engine's, and one that is no valid usage is none. The Python meter (kvgate's
+    full-duplex path) fell back to an earlier valid one where this one reported the last
+    (kvgate reads none in it): the same answer was charged its usage on one path and its
+    reservation on the other. A later event's usage replaces an earlier one's alike."""
+    good = orjson.dumps(USAGE)
+    for bad in BAD_USAGES:
+        cases = [(b'{"choices": [], "usage": ' + good + b', "usage": ' + bad + b"}", None),
+                 (b'{"choices": [], "usage": ' + bad + b', "usage": ' + good + b"}",
+                  Usage(13, 4))]
+        if meter != "json":  # continuous usage, then the usage event's invalid one
+            cases.append((orjson.dumps({**text(0), "usage": USAGE})
+                          + b'\n\ndata: {"choices": [], "usage": ' + bad + b"}", None))
+        for data, usage in cases:
+            body = data if meter == "json" else b"data: " + data + b"\n\ndata: [DONE]\n\n"
+            got, recorder = exchange(meter_stack, cut(body, [len(body) - 30]), meter)
+            assert recorder.done[0][0] == usage, (meter, data)
+            if meter != "json":
+                passed, held, python_usage, events, _ = metered(body, [len(body) - 30],
+                                                                meter == "sse-strip")
+                assert (got, recorder.done) == (passed + held, [(python_usage, events)]), data
+
+
 @pytest.mark.parametrize("at", [[], [1], [5, 6, 7], [40, 41, 200], [100, 180, 260, 340]])
 def test_a_stream_split_anywhere_counts_events_and_finds_usage(meter_stack, at):
     body = sse([*(text(i) for i in range(5)), {"choices": [], "usage": USAGE}])
@@ -433,6 +464,36 @@ def test_a_last_event_without_its_blank_line_still_arrives(meter_stack):
     body = sse([text(0), {"choices": [], "usage": USAGE}])[:-2]  # "data: [DONE]" unended
     got, _ = exchange(meter_stack, [body], "sse-strip")
     assert got.endswith(b"data: [DONE]") and b'"usage"' not in got
+
+
+@pytest.mark.parametrize("extra", [b"", b"content-length\r\n"])
+@pytest.mark.parametrize("at", [[], [30], [-3]])
+def test_an_event_still_held_at_the_bodys_end_goes_on_unless_it_is_the_usage_event(
+        meter_stack, extra, at):
+    """While stripping, an unfinished event that may be the usage event is held back: one
+    whose blank line never came, or (CR line ends) whose last CR may be the first half of a
+    CRLF. The body's end dropped it (the client lost the stream's last bytes), where
+    kvgate's Python meter passes it on. It goes on in the body's last chunk, unless it is
+    the usage-only event (read whole at the end): that is stripped still."""
+    head = b"".join(b"data: " + orjson.dumps(text(i)) + b"\r\r" for i in range(2))
+    usage_event = b"data: " + orjson.dumps({"choices": [], "usage": USAGE})
+    end = orjson.dumps({"choices": [], "id": "end"})
+    for tail, kept, usage, events in (
+            (b"data: " + end + b"\r\r", True, None, 3),  # its last CR may begin a CRLF
+            (b"data: " + end + b"\r", True, None, 3),
+            (b": bye\r\r", True, None, 2),
+            (b"id: 9\rdata: " + end, True, None, 3),
+            (usage_event[:-5], True, None, 2),  # cut off: no usage, and the client's to drop
+            (usage_event + b"\r\r", False, Usage(13, 4), 2),
+            (usage_event, False, Usage(13, 4), 2)):
+        body = head + tail
+        cuts = [a % len(body) for a in at]
+        got, recorder = exchange(meter_stack, cut(body, cuts) if cuts else [body], "sse-strip",
+                                 extra=extra)
+        assert got == (body if kept else head), tail
+        assert recorder.done == [(usage, events)], tail
+        passed, held, *_ = metered(body, sorted(cuts), True)
+        assert got == passed + held, tail  # as kvgate's Python meter passes it on
 
 
 def test_a_declared_length_is_dropped_when_the_usage_event_is_stripped(meter_stack):
@@ -703,18 +764,34 @@ def test_a_random_stream_is_metered_as_the_python_meter_meters_it(meter_stack, s
     several lines, tokens quoting [DONE], a usage event or none, ...) split at random: the
     bytes passed on, the usage, the events, the first token. (Envoy may join the pieces:
     the Python meter's result does not depend on the split, which the unit test checks.)
-    One known difference: an unfinished event still held when the body ends (one that may
-    be the usage event and never got its blank line, or whose last CR may have been half a
-    CRLF) is passed on by the Python meter's ``finish``; Envoy's Lua filter cannot add
-    bytes after the body's last chunk, so there it is dropped."""
+    An unfinished event still held when the body ends (one that may be the usage event and
+    never got its blank line, or whose last CR may have been half a CRLF) goes on in both:
+    the Python meter's ``finish`` returns it, the Lua meter adds it to the last chunk."""
     rng = random.Random(seed)
     body, strip = random_stream(rng), rng.random() < 0.5
     at = random_cuts(rng, body)
-    passed, _held, usage, events, started = metered(body, at, strip)
+    passed, held, usage, events, started = metered(body, at, strip)
     got, recorder = exchange(meter_stack, cut(body, at) if at else [body],
                              "sse-strip" if strip else "sse", first=started)
-    assert (got, recorder.done, recorder.first) == (passed, [(usage, events)], int(started)), \
-        body
+    assert (got, recorder.done, recorder.first) == (passed + held, [(usage, events)],
+                                                    int(started)), body
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_line_ends_straddling_chunks_are_read_as_the_python_meter_reads_them(meter_stack, seed):
+    """The search for an event's end goes on where the last chunk's stopped (less the bytes
+    a CRLF or a blank line straddling the chunks may have begun in): streams of LF, CRLF and
+    CR line ends and blank lines in any order, some with an event of short lines longer
+    than the carry, cut at, one past or two past a line end, are metered as the Python
+    meter meters them (its result does not depend on the cuts)."""
+    rng = random.Random(seed)
+    body, strip = line_end_soup(rng), rng.random() < 0.5
+    at = line_end_cuts(rng, body, 30)
+    passed, held, usage, events, started = metered(body, at, strip)
+    got, recorder = exchange(meter_stack, cut(body, at) if at else [body],
+                             "sse-strip" if strip else "sse", first=started)
+    assert (got, recorder.done, recorder.first) == (passed + held, [(usage, events)],
+                                                    int(started)), (body, at)
 
 
 def test_an_event_repeating_the_usage_key_costs_one_scan(meter_stack):
@@ -757,3 +834,38 @@ def test_a_client_that_hangs_up_at_done_is_charged_its_usage(meter_stack, meter)
     assert recorder.done == [(Usage(13, 4), 3)]
     assert published(meter_stack, lease) == ["13", "4", "17"]
     assert wait_for(lambda: len(harness.written[lease]) == 2)  # the upstream is done too
+
+
+def worker_cpu_ns(envoy: EnvoyProcess) -> int:
+    """CPU time of Envoy's worker threads (where the Lua filter runs), in ns: the meter's
+    work, without the main thread's stats and log flushes."""
+    assert envoy.process is not None
+    total = 0
+    for task in Path(f"/proc/{envoy.process.pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().startswith("wrk:"):
+                total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("meter", ["sse", "sse-strip"])
+def test_a_long_event_of_short_lines_is_not_rescanned_each_chunk(meter_stack, meter):
+    """An engine that writes one long event of short lines in small chunks: the meter
+    looked for the event's end from the start of the carried text (up to 8 KiB) at every
+    chunk, one pass per line (~0.3 ms a chunk in Envoy's worker). The scan goes on from
+    where the last one stopped: such a stream costs about what the same chunks cost when
+    each ends an event. (CPU time of Envoy's worker threads, the two streams' ratio.)"""
+    chunks = 600
+    long_event = [b":\n" * 32] * chunks + [b"data: x\n\n"]  # one event of 19,200 lines
+    short_events = [b":" * 62 + b"\n\n"] * chunks + [b"data: x\n\n"]  # each chunk one event
+    _, envoy = meter_stack
+    costs = []
+    for pieces in (short_events, long_event, short_events, long_event):
+        before = worker_cpu_ns(envoy)
+        got, recorder = exchange(meter_stack, list(pieces), meter)
+        costs.append(worker_cpu_ns(envoy) - before)
+        assert got == b"".join(pieces) and recorder.done == [(None, 1)]
+    short, long = costs[0] + costs[2], costs[1] + costs[3]
+    print(f"worker CPU: short events {short / 1e6:.1f} ms, one long event {long / 1e6:.1f} ms")
+    assert long < 2 * short, (short, long)
