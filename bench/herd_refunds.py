@@ -152,11 +152,14 @@ class ExpectedUsage(TenantLimiter):
         with _patched(self._promise):
             return super()._schedule(waits, requests, tokens, now_ms)
 
-    def _reconciled(self, reason: Reason, bucket: Any, before: int, now_ms: int) -> None:
+    def _reconciled(self, reason: Reason, promised: int | None, bucket: Any, before: int,
+                    now_ms: int) -> None:
+        if promised is None:
+            return  # no live promise (``before`` was not read)
         if (not self.keep_refunds and reason is Reason.TOKENS
                 and bucket.level_at(now_ms) > before):
             return  # a refund: the expected usage already counted it
-        super()._reconciled(reason, bucket, before, now_ms)
+        super()._reconciled(reason, promised, bucket, before, now_ms)
 
 
 @contextmanager

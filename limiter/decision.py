@@ -532,31 +532,35 @@ class TenantLimiter:
         requests, tokens = self._requests, self._tokens
         if not served:
             if lease.requests_charged and requests is not None:
-                before = requests.level_at(now_ms)
+                promised = self._live(Reason.REQUESTS, now_ms)
+                before = requests.level_at(now_ms) if promised is not None else 0
                 requests.refund(lease.cost.requests, now_ms)
-                self._reconciled(Reason.REQUESTS, requests, before, now_ms)
+                self._reconciled(Reason.REQUESTS, promised, requests, before, now_ms)
             if lease.window_ts is not None and self._window is not None:
                 self._window.refund_at(lease.window_ts, lease.cost.requests, now_ms)
         reserved = lease.cost.tokens
         used = reserved if used_tokens is None else max(0, used_tokens)
         if lease.tokens_charged and tokens is not None and used != reserved:
-            before = tokens.level_at(now_ms)
+            promised = self._live(Reason.TOKENS, now_ms)
+            before = tokens.level_at(now_ms) if promised is not None else 0
             if used < reserved:
                 tokens.refund(reserved - used, now_ms)
             else:
                 tokens.charge(used - reserved, now_ms)
-            self._reconciled(Reason.TOKENS, tokens, before, now_ms)
+            self._reconciled(Reason.TOKENS, promised, tokens, before, now_ms)
         if lease.quotas_charged:
             configured = {period for period, _ in self.policy.quotas()}
             for period in lease.quotas_charged:
                 if period in configured:
                     self._quotas[period].reconcile(reserved - used, now_ms)
 
-    def _reconciled(self, reason: Reason, bucket: TokenBucket, before: int, now_ms: int) -> None:
+    def _reconciled(self, reason: Reason, promised: int | None, bucket: TokenBucket,
+                    before: int, now_ms: int) -> None:
         """A release moved ``bucket``'s level from ``before``: so does the schedule it
         promised, while a client it promised a slot may still come back
-        (:func:`~limiter.herd.reconcile_promise`)."""
-        promised = self._live(reason, now_ms)
+        (:func:`~limiter.herd.reconcile_promise`). ``promised`` is that live promise, read
+        before the release (None: there is none, and ``before`` was not read: a level per
+        release is a cost on the hot path that only a herd still out needs)."""
         if promised is not None:
             self._promised[reason] = reconcile_promise(promised, self._back.get(reason), bucket,
                                                        before, now_ms)
