@@ -406,3 +406,11 @@ class FixedWindow:
         require_int("cost", cost, 0)
         self._advance(now_ms)
         self.used += cost
+
+    def refund(self, cost: int, at_ms: int, now_ms: int) -> None:
+        """Un-count ``cost`` counted at ``at_ms`` (a call undone) while its window lasts: a
+        later window never counted it."""
+        require_int("cost", cost, 0)
+        self._advance(now_ms)
+        if at_ms - at_ms % self.window_ms == self.start_ms:
+            self.used = max(0, self.used - cost)

@@ -13,7 +13,9 @@ fixed window, a wait for ``Retry-After`` that schedules a refused herd (each cli
 slot, as :mod:`limiter.herd` does for kvgate's own limits: one exact wait told to a herd
 brought it back in the same ms, and all but the limit's worth were refused again),
 all-or-nothing charging (a refused request costs nothing), and ``debt`` rules that are
-always charged (usage reported after the response, which nobody can refuse any more).
+always charged (usage reported after the response, which nobody can refuse any more). A
+call whose answer was lost is given back (:func:`refund`), and a token bucket's schedule
+moves back with it.
 
 Sans-IO: the stores (:mod:`limiter.stores.ratelimit`) keep the counters.
 """
@@ -38,6 +40,7 @@ from limiter.herd import (
     promise_bucket,
     promise_fixed,
     promise_window,
+    reconcile_promise,
     window_slot,
 )
 from limiter.rates import Rate
@@ -322,6 +325,28 @@ def _promise(counter: Counter, promise: Promise, cost: int, slot: int, final: in
     else:
         promise.at, promise.used = promise_fixed(promise.at, promise.used, counter.window_ms,
                                                  cost, now_ms + final)
+
+
+def refund(counter: Counter, promise: Promise, cost: int, at_ms: int, now_ms: int) -> None:
+    """Give back ``cost`` that a call charged at ``at_ms`` and that was cancelled (its answer
+    was lost; the Redis store's cancel mirrors this). A token bucket's live promise moves
+    back with the tokens by what its promised clients are sure to keep of them until the
+    last of them is back (:func:`~limiter.herd.reconcile_promise`, as a kvgate release's
+    refund): left where it was, a client refused after the cancel while the herd is out was
+    told a slot later than the bucket needs; moved by the whole refund, a slot may be early
+    (the bucket may fill, and lose the rest, before the herd is back). A window's schedule is
+    counted from the window itself (a sliding window's log; a fixed window's later
+    windows), so the refund alone moves it."""
+    if isinstance(counter, TokenBucket):
+        promised = live_promise(promise.at, promise.back, now_ms)
+        before = counter.level_at(now_ms) if promised is not None else 0
+        counter.refund(cost, now_ms)
+        if promised is not None:
+            promise.at = reconcile_promise(promised, promise.back, counter, before, now_ms)
+    elif isinstance(counter, SlidingWindow):
+        counter.refund_at(at_ms, cost, now_ms)
+    else:
+        counter.refund(cost, at_ms, now_ms)
 
 
 def schedule(hits: Sequence[Hit], held: Sequence[tuple[Counter, Promise]],

@@ -113,7 +113,8 @@ class MemoryRateCounters:
         return decide(hits, lambda h: self._state(h, now_ms), now_ms)
 
     async def cancel(self, domain: str, hits: Sequence[Hit], call_id: str) -> None:
-        """A call in this process always completes: nothing to undo."""
+        """A call in this process always completes: nothing to undo (what the Redis store's
+        cancel does is :func:`limiter.ratelimit.refund`)."""
 
     async def close(self) -> None:
         """Nothing to release."""
@@ -205,7 +206,7 @@ local function view(c, t)  -- remaining, ms until full / reset
 end
 
 -- the retry slots of a refused herd (limiter.ratelimit.schedule) -------------------------
-local function promise_open(c)  -- read only when a call is refused
+local function promise_open(c)  -- read only when a call is refused, or a cancel refunds
   c.h = {tat = {}, wp = {}, n = 0, back = {}}
   local h = redis.call('HMGET', c.hkey, 'sig', 'at', 'n', 'wp', 'b')
   if h[1] ~= c.sig then return end  -- none, or promised under another limit
@@ -296,6 +297,8 @@ local function schedule(cs, waits, t)
   waits[top] = final  -- one that did not refuse may set it
 end
 
+-- limiter.ratelimit.refund: a cancelled call's charge given back; a token bucket's live
+-- promise moves back with it (its retry slots read only when the level moved)
 local function refund(i, rec, t)
   local kind, n, ts = string.match(rec, '^(%a):(%d+):(%d+)$')
   local c = open(i, t)
@@ -303,7 +306,12 @@ local function refund(i, rec, t)
   if c.algo == 's' then point(c) end
   if c.algo ~= kind then
   elseif kind == 't' then
+    local before = tb_level(c.b, t)
     tb_refund(c.b, n, t); tb_save(c.b, t)
+    if tb_level(c.b, t) ~= before then
+      promise_open(c)
+      if herd_reconcile_promise(c.h, 'at', c.b, before, t) then promise_save(c, t) end
+    end
   elseif kind == 's' then
     win_refund(c.w, ts, n)
   elseif c.start == ts then

@@ -609,14 +609,13 @@ local function herd_back(H, reason, live, at)
   if not live or not back or back < at then H.back[reason] = at end
 end
 
--- TenantLimiter._reconciled (limiter.herd.reconcile_promise): a release moved a bucket's
--- level from before; its live promise moves with it. Returns whether it was changed
-local function herd_reconcile(reason, b, before, t)
+-- limiter.herd.reconcile_promise: a refund or a charge moved bucket b's level from before;
+-- the live promise H.tat[reason] moves with it (also the RLS cancel's, on its own schedule
+-- hash). Returns whether it was changed
+local function herd_reconcile_promise(H, reason, b, before, t)
   local after = tb_level(b, t)
-  if after == before then return false end
-  local H = herd()
   local promised, back = H.tat[reason], H.back[reason]
-  if not promised or (back and back < t) then return false end
+  if after == before or not promised or (back and back < t) then return false end
   if after < before then  -- charged
     H.tat[reason] = promised + cdiv(before - after, b.a)
     return true
@@ -626,6 +625,13 @@ local function herd_reconcile(reason, b, before, t)
   if refill >= cdiv(headroom, b.a) then return false end
   H.tat[reason] = promised - fdiv(math.min(after - before, headroom - refill * b.a), b.a)
   return true
+end
+
+-- TenantLimiter._reconciled: a release moved a bucket's level from before; its live promise
+-- moves with it (the herd hash is read only then). Returns whether it was changed
+local function herd_reconcile(reason, b, before, t)
+  if tb_level(b, t) == before then return false end
+  return herd_reconcile_promise(herd(), reason, b, before, t)
 end
 
 -- limiter.herd.bucket_slot: the slot in a token bucket's schedule (GCRA; its promise is

@@ -1,7 +1,7 @@
 """kvgate's Rate Limit Service over real Redis and in memory: an imported envoyproxy/ratelimit
 config decides exactly as its hand-written kvgate equivalent, the Redis counters decide as the
-in-memory ones for every algorithm, and a call that times out on a paused Redis charges
-nothing."""
+in-memory ones for every algorithm (cancels included), and a call that times out on a paused
+Redis charges nothing."""
 
 from __future__ import annotations
 
@@ -10,23 +10,27 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 from collections.abc import Iterator
 
 import grpc
+import hypothesis
 import pytest
 import redis.asyncio as aioredis
 import yaml
 from envoy.service.ratelimit.v3 import rls_pb2
+from hypothesis import HealthCheck, event, given
+from hypothesis import strategies as st
 
 from bench.redis_server import RedisServer
 from extproc.config import RateLimitSettings, RedisSettings
 from extproc.rls import OK, OVER_LIMIT, RateLimitService
 from extproc.rls_import import import_files
 from extproc.wiring import redis_client
-from limiter.ratelimit import Hit, Limit
+from limiter.ratelimit import Algorithm, Hit, Limit
 from limiter.stores.ratelimit import MemoryRateCounters, RateCounters, RedisRateCounters
 from tests.paths import REPO
-from tests.rls_support import descriptor
+from tests.rls_support import InProcess, descriptor
 
 pytestmark = pytest.mark.redis
 
@@ -585,4 +589,74 @@ async def test_a_schedule_kept_before_its_clients_return_was_known_stands(redis)
     await client.aclose()
     clock.now = start + 5100
     assert (await store.hit("d", [hit], "c"))[0].wait_ms == 9900
+    await store.close()
+
+
+# -- a cancelled call's charge moves a token bucket's schedule back (limiter.ratelimit.refund) --
+
+
+async def test_a_cancel_while_the_herd_is_out_moves_its_schedule_back_in_redis(redis):
+    """tests/unit/limiter/test_ratelimit.py's case: A's call (60) cancelled at 100 ms while
+    B is out (5,000 ms). C was told 14,900 ms, as if nothing had come back; 9,900 ms now
+    (the 50 of the 60 that B's schedule keeps for sure), and C is refused 1 ms before."""
+    clock = Clock()
+    start, store = clock.now, counters("redis", redis, clock)
+    hit = Hit("d|k=v", TEN_A_SECOND, 100)
+    a = [dataclasses.replace(hit, cost=60)]
+    assert (await store.hit("d", a, "a"))[0].fits
+    assert (await store.hit("d", [dataclasses.replace(hit, cost=40)], "a2"))[0].fits
+    half = [dataclasses.replace(hit, cost=50)]
+    assert (await store.hit("d", half, "b"))[0].wait_ms == 5000
+    clock.now = start + 100
+    await store.cancel("d", a, "a")
+    assert (await store.hit("d", [hit], "c"))[0].wait_ms == 9900
+    clock.now = start + 5000
+    assert (await store.hit("d", half, "b2"))[0].fits
+    clock.now = start + 9999
+    assert not (await store.hit("d", [hit], "early"))[0].fits
+    clock.now = start + 10_000
+    assert (await store.hit("d", [hit], "c2"))[0].fits
+    await store.close()
+
+
+ROUTE = Hit("d|route=r", Limit(3, "second", burst=6), 1)
+
+
+@hypothesis.settings(
+    max_examples=int(os.environ.get("KVGATE_REDIS_EXAMPLES", "60")), deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.sampled_from(["token_bucket"] * 3 + ["sliding_window", "fixed_window"]),
+       st.integers(1, 20), st.integers(0, 10), st.data())
+async def test_cancels_answer_alike_in_redis_and_in_memory(redis, algorithm, per_second,
+                                                          extra, data):
+    """Calls, herds and cancels (of calls admitted, refused, or cancelled already) at a
+    clock the test moves: the Redis store (its script's cancel) answers every call as the
+    in-process counters given back by limiter.ratelimit.refund do."""
+    burst = per_second + extra if algorithm == "token_bucket" else None
+    limit = Limit(per_second, "second", Algorithm(algorithm), burst=burst)
+    clock = Clock()
+    model, store = InProcess(clock.now), counters("redis", redis, clock)
+    sent: list[tuple[str, list[Hit]]] = []
+    cancels = 0
+    for n in range(data.draw(st.integers(1, 40))):
+        clock.now += data.draw(st.one_of(st.just(0), st.integers(0, 100), st.integers(0, 1500)))
+        model.now = clock.now
+        if sent and data.draw(st.integers(0, 2)) == 0:
+            charged = [c for c in sent if model.charges.get(c[0])]  # else a no-op, mostly
+            pick = charged if charged and data.draw(st.integers(0, 3)) else sent
+            call_id, hits = pick[data.draw(st.integers(0, len(pick) - 1))]
+            await store.cancel("d", hits, call_id)
+            model.cancel(call_id)
+            cancels += 1
+            continue
+        cap = limit.capacity
+        cost = data.draw(st.one_of(st.integers(0, cap), st.integers(cap // 2, cap)))
+        hits = [Hit("d|k=v", limit, cost)]
+        if data.draw(st.booleans()):
+            hits.append(ROUTE)
+        call_id = f"c{n}"
+        sent.append((call_id, hits))
+        assert await store.hit("d", hits, call_id) == model.call(call_id, *hits), \
+            (n, clock.now, sent)
+    event(f"cancels: {min(cancels, 3)}")
     await store.close()

@@ -1,12 +1,14 @@
 """limiter.ratelimit's sans-IO parts: the descriptor tree's matching rules, counter keys, the
-fixed window, and the all-or-nothing decision over in-process counters."""
+fixed window, the all-or-nothing decision over in-process counters, and a refused herd's
+retry slots through cancels."""
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from limiter.buckets import FixedWindow
@@ -23,7 +25,9 @@ from limiter.ratelimit import (
     decide,
     match,
     new_counter,
+    wait_of,
 )
+from tests.rls_support import InProcess
 
 
 def tree(*specs: tuple[tuple[tuple[str, str | None], ...], str]) -> Node:
@@ -89,6 +93,18 @@ def test_fixed_window_resets_on_epoch_boundaries_and_may_overshoot():
     assert window.remaining(11_000) == 2
     with pytest.raises(ValueError):
         window.wait_ms(3, 11_000)
+
+
+def test_a_fixed_window_refunds_only_within_the_window_that_counted_it():
+    window = FixedWindow(3, 1000)
+    window.charge(2, 10_250)
+    window.refund(1, 10_250, 10_900)
+    assert window.remaining(10_900) == 2
+    window.refund(5, 10_250, 10_950)  # never below zero
+    assert window.remaining(10_950) == 3
+    window.charge(3, 11_100)
+    window.refund(2, 10_250, 11_200)  # counted by the window before: nothing here
+    assert window.remaining(11_200) == 0
 
 
 def test_a_refused_call_leaves_every_counter_as_it_was():
@@ -336,3 +352,184 @@ def test_a_client_alone_gets_the_exact_wait_whatever_the_herd_did(per_unit, unit
         herd.now += data.draw(st.one_of(st.just(0), st.integers(0, 50),
                                          st.integers(0, 2 * limit.unit_ms)))
         attempt(data.draw(st.integers(0, limit.capacity)))
+
+
+# -- a cancelled call's charge moves a token bucket's schedule back (limiter.ratelimit.refund) --
+
+
+def test_a_cancel_while_the_herd_is_out_moves_its_schedule_back():
+    """A's call (60) was cancelled at 100 ms while B, refused, was out (5,000 ms). The
+    schedule did not move: C was told 14,900 ms, though the bucket holds C's 100 from 10 s
+    (full at 4 s, B takes its 50 at 5 s: 10 of the 60 overflow). It now moves back by what
+    B's schedule is sure to keep of the refund, as a kvgate release's refund does
+    (tests/unit/limiter/test_herd.py): 9,900 ms, and C is refused 1 ms before."""
+    herd = InProcess(1_700_000_040_000)
+    start = herd.now
+    limit = Limit(10, "second", burst=100)
+    hit = Hit("d|k=v", limit, 100)
+    assert herd.call("a", dataclasses.replace(hit, cost=60))[0].fits
+    assert herd.call("a2", dataclasses.replace(hit, cost=40))[0].fits
+    assert herd.call("b", dataclasses.replace(hit, cost=50))[0].wait_ms == 5000
+    herd.now = start + 100
+    herd.cancel("a")
+    assert herd.call("c", hit)[0].wait_ms == 9900
+    herd.now = start + 5000
+    assert herd.call("b2", dataclasses.replace(hit, cost=50))[0].fits
+    herd.now = start + 9999
+    assert not herd.call("early", hit)[0].fits
+    herd.now = start + 10_000
+    assert herd.call("c2", hit)[0].fits
+
+
+def test_a_cancel_the_bucket_may_lose_before_the_herd_is_back_moves_nothing():
+    """A's call (30) cancelled at 100 ms while B and D are out (5 s, 10 s): the bucket had
+    room for 99 then and refills 99 before D is back, so none of the 30 is sure to stay
+    (the schedule cannot count on B and D taking in between): C, refused, is told what it
+    was without the cancel (19,900 ms; 16,900 would do: later, never early)."""
+    told = []
+    for cancel in (False, True):
+        herd = InProcess(1_700_000_040_000)
+        start = herd.now
+        hit = Hit("d|k=v", Limit(10, "second", burst=100), 100)
+        assert herd.call("a", dataclasses.replace(hit, cost=30))[0].fits
+        assert herd.call("a2", dataclasses.replace(hit, cost=70))[0].fits
+        half = dataclasses.replace(hit, cost=50)
+        assert [herd.call(c, half)[0].wait_ms for c in "bd"] == [5000, 10_000]
+        herd.now = start + 100
+        if cancel:
+            herd.cancel("a")
+        told.append(herd.call("c", hit)[0].wait_ms)
+    assert told == [19_900, 19_900]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 50), st.sampled_from(["second", "minute"]), st.integers(0, 3),
+       st.data())
+def test_retry_after_stays_exact_through_cancels(per_unit, unit, extra, data):
+    """Clients refused by one token bucket come back when told (up to three times) or
+    never, newcomers come and go, and admitted calls are cancelled (their answer lost, their
+    charge given back), checked as each answer comes:
+
+    - a client refused while no refused client is still out (each was told a time already
+      past) is admitted at its retry-after-ms and refused 1 ms before (a probe replays every
+      call and cancel);
+    - a refused client back at its slot is admitted, unless a newcomer took from the bucket
+      while its herd was out or the schedule reached its bound: the cancels move the
+      schedule back, never so far that a slot is early."""
+    limit = Limit(per_unit, unit, burst=per_unit + extra)
+    start = 1_700_000_000_000 + data.draw(st.integers(0, 59_999))
+    herd = InProcess(start)
+    steps: list[tuple[int, str, int | None]] = []  # (ms, call id, cost; None: a cancel)
+    due: list[tuple[int, int, int, int]] = []  # (ms told, n, cost, tries)
+    done: list[str] = []  # admitted calls that may still be cancelled
+    world = {"out_until": -1, "newcomers": 0, "herd_start": 0, "unbounded": False, "n": 0}
+
+    def replayed(at: int) -> InProcess:
+        probe = InProcess(start)
+        for probe.now, call_id, cost in steps:
+            if cost is None:
+                probe.cancel(call_id)
+            else:
+                probe.call(call_id, Hit("d|k=v", limit, cost))
+        probe.now = at
+        return probe
+
+    def attempt(cost: int, tries: int = 0) -> None:
+        world["n"] += 1
+        call_id, now = f"c{world['n']}", herd.now
+        alone = world["out_until"] < now
+        if alone:
+            world["herd_start"] = world["newcomers"]
+        steps.append((now, call_id, cost))
+        verdict, = herd.call(call_id, Hit("d|k=v", limit, cost))
+        if verdict.fits:
+            done.append(call_id)
+            world["newcomers"] += tries == 0 and not alone and cost > 0
+            return
+        assert tries == 0 or world["unbounded"] \
+            or world["herd_start"] != world["newcomers"], (now, cost, steps)
+        wait = verdict.wait_ms
+        if wait is None:
+            return
+        world["unbounded"] |= wait >= MAX_HERD_WAIT_MS
+        if alone:
+            for at, fits in ((now + wait - 1, False), (now + wait, True)):
+                verdict, = replayed(at).call("probe", Hit("d|k=v", limit, cost))
+                assert verdict.fits is fits, (at, wait, steps)
+        world["out_until"] = max(world["out_until"], now + wait)
+        if tries < 3:
+            heapq.heappush(due, (now + wait, world["n"], cost, tries + 1))
+
+    def come_back(until: int) -> None:
+        while due and due[0][0] <= until:
+            at, _, cost, tries = heapq.heappop(due)
+            herd.now = max(herd.now, at)
+            if data.draw(st.integers(0, 5)):  # else: it never comes back
+                attempt(cost, tries)
+        herd.now = max(herd.now, until)
+
+    cap, moved = limit.capacity, 0
+    for _ in range(data.draw(st.integers(1, 30))):
+        come_back(herd.now + data.draw(st.one_of(
+            st.just(0), st.integers(0, limit.unit_ms // 10), st.integers(0, limit.unit_ms // 2),
+            st.integers(0, 2 * limit.unit_ms))))
+        if done and data.draw(st.booleans()):
+            call_id = done.pop(data.draw(st.integers(0, len(done) - 1)))
+            steps.append((herd.now, call_id, None))
+            promise = herd.held["d|k=v"][1]
+            before = promise.at
+            herd.cancel(call_id)
+            moved += promise.at != before
+            continue
+        attempt(data.draw(st.one_of(st.integers(0, cap), st.integers(cap // 2, cap))))
+    come_back(herd.now + 10**9)
+    event(f"a cancel moved the schedule: {moved > 0}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 20), st.sampled_from(["second", "minute"]), st.integers(0, 20),
+       st.data())
+def test_a_herd_refused_around_cancels_is_admitted_on_its_first_retry(per_unit, unit, extra,
+                                                                     data):
+    """Calls fill a token bucket and a herd is refused; while it is out, some of the calls
+    are cancelled, and each cancel is followed by more refused clients (a client the bucket
+    has room for is not sent: a newcomer taking what the schedule counted on is no fault of
+    the schedule). Every client back at its slot is admitted: a cancel moves the schedule
+    back, never so far that a slot is early (moved by the whole refund, one was)."""
+    limit = Limit(per_unit, unit, burst=per_unit + extra)
+    cap, key = limit.capacity, "d|k=v"
+    herd = InProcess(1_700_000_000_000 + data.draw(st.integers(0, 59_999)))
+    due: list[tuple[int, int, int]] = []  # (ms told, n, cost)
+    fills: list[str] = []
+    costs = st.one_of(st.integers(1, cap), st.integers(max(1, cap // 2), cap))
+
+    def refuse(n: int, cost: int) -> None:
+        """Send a client the bucket has no room for now; its slot joins ``due``."""
+        counter, _ = herd.state(Hit(key, limit, cost))
+        if not wait_of(counter, cost, herd.now):
+            return
+        verdict, = herd.call(f"r{n}", Hit(key, limit, cost))
+        assert not verdict.fits and verdict.wait_ms is not None
+        assume(verdict.wait_ms < MAX_HERD_WAIT_MS)  # past it, the herd shares its end
+        heapq.heappush(due, (herd.now + verdict.wait_ms, n, cost))
+
+    def come_back(until: int) -> None:
+        while due and due[0][0] <= until:
+            herd.now, n, cost = heapq.heappop(due)
+            verdict, = herd.call(f"b{n}", Hit(key, limit, cost))
+            assert verdict.fits, (herd.now, n, cost, verdict)
+        herd.now = max(herd.now, until)
+
+    while not due:  # fill the bucket until a client is refused
+        cost = data.draw(costs)
+        refuse(0, cost)
+        if not due:
+            fills.append(f"f{len(fills)}")
+            assert herd.call(fills[-1], Hit(key, limit, cost))[0].fits
+    for n in range(1, data.draw(st.integers(2, 9))):
+        refuse(n, data.draw(costs))
+        come_back(herd.now + data.draw(st.one_of(st.just(0),
+                                                 st.integers(0, limit.unit_ms // 4))))
+        if fills and data.draw(st.booleans()):
+            herd.cancel(fills.pop(data.draw(st.integers(0, len(fills) - 1))))
+    come_back(herd.now + 10**9)
