@@ -116,7 +116,7 @@ class DuplexStream(RequestStream):
     # vLLM's queue): kvgate does, in its headers answer
     REMOVED_HEADERS = (*STRIPPED_HEADERS, *ENGINE_CONTROL_HEADERS)
 
-    __slots__ = ("_answered", "_bodies", "_chunks", "_held", "_meter", "_new_body",
+    __slots__ = ("_answered", "_bodies", "_chunks", "_final", "_held", "_meter", "_new_body",
                  "_request_ended", "_response_mode", "_size", "_streamed", "_strip")
 
     def __init__(self, *args, bodies: HeldBodies | None = None,  # type: ignore[no-untyped-def]
@@ -132,6 +132,7 @@ class DuplexStream(RequestStream):
         self._meter: ResponseMeter | None = None
         self._answered = False  # the response is the engine's answer (2xx), not an error
         self._strip = False  # remove the usage event kvgate asked the engine for
+        self._final = False  # several choices: only the usage-only event's usage counts
         self._streamed = False  # the request asked for a stream (its answer may be SSE)
         self._response_mode = FULL_DUPLEX  # how Envoy sends the response body
 
@@ -249,6 +250,7 @@ class DuplexStream(RequestStream):
         with an ORIGINAL_DST cluster (Envoy Gateway's way) takes only a single address."""
         self._new_body = body
         self._strip = meter == "sse-strip"
+        self._final = meter == "sse-final"
         self._streamed = meter not in ("", "json")
         admission.endpoints = admission.endpoints[:1]
         return super()._route(admission, body=None, in_body_phase=False)
@@ -266,7 +268,8 @@ class DuplexStream(RequestStream):
                        and "text/event-stream" in values.get("content-type", "").lower())
                 # as the Lua meter: a compressed answer (a proxy's) passes unread
                 readable = values.get("content-encoding", "identity") == "identity"
-                self._meter = ResponseMeter(sse=sse, strip=self._strip, readable=readable)
+                self._meter = ResponseMeter(sse=sse, strip=self._strip, readable=readable,
+                                            final=self._final)
                 self._answered = values.get(":status", "").startswith("2")
             reply = pb.ProcessingResponse()
             admission = self.admission

@@ -30,7 +30,9 @@
 -- reserved): a client that hangs up mid-answer ends this script before its end, and Envoy
 -- still runs the stream-done charge, which then spent nothing.
 -- With "sse-strip" it also removes the usage-only event kvgate asked the engine for when
--- the client did not ask for it.
+-- the client did not ask for it. With "sse-final" (a request for several choices) only the
+-- usage-only event's usage counts: a chunk's running usage (continuous_usage_stats) counts
+-- its own choice alone, and a stream cut before the usage-only event has no usage.
 -- Unfinished events are held back only while stripping, and only up to the end of the
 -- event, which is what an SSE client waits for anyway. The body's end also ends its last
 -- event for the meter: a usage event with no blank line after it is read (and stripped),
@@ -276,8 +278,11 @@ local function note_event(state, event, lost)
   if string.find(event, '"usage"', 1, true) then -- else its data has none either
     data = event_data(event, lost)
     if string.find(data, '"usage"', 1, true) then
-      state.usage = last_usage(data) or state.usage
       usage_only = string.find(data, '"choices"%s*:%s*%[%s*%]') ~= nil
+      -- "sse-final" (n > 1): a chunk's running usage counts its own choice only
+      if usage_only or not state.final then
+        state.usage = last_usage(data) or state.usage
+      end
     end
   end
   if not usage_only and (lost or has_data(event, lost == nil)) then
@@ -433,7 +438,7 @@ function envoy_on_response(handle)
   -- fresh: the next chunk starts a line (while the first token is to come); scan: where in
   -- the carry the search for its event's end goes on
   local state = {carry = "", sent = 0, scan = 1, usage = nil, events = 0, bom = 0,
-                 fresh = true, ended = false,
+                 fresh = true, ended = false, final = meta.meter == "sse-final",
                  strip = readable and stream and meta.meter == "sse-strip"}
   if state.strip then -- the stripped body is shorter than any length the engine declared
     handle:headers():remove("content-length")

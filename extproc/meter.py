@@ -9,9 +9,11 @@ proxy's ``: ping`` keep-alives are none), the engine's usage, the data events, t
 Memory stays bounded (a tail of the body, never all of it).
 
 With ``strip`` it also removes the usage-only event kvgate asked the engine for when the
-client did not ask for it. An unfinished event is held back only while stripping, only up to
-its end (what an SSE client waits for anyway), and only while it may still be that small
-usage event (short, SSE field lines, no choice in it yet). Events end at a blank line, with
+client did not ask for it. With ``final`` (a request for several choices, ``n`` > 1) only
+the usage-only event's usage counts: a chunk's running usage counts its own choice. An
+unfinished event is held back only while stripping, only up to its end (what an SSE client
+waits for anyway), and only while it may still be that small usage event (short, SSE field
+lines, no choice in it yet). Events end at a blank line, with
 LF, CRLF or CR line ends, as in the Lua meter, and at the body's end: a last event whose
 blank line never came is read as if it had, when its data is one whole JSON object. An
 event counts (``events``) when any of its lines is a data line, whatever id:, event: or
@@ -65,12 +67,15 @@ class ResponseMeter:
     its first token."""
 
     __slots__ = ("_bom", "_carry", "_fresh", "_lost", "_scan", "_sent", "ended", "events",
-                 "readable", "sse", "started", "strip", "usage")
+                 "final", "readable", "sse", "started", "strip", "usage")
 
-    def __init__(self, *, sse: bool, strip: bool = False, readable: bool = True):
+    def __init__(self, *, sse: bool, strip: bool = False, readable: bool = True,
+                 final: bool = False):
         self.sse = sse
         self.readable = readable
         self.strip = sse and strip and readable
+        # several choices (n > 1): only the usage-only event's usage is the whole answer's
+        self.final = final
         self.usage: Usage | None = None
         self.events = 0
         self._carry = b""  # the unfinished event (SSE), or the body's last TAIL bytes (JSON)
@@ -157,7 +162,8 @@ class ResponseMeter:
                 # the usage-only event as the Lua meter knows it: no choices, whatever its
                 # usage; the usage read as a JSON answer's is (its last few keys, bounded)
                 usage_only = _NO_CHOICES.search(data) is not None
-                self._note_usage(data)
+                if usage_only or not self.final:  # else one choice's running count
+                    self._note_usage(data)
         if not usage_only and (lost or _has_data(event, whole=lost is None)):
             if _is_done(event, lost, data):
                 self.ended = True

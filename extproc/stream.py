@@ -69,6 +69,19 @@ def _usage_bound(cost: Cost) -> str:
     return "{}:{}:{}:{}".format(*usage_ceiling(cost), cost.prompt_tokens, cost.max_output_tokens)
 
 
+def _meter_mode(request: InferenceRequest, inject_usage: bool) -> str:
+    """How Envoy's Lua meter reads the response: ``json``; ``sse``; ``sse-strip`` (it also
+    removes the usage event kvgate asked for); ``sse-final`` for several choices (``n`` > 1),
+    where only the usage-only event's usage is the whole: with ``continuous_usage_stats`` a
+    chunk's running usage counts its own choice, and a stream cut before the usage-only
+    event (vLLM's, after an error mid-answer) was charged one choice's count."""
+    if not request.stream:
+        return "json"
+    if inject_usage:
+        return "sse-strip"  # the engine was asked for no running usage (mutate_body)
+    return "sse-final" if request.choices > 1 else "sse"
+
+
 @functools.cache
 def _wanted(class_header: str) -> frozenset[str]:
     return frozenset((*EXT_PROC_HEADERS, class_header))
@@ -255,7 +268,7 @@ class RequestStream:
                                overrides=decision.body_overrides, cache_salt=salt)
         self.response = ResponseRecord(stream=request.stream)
         self.desk.expect(decision.lease_id, self)
-        meter = ("sse-strip" if inject_usage else "sse") if request.stream else "json"
+        meter = _meter_mode(request, inject_usage)
         return self._route(decision, body=new_body, in_body_phase=True, meter=meter)
 
     def _hold(self, admission: Admission) -> None:

@@ -361,6 +361,22 @@ def test_continuous_usage_chunks_keep_their_choices(meter_stack):
     assert recorder.done == [(Usage(13, 3), 3)]
 
 
+def test_several_choices_take_only_the_usage_only_events_usage(meter_stack):
+    """``sse-final`` (n > 1): a chunk's running usage counts its own choice; a stream cut
+    before the usage-only event (vLLM's error event, then [DONE]) reports no usage."""
+    chunks = [{"choices": [{"index": c, "delta": {"content": f"t{i} "}}],
+               "usage": {"prompt_tokens": 13, "completion_tokens": i + 1}}
+              for i in range(3) for c in (0, 1)]
+    final = {"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 6}}
+    error = {"error": {"message": "engine failed", "code": 500}}
+    for last, usage, events in ((final, Usage(13, 6), 6), (error, None, 7)):
+        body = sse([*chunks, last])
+        got, recorder = exchange(meter_stack, cut(body, [50, 400]), "sse-final")
+        assert got == body and recorder.done == [(usage, events)]
+    _, recorder = exchange(meter_stack, cut(sse([*chunks, error]), [50]), "sse")
+    assert recorder.done == [(Usage(13, 3), 7)]  # one choice: the running count stands
+
+
 def test_a_long_stream_costs_two_reports(meter_stack):
     body = sse([*(text(i) for i in range(600)), {"choices": [], "usage": USAGE}])
     pieces = cut(body, list(range(50, len(body), 50)))
@@ -769,10 +785,12 @@ def test_a_random_stream_is_metered_as_the_python_meter_meters_it(meter_stack, s
     the Python meter's ``finish`` returns it, the Lua meter adds it to the last chunk."""
     rng = random.Random(seed)
     body, strip = random_stream(rng), rng.random() < 0.5
+    final = not strip and seed % 2 == 1  # "sse-final": n > 1
     at = random_cuts(rng, body)
-    passed, held, usage, events, started = metered(body, at, strip)
+    passed, held, usage, events, started = metered(body, at, strip, final)
     got, recorder = exchange(meter_stack, cut(body, at) if at else [body],
-                             "sse-strip" if strip else "sse", first=started)
+                             "sse-strip" if strip else "sse-final" if final else "sse",
+                             first=started)
     assert (got, recorder.done, recorder.first) == (passed + held, [(usage, events)],
                                                     int(started)), body
 

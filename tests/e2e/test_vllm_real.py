@@ -396,6 +396,37 @@ def test_kvgate_charges_what_real_vllm_reports_it_used(gateway, stream):
     assert _used_tokens(kvgate) - before == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+@pytest.mark.parametrize(("stream", "running"), [(False, False), (True, False), (True, True)])
+def test_kvgate_charges_what_real_vllm_reports_for_two_choices(gateway, stream, running):
+    """``n: 2``: vLLM's usage counts the prompt once and both answers; kvgate settles exactly
+    that, streamed and not. With ``continuous_usage_stats`` each chunk's running usage
+    counts its own choice: the meter takes the final usage chunk's alone."""
+    kvgate, envoy = gateway
+    before = _used_tokens(kvgate)
+    options = {"include_usage": True, **({"continuous_usage_stats": True} if running else {})}
+    body = chat_body("name a colour", max_tokens=4, stream=stream,
+                     stream_options=options if stream else None)
+    body = {k: v for k, v in body.items() if v is not None} | {"n": 2}
+    response = httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {KVGATE_KEY}"})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [json.loads(e) for e in sse_data(response) if e != "[DONE]"]
+        assert {c["index"] for e in events for c in e["choices"]} == {0, 1}
+        assert events[-1]["choices"] == []
+        usage = events[-1]["usage"]
+        if running:  # the last running count is one choice's, less than both answers'
+            counted = [e["usage"]["completion_tokens"] for e in events[:-1] if e.get("usage")]
+            assert counted and counted[-1] < usage["completion_tokens"]
+    else:
+        assert len(response.json()["choices"]) == 2
+        usage = response.json()["usage"]
+    deadline = time.monotonic() + 10
+    while _used_tokens(kvgate) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _used_tokens(kvgate) - before == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
 def test_request_through_kvgate_reaches_real_vllm_with_priority_and_usage(gateway):
     kvgate, envoy = gateway
     body = chat_body("the quick brown fox", max_tokens=6, stream=True)

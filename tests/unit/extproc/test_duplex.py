@@ -340,6 +340,24 @@ async def test_a_client_asking_for_usage_keeps_it_and_json_usage_is_read():
     assert stream.done and stream.response.usage.total == 17
 
 
+async def test_several_choices_take_only_the_usage_only_events_usage():
+    """n > 1 with running usage in every chunk (``continuous_usage_stats``): a stream cut
+    before its usage-only event has no usage (charged its reservation), not the last
+    chunk's count of one choice; the usage-only event's counts both."""
+    chunks = [{"choices": [{"index": c, "delta": {"content": "t"}}],
+               "usage": {"prompt_tokens": 13, "completion_tokens": 1}} for c in (0, 1)]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for last, total in (({"choices": [], "usage": {"prompt_tokens": 13,
+                                                   "completion_tokens": 2}}, 15),
+                        ({"error": {"message": "engine failed"}}, None)):
+        stream = new_stream()
+        await admitted(stream, chat(stream=True, n=2, stream_options=options))
+        await stream.exchange(response_headers("text/event-stream"))
+        await stream.exchange(response_body(sse([*chunks, last]), end_of_stream=True))
+        usage = stream.response.usage
+        assert (usage and usage.total) == total
+
+
 async def test_response_trailers_end_the_response():
     stream = new_stream()
     await admitted(stream, chat())

@@ -162,6 +162,32 @@ def test_continuous_usage_chunks_keep_their_choices():
     assert meter.usage == Usage(13, 3) and meter.events == 3
 
 
+def _two_choices_with_running_usage() -> tuple[list[dict], dict]:
+    """n = 2 with ``continuous_usage_stats``, as vLLM streams it: each chunk's usage counts
+    its own choice; the usage-only event counts both."""
+    chunks = [{"choices": [{"index": c, "delta": {"content": f"t{i} "}}],
+               "usage": {"prompt_tokens": 13, "completion_tokens": i + 1}}
+              for i in range(3) for c in (0, 1)]
+    return chunks, {"choices": [], "usage": {"prompt_tokens": 13, "completion_tokens": 6}}
+
+
+@pytest.mark.parametrize("cuts", [[], [45], [7, 300, 301]])
+def test_several_choices_take_only_the_usage_only_events_usage(cuts):
+    chunks, final = _two_choices_with_running_usage()
+    meter = ResponseMeter(sse=True, final=True)
+    assert run(meter, sse([*chunks, final]), cuts) == sse([*chunks, final])
+    assert meter.usage == Usage(13, 6) and meter.events == 6
+    # cut before the usage-only event (vLLM's error event, then [DONE]): no usage, so the
+    # answer is charged its reservation, not the last chunk's count of one choice
+    error = {"error": {"message": "engine failed", "code": 500}}
+    meter = ResponseMeter(sse=True, final=True)
+    run(meter, sse([*chunks, error]), cuts)
+    assert meter.usage is None and meter.ended
+    plain = ResponseMeter(sse=True)  # one choice: its running count is the answer's
+    run(plain, sse([*chunks, error]), cuts)
+    assert plain.usage == Usage(13, 3)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 60_000), max_size=12))
 def test_json_usage_before_long_fields_is_found_wherever_cut(cuts):
@@ -570,11 +596,11 @@ def random_cuts(rng, body: bytes) -> list[int]:
     return sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(0, 6))))
 
 
-def metered(body: bytes, cuts: list[int], strip: bool) -> tuple:
+def metered(body: bytes, cuts: list[int], strip: bool, final: bool = False) -> tuple:
     """What the Python meter makes of ``body`` written in pieces split at ``cuts``: the
     bytes passed on as the pieces came, those ``finish`` passes on at the end (the Lua
     meter cannot: it drops them), the usage, the events, whether a first token was seen."""
-    meter = ResponseMeter(sse=True, strip=strip)
+    meter = ResponseMeter(sse=True, strip=strip, final=final)
     edges = [0, *cuts, len(body)]
     passed = b"".join(meter.feed(body[a:b]) for a, b in itertools.pairwise(edges))
     return passed, meter.finish(), meter.usage, meter.events, meter.started

@@ -210,8 +210,10 @@ async def test_a_second_done_report_does_not_replace_the_first():
     assert stream.response.settle(stream.admission.cost) == (16, 3, "usage")
 
 
-@pytest.mark.parametrize(("meter", "extra"), [("json", {}), ("sse", {"stream": True,
-                         "stream_options": {"include_usage": True}})])
+@pytest.mark.parametrize(("meter", "extra"), [
+    ("json", {}), ("sse", {"stream": True, "stream_options": {"include_usage": True}}),
+    ("sse-strip", {"stream": True, "n": 2}),
+    ("sse-final", {"stream": True, "n": 2, "stream_options": {"include_usage": True}})])
 async def test_the_meter_is_told_how_to_read_the_response(meter, extra):
     stream, _ = new_stream()
     await stream.handle(headers_msg())
