@@ -786,7 +786,7 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def redis_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """kvgate with Redis against kvgate in memory, per level: ext_proc CPU per request, the
-    round trips it sent (``EVALSHA``) and the commands Redis ran, and the share of admissions
+    script calls it sent (``EVALSHA``) and the commands Redis ran, and the share of admissions
     the failure policy served instead (a disturbed run: those cost no Redis call)."""
     out: dict[str, Any] = {}
     for level in sorted({r["concurrency"] for r in rows}):
@@ -1046,14 +1046,15 @@ def markdown(result: dict[str, Any]) -> str:
     redis_rows = [r for r in rows if r.get("redis_commands_by_kind")]
     if redis_rows:
         lines += ["", "## Redis commands per request (`INFO commandstats`)", "",
-                  "`evalsha` is what kvgate sends (one round trip each); the rest are the "
+                  "`evalsha` is what kvgate sends (a script call each; the calls of one event-loop "
+                  "tick, and the releases riding with them, share a write); the rest are the "
                   "`redis.call`s inside its scripts, which commandstats counts too.", ""]
         for r in redis_rows:
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["redis_commands_by_kind"].items())
             lines.append(f"- {label(r)} c={r['concurrency']}: "
                          f"{r['redis_commands_per_request']:.2f} ({kinds})")
         lines += ["", "## Redis ÷ in-memory", "",
-                  "| conc | ext_proc CPU/request, Redis ÷ in-memory | round trips sent/request "
+                  "| conc | ext_proc CPU/request, Redis ÷ in-memory | script calls sent/request "
                   "| commands run/request | admissions the failure policy served |",
                   "|---:|---:|---:|---:|---:|"]
         for level, entry in result["ratios"].get("redis", {}).items():

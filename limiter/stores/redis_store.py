@@ -20,20 +20,21 @@ because every script is idempotent per lease id (an ``admit`` resent finds its o
 CPU: on a standalone Redis the calls go through :class:`~limiter.stores.redis_pipe.RedisPipe`
 (one pipelined connection, commands packed with each tenant's keys packed once, replies
 parsed in C) rather than redis-py's pool; a cluster, TLS or a unix socket use redis-py. The
-releases of one tenant that arrive while its previous release call is under way go to Redis
-together, in one script call (see :meth:`RedisStore.release`).
+releases of one tenant go to Redis together, in one script call, which rides with the pipe's
+next write (see :meth:`RedisStore.queue_release`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from limiter.calendar import Period
 from limiter.decision import TenantPolicy, never_fits
@@ -59,6 +60,27 @@ RELEASE_BATCH = 256
 """Most releases sent in one script call."""
 SLOT_MAP_TRIES = 3
 """Cluster nodes asked at most, one after the other, for one slot map (see ``slot_map``)."""
+
+
+_Release = tuple[str, int | str, asyncio.Future[Any]]
+"""A queued release: lease id, tokens used (``""`` unknown, ``"n"`` never served), its
+future."""
+
+
+def _settle(batch: list[_Release], replies: Any) -> None:
+    """One reply per release, in order (anything else fails them all: never left waiting)."""
+    if not isinstance(replies, list) or len(replies) != len(batch):
+        _fail(batch, StoreUnavailable(f"redis release answered {replies!r:.200}"))
+        return
+    for (_lease, _used, future), reply in zip(batch, replies, strict=True):
+        if not future.done():
+            future.set_result(reply)
+
+
+def _fail(batch: list[_Release], error: BaseException) -> None:
+    for _lease, _used, future in batch:
+        if not future.done():
+            future.set_exception(error)
 
 
 def _tenant_tag(prefix: str, tenant: str) -> str:
@@ -97,10 +119,10 @@ class RedisStore:
         self._asked: str | None = None  # the node whose slot map came last (asked first)
         self._shunned: str | None = None  # the node that failed to answer last (asked last)
         self._keys: dict[str, tuple[str, ...]] = {}  # tenant → its keys
-        self._senders: set[asyncio.Task[None]] = set()  # release calls under way
-        # (tenant, policy) → releases waiting for the call under way (see release)
-        self._releases: dict[tuple[str, TenantPolicy], list[tuple[str, int | str,
-                                                                  asyncio.Future[Any]]]] = {}
+        # release calls under way (a task, or a call riding the pipe) → the tenant's
+        self._calls: dict[asyncio.Future[Any], str] = {}
+        # (tenant, policy) → releases waiting for their call (see queue_release)
+        self._releases: dict[tuple[str, TenantPolicy], list[_Release]] = {}
 
     def on_connection_lost(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever a connection to Redis turns out dead: Redis may have
@@ -262,57 +284,94 @@ class RedisStore:
         served: bool = True,
     ) -> asyncio.Future[Any]:
         """The release, sent without waiting; the future gets whether Redis held the lease,
-        or the call's failure. Coalesced: the first release of a tenant (and policy) is
-        sent on the next loop tick, with every other that comes meanwhile; those that come
-        while that call is under way are sent together when it returns (at most
-        ``RELEASE_BATCH`` a call). Each lease is still released exactly once (the script
-        drops a lease it no longer has), and a failed call fails each of its releases (the
-        failover store then owes each one to Redis, as for a single call)."""
+        or the call's failure. Coalesced: the releases of a tenant (and policy) go to Redis
+        together, in one script call — through the pipe, with its next write (``ride``:
+        an admission's, usually), else on the next loop tick and then as the call under way
+        returns (at most ``RELEASE_BATCH`` a call). Each lease is still released exactly
+        once (the script drops a lease it no longer has), and a failed call fails each of
+        its releases (the failover store then owes each one to Redis, as for a single
+        call)."""
         used: int | str = ("n" if not served else "" if used_tokens is None
                            else min(max(0, used_tokens), MAX_COUNT))
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         key = (tenant, policy)
         waiting = self._releases.get(key)
         if waiting is None:
             waiting = self._releases[key] = []
-            sender = loop.create_task(self._send_releases(key, waiting))
-            self._senders.add(sender)
-            sender.add_done_callback(self._senders.discard)
+            if not self._scripts.ride(lambda: self._board(key, waiting)):
+                self._spawn(tenant, self._send_releases(key, waiting))
         waiting.append((lease_id, used, future))
         return future
 
-    async def _send_releases(
-        self, key: tuple[str, TenantPolicy], waiting: list[tuple[str, int | str,
-                                                                 asyncio.Future[Any]]]
-    ) -> None:
-        """Send ``key``'s waiting releases, batch after batch, until none is left."""
+    def _spawn(self, tenant: str, sending: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(sending)
+        self._calls[task] = tenant
+        task.add_done_callback(self._calls.pop)
+
+    def _release_args(self, policy: TenantPolicy, batch: list[_Release]) -> list[int | str | bytes]:
+        args: list[int | str | bytes] = [*self._head(), policy_arg(policy), ""]
+        for lease_id, used, _future in batch:
+            args += [lease_id, used]
+        return args
+
+    def _board(self, key: tuple[str, TenantPolicy], waiting: list[_Release]) -> None:
+        """Send ``key``'s waiting releases with the pipe's write under way (later ones make
+        a new batch); any the pipe cannot take go the way that reconnects."""
+        tenant, policy = key
+        if self._releases.get(key) is waiting:
+            del self._releases[key]
+        while waiting:
+            batch = waiting[:RELEASE_BATCH]
+            del waiting[:RELEASE_BATCH]
+            sent = self._scripts.post("release", self._tenant_keys(tenant),
+                                      self._release_args(policy, batch))
+            if sent is None:
+                self._spawn(tenant, self._send_batch(tenant, policy, batch))
+                continue
+            self._calls[sent] = tenant
+            sent.add_done_callback(lambda done, batch=batch: self._answered(key, batch, done))
+
+    def _answered(self, key: tuple[str, TenantPolicy], batch: list[_Release],
+                  done: asyncio.Future[Any]) -> None:
+        """A boarded batch's answer; sent again the way that reconnects (or loads the
+        script) when the connection died or Redis lost the script."""
+        self._calls.pop(done, None)
+        error = (StoreUnavailable("redis release was cancelled") if done.cancelled()
+                 else done.exception())
+        if error is None:
+            _settle(batch, done.result())
+        elif isinstance(error, RedisConnectionError) or (
+                isinstance(error, ResponseError) and str(error).startswith("NOSCRIPT")):
+            self._spawn(key[0], self._send_batch(key[0], key[1], batch))
+        else:
+            _fail(batch, StoreUnavailable(f"redis release failed: {error}")
+                  if isinstance(error, FAILURES) else error)
+
+    async def _send_batch(self, tenant: str, policy: TenantPolicy, batch: list[_Release]
+                          ) -> None:
+        try:
+            replies = await self._run("release", tenant, self._release_args(policy, batch))
+        except BaseException as exc:
+            _fail(batch, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        _settle(batch, replies)
+
+    async def _send_releases(self, key: tuple[str, TenantPolicy], waiting: list[_Release]
+                             ) -> None:
+        """Without the pipe: ``key``'s waiting releases, batch after batch, until none is
+        left."""
         tenant, policy = key
         try:
             while waiting:
                 batch = waiting[:RELEASE_BATCH]
                 del waiting[:RELEASE_BATCH]
-                args: list[int | str | bytes] = [*self._head(), policy_arg(policy), ""]
-                for lease_id, used, _future in batch:
-                    args += [lease_id, used]
-                try:
-                    replies = await self._run("release", tenant, args)
-                except BaseException as exc:
-                    for _lease, _used, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-                    continue
-                for (_lease, _used, future), reply in zip(batch, replies, strict=True):
-                    if not future.done():
-                        future.set_result(reply)
+                await self._send_batch(tenant, policy, batch)
         finally:
             if self._releases.get(key) is waiting:
                 del self._releases[key]
-            for _lease, _used, future in waiting:  # (cancelled: never sent, never freed)
-                if not future.done():
-                    future.set_exception(StoreUnavailable("redis release was cancelled"))
+            _fail(waiting, StoreUnavailable("redis release was cancelled"))  # never sent
 
     async def charge_usage(self, tenant: str, policy: TenantPolicy, usage_id: str,
                            used_tokens: int) -> None:
@@ -341,7 +400,7 @@ class RedisStore:
     def forget(self, tenants: Iterable[str]) -> list[str]:
         """Drop the key names kept for ``tenants`` (but one whose releases are still on their
         way: asked again later); their keys in Redis expire by themselves."""
-        sending = {tenant for tenant, _policy in self._releases}
+        sending = {tenant for tenant, _policy in self._releases} | set(self._calls.values())
         forgotten = [tenant for tenant in tenants if tenant not in sending]
         for tenant in forgotten:
             self._keys.pop(tenant, None)
@@ -350,8 +409,14 @@ class RedisStore:
 
     async def settle_releases(self) -> None:
         """Wait until every release queued so far has its answer (or its failure)."""
-        while self._senders:
-            await asyncio.gather(*self._senders, return_exceptions=True)
+        while True:
+            self._scripts.hurry()
+            if self._calls:
+                await asyncio.gather(*self._calls, return_exceptions=True)
+            elif self._releases:  # (riding on a connection being replaced)
+                await asyncio.sleep(0)
+            else:
+                return
 
     async def close(self) -> None:
         """Close the client this store was given (the store owns it from then on), once

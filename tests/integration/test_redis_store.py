@@ -663,6 +663,92 @@ async def test_concurrent_releases_are_coalesced_and_each_is_exact(client: aiore
     assert await shared.usage("acme", policy) == await memory.usage("acme", policy)
 
 
+def _count_writes(store: RedisStore) -> list[bytes]:
+    """The bytes of each write the store's pipe makes from now on."""
+    pipe = store._scripts.pipe
+    assert pipe is not None and pipe._protocol is not None
+    transport, writes = pipe._protocol.transport, []
+    assert transport is not None
+    write = transport.write
+
+    def counted(data: bytes) -> None:
+        writes.append(bytes(data))
+        write(data)
+
+    pipe._protocol.transport = type("Counted", (), {  # type: ignore[assignment]
+        "write": staticmethod(counted), "close": transport.close})()
+    return writes
+
+
+async def test_a_release_rides_with_the_next_admission(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release goes to Redis with the next call's write, ahead of it: no write of its own,
+    and an admission that follows it finds the slot it freed (concurrency 1)."""
+    from limiter.stores import redis_pipe
+
+    client = _client(redis_server.url)
+    await client.flushdb()
+    store = RedisStore(client, clock=FakeClock())
+    policy = TenantPolicy(max_concurrency=1)
+    assert isinstance(await store.admit("acme", policy, Cost(1, 1), "first"), Admit)
+    assert await store.release("acme", policy, "first", 1)  # (the script loaded)
+    monkeypatch.setattr(redis_pipe, "RIDE_LINGER_S", 60.0, raising=False)
+    assert isinstance(await store.admit("acme", policy, Cost(1, 1), "a"), Admit)
+    writes = _count_writes(store)
+    released = store.queue_release("acme", policy, "a", 1)
+    await asyncio.sleep(0.01)  # ticks later, within the linger
+    assert not writes
+    assert isinstance(await store.admit("acme", policy, Cost(1, 1), "b"), Admit)
+    assert await released == 1
+    assert len(writes) == 1 and writes[0].count(b"EVALSHA") == 2
+    await store.close()
+
+
+async def test_a_lone_release_is_sent_after_the_linger_and_close_sends_at_once(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing else to ride with, a release goes by itself once the linger is over;
+    closing the store sends the riding releases at once, not after the linger."""
+    from limiter.stores import redis_pipe
+
+    client = _client(redis_server.url)
+    await client.flushdb()
+    store = RedisStore(client, clock=FakeClock())
+    for lease in ("a", "b"):
+        assert isinstance(await store.admit("acme", FULL, Cost(1, 1), lease), Admit)
+    started = time.monotonic()
+    assert await store.queue_release("acme", FULL, "a", 1) == 1
+    assert redis_pipe.RIDE_LINGER_S <= time.monotonic() - started < 1.0
+    monkeypatch.setattr(redis_pipe, "RIDE_LINGER_S", 60.0)
+    released = store.queue_release("acme", FULL, "b", 1)
+    await asyncio.sleep(0.05)
+    assert not released.done()
+    started = time.monotonic()
+    await store.close()
+    assert released.result() == 1 and time.monotonic() - started < 1.0
+
+
+async def test_riding_releases_survive_a_script_flush_and_a_dropped_connection(
+        redis_server: RedisServer) -> None:
+    """A riding release that finds its script gone (``SCRIPT FLUSH``, a restart) is sent
+    again the way that loads it; one whose connection is dropped before it is written,
+    on a new connection. Each is released exactly once."""
+    client = _client(redis_server.url)
+    await client.flushdb()
+    store = RedisStore(client, clock=FakeClock())
+    for lease in ("a", "b", "c"):
+        assert isinstance(await store.admit("acme", FULL, Cost(5, 5), lease), Admit)
+    await client.script_flush()
+    assert await store.queue_release("acme", FULL, "a", 2) == 1
+    released = store.queue_release("acme", FULL, "b", 3)
+    pipe = store._scripts.pipe
+    assert pipe is not None
+    pipe.drop()
+    assert await released == 1
+    assert await store.release("acme", FULL, "b", 3) is False  # exactly once
+    assert await store.in_flight("acme") == 1
+    await store.close()
+
+
 async def test_the_pipe_authenticates_and_selects_its_database() -> None:
     """The store's own connection (not redis-py's pool) logs in and uses the URL's db."""
     with RedisServer() as srv:
