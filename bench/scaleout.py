@@ -15,12 +15,12 @@ do (request headers, body, the usage report, the end of the stream), closed loop
 ``--concurrency`` requests in flight per set-up, one tenant with real limits far above the
 load (every dimension is checked and charged). Per set-up: admissions/s, kvgate CPU per
 admission (all its processes, from `/proc`), Redis CPU per admission, and from `INFO
-commandstats` the commands kvgate sent per admission (`EVALSHA` and the like: round trips)
-and those Redis ran, the ones inside the scripts included. The model: a Redis shard
-saturates at one core, so it carries ``1 / Redis CPU per admission`` admissions/s; a kvgate
-process at one core does ``1 / kvgate CPU per admission``; their ratio is the fleet of
-kvgate processes one shard carries (more shards: `redis.cluster`, tenants spread by hash
-tag).
+commandstats` the commands kvgate sent per admission (`EVALSHA` and the like: script calls,
+several of which may share a write) and those Redis ran, the ones inside the scripts
+included. The model: a Redis shard saturates at one core, so it carries ``1 / Redis CPU per
+admission`` admissions/s; a kvgate process at one core does ``1 / kvgate CPU per
+admission``; their ratio is the fleet of kvgate processes one shard carries (more shards:
+`redis.cluster`, tenants spread by hash tag).
 
 On this 2-core machine the load generator shares the cores with kvgate and Redis, so
 admissions/s are a lower bound; CPU per admission is what the model uses. Prints a table and
