@@ -38,7 +38,7 @@ from extproc.datalayer.endpoints import EndpointState, StoreSnapshot
 from extproc.datalayer.metrics import EngineMetrics
 from extproc.engine.model import EngineConfig, SimRequest, VirtualEngine
 from extproc.flow import fair_queue
-from extproc.scheduler import Placement, PoolScheduler
+from extproc.scheduler import FAIR_REPRICE_S, Placement, PoolScheduler
 from limiter.fairness import VirtualCounters
 from limiter.fairqueue import FairQueue, QueuedRequest
 
@@ -248,6 +248,7 @@ class Gated(Policy):
         self.jobs: dict[str, Job] = {}
         self.running: dict[str, Job] = {}  # dispatched, not finished
         self.snapshot = StoreSnapshot()
+        self._repriced_at = -math.inf
 
     def bind(self, sim: Simulation) -> None:
         super().bind(sim)
@@ -291,9 +292,9 @@ class Gated(Policy):
 
     def _price(self, job: Job) -> int:
         """As the director prices a queued request: its prompt and the output its tenant's
-        requests are expected to make (``Director._queue_price``); what dispatching it
-        charges (``job.charged``) is its price then."""
-        ratio = self.scheduler.output_ratio(job.tenant)
+        requests are expected to make (``Director._queue_price``: the scheduler's
+        ``fair_ratio``); what dispatching it charges (``job.charged``) is its price then."""
+        ratio = self.scheduler.fair_ratio(job.tenant)
         job.charged = QUEUE_PRICES.price(job.prompt, math.ceil(job.max_tokens * ratio))
         return job.charged
 
@@ -328,15 +329,29 @@ class Gated(Policy):
         self.snapshot = StoreSnapshot(self.snapshot.version + 1,
                                       MappingProxyType({"sim": MappingProxyType(states)}))
         self.scheduler.observe(self.snapshot)  # as the server's scrape hook does
-        for lease in self.scheduler.take_overran():  # as Director._charge_overrun does
-            job = self.running.get(lease)
-            full = QUEUE_PRICES.price(job.prompt, job.max_tokens) if job else 0
-            if job is not None and self.settings.wfq and full > job.charged:
-                self.fairness.correct(job.tenant, full - job.charged,
-                                      self.sim.tenants[job.tenant], band0=job.charged_band0)
-                job.charged = full
+        overran = bool(self.scheduler.take_overran())
+        if self.settings.wfq and (overran or now - self._repriced_at >= FAIR_REPRICE_S):
+            self._reprice(now)
         if now > 0:
             self.dispatch(now)
+
+    def _reprice(self, now: float) -> None:
+        """As ``Director._reprice`` does after a scrape: every request in flight priced
+        again by the scheduler's ``fair_ratio_of``, one correction per tenant and band."""
+        self._repriced_at = now
+        moves: dict[tuple[str, bool], int] = {}
+        for job in self.running.values():
+            ratio = self.scheduler.fair_ratio_of(job.id, now)
+            if ratio is None:
+                continue
+            price = QUEUE_PRICES.price(job.prompt, math.ceil(job.max_tokens * ratio))
+            if price != job.charged:
+                key = (job.tenant, job.charged_band0)
+                moves[key] = moves.get(key, 0) + price - job.charged
+                job.charged = price
+        for (tenant, band0), tokens in moves.items():
+            if tokens:
+                self.fairness.correct(tenant, tokens, self.sim.tenants[tenant], band0=band0)
 
     def dispatch(self, now: float) -> None:
         """``FlowController._dispatch``: best band's fitting heads, selector, reserve, send."""

@@ -36,7 +36,7 @@ from extproc.leases import LeaseBook
 from extproc.openai import BadRequest, InferenceRequest
 from extproc.pricing import Pricer, output_cap
 from extproc.rejections import RecentRejections
-from extproc.scheduler import Placement, PoolScheduler
+from extproc.scheduler import FAIR_REPRICE_S, Placement, PoolScheduler
 from extproc.tenants import Tenants
 from limiter.decision import never_fits
 from limiter.fairness import max_price, price_of
@@ -156,9 +156,11 @@ class Director:
         # (``refuse_waiting``) to answer them rather than leave gRPC to cut them
         self._holds: set[asyncio.Future[bool]] = set()
         # lease → the admissions in flight whose fair-order charge was an estimate (they
-        # queued), and the charges for those found running past it, under way
+        # queued), the corrections of their prices as they run, under way, and when they
+        # were last priced (``_reprice``)
         self._estimated: dict[str, Admission] = {}
         self._overrun_charges: set[asyncio.Future[None]] = set()
+        self._repriced_at = float("-inf")
         self._refusing_waits = False  # set once the shutdown's grace has passed
 
     def reconfigure(self, config: Config, prepared: Prepared | None = None) -> None:
@@ -573,7 +575,7 @@ class Director:
         work went ahead of their interactive work (``bench.inflated_max_tokens``). Cheaper
         only for a tenant whose answers are short: one that sends a long one is expected to
         again at once."""
-        ratio = route.scheduler.output_ratio(tenant.name)
+        ratio = route.scheduler.fair_ratio(tenant.name)
         output = math.ceil(route.cost.max_output_tokens * ratio)
         return self._price(route.cost.prompt_tokens, output, weight)
 
@@ -669,33 +671,51 @@ class Director:
         self.kick(admission.pool)
 
     def scraped(self, snapshot: StoreSnapshot) -> None:
-        """A scrape round ended: every pool's scheduler reads it, and queued requests may
-        fit now."""
+        """A scrape round ended: every pool's scheduler reads it, queued requests may fit
+        now, and the requests in flight are priced again (``FAIR_REPRICE_S`` apart, or at
+        once when one was found running past its expected output)."""
+        overran = False
         for scheduler in self.schedulers.values():
             scheduler.observe(snapshot)
-            for lease_id in scheduler.take_overran():
-                self._charge_overrun(lease_id)
+            overran = bool(scheduler.take_overran()) or overran
+        now = self.clock()
+        if overran or now - self._repriced_at >= FAIR_REPRICE_S:
+            self._reprice(now)
         self.kick()
 
-    def _charge_overrun(self, lease_id: str) -> None:
-        """A queued request found running past the output it was charged for: its tenant's
-        fair-order counter is charged its whole ``max_tokens`` now, not when it ends (the
-        end corrects to its real usage, as ever). Charged its tenant's expected share until
-        its end, a tenant whose short answers turned long got ahead of the others with
-        every long request it sent before the first of them ended."""
-        admission = self._estimated.get(lease_id)
-        if admission is None or admission.charged is None:
-            return
-        cost, weight = admission.cost, admission.charged_weight
-        extra = self._price(cost.prompt_tokens, cost.max_output_tokens, weight) - admission.charged
-        if extra <= 0:
-            return
-        admission.charged += extra
-        charge = asyncio.ensure_future(
-            self.flows[admission.pool].correct(admission.tenant.name, extra, weight,
-                                               band0=admission.charged_band0))
-        self._overrun_charges.add(charge)  # (the loop keeps only weak references)
-        charge.add_done_callback(self._overrun_charges.discard)
+    def _reprice(self, now: float) -> None:
+        """Price every queued request in flight again at its tenant's expected output given
+        what it has made so far (:meth:`~extproc.scheduler.PoolScheduler.fair_ratio`), and
+        charge or refund each tenant the difference (one correction per tenant and band,
+        not one per request; its end corrects to its real usage, as ever). The requests
+        running at any moment are the long ones: priced once at dispatch, a tenant running
+        many was under-charged (at the mean) or over-charged (at an upper envelope) until
+        they ended, and the weighted shares moved with how many each ran. One running past
+        every recent answer of its tenant is charged what it has made as it makes it, not
+        when it ends (with too few answers known, all of its ``max_tokens`` once it runs past
+        its tenant's upper envelope): else a tenant whose short answers turned long got
+        ahead of the others with every long request it sent before the first of them
+        ended."""
+        self._repriced_at = now
+        moves: dict[tuple[str, str, float, bool], int] = {}
+        for lease_id, admission in self._estimated.items():
+            ratio = admission.scheduler.fair_ratio_of(lease_id, now)
+            if admission.charged is None or ratio is None:
+                continue
+            cost, weight = admission.cost, admission.charged_weight
+            price = self._price(cost.prompt_tokens, math.ceil(cost.max_output_tokens * ratio),
+                                weight)
+            if price != admission.charged:
+                key = (admission.pool, admission.tenant.name, weight, admission.charged_band0)
+                moves[key] = moves.get(key, 0) + price - admission.charged
+                admission.charged = price
+        for (pool, tenant, weight, band0), tokens in moves.items():
+            if not tokens:
+                continue
+            charge = asyncio.ensure_future(
+                self.flows[pool].correct(tenant, tokens, weight, band0=band0))
+            self._overrun_charges.add(charge)  # (the loop keeps only weak references)
+            charge.add_done_callback(self._overrun_charges.discard)
 
     def kick(self, pool: str | None = None) -> None:
         """Capacity may have freed (a completion; a fresh scrape when pool is None)."""

@@ -375,7 +375,9 @@ async def test_a_request_running_past_its_estimate_is_charged_its_max_tokens_at_
     admission = await asyncio.wait_for(task, 2)
     prompt = admission.cost.prompt_tokens
     assert admission.charged == prompt + 2 * 25
-    harness.flow.scheduler.overran.append(admission.lease_id)  # as _overrunning finds it
+    reservation = harness.flow.scheduler.reservations[admission.lease_id]
+    reservation.peak = reservation.tokens  # as _overrunning finds it: counted whole,
+    harness.flow.scheduler.overran.append(admission.lease_id)  # and told to the director
     harness.director.scraped(harness.director.endpoints.snapshot())
     await settle()
     assert admission.charged == prompt + 2 * 100
@@ -704,3 +706,34 @@ async def test_a_queued_request_no_endpoint_left_would_take_is_answered_at_once(
     assert h.flow.metrics.registry.get_sample_value(
         "kvgate_queue_events_total", {"pool": "p", "event": "too_large"}) == 1
     await h.flow.stop()
+
+
+async def test_a_queued_request_is_priced_at_its_tenants_mean_answer_and_again_as_it_runs(
+        harness):
+    """The fair order charges a dispatched request its tenant's mean answer, not the upper
+    envelope the KV estimate uses, and each scrape round prices it again at the mean of the
+    answers longer than what it has made: the requests running at any moment are the long
+    ones, and priced once at dispatch a tenant running many was over-charged (the envelope)
+    or under-charged (the mean) until they ended (``bench.policy_sim --asks ceiling``)."""
+    await harness.start(usage=0.99)
+    scheduler = harness.flow.scheduler
+    for i, output in enumerate([20, 40, 60, 80] * 2):  # shares of 100: mean 0.5
+        scheduler.reserve(f"s{i}", "b", "elsewhere", 200, time.monotonic(), prompt_tokens=100)
+        scheduler.release(f"s{i}", time.monotonic(), output_tokens=output)
+    assert scheduler.output_ratio("b") > 0.75
+    task = harness.admit("b")
+    await settle()
+    await harness.set_usage(0.1)
+    admission = await asyncio.wait_for(task, 2)
+    prompt = admission.cost.prompt_tokens
+    assert admission.charged == prompt + 2 * 50  # the mean, not the envelope
+    harness.director.first_token(admission)
+    scheduler.decode_rate = 100.0  # tokens a second: a second on, all it reserved is made
+    scheduler.reservations[admission.lease_id].started_at -= 1.0
+    harness.director._repriced_at = float("-inf")
+    harness.director.scraped(harness.director.endpoints.snapshot())
+    await settle()
+    assert admission.charged == prompt + 2 * 100  # longer than every answer: all of it
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 100
+    await harness.director.release(admission, prompt + 90, 90)
+    assert (await harness.flow.fairness.counters())["b"] == prompt + 2 * 90

@@ -923,3 +923,30 @@ def test_interactive_prompts_may_take_a_priority_engine_past_critical():
     assert not placed(40, running=0)  # 630 + 350 + 102
     assert placed(8, ours=False)  # KV kvgate did not send counts as held throughout:
     assert not placed(40, ours=False)  # 920 + 80 fits the cache, 920 + 112 does not
+
+
+def test_the_fair_price_is_the_mean_answer_given_what_a_request_has_made():
+    """The fair order's price is the mean share of the tenant's recent answers, and, for a
+    request running, the mean of those longer than what it has made so far — not the upper
+    envelope that keeps the KV safe (~0.97 where answers used 0.58 on average, and the
+    weighted shares moved toward the weight-1 tenants: ``bench.policy_sim --asks ceiling``).
+    Too few answers: the envelope; one that ran past every answer: what it has made."""
+    sched = scheduler()
+    sched.decode_rate = 10.0  # output tokens per second of one sequence
+    for i, output in enumerate([20, 40, 60, 80] * 2):  # shares 0.2–0.8 of 100, mean 0.5
+        sched.reserve(f"s{i}", "a", "e1", 200, NOW, prompt_tokens=100)
+        assert sched.fair_ratio("a") == sched.output_ratio("a")  # too few yet: the envelope
+        sched.release(f"s{i}", NOW, output_tokens=output)
+    assert sched.fair_ratio("a") == 0.5
+    assert sched.output_ratio("a") > 0.75  # the KV estimate stays an upper envelope
+    assert sched.expected_peak("a", 200, 100) > 175
+    assert abs(sched.fair_ratio("a", made=0.5) - 0.7) < 1e-9  # longer than half: the 0.6s and 0.8s
+    assert sched.fair_ratio("a", made=0.9) == 0.9  # longer than every answer: as made
+    sched.reserve("run", "a", "e1", 200, NOW - 5, prompt_tokens=100)
+    assert sched.fair_ratio_of("run", NOW) == 0.5  # not started: made nothing
+    sched.first_token("run", NOW - 5)
+    assert abs(sched.fair_ratio_of("run", NOW) - 0.7) < 1e-9  # 50 of 100 made
+    assert sched.fair_ratio_of("gone", NOW) is None
+    assert sched.fair_ratio("b") == sched.output_ratio("b") == 1.0  # per tenant
+    sched.forget(["a"])
+    assert "a" not in sched.answers
