@@ -159,7 +159,7 @@ class Director:
         # queued), the corrections of their prices as they run, under way, and when they
         # were last priced (``_reprice``)
         self._estimated: dict[str, Admission] = {}
-        self._overrun_charges: set[asyncio.Future[None]] = set()
+        self._repricings: set[asyncio.Future[None]] = set()
         self._repriced_at = float("-inf")
         self._refusing_waits = False  # set once the shutdown's grace has passed
 
@@ -714,8 +714,8 @@ class Director:
                 continue
             charge = asyncio.ensure_future(
                 self.flows[pool].correct(tenant, tokens, weight, band0=band0))
-            self._overrun_charges.add(charge)  # (the loop keeps only weak references)
-            charge.add_done_callback(self._overrun_charges.discard)
+            self._repricings.add(charge)  # (the loop keeps only weak references)
+            charge.add_done_callback(self._repricings.discard)
 
     def kick(self, pool: str | None = None) -> None:
         """Capacity may have freed (a completion; a fresh scrape when pool is None)."""

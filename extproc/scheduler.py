@@ -473,9 +473,9 @@ class PoolScheduler:
         of the tenant's recent answers longer than that — its expected length given how far
         it got — or what it has made, when none was as long (all of it there moved the
         shares by up to 8%: a request whose progress at the pool's decode rate runs ahead
-        of its own was charged all it reserved until it ended). Not :meth:`output_ratio`: that upper
-        envelope keeps the KV safe, and as a price it charged ~0.97 where answers used 0.58
-        on average. Nor a plain mean at dispatch: the requests running at any moment are
+        of its own was charged all it reserved until it ended). Not :meth:`output_ratio`:
+        that upper envelope keeps the KV safe, and as a price it charged ~0.97 where answers
+        used 0.58 on average. Nor a plain mean at dispatch: the requests running at any moment are
         the long ones (the short ones ended), so a tenant running many of them was under-
         charged until they ended, and the shares moved with how many each ran (weighted-
         share error up to 15% against ≤ 7% for the envelope, ``bench.policy_sim --asks
