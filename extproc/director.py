@@ -43,6 +43,7 @@ from limiter.fairness import max_price, price_of
 from limiter.fairqueue import QueuedRequest
 from limiter.outcome import QUEUEABLE, Admit, Cost, Reason, Reject, refuse
 from limiter.stores import LimiterStore, MemoryFairness
+from limiter.stores.base import Correction
 
 Watch = Callable[[], AbstractContextManager[None]]
 """Entered while a request waits in the queue: cancels the wait if its client goes away."""
@@ -709,11 +710,12 @@ class Director:
                 key = (admission.pool, admission.tenant.name, weight, admission.charged_band0)
                 moves[key] = moves.get(key, 0) + price - admission.charged
                 admission.charged = price
+        by_pool: dict[str, list[Correction]] = {}
         for (pool, tenant, weight, band0), tokens in moves.items():
-            if not tokens:
-                continue
-            charge = asyncio.ensure_future(
-                self.flows[pool].correct(tenant, tokens, weight, band0=band0))
+            if tokens:
+                by_pool.setdefault(pool, []).append((tenant, tokens, weight, band0))
+        for pool, corrections in by_pool.items():  # one call a pool: not one a tenant
+            charge = asyncio.ensure_future(self.flows[pool].correct_many(corrections))
             self._repricings.add(charge)  # (the loop keeps only weak references)
             charge.add_done_callback(self._repricings.discard)
 

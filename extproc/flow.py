@@ -29,6 +29,7 @@ from limiter.fairness import price_of
 from limiter.fairqueue import FairQueue, Offer, QueuedRequest
 from limiter.outcome import Reason, Reject, refuse
 from limiter.stores import Fairness
+from limiter.stores.base import Correction
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,14 @@ class FlowController:
         """A request dispatched from this queue finished: charge its tenant the difference
         between its real price and the estimate (negative: a refund); ``band0``: it was
         dispatched as band-0 work (``Waiter.charged_band0``)."""
-        if tokens:
+        await self.correct_many([(tenant, tokens, weight, band0)])
+
+    async def correct_many(self, corrections: list[Correction]) -> None:
+        """:meth:`correct` for several tenants in one step (one Redis call)."""
+        corrections = [c for c in corrections if c[1]]
+        if corrections:
             try:
-                await self.fairness.correct(tenant, tokens, weight, band0=band0)
+                await self.fairness.correct_many(corrections)
             except Exception:  # a lost correction only slows a share's convergence
                 log.warning("pool %s: fairness correction failed", self.pool, exc_info=True)
 

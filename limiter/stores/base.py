@@ -12,6 +12,9 @@ from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import Admit, Cost, Reject
 from limiter.stores.slots import SlotMap
 
+Correction = tuple[str, int, float, bool]
+"""One fair-order correction: tenant, tokens (negative: a refund), weight, band-0 work."""
+
 
 class StoreUnavailable(Exception):
     """The shared store could not answer (connection refused, timeout, server error).
@@ -176,6 +179,11 @@ class Fairness(Protocol):
         price and the estimate it was charged (negative: a refund), in tokens — to its
         band-0 counter too when it was charged as band-0 work (``band0``). The counter
         never goes below 0; a tenant without a counter is left alone."""
+        ...
+
+    async def correct_many(self, corrections: Sequence[Correction]) -> None:
+        """:meth:`correct` for several tenants in one step (one Redis call): the director
+        prices the requests in flight again each scrape round, every tenant at once."""
         ...
 
     async def counters(self) -> dict[str, float]:

@@ -61,7 +61,7 @@ from limiter.fairness import DEFAULT_LAG
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import NO_REMAINING, Admit, Cost, Reason, Reject, wait_reject
 from limiter.share import scale_policy
-from limiter.stores.base import LeasesLost, SharedStore, StoreUnavailable
+from limiter.stores.base import Correction, LeasesLost, SharedStore, StoreUnavailable
 from limiter.stores.memory import MemoryFairness, MemoryStore
 from limiter.stores.slots import SlotMap
 
@@ -901,6 +901,10 @@ class FailoverFairness:
         """Best effort: a correction lost to an outage only delays the share's convergence."""
         await self.local.correct(tenant, tokens, weight, band0=band0)
         await self._try(lambda: self.shared.correct(tenant, tokens, weight, band0=band0))
+
+    async def correct_many(self, corrections: Sequence[Correction]) -> None:
+        await self.local.correct_many(corrections)
+        await self._try(lambda: self.shared.correct_many(corrections))
 
     async def counters(self) -> dict[str, float]:
         answered, counters, _ = await self._try(self.shared.counters)

@@ -32,7 +32,7 @@ from limiter.fairness import (
 )
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.rates import require_int
-from limiter.stores.base import StoreUnavailable
+from limiter.stores.base import Correction, StoreUnavailable
 
 if TYPE_CHECKING:
     import asyncio
@@ -149,16 +149,14 @@ touch(tenant)
 return best - 1
 """
 
-# ARGV: [1] ttl ms, [2] tenant, [3] counter units to add (may be negative), [4] lag (counter
-# units), [5] '1' when the request was charged as band-0 work (its band-0 counter moves too).
-# A tenant without a counter is left alone; a refund stops at LAG below V (or where the
-# counter is, if lower: VirtualCounters.correct); the counter never goes below 0. Returns 1 if
-# it changed anything.
+# ARGV: [1] ttl ms, [2] lag (counter units), then per correction: tenant, counter units to add
+# (may be negative), '1' when the request was charged as band-0 work (its band-0 counter
+# moves too). A tenant without a counter is left alone; a refund stops at LAG below V (or
+# where the counter is, if lower: VirtualCounters.correct); the counter never goes below 0.
+# Returns how many counters it changed.
 _CORRECT = _LUA_HEAD + r"""
-local c = redis.call('HGET', KC, ARGV[2])
-if not c then return 0 end
-local d, LAG = tonumber(ARGV[3]), tonumber(ARGV[4])
-local function moved(before)
+local LAG = tonumber(ARGV[2])
+local function moved(before, d)
   local after = before + d
   if d < 0 then
     local low = math.min(before, V - LAG)
@@ -166,20 +164,28 @@ local function moved(before)
   end
   return after
 end
-c = moved(tonumber(c))
-if c < 0 then c = 0 end
-redis.call('HSET', KC, ARGV[2], str(c))
--- band-0 work is part of all work: its counter never exceeds the total (so the least-served
--- tenant always stays eligible)
-local f = redis.call('HGET', KF, ARGV[2])
-if f then
-  f = tonumber(f)
-  if ARGV[5] == '1' then f = moved(f) end
-  if f > c then f = c end
-  redis.call('HSET', KF, ARGV[2], str(f))
+local changed = 0
+for i = 3, #ARGV, 3 do
+  local tenant, d = ARGV[i], tonumber(ARGV[i + 1])
+  local c = redis.call('HGET', KC, tenant)
+  if c then
+    c = moved(tonumber(c), d)
+    if c < 0 then c = 0 end
+    redis.call('HSET', KC, tenant, str(c))
+    -- band-0 work is part of all work: its counter never exceeds the total (so the
+    -- least-served tenant always stays eligible)
+    local f = redis.call('HGET', KF, tenant)
+    if f then
+      f = tonumber(f)
+      if ARGV[i + 2] == '1' then f = moved(f, d) end
+      if f > c then f = c end
+      redis.call('HSET', KF, tenant, str(f))
+    end
+    touch(tenant)
+    changed = changed + 1
+  end
 end
-touch(ARGV[2])
-return 1
+return changed
 """
 
 
@@ -327,9 +333,15 @@ class RedisFairness:
         """Add ``tokens`` (negative: a refund, which stops at ``lag`` below ``V``) to
         ``tenant``'s counter, floored at 0, and with ``band0`` to its band-0 counter; nothing
         when it has no counter."""
-        if tokens:
-            await self._call("correct", [self._ttl_ms, tenant, units(tokens, weight),
-                                         self._lag, int(band0)])
+        await self.correct_many([(tenant, tokens, weight, band0)])
+
+    async def correct_many(self, corrections: Sequence[Correction]) -> None:
+        args: list[int | str] = [self._ttl_ms, self._lag]
+        for tenant, tokens, weight, band0 in corrections:
+            if tokens:
+                args += [tenant, units(tokens, weight), int(band0)]
+        if len(args) > 2:
+            await self._call("correct", args)
 
     async def undo(self, decision: str, instead: QueuedRequest | None) -> bool:
         """The choice ``decision`` got no answer in time and the caller chose ``instead``

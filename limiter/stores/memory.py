@@ -21,6 +21,7 @@ from limiter.decision import QuotaUsage, TenantLimiter, TenantPolicy
 from limiter.fairness import DEFAULT_LAG, REBASE_AT, VirtualCounters
 from limiter.fairqueue import Offer, QueuedRequest
 from limiter.outcome import Admit, Cost, Reject
+from limiter.stores.base import Correction
 
 
 class MemoryStore:
@@ -177,6 +178,10 @@ class MemoryFairness:
     async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
                       ) -> None:
         self.core.correct(tenant, tokens, weight, band0=band0)
+
+    async def correct_many(self, corrections: Sequence[Correction]) -> None:
+        for tenant, tokens, weight, band0 in corrections:
+            self.core.correct(tenant, tokens, weight, band0=band0)
 
     async def counters(self) -> dict[str, float]:
         return self.core.counters()

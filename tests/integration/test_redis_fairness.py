@@ -201,6 +201,32 @@ async def test_waiting_and_correcting_an_unknown_tenant_write_nothing(
     assert (await fair.counters())["Y"] == 0
 
 
+async def test_corrections_of_many_tenants_are_one_call_and_match_memory(
+    client: aioredis.Redis,
+) -> None:
+    """The director prices the requests in flight again each scrape round: every tenant's
+    correction goes in one script call, and each counter moves as its own call would move
+    it (refunds floored at the lag below V, band-0 counters with band-0 work, an unknown
+    tenant left alone)."""
+    fairs: list[Fairness] = [MemoryFairness(lag_tokens=100), shared(client, lag_tokens=100)]
+    for fair in fairs:
+        await fair.choose(offers(req("x0", "X", 500, weight=1, band=0)))
+        await fair.choose(offers(req("y0", "Y", 300, weight=2, band=1)))
+        await fair.activate("Z")
+    if not isinstance(client, RedisCluster):
+        before = (await client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+    corrections = [("X", -450, 1.0, True), ("Y", 90, 2.0, False), ("Z", -5, 1.0, False),
+                   ("nobody", 40, 1.0, False), ("X", 0, 1.0, False)]
+    for fair in fairs:
+        await fair.correct_many(corrections)
+    if not isinstance(client, RedisCluster):
+        after = (await client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+        assert after - before == 1
+    memory, redis = fairs
+    assert await redis.counters() == await memory.counters()
+    await shared(client, lag_tokens=100).correct_many([])  # nothing to send: no call
+
+
 def test_lag_is_bounded_for_exact_lua() -> None:
     with pytest.raises(ValueError, match="lag_tokens"):
         RedisFairness(aioredis.Redis(), lag_tokens=MAX_CHARGE // SCALE + 1)
