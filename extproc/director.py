@@ -698,7 +698,7 @@ class Director:
         ahead of the others with every long request it sent before the first of them
         ended."""
         self._repriced_at = now
-        moves: dict[tuple[str, str, float, bool], int] = {}
+        by_pool: dict[str, dict[tuple[str, float, bool], int]] = {}
         for lease_id, admission in self._estimated.items():
             ratio = admission.scheduler.fair_ratio_of(lease_id, now)
             if admission.charged is None or ratio is None:
@@ -707,14 +707,13 @@ class Director:
             price = self._price(cost.prompt_tokens, math.ceil(cost.max_output_tokens * ratio),
                                 weight)
             if price != admission.charged:
-                key = (admission.pool, admission.tenant.name, weight, admission.charged_band0)
+                moves = by_pool.setdefault(admission.pool, {})
+                key = (admission.tenant.name, weight, admission.charged_band0)
                 moves[key] = moves.get(key, 0) + price - admission.charged
                 admission.charged = price
-        by_pool: dict[str, list[Correction]] = {}
-        for (pool, tenant, weight, band0), tokens in moves.items():
-            if tokens:
-                by_pool.setdefault(pool, []).append((tenant, tokens, weight, band0))
-        for pool, corrections in by_pool.items():  # one call a pool: not one a tenant
+        for pool, moves in by_pool.items():  # one call a pool: not one a tenant
+            corrections: list[Correction] = [(tenant, tokens, weight, band0) for
+                                              (tenant, weight, band0), tokens in moves.items()]
             charge = asyncio.ensure_future(self.flows[pool].correct_many(corrections))
             self._repricings.add(charge)  # (the loop keeps only weak references)
             charge.add_done_callback(self._repricings.discard)

@@ -136,7 +136,8 @@ class FlowController:
         await self.correct_many([(tenant, tokens, weight, band0)])
 
     async def correct_many(self, corrections: list[Correction]) -> None:
-        """:meth:`correct` for several tenants in one step (one Redis call)."""
+        """:meth:`correct` for several tenants in one step (one Redis call); a correction of
+        zero tokens is dropped here, so no store call is made for nothing."""
         corrections = [c for c in corrections if c[1]]
         if corrections:
             try:

@@ -338,9 +338,8 @@ class RedisFairness:
     async def correct_many(self, corrections: Sequence[Correction]) -> None:
         args: list[int | str] = [self._ttl_ms, self._lag]
         for tenant, tokens, weight, band0 in corrections:
-            if tokens:
-                args += [tenant, units(tokens, weight), int(band0)]
-        if len(args) > 2:
+            args += [tenant, units(tokens, weight), int(band0)]
+        if corrections:
             await self._call("correct", args)
 
     async def undo(self, decision: str, instead: QueuedRequest | None) -> bool:
