@@ -407,8 +407,8 @@ async def test_a_primary_killed_fails_over_to_its_replica(replicated, monkeypatc
     cluster = replicated
     primary, replica = cluster.nodes[0], cluster.replicas[0][0]
     a_store, b_store = (failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2))
-    await a_store.in_flight("t0")
-    await b_store.in_flight("t0")
+    await warm(a_store, "t0")
+    await warm(b_store, "t0")
     a, b = on_node(a_store, primary), on_node(a_store, primary, not_on=primary)
     held = [lease()]
     assert isinstance(await a_store.admit(a, POLICY, COST, held[0]), Admit)
@@ -466,7 +466,7 @@ async def test_a_primary_hung_past_the_node_timeout_is_failed_over_and_rejoins(r
     primary, replica = cluster.nodes[0], cluster.replicas[0][0]
     stores = [failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2)]
     for store in stores:
-        await store.in_flight("t0")
+        await warm(store, "t0")
     a = on_node(stores[0], primary)
     first = lease()
     assert isinstance(await stores[0].admit(a, POLICY, COST, first), Admit)
@@ -551,8 +551,8 @@ async def test_leases_the_new_primary_lacks_are_put_back_though_no_call_failed(r
     primary and puts them back within a few seconds of the promotion."""
     cluster = replicated
     a_store, b_store = (failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2))
-    await a_store.in_flight("t0")
-    await b_store.in_flight("t0")
+    await warm(a_store, "t0")
+    await warm(b_store, "t0")
     a = on_node(a_store, cluster.nodes[0])
     await asyncio.sleep(0.1)  # (a's watch has read the slot map)
     await cut_replica_link(cluster)
@@ -594,8 +594,8 @@ async def test_releases_and_cancels_the_new_primary_lacks_are_sent_again(replica
     cluster = replicated
     policy = dataclasses.replace(POLICY, daily_token_quota=100_000)
     a_store, b_store = (failover(cluster, "fail_closed", timeout_ms=250) for _ in range(2))
-    await a_store.in_flight("t0")
-    await b_store.in_flight("t0")
+    await warm(a_store, "t0")
+    await warm(b_store, "t0")
     a = on_node(a_store, cluster.nodes[0])
     early, released, cancelled = lease(), lease(), lease()
     assert isinstance(await a_store.admit(a, policy, COST, early), Admit)
