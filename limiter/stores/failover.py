@@ -898,11 +898,10 @@ class FailoverFairness:
 
     async def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False
                       ) -> None:
-        """Best effort: a correction lost to an outage only delays the share's convergence."""
-        await self.local.correct(tenant, tokens, weight, band0=band0)
-        await self._try(lambda: self.shared.correct(tenant, tokens, weight, band0=band0))
+        await self.correct_many([(tenant, tokens, weight, band0)])
 
     async def correct_many(self, corrections: Sequence[Correction]) -> None:
+        """Best effort: a correction lost to an outage only delays the share's convergence."""
         await self.local.correct_many(corrections)
         await self._try(lambda: self.shared.correct_many(corrections))
 
