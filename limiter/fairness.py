@@ -48,10 +48,17 @@ counter, when a request charged to it ends): a tenant whose interactive
 traffic fits in its share keeps it flowing whatever its batch work, and one whose interactive
 traffic alone exceeds its share is held to it. A band-0 counter starts (and is lifted to) a
 lag below the least-served start, so no tenant gets further ahead of the least-served
-backlogged tenant than about three lags plus two requests: the share error over any busy
+backlogged tenant than about three lags plus three requests: the share error over any busy
 period is bounded, and inside that bound interactive work goes first, whoever sends it. The
 band-0 counter never exceeds the tenant's whole counter, so the least-served tenant is always
 eligible: when everything fits, someone goes.
+
+**A tenant waiting for room** (none of its offers fits: the KV is full) holds the others'
+batch work back at its own counter, not a lag past it, so that the KV that frees goes to its
+head and it is not starved by larger requests. It holds their interactive work back only a
+lag past its *finish* — its counter plus its head's charge, where its counter will be once
+the head goes (:func:`floors`): interactive requests are short, and held a lag past its
+start they waited for as long as the head waited for long answers to end.
 
 This module is the pure core (:class:`VirtualCounters`, synchronous). The stores behind the
 async :class:`limiter.stores.Fairness` protocol serve it: ``MemoryFairness`` (in-process, the
@@ -67,7 +74,7 @@ from limiter.fairqueue import Offer, QueuedRequest
 from limiter.rates import require_int
 
 __all__ = ["DEFAULT_LAG", "MAX_CHARGE", "MIN_WEIGHT", "REBASE_AT", "SCALE", "VirtualCounters",
-           "charge_of", "max_price", "pick", "units"]
+           "charge_of", "floors", "max_price", "pick", "units"]
 
 SCALE = 1000
 """Counter units per token per unit of weight."""
@@ -117,24 +124,53 @@ def charge_of(item: QueuedRequest) -> int:
 
 
 def pick(starts: Sequence[int], firsts: Sequence[int | None], offers: Sequence[Offer],
-         lag: int) -> int | None:
+         lag: int, charges: Sequence[int] | None = None) -> int | None:
     """The index to dispatch, or None to wait.
 
     ``starts``: each offer's tenant counter (all its work); ``firsts``: its best-band counter
-    (band-0 work only; None: none yet). With ``m`` the smallest start, an offer is eligible
-    when its tenant is within ``lag`` of ``m`` — by its best-band counter for a band-0 offer
-    (its interactive work alone is within its share), by its whole counter otherwise.
-    Eligibility ignores whether an offer fits: a tenant that is behind holds the others back
-    rather than let small requests run ahead of their share. Among eligible offers that fit:
-    the best band, then the smallest start, the earliest enqueued, the first.
+    (band-0 work only; None: none yet); ``charges``: each offer's :func:`charge_of` (None:
+    computed here). An offer is eligible when its tenant's counter — its band-0 counter for a
+    band-0 offer (its interactive work alone is within its share), its whole counter
+    otherwise — is at most its band's floor (:func:`floors`: a lag past the smallest start,
+    moved for tenants waiting for room). Among eligible offers that fit: the best band, then
+    the smallest start, the earliest enqueued, the first.
     """
-    floor = min(starts) + lag
+    batch_floor, band0_floor = floors(starts, offers, lag, charges)
     eligible = [i for i, offer in enumerate(offers)
-                if offer.fits and _level(starts[i], firsts[i], offer.band) <= floor]
+                if offer.fits and _level(starts[i], firsts[i], offer.band)
+                <= (batch_floor if offer.band else band0_floor)]
     if not eligible:
         return None
     return min(eligible, key=lambda i: (offers[i].band, starts[i], offers[i].item.enqueued_ms,
                                         i))
+
+
+def floors(starts: Sequence[int], offers: Sequence[Offer], lag: int,
+           charges: Sequence[int] | None = None) -> tuple[int, int]:
+    """The highest counter at which batch work, and band-0 work, may go now: ``lag`` past the
+    smallest start — but for a tenant *waiting for room* (none of its offers fits):
+
+    - batch work may not go past its start: the KV that frees goes to its head rather than
+      to others' larger requests running up to a lag past it (in the policy matrix's short
+      contention windows that lag was up to 4.7% of a weight-1 tenant's share);
+    - band-0 work may go up to a lag past its *finish*, its start plus its cheapest offer's
+      charge: where its counter will be once its head goes, so that work gets nothing it
+      would not get a moment later. Held at its start, the others' interactive requests
+      waited for as long as the head waited for long answers to end (seconds, beside a
+      tenant with 3,000-4,000-token answers: ``bench.inflated_max_tokens``).
+    """
+    fitting = {offer.item.tenant for offer in offers if offer.fits}
+    batch: list[int] = []
+    band0: list[int] = []
+    for i, (start, offer) in enumerate(zip(starts, offers, strict=True)):
+        if offer.item.tenant in fitting:
+            batch.append(start + lag)
+            band0.append(start + lag)
+        else:
+            batch.append(start)
+            band0.append(start + lag + (charge_of(offer.item) if charges is None
+                                        else charges[i]))
+    return min(batch), min(band0)
 
 
 def _level(start: int, first: int | None, band: int) -> int:
@@ -177,11 +213,12 @@ class VirtualCounters:
             return None
         starts = [self._counters.get(offer.item.tenant, self._vtime) for offer in offers]
         firsts = [self._firsts.get(offer.item.tenant) for offer in offers]
-        index = pick(starts, firsts, offers, self._lag)
+        charges = [charge_of(offer.item) for offer in offers]
+        index = pick(starts, firsts, offers, self._lag, charges)
         if index is None:
             return None
         offer = offers[index]
-        self._charge(offer, starts[index], min(starts), charge_of(offer.item))
+        self._charge(offer, starts[index], min(starts), charges[index])
         return offer.item
 
     def correct(self, tenant: str, tokens: int, weight: float, *, band0: bool = False

@@ -94,12 +94,22 @@ local tenants = {}
 for i = 1, n do tenants[i] = ARGV[5 * i - 1] end
 local counters = redis.call('HMGET', KC, unpack(tenants))
 local firsts = redis.call('HMGET', KF, unpack(tenants))
-local starts, m = {}, nil
+local starts, m, fitting = {}, nil, {}
 for i = 1, n do
   starts[i] = tonumber(counters[i] or '') or V  -- no counter yet: starts at V
   if m == nil or starts[i] < m then m = starts[i] end
+  if ARGV[5 * i + 3] == '1' then fitting[tenants[i]] = true end
 end
-local limit = m + LAG
+-- floors (limiter.fairness.floors): a lag past each tenant's start; for a tenant none of
+-- whose offers fits, its start for batch work and a lag past its finish (start + charge)
+-- for band-0 work
+local limit, limit0 = nil, nil
+for i = 1, n do
+  local b, z = starts[i] + LAG, starts[i] + LAG
+  if not fitting[tenants[i]] then b, z = starts[i], z + tonumber(ARGV[5 * i]) end
+  if limit == nil or b < limit then limit = b end
+  if limit0 == nil or z < limit0 then limit0 = z end
+end
 local best, bb, bs, be
 for i = 1, n do
   local o = 5 * i - 1
@@ -108,7 +118,7 @@ for i = 1, n do
     local eligible
     if band == 0 then  -- by its band-0 counter; none yet: always
       local f = tonumber(firsts[i] or '')
-      eligible = f == nil or f <= limit
+      eligible = f == nil or f <= limit0
     else
       eligible = s <= limit
     end

@@ -266,18 +266,60 @@ async def test_interactive_work_within_its_share_goes_before_batch_when_ahead_by
     assert order[22:] == ["X", "Y"] * 4  # then X's chat only as Y's counter moves on
 
 
-async def test_an_unfit_offer_of_the_least_served_holds_back_others_beyond_the_lag() -> None:
+async def test_a_tenant_waiting_for_room_holds_others_batch_work_at_its_counter() -> None:
+    """X, the least served, waits for room (its head does not fit): the others' batch work
+    may not go ahead of X's counter, even within the lag (it would take the KV X's head
+    waits for); a tenant level with X may. Once X fits, the lag applies again."""
     fair = MemoryFairness(lag_tokens=100)
-    await fair.choose(offers(req("y0", "Y", 500, weight=1, band=1)))  # Y at 500, V 0
-    await fair.choose(offers(req("z0", "Z", 50, weight=1, band=1)))  # Z at 50, V 0
+    await fair.choose(offers(req("y0", "Y", 50, weight=1, band=1)))  # Y at 50, V 0
     await fair.activate("X")  # X at 0: the least served
+    await fair.activate("Z")  # Z at 0
     before = await fair.counters()
     x, y = req("x", "X", 10, weight=1, band=1), req("y", "Y", 10, weight=1, band=1)
     z = req("z", "Z", 10, weight=1, band=1)
-    assert await fair.choose(offers(x, y, unfit=("x",))) is None  # wait for X's room
+    assert await fair.choose(offers(x, y, unfit=("x",))) is None  # 50 > X's 0: wait
     assert await fair.counters() == before and fair.virtual_time == 0  # nothing charged
-    assert await fair.choose(offers(x, y, z, unfit=("x",))) is z  # within the lag: may go
+    assert await fair.choose(offers(x, y, z, unfit=("x",))) is z  # level with X: may go
     assert await fair.choose(offers(x, y, unfit=("x", "y"))) is None  # nothing fits
+    assert await fair.choose(offers(y, req("x2", "X", 10, weight=1, band=1))) is not y
+    assert await fair.choose(offers(y)) is y  # X fits, nothing waits: within the lag
+
+
+async def test_others_interactive_work_may_run_up_to_an_unfit_heads_finish() -> None:
+    """The least-served tenant X's head (1,000 tokens) does not fit: Y's batch work is held at
+    X's counter (it would take the KV X waits for), Y's interactive work a lag past X's
+    finish — where X's counter is once its head goes, no further. Once X's head fits it
+    goes (it is the least served), and Y's interactive work goes again."""
+    fair = MemoryFairness(lag_tokens=100)
+    await fair.choose(offers(req("y0", "Y", 300, weight=1, band=1)))  # Y at 300, V 0
+    await fair.activate("X")  # X at 0: the least served
+    head = req("head", "X", 1000, weight=1, band=1)
+    batch = req("batch", "Y", 10, weight=1, band=1)
+    assert await fair.choose(offers(head, batch, unfit=("head",))) is None  # 300 > 0
+    chats = []
+    while (chosen := await fair.choose(offers(
+            head, req(f"c{len(chats)}", "Y", 100, weight=1), unfit=("head",)))) is not None:
+        chats.append(chosen)
+    # Y's band-0 counter starts a lag below X's start (-100) and may go while it is at most
+    # X's finish plus a lag (1,100): 13 chats of 100 (the last at 1,100 brings it to 1,200)
+    assert len(chats) == 13 and (await fair.counters())["X"] == 0
+    assert await fair.choose(offers(head, req("c", "Y", 100, weight=1))) is head  # X first
+    assert (await fair.counters())["X"] == 1000
+    assert await fair.choose(offers(req("c", "Y", 100, weight=1))) is not None
+
+
+async def test_an_unfit_head_holds_others_interactive_work_when_its_tenant_has_one_that_fits(
+) -> None:
+    """A tenant with an offer that fits is not waiting for room: the others' interactive work
+    is measured against its start, as before."""
+    fair = MemoryFairness(lag_tokens=100)
+    await fair.choose(offers(req("y0", "Y", 300, weight=1)))  # Y at 300, its band 0 at 200
+    await fair.activate("X")  # X at 0
+    head, chat = req("head", "X", 1000, weight=1, band=1), req("chat", "Y", 10, weight=1)
+    assert await fair.choose(offers(head, chat, unfit=("head",))) is chat  # 200 <= 1000 + 100
+    small = req("small", "X", 10, weight=1, band=1)  # fits: X is not waiting for room
+    assert await fair.choose(offers(head, small, req("c2", "Y", 10, weight=1),
+                                    unfit=("head",))) is small  # Y's chat: 210 > 0 + 100
 
 
 async def test_correct_charges_the_difference_and_refunds_down_to_zero() -> None:
