@@ -364,7 +364,8 @@ class PoolScheduler:
         """Whether a request could be placed on some endpoint of the pool were it empty (as
         :meth:`_candidate` judges it: no usage, nothing in flight; the busy zone up to the
         critical watermark counts). One that could not never leaves the queue, and a tenant
-        whose head fits nowhere holds every other tenant back once they are a lag ahead: a
+        whose head fits nowhere holds every other tenant's batch work back at its counter
+        and their interactive work a lag past where its head would take it: a
         request of exactly the largest endpoint's capacity (one block over, counting the block
         each request may hold beyond its tokens) froze the whole pool, interactive work
         included, until its class deadline. Only a request over half the largest endpoint is
