@@ -152,7 +152,8 @@ def floors(starts: Sequence[int], offers: Sequence[Offer], lag: int,
 
     - batch work may not go past its start: the KV that frees goes to its head rather than
       to others' larger requests running up to a lag past it (in the policy matrix's short
-      contention windows that lag was up to 4.7% of a weight-1 tenant's share);
+      contention windows the worst weighted-share error was 4.7% with that lag, 3.9%
+      without: ``bench.policy_sim``);
     - band-0 work may go up to a lag past its *finish*, its start plus its cheapest offer's
       charge: where its counter will be once its head goes, so that work gets nothing it
       would not get a moment later. Held at its start, the others' interactive requests
