@@ -124,15 +124,15 @@ def charge_of(item: QueuedRequest) -> int:
 
 
 def pick(starts: Sequence[int], firsts: Sequence[int | None], offers: Sequence[Offer],
-         lag: int, charges: Sequence[int] | None = None) -> int | None:
+         lag: int, charges: Sequence[int]) -> int | None:
     """The index to dispatch, or None to wait.
 
     ``starts``: each offer's tenant counter (all its work); ``firsts``: its best-band counter
-    (band-0 work only; None: none yet); ``charges``: each offer's :func:`charge_of` (None:
-    computed here). An offer is eligible when its tenant's counter — its band-0 counter for a
-    band-0 offer (its interactive work alone is within its share), its whole counter
-    otherwise — is at most its band's floor (:func:`floors`: a lag past the smallest start,
-    moved for tenants waiting for room). Among eligible offers that fit: the best band, then
+    (band-0 work only; None: none yet); ``charges``: each offer's :func:`charge_of`. An
+    offer is eligible when its tenant's counter — its band-0 counter for a band-0 offer (its
+    interactive work alone is within its share), its whole counter otherwise — is at most
+    its band's floor (:func:`floors`: a lag past the smallest start, moved for tenants
+    waiting for room). Among eligible offers that fit: the best band, then
     the smallest start, the earliest enqueued, the first.
     """
     batch_floor, band0_floor = floors(starts, offers, lag, charges)
@@ -146,7 +146,7 @@ def pick(starts: Sequence[int], firsts: Sequence[int | None], offers: Sequence[O
 
 
 def floors(starts: Sequence[int], offers: Sequence[Offer], lag: int,
-           charges: Sequence[int] | None = None) -> tuple[int, int]:
+           charges: Sequence[int]) -> tuple[int, int]:
     """The highest counter at which batch work, and band-0 work, may go now: ``lag`` past the
     smallest start — but for a tenant *waiting for room* (none of its offers fits):
 
@@ -163,14 +163,13 @@ def floors(starts: Sequence[int], offers: Sequence[Offer], lag: int,
     fitting = {offer.item.tenant for offer in offers if offer.fits}
     batch: list[int] = []
     band0: list[int] = []
-    for i, (start, offer) in enumerate(zip(starts, offers, strict=True)):
+    for start, offer, charge in zip(starts, offers, charges, strict=True):
         if offer.item.tenant in fitting:
             batch.append(start + lag)
             band0.append(start + lag)
         else:
             batch.append(start)
-            band0.append(start + lag + (charge_of(offer.item) if charges is None
-                                        else charges[i]))
+            band0.append(start + lag + charge)
     return min(batch), min(band0)
 
 
