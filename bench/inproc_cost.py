@@ -58,6 +58,7 @@ from extproc.wiring import build_director, build_store
 
 RESULTS = Path(__file__).parent / "results"
 ENGINE = "127.0.0.1:9"
+REFRESH_S = 0.1  # the engine is scraped again this often: kvgate's default scrape interval
 STAGES = ("parse", "routing reply", "report", "stream end")
 USAGE = b'{"usage":{"prompt_tokens":20,"completion_tokens":4,"total_tokens":24},' \
         b'"events":0,"answered":true}'
@@ -117,6 +118,7 @@ class Bench:
         cfg = cfg or config()
         self.endpoints = EndpointStore()
         self.metrics = Metrics()
+        self.scraped_at = 0.0
         self.desk = ReportDesk(self.metrics)
         self.director = build_director(cfg, build_store(cfg, self.metrics), self.endpoints,
                                        metrics=self.metrics)
@@ -126,10 +128,30 @@ class Bench:
         self.wire = envoy_message(cfg.classification.header).SerializeToString()
 
     async def scraped(self) -> None:
+        """A scrape round, ended as the server's scraper ends one: the director reads it
+        (the KV that requests sent since the last round hold is then the engine's to report)
+        and the queue's dispatcher runs, should a request have waited."""
+        for flow in self.director.flows.values():
+            flow.start()
+        self.scraped_at = time.monotonic()
         await self.endpoints.set_endpoints("bench", [ENGINE])
         await self.endpoints.apply([ScrapeResult(ENGINE, time.monotonic(), EngineMetrics(
             kv_cache_usage=0.01, kv_capacity_tokens=100_000, num_requests_running=0,
             num_requests_waiting=0))])
+        self.director.scraped(self.endpoints.snapshot())
+
+    async def close(self) -> None:
+        """Stop the queue's dispatchers and close the store."""
+        for flow in self.director.flows.values():
+            await flow.stop()
+        await self.director.store.close()
+
+    async def fresh(self) -> None:
+        """A scrape round every ``REFRESH_S``, as served: with one round per batch, a batch
+        of more requests than the engine's KV holds (~4,000) filled it with requests the
+        engine never reported, and the rest queued for ever."""
+        if time.monotonic() - self.scraped_at > REFRESH_S:
+            await self.scraped()
 
     async def request(self, times: list[float], report_first: bool) -> None:
         """One request; adds each stage's seconds to ``times``. The release is counted in
@@ -189,6 +211,7 @@ async def measure_concurrent(bench: Bench, requests: int, batches: int,
     batches after one that warms up."""
     async def client(count: int) -> None:
         for _ in range(count):
+            await bench.fresh()
             await bench.request_among_others()
 
     best = None
@@ -212,11 +235,12 @@ async def concurrent_rows(requests: int, batches: int, concurrency: int
     memory = Bench(config(max_unstarted=1000))
     rows["memory"] = {"cpu_us": await measure_concurrent(memory, requests, batches,
                                                          concurrency), "fallbacks": 0.0}
+    await memory.close()
     with RedisServer() as server:
         redis = Bench(config(server.url, max_unstarted=1000))
         cpu = await measure_concurrent(redis, requests, batches, concurrency)
         rows["redis"] = {"cpu_us": cpu, "fallbacks": redis.fallbacks()}
-        await redis.director.store.close()
+        await redis.close()
     return rows
 
 
@@ -239,6 +263,7 @@ async def measure(requests: int, batches: int) -> dict[str, list[float]]:
             await bench.scraped()
             times = [0.0] * len(STAGES)
             for _ in range(requests):
+                await bench.fresh()
                 await bench.request(times, report_first)
             per_request = [t / requests * 1e6 for t in times]
             if best is None or sum(per_request) < sum(best):
@@ -246,6 +271,7 @@ async def measure(requests: int, batches: int) -> dict[str, list[float]]:
         assert best is not None
         rows["report, then the stream's end" if report_first
              else "the stream's end, then the report"] = best
+    await bench.close()
     return rows
 
 
