@@ -67,8 +67,10 @@ def post(stack: Stack, tenant: str, max_tokens: int = 8, words: int = 4) -> http
 @pytest.fixture(scope="module")
 def live() -> Iterator[tuple[Stack, str]]:
     """The stack with traffic running: acme's long streams fill the engines' KV (small
-    caches) and queue, globex goes over its rate, someone sends a wrong key."""
-    options = {"ms_per_token": 25, "kv_blocks": 96, "block_size": 16}
+    caches) and queue, globex goes over its rate, someone sends a wrong key. Each stream
+    takes ~8 s (160 tokens at 50 ms), so what queued is still queued when Chromium, started
+    once it queued, reads the page (at 25 ms a token the queue had once drained by then)."""
+    options = {"ms_per_token": 50, "kv_blocks": 96, "block_size": 16}
     with local_stack(status_config(), engine_options=options) as stack:
         streams = [threading.Thread(target=post, args=(stack, "acme", 160, 120))
                    for _ in range(STREAMS)]
