@@ -25,13 +25,17 @@ $(NATIVE): $(BIN)/kvgate kvgate_native.py $(shell find extproc limiter -name '*.
 
 # The whole suite runs on the compiled modules (what the image, `make native` deployments and
 # the benchmarks run); then again as plain Python (the fallback, and what an edited checkout
-# runs) the tests that exercise the compiled modules' logic directly, and one end-to-end file.
-# The other end-to-end tests add the I/O around that logic (Envoy, sockets, the coroutine
-# modules, never compiled), and so do the benchmarks' own tests and the CLI's process
-# handling: running them once keeps `make test` under ~15 minutes on two cores.
-PLAIN_TESTS := tests/unit tests/integration tests/e2e/test_gateway.py \
+# runs) the tests that exercise the compiled modules' logic directly: the unit tests, the
+# Redis tests that hold the stores' answers (and the compiled wire format) to the in-memory
+# core's, and one end-to-end file. The other end-to-end tests add the I/O around that logic
+# (Envoy, sockets, the coroutine modules, never compiled), and so do the Redis fault and
+# replica tests, the benchmarks' own tests and the CLI's process handling: they run once.
+PLAIN_TESTS := tests/unit tests/e2e/test_gateway.py \
+	tests/integration/test_redis_store.py tests/integration/test_redis_fairness.py \
+	tests/integration/test_rls_redis.py \
 	--ignore=tests/unit/bench --ignore=tests/unit/extproc/test_cli.py \
-	--ignore=tests/unit/extproc/test_processes.py
+	--ignore=tests/unit/extproc/test_processes.py \
+	--ignore=tests/unit/extproc/test_startup_sigterm.py
 test: $(BIN)/kvgate $(NATIVE)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
