@@ -129,8 +129,8 @@ class Bench:
 
     async def scraped(self) -> None:
         """A scrape round, ended as the server's scraper ends one: the director reads it
-        (the KV that requests sent since the last round hold is then the engine's to report)
-        and the queue's dispatcher runs, should a request have waited."""
+        (the schedulers observe it, requests in flight are priced again) and kicks the
+        queue's dispatcher, which runs here as served, should a request have waited."""
         for flow in self.director.flows.values():
             flow.start()
         self.scraped_at = time.monotonic()
@@ -147,9 +147,10 @@ class Bench:
         await self.director.store.close()
 
     async def fresh(self) -> None:
-        """A scrape round every ``REFRESH_S``, as served: with one round per batch, a batch
-        of more requests than the engine's KV holds (~4,000) filled it with requests the
-        engine never reported, and the rest queued for ever."""
+        """A scrape round every ``REFRESH_S``, as served. With one round per batch, a batch
+        that ran past the scrape's freshness (a slow or busy machine, a larger ``--requests``)
+        found the engine stale, its requests queued, and with no dispatcher running in the
+        bench they waited for ever."""
         if time.monotonic() - self.scraped_at > REFRESH_S:
             await self.scraped()
 
