@@ -36,10 +36,15 @@ PLAIN_TESTS := tests/unit tests/e2e/test_gateway.py \
 	--ignore=tests/unit/bench --ignore=tests/unit/extproc/test_cli.py \
 	--ignore=tests/unit/extproc/test_processes.py \
 	--ignore=tests/unit/extproc/test_startup_sigterm.py
+# Both passes run on TEST_WORKERS processes (pytest-xdist): most end-to-end tests wait on
+# Envoy, Redis and the clock more than they compute, so two workers on two cores halve the
+# run. Every test brings up its own processes on free ports, so workers never share one.
+# `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
 test: $(BIN)/kvgate $(NATIVE)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
-	KVGATE_NATIVE=0 $(BIN)/pytest -q $(PLAIN_TESTS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
+	KVGATE_NATIVE=0 $(BIN)/pytest -q -n $(TEST_WORKERS) $(PLAIN_TESTS)
 
 lint: $(BIN)/kvgate
 	$(BIN)/ruff check .
