@@ -363,8 +363,32 @@ def summarize_matrix(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "cells_missing": sum(1 for c in checks if not all(c["pass"].values()))}
 
 
+PLOT_MARKERS = "os^vD<>p"  # one per mix, in the order the cells' mixes sort
+PLOT_COLORS = ("tab:green", "tab:blue", "tab:red", "tab:orange", "tab:purple", "tab:brown",
+               "tab:pink", "tab:olive")  # one per load
+
+
+def matrix_series(cells: list[dict[str, Any]], key: str
+                  ) -> list[tuple[str, str, str, list[int], list[float]]]:
+    """One scatter series per mix and load the cells hold: label, marker (by mix), colour
+    (by load), seeds, and each cell's ``check[key]``."""
+    mixes = sorted({c["mix"] for c in cells}, reverse=True)
+    loads = sorted({c["load"] for c in cells})
+    series = []
+    for i, mix in enumerate(mixes):
+        for j, load in enumerate(loads):
+            here = [c for c in cells if c["mix"] == mix and c["load"] == load]
+            if here:
+                series.append((f"{mix:.0%} interactive, {load}× knee",
+                               PLOT_MARKERS[i % len(PLOT_MARKERS)],
+                               PLOT_COLORS[j % len(PLOT_COLORS)],
+                               [c["seed"] for c in here], [c["check"][key] for c in here]))
+    return series
+
+
 def plot_matrix(cells: list[dict[str, Any]], path: Path) -> bool:
-    """(d)'s interactive P99 over FIFO's and over strict priority's, per cell."""
+    """(d)'s interactive P99 over FIFO's and over strict priority's, per cell: every mix
+    and load the cells hold (``--mixes``/``--loads`` other than the matrix's included)."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -372,13 +396,8 @@ def plot_matrix(cells: list[dict[str, Any]], path: Path) -> bool:
     for ax, key, bound, title in ((axes[0], "p99_vs_fifo", CONTENDED_WORST, "(d) / FIFO"),
                                   (axes[1], "p99_vs_strict", VS_STRICT_MAX,
                                    "(d) / strict priority")):
-        for mix, marker in zip(MATRIX_MIXES, "os", strict=False):
-            for load, color in zip(MATRIX_LOADS, ("tab:green", "tab:blue", "tab:red"),
-                                   strict=False):
-                xs = [c["seed"] for c in cells if c["mix"] == mix and c["load"] == load]
-                ys = [c["check"][key] for c in cells if c["mix"] == mix and c["load"] == load]
-                ax.scatter(xs, ys, marker=marker, color=color,
-                           label=f"{mix:.0%} interactive, {load}× knee")
+        for label, marker, color, seeds, ratios in matrix_series(cells, key):
+            ax.scatter(seeds, ratios, marker=marker, color=color, label=label)
         ax.axhline(bound, color="grey", linestyle=":")
         ax.set_xlabel("seed")
         ax.set_ylabel("interactive P99 TTFT ratio")
@@ -436,6 +455,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rerun only kvgate's contention scenario of every cell of --against, "
                    f"N × --requests requests long (the matrix's: {CONTENTION_LENGTH}): how "
                    "the weighted-share error shrinks over longer busy periods")
+    p.add_argument("--replot", type=Path, default=None, metavar="M.json",
+                   help="draw a recorded --matrix JSON's plot again (beside it), run nothing")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.against is None and (args.variant is not None or args.share_lengths):
@@ -460,6 +481,12 @@ def command(argv: list[str] | None) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     started = time.perf_counter()
+    if args.replot is not None:
+        recorded = json.loads(args.replot.read_text())
+        png = args.replot.with_suffix(".png")
+        drawn = plot_matrix(recorded["cells"], png)
+        print(f"wrote {png}" if drawn else "no matplotlib: nothing drawn")
+        return recorded
     if args.variant is not None:
         return main_variant(args, argv, started)
     if args.share_lengths:

@@ -150,6 +150,24 @@ def test_the_matrix_reports_every_cell_and_its_bounds(tmp_path: Path) -> None:
     assert "×3 the latency scenario's requests" in (tmp_path / "s.md").read_text()
 
 
+def test_the_matrix_plot_draws_every_cell_at_any_mix_and_load(tmp_path: Path) -> None:
+    """``--mixes``/``--loads`` off the matrix's own (0.65, 1.35…) are plotted too: the plot
+    once drew only the matrix's mixes and loads, and such runs came out empty."""
+    cells = [{"seed": seed, "mix": mix, "load": load,
+              "check": {"p99_vs_fifo": seed / 100, "p99_vs_strict": seed / 10}}
+             for seed in (81, 82) for mix in (0.55, 0.75) for load in (0.85, 1.35)]
+    series = policy_sim.matrix_series(cells, "p99_vs_fifo")
+    assert sorted((s, r) for *_, seeds, ratios in series for s, r in zip(seeds, ratios,
+                                                                        strict=True)) == \
+        sorted((c["seed"], c["check"]["p99_vs_fifo"]) for c in cells)
+    assert len({(marker, color) for _, marker, color, *_ in series}) == 4  # told apart
+    assert "75% interactive, 1.35× knee" in [label for label, *_ in series]
+    recorded = tmp_path / "m.json"
+    recorded.write_text(json.dumps({"cells": cells}))
+    policy_sim.main(["--replot", str(recorded)])  # a recorded matrix, drawn again
+    assert recorded.with_suffix(".png").stat().st_size > 0
+
+
 def test_a_variant_needs_a_recorded_matrix() -> None:
     with pytest.raises(SystemExit):
         policy_sim.main(["--variant", '{"prefill_clear_hold_s": 1}'])
