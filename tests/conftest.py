@@ -65,6 +65,20 @@ def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     return bool(predicate())
 
 
+def engines_one_by_one(stack: Any, send: Callable[[], Any], n: int) -> list[str | None]:
+    """The engines (``x-bench-engine``) ``n`` requests went to, each sent by ``send`` once
+    kvgate has released the one before. A client has its answer a moment before kvgate
+    hears that the request ended (the meter's report, the stream's close); sent in that
+    moment, the next request sees the last one still in prefill on its engine and may go
+    elsewhere (a routing test failed so once, with a second test worker busy)."""
+    director = stack.kvgate.server.director
+    served = []
+    for _ in range(n):
+        served.append(send().headers.get("x-bench-engine"))
+        assert wait_for(lambda: not director.active), director.active
+    return served
+
+
 def need_binary(path: str | None, name: str, package: str) -> str:
     """A system program a test needs: skipped without it locally, failed under CI
     (``.ci/run`` installs Debian's ``package``, so its absence there is a broken install)."""

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.config import hash_api_key, parse_config
 from extproc.demo import local_stack
-from tests.conftest import free_port, wait_for
+from tests.conftest import engines_one_by_one, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -77,17 +77,7 @@ def ask(stack, max_tokens=4, stream=False):
 
 
 def served_by(stack, n, **kwargs):
-    """The engines ``n`` requests went to, one after another, each sent once kvgate has
-    released the one before. The client has its answer a moment before kvgate hears that
-    the request ended (the meter's report, the stream's close): sent in that moment, the next
-    request would see the last one still in prefill on its engine and go elsewhere (it did,
-    once, with a second test worker busy on the same two cores)."""
-    director = stack.kvgate.server.director
-    served = []
-    for _ in range(n):
-        served.append(ask(stack, **kwargs).headers.get("x-bench-engine"))
-        assert wait_for(lambda: not director.active), director.active
-    return served
+    return engines_one_by_one(stack, lambda: ask(stack, **kwargs), n)
 
 
 def test_new_requests_go_to_the_least_loaded_engine(stack):
