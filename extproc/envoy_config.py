@@ -303,9 +303,11 @@ def _attributes_route(config: Config, action: Any) -> Any:
             safe_regex=RegexMatcher(regex=f"/v1/({paths})"),
             headers=[
                 HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST")),
-                # a body follows: a length above 0, or none given (chunked, HTTP/2)
-                HeaderMatcher(name="content-length", string_match=StringMatcher(exact="0"),
-                              invert_match=True),
+                # a body follows: a length above 0, or none given (chunked, HTTP/2). Zero
+                # written with several digits ("00", valid HTTP) is zero too: matched as
+                # "0" alone, such a request came to kvgate in no message and got 503
+                HeaderMatcher(name="content-length", string_match=StringMatcher(
+                    safe_regex=RegexMatcher(regex="0+")), invert_match=True),
             ]),
         route=action,
         typed_per_filter_config={

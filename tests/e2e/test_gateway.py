@@ -235,6 +235,26 @@ def test_missing_fields_and_unknown_model(stack):
     assert response.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("length", [b"0", b"00", b"000"])
+@pytest.mark.parametrize("tenant", ["acme", None], ids=["key", "no-key"])
+def test_a_post_without_a_body_is_refused_however_its_length_is_written(stack, length,
+                                                                        tenant):
+    """A zero length written with several digits (valid HTTP) declares no body either. The
+    route that skips the headers phase took ``00`` for a body to come: the request reached
+    kvgate in no message at all, and Envoy answered 503 (no host), which clients retry."""
+    auth = b"" if tenant is None else b"Authorization: Bearer " + KEYS[tenant].encode() + b"\r\n"
+    reply = raw_exchange(stack, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: close\r\n" + auth + b"Content-Length: " + length
+                         + b"\r\n\r\n")
+    got, headers, body = json_reply(reply)
+    if tenant is None:
+        assert (got, body["error"]["code"]) == (401, "invalid_api_key"), reply
+    else:
+        assert got == 400, reply
+        assert "needs a JSON request body" in body["error"]["message"]
+    assert headers["x-should-retry"] == "false"
+
+
 @pytest.mark.parametrize("compress", [True, False], ids=["gzipped", "plain-but-labelled"])
 def test_an_encoded_request_body_is_415_and_never_reaches_an_engine(stack, compress):
     """kvgate meters the body it reads: one the engine would decode first is refused."""
