@@ -56,6 +56,17 @@ together while they gather them (:class:`HeldBodies`)."""
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-encoding"))
 
 
+def _metered_target(target: str, path: str) -> str:
+    """The request target to send upstream: the ``path`` kvgate metered (``route_path``:
+    decoded, slashes merged, dot segments resolved, no trailing slash) with the client's
+    query string. kvgate's own bootstrap has Envoy normalise the path the same way; a
+    gateway's route may not, and an engine then routed the raw path elsewhere: vLLM answers
+    ``/v1/chat/completions/`` with a redirect, which the client follows into a second
+    admission, and ``/v1/x/../chat/completions`` with a 404 (both admitted and charged)."""
+    _, mark, query = target.partition("?")
+    return path + mark + query
+
+
 class HeldBodies:
     """The request-body bytes the process's full-duplex streams hold while they gather
     them, at most ``limit`` together. In this mode kvgate, not Envoy, buffers a body until
@@ -117,7 +128,7 @@ class DuplexStream(RequestStream):
     REMOVED_HEADERS = (*STRIPPED_HEADERS, *ENGINE_CONTROL_HEADERS)
 
     __slots__ = ("_answered", "_bodies", "_chunks", "_final", "_held", "_meter", "_new_body",
-                 "_request_ended", "_response_mode", "_size", "_streamed", "_strip")
+                 "_request_ended", "_response_mode", "_size", "_streamed", "_strip", "_target")
 
     def __init__(self, *args, bodies: HeldBodies | None = None,  # type: ignore[no-untyped-def]
                  **kwargs) -> None:
@@ -135,6 +146,7 @@ class DuplexStream(RequestStream):
         self._final = False  # several choices: only the usage-only event's usage counts
         self._streamed = False  # the request asked for a stream (its answer may be SSE)
         self._response_mode = FULL_DUPLEX  # how Envoy sends the response body
+        self._target = "/"  # the request's :path as the client sent it
 
     async def exchange(self, message: pb.ProcessingRequest) -> list[messages.Reply]:
         kind = message.WhichOneof("request")
@@ -253,7 +265,17 @@ class DuplexStream(RequestStream):
         self._final = meter == "sse-final"
         self._streamed = meter not in ("", "json")
         admission.endpoints = admission.endpoints[:1]
-        return super()._route(admission, body=None, in_body_phase=False)
+        reply = super()._route(admission, body=None, in_body_phase=False)
+        metered = _metered_target(self._target, self.path)
+        if metered != self._target:
+            reply += messages.set_request_header(":path", metered)
+        return reply
+
+    def _read_headers(self, values: dict[str, str]) -> tuple[bool, bool]:
+        """As any stream's, keeping the client's :path: ``_route`` sends the metered one
+        upstream where they differ (:func:`_metered_target`)."""
+        self._target = values.get(":path", "/")
+        return super()._read_headers(values)
 
     # -- the response ---------------------------------------------------------------------
 

@@ -143,6 +143,24 @@ def test_engine_control_headers_never_reach_the_engine(stack):
     assert received["headers"]["x-kvgate-tenant"] == "acme"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions/", "//v1//chat/completions?x=1",
+                                  "/v1/x/%2e%2e/chat/completions", "/v1/chat%2Fcompletions"])
+def test_a_path_the_engine_would_route_elsewhere_is_sent_as_kvgate_metered_it(stack, path):
+    """kvgate meters the path as an engine routes it (decoded, slashes merged, dot segments
+    resolved, no trailing slash), and a gateway's route may not normalise it: the engine
+    got the raw path after kvgate had admitted and charged the request (vLLM redirects a
+    trailing slash, and the client's retry is admitted again; a dot segment is a 404)."""
+    before = len(stack.releases.seen)
+    response = httpx.post(stack.url + path, content=orjson.dumps(chat()), timeout=30,
+                          headers={"authorization": f"Bearer {KEYS['acme']}",
+                                   "content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    served = stack.engines[response.headers["x-bench-engine"]].requests()[-1]
+    assert served["path"] == "/v1/chat/completions"
+    assert served["query"] == ({"x": "1"} if "?" in path else {})  # the query as sent
+    one_release(stack, before)  # (so the next test counts only its own)
+
+
 def test_a_headers_only_request_with_a_body_passes_it_on(stack):
     """In this mode Envoy sends a body even after kvgate decided on the headers alone
     (GET /health here): it was answered 400 after kvgate had admitted the request."""
