@@ -289,12 +289,13 @@ def _attributes_route(config: Config, action: Any) -> Any:
     skip, send = ProcessingModeHeaderSendMode.SKIP, ProcessingModeHeaderSendMode.SEND
     per_route = ExtProcPerRoute(overrides=ExtProcOverrides(
         # as kvgate's headers reply turns on for an inference request (messages.WITH_BODY):
-        # response trailers on keep the stream open until the response ends
+        # response trailers on keep the stream open until the response ends, request
+        # trailers on bring kvgate a request of trailers and no body (HTTP/2), else unseen
         processing_mode=ProcessingMode(
             request_header_mode=skip, response_header_mode=skip,
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             response_body_mode=ProcessingModeBodySendMode.NONE,
-            request_trailer_mode=skip, response_trailer_mode=send),
+            request_trailer_mode=send, response_trailer_mode=send),
     ))
     paths = "|".join(p.removeprefix("/v1/") for p in INFERENCE_PATHS)
     return Route(

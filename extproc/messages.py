@@ -71,7 +71,7 @@ def fill_mutation(
     mutation.remove_headers.extend(remove)
 
 
-def _mode(request_body: int, response_body: int, *, response_trailers: bool = False
+def _mode(request_body: int, response_body: int, *, trailers: bool = False
           ) -> ProcessingMode:
     """A ``mode_override`` with every field set: Envoy replaces the whole mode with it."""
     return ProcessingMode(
@@ -79,18 +79,21 @@ def _mode(request_body: int, response_body: int, *, response_trailers: bool = Fa
         response_header_mode=ProcessingMode.SKIP,
         request_body_mode=request_body,
         response_body_mode=response_body,
-        request_trailer_mode=ProcessingMode.SKIP,
-        response_trailer_mode=ProcessingMode.SEND if response_trailers else ProcessingMode.SKIP,
+        request_trailer_mode=ProcessingMode.SEND if trailers else ProcessingMode.SKIP,
+        response_trailer_mode=ProcessingMode.SEND if trailers else ProcessingMode.SKIP,
     )
 
 
-WITH_BODY = _mode(ProcessingMode.BUFFERED, ProcessingMode.NONE, response_trailers=True)
+WITH_BODY = _mode(ProcessingMode.BUFFERED, ProcessingMode.NONE, trailers=True)
 """An inference request: its body next. No response phase sends kvgate a message (Envoy's
 Lua meter reads the response), but response trailers on keep the stream open until the
 response ends — engines send none, so they cost nothing — and that end releases the
-request. The bootstrap's own mode sends nothing either, so Envoy's local replies to requests
-kvgate never answered (a header too large, a path rejected, a body over the buffer) reach
-the client whole and end the stream at once."""
+request. Request trailers on too: an HTTP/2 request of headers and trailers and no DATA has
+no body for Envoy to send, and without them kvgate heard nothing more of it, and Envoy sent
+it on unrouted (503, no host); with them kvgate refuses it (a request whose body has
+trailers costs one more message, after its body). The bootstrap's own mode sends nothing,
+so Envoy's local replies to requests kvgate never answered (a header too large, a path
+rejected, a body over the buffer) reach the client whole and end the stream at once."""
 
 HEADERS_ONLY = _mode(ProcessingMode.NONE, ProcessingMode.NONE)
 

@@ -134,6 +134,8 @@ class RequestStream:
                 if self.tenant is None and self.request is None:  # no headers phase
                     return await self._on_attributes_and_body(message)
                 return await self._on_request_body(message.request_body)
+            if kind == "request_trailers" and self.request is None and self.admission is None:
+                raise self._no_body()
             return _continue_other(kind)
         except BadRequest as error:
             self._count("invalid", error.code or "bad_request")
@@ -183,7 +185,7 @@ class RequestStream:
     async def _admit_headers(self, headers: pb.HttpHeaders, values: dict[str, str],
                              spoofed: list[str], metered: bool) -> messages.Reply:
         director = self.director
-        path, tenant = self.path, self.tenant
+        tenant = self.tenant
         assert tenant is not None
         remove = (*self.REMOVED_HEADERS, *spoofed) if spoofed else self.REMOVED_HEADERS
         length = values.get("content-length")
@@ -196,7 +198,7 @@ class RequestStream:
         if not metered:
             return await self._admit_without_body(remove)
         if headers.end_of_stream:
-            raise BadRequest(f"{path} needs a JSON request body")
+            raise self._no_body()
         return messages.continue_request_headers(remove)
 
     async def _on_attributes_and_body(self, message: pb.ProcessingRequest) -> messages.Reply:
@@ -221,6 +223,13 @@ class RequestStream:
         return messages.serialize_reply(reply) + messages.upstream_headers(
             admission.tenant.name, admission.request_class, admission.priority,
             director.upstream_authorization.get(admission.pool))
+
+    def _no_body(self) -> BadRequest:
+        """An inference request's trailers came before any body: an HTTP/2 request of
+        headers and trailers, no DATA, which Envoy has no body message for. (With request
+        attributes this is the stream's first message, and Envoy sends no attributes with
+        trailers: the path may be unknown.)"""
+        return BadRequest(f"{self.path or 'an inference request'} needs a JSON request body")
 
     async def _admit_without_body(self, remove: tuple[str, ...]) -> messages.Reply:
         """The harmless GETs: one request's worth, decided on headers alone."""

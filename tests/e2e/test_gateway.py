@@ -6,6 +6,8 @@ import contextlib
 import gzip
 import socket
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import orjson
@@ -253,6 +255,55 @@ def test_a_post_without_a_body_is_refused_however_its_length_is_written(stack, l
         assert got == 400, reply
         assert "needs a JSON request body" in body["error"]["message"]
     assert headers["x-should-retry"] == "false"
+
+
+def http2_exchange(stack, path: str, send: Callable[[Any], None]) -> tuple[int, dict]:
+    """One HTTP/2 POST with acme's key, its body and trailers written by ``send`` on the
+    ``h2`` connection: the status and JSON body Envoy answers."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2c.initiate_connection()
+    h2c.send_headers(1, [(":method", "POST"), (":path", path), (":scheme", "http"),
+                         (":authority", "x"), ("authorization", f"Bearer {KEYS['acme']}"),
+                         ("content-type", "application/json")])
+    send(h2c)
+    status, body = 0, b""
+    with socket.create_connection((stack.envoy.listen_host, stack.envoy.listen_port)) as sock:
+        sock.settimeout(20)
+        sock.sendall(h2c.data_to_send())
+        while chunk := sock.recv(65536):
+            for event in h2c.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = int(dict(event.headers)[b":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    return status, orjson.loads(body)
+            sock.sendall(h2c.data_to_send())
+    return status, orjson.loads(body)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/"])
+def test_an_http2_request_of_trailers_and_no_body_is_refused(stack, path):
+    """HTTP/2 headers, then trailers, no DATA: Envoy has no body to send kvgate, and (request
+    trailers not asked for) kvgate heard nothing more of the request, which Envoy then sent
+    on unrouted: 503 no healthy upstream. Now a 400; a body with trailers still passes."""
+    status, body = http2_exchange(stack, path, lambda h2c: h2c.send_headers(
+        1, [("x-trailer", "1")], end_stream=True))
+    assert status == 400, body
+    assert "needs a JSON request body" in body["error"]["message"]
+
+    def with_body(h2c) -> None:
+        h2c.send_data(1, orjson.dumps(chat()))
+        h2c.send_headers(1, [("x-trailer", "1")], end_stream=True)
+
+    status, body = http2_exchange(stack, path, with_body)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"]
+    assert wait_for(lambda: in_flight(stack, "acme") == 0)
 
 
 @pytest.mark.parametrize("compress", [True, False], ids=["gzipped", "plain-but-labelled"])
