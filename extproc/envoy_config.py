@@ -304,9 +304,11 @@ def _attributes_route(config: Config, action: Any) -> Any:
             safe_regex=RegexMatcher(regex=f"/v1/({paths})"),
             headers=[
                 HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST")),
-                # a body follows: a length above 0, or none given (chunked, HTTP/2). Zero
-                # written with several digits ("00", valid HTTP) is zero too: matched as
-                # "0" alone, such a request came to kvgate in no message and got 503
+                # a body follows: a declared length above 0. Zero written with several
+                # digits ("00", valid HTTP) is zero too: matched as "0" alone, such a
+                # request came to kvgate in no message and got 503. A request that declares
+                # no length (chunked, HTTP/2) fails the match (the header is missing) and
+                # keeps the headers phase: it may have no body either
                 HeaderMatcher(name="content-length", string_match=StringMatcher(
                     safe_regex=RegexMatcher(regex="0+")), invert_match=True),
             ]),

@@ -237,17 +237,18 @@ def test_missing_fields_and_unknown_model(stack):
     assert response.json()["error"]["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("length", [b"0", b"00", b"000"])
+@pytest.mark.parametrize("length", [b"0", b"00", b"000", None])
 @pytest.mark.parametrize("tenant", ["acme", None], ids=["key", "no-key"])
 def test_a_post_without_a_body_is_refused_however_its_length_is_written(stack, length,
                                                                         tenant):
     """A zero length written with several digits (valid HTTP) declares no body either. The
     route that skips the headers phase took ``00`` for a body to come: the request reached
-    kvgate in no message at all, and Envoy answered 503 (no host), which clients retry."""
+    kvgate in no message at all, and Envoy answered 503 (no host), which clients retry. (No
+    length at all, no body: the headers phase refuses it too.)"""
     auth = b"" if tenant is None else b"Authorization: Bearer " + KEYS[tenant].encode() + b"\r\n"
+    declared = b"" if length is None else b"Content-Length: " + length + b"\r\n"
     reply = raw_exchange(stack, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Connection: close\r\n" + auth + b"Content-Length: " + length
-                         + b"\r\n\r\n")
+                         b"Connection: close\r\n" + auth + declared + b"\r\n")
     got, headers, body = json_reply(reply)
     if tenant is None:
         assert (got, body["error"]["code"]) == (401, "invalid_api_key"), reply
