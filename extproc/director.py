@@ -460,8 +460,10 @@ class Director:
         usual, so no KV is held while it waits. Anything later that says no gives the
         limits back."""
         lease_id = self.leases.new_id()
+        # not sent upstream until its slot comes and it is routed (maybe through the queue):
+        # should this process die meanwhile, a shared store gives its quota charge back
         decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), cost,
-                                          lease_id)
+                                          lease_id, unsent=True)
         if isinstance(decision, Reject):
             return decision
         self.leases.opened(lease_id, tenant.name)  # renewed in the shared store while held
@@ -481,7 +483,9 @@ class Director:
                 route.streamed = streamed
                 if route.placed is not None:
                     self._reserve(tenant, klass, route, lease_id)
-                outcome = await self._settle(tenant, klass, route, lease_id, decision, watch)
+                    self.store.mark_sent(tenant.name, lease_id)
+                outcome = await self._settle(tenant, klass, route, lease_id, decision, watch,
+                                             unsent=route.placed is None)
         except BaseException:
             self.leases.closed(lease_id)
             self._give_back(tenant, lease_id)

@@ -51,7 +51,7 @@ class LimiterStore(Protocol):
         :class:`LeasesLost` and charges nothing. ``unsent``: the request waits (in a pool's
         queue) before it goes upstream, until :meth:`mark_sent`; a shared store gives its
         reservation back to the quotas should its lease expire unreleased before then (its
-        holder died with it queued)."""
+        holder died with it queued, or held for its shaper's slot)."""
         ...
 
     def mark_sent(self, tenant: str, lease_id: str) -> None:

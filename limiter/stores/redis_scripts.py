@@ -864,9 +864,9 @@ end
 """
 
 # ARGV[5..11]: tokens, requests, lease id, '1' if the request can never fit (Python knows),
-# leases this replica holds for the tenant, '1' if it waits before it is sent upstream (its
-# meta then ends in ':u' until _SENT: see unsent_refund), '1' if this is a resend after a
-# broken connection.
+# leases this replica holds for the tenant, '1' if it may wait before it is sent upstream
+# (queued, or paced by its shaper: its meta then ends in ':u' until _SENT, see
+# unsent_refund), '1' if this is a resend after a broken connection.
 _ADMIT = r"""
 local tokens, requests, lease = arg(OP), arg(OP + 1), ARGV[OP + 2]
 local st = open_all(NOW)

@@ -100,34 +100,49 @@ def test_a_killed_kvgate_means_json_503s_and_a_restarted_one_serves_at_once(
 
 
 @pytest.mark.redis
-def test_a_killed_kvgate_gives_back_the_quota_of_requests_it_held_queued(
-        tmp_path: Path, redis_server) -> None:
-    """kvgate SIGKILLed with requests waiting in its queue (admitted: their reservation
-    charged to the daily quota in Redis; never sent upstream). Once their leases expire,
-    only the request that was running stays charged (its reservation: nobody knows how
-    far its answer got); the queued ones charged nothing."""
+@pytest.mark.parametrize("held", ["queued", "shaped"])
+def test_a_killed_kvgate_gives_back_the_quota_of_requests_it_never_sent(
+        tmp_path: Path, redis_server, held: str) -> None:
+    """kvgate SIGKILLed with requests it admitted (their reservations charged to the daily
+    quota in Redis) but never sent upstream: waiting in its queue (the engine's small cache
+    runs one at a time), or held for their shaper's departure slot (one a second). Once
+    their leases expire, only the requests that were running stay charged (their
+    reservations: nobody knows how far their answers got), one of the shaped ones sent
+    after a hold among them; those never sent are charged nothing."""
     redis_server.flushall()
-    with EngineProcess(ms_per_token=30, kv_blocks=8, block_size=16) as engine:
+    small_cache = {"kv_blocks": 8, "block_size": 16} if held == "queued" else {}
+    with EngineProcess(ms_per_token=30, **small_cache) as engine:
         endpoint = f"127.0.0.1:{engine.port}"
+        limits: dict[str, object] = {"daily_token_quota": 10**6}
+        pool: dict[str, object] = {"name": "one", "models": [{"name": "tiny-llama"}],
+                                   "endpoints": [endpoint]}
+        if held == "queued":
+            pool["watermarks"] = {"high": 0.45, "critical": 0.45}
+            running = 1
+        else:
+            limits["shaping"] = {"requests_per_second": 1, "backlog": 5}
+            running = 2
         cfg = config(endpoint, scrape={"interval_s": 0.05},
                      redis={"url": redis_server.url, "lease_ttl_s": 1},
-                     tiers={"t": {"limits": {"daily_token_quota": 10**6}}},
-                     pools=[{"name": "one", "models": [{"name": "tiny-llama"}],
-                             "endpoints": [endpoint],
-                             "watermarks": {"high": 0.45, "critical": 0.45}}])
+                     tiers={"t": {"limits": limits}}, pools=[pool])
         admin = f"http://127.0.0.1:{cfg.server.admin_port}"
 
         def used() -> int:
             usage = httpx.get(admin + "/admin/tenants/acme/usage", timeout=5).json()
             return usage["quotas"]["daily"]["used"]
 
+        def waiting() -> int:
+            return httpx.get(admin + "/debug/queues").json()["pools"][0]["queued"]
+
         with KvgateProcess(cfg, tmp_path) as kvgate, EnvoyProcess(cfg) as envoy:
             url = envoy.url + "/v1/chat/completions"
-            load = [in_background(lambda: httpx.post(url, json=chat(100, stream=True),
-                                                     headers=HEADERS, timeout=30))
-                    for _ in range(4)]
-            wait_until(lambda: httpx.get(admin + "/debug/queues").json()["pools"][0]["queued"]
-                       == 3 and len(engine.requests()) == 1)
+            load = []
+            for _ in range(4):
+                load.append(in_background(lambda: httpx.post(
+                    url, json=chat(100, stream=True), headers=HEADERS, timeout=30)))
+                time.sleep(0.05)  # in this order
+            wait_until(lambda: len(engine.requests()) == running
+                       and (held == "shaped" or waiting() == 3))
             reserved = used()
             assert reserved % 4 == 0  # four alike
             kvgate.kill()
@@ -135,8 +150,8 @@ def test_a_killed_kvgate_gives_back_the_quota_of_requests_it_held_queued(
                 thread.join(15)
             time.sleep(1.5)  # past the lease TTL
             kvgate.start()
-            assert used() == reserved // 4
-            assert len(engine.requests()) == 1
+            assert len(engine.requests()) == running
+            assert used() == reserved // 4 * running
 
 
 # -- engine killed ---------------------------------------------------------------------------

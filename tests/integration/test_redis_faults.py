@@ -9,6 +9,7 @@ again within 1 s of Redis answering.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -684,3 +685,25 @@ async def test_a_queued_admission_outliving_an_outage_is_charged_its_usage_once(
     await settle(store)
     assert await quota_used(raw, store) == 100
     await store.close()
+
+
+async def test_a_request_its_shaper_held_gives_its_quota_back_if_its_holder_died(server, raw):
+    """The same for a shaped tenant's request held for its departure slot when kvgate died
+    (kvgate admits every paced request as unsent, and marks it sent as it routes it): the
+    one that had left stays charged, the one still held does not."""
+    dead = short_lived(server)
+    paced = dataclasses.replace(QUOTA_ONLY, shaping_rate=Rate(1, 60_000), shaping_backlog=5)
+    gone, held = lease(), lease()
+    first = await dead.admit("acme", paced, Cost(500, 500), gone, unsent=True)
+    second = await dead.admit("acme", paced, Cost(500, 500), held, unsent=True)
+    assert isinstance(first, Admit) and not first.hold_ms
+    assert isinstance(second, Admit) and second.hold_ms
+    dead.mark_sent("acme", gone)
+    await dead.primary.settle_releases()  # (the mark rides the pipe: it has been sent)
+    assert await quota_used(raw, dead) == 2000
+    await dead.close()  # dies: nothing released, nothing renewed
+    survivor = short_lived(server)
+    await asyncio.sleep(1.2)  # past the lease TTL
+    assert await survivor.in_flight("acme") == 0
+    assert await quota_used(raw, survivor) == 1000
+    await survivor.close()
