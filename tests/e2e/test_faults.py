@@ -277,6 +277,34 @@ def test_a_request_admitted_as_envoys_message_timeout_fires_is_charged_nothing()
         assert engine.requests() == []
 
 
+# -- the Lua meter cannot report -----------------------------------------------------------
+
+
+def test_streams_are_charged_their_reservation_once_the_meter_is_seen_not_to_report(
+        monkeypatch) -> None:
+    """``server.report_host`` names an address where nothing listens: Envoy's Lua meter
+    reports nothing, so kvgate sees no first token of any stream. While it cannot tell that
+    from clients that left before their first token, a streamed answer is charged its prompt
+    (``not_started``); from the ``SILENT_AFTER``-th response in a row with no report on, each
+    is charged its reservation, as the README promises: before, every streamed answer was
+    charged its prompt only, its output free, for as long as the meter could not report."""
+    from extproc import reports
+
+    monkeypatch.setattr(reports, "SILENT_AFTER", 3)
+    cfg = config(f"127.0.0.1:{free_port()}", scrape={"interval_s": 0.05})
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(
+        update={"report_host": "127.0.0.3"})})  # loopback, but kvgate listens on 127.0.0.1
+    with local_stack(cfg, engine_options={"ms_per_token": 1}) as stack:
+        director = stack.kvgate.server.director
+        charges = stack.kvgate.server.metrics.charges.values
+        for _ in range(5):
+            answer = httpx.post(stack.url + "/v1/chat/completions", json=chat(8, stream=True),
+                                headers=HEADERS, timeout=10)
+            assert answer.status_code == 200 and b"[DONE]" in answer.content
+            wait_until(lambda: not director.active)
+        assert charges == {("not_started",): 2, ("cut_off",): 3}
+
+
 # -- a scrape target that hangs or answers garbage -------------------------------------------
 
 
