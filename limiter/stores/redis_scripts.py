@@ -88,11 +88,12 @@ else
   NOW = tonumber(ARGV[1])
 end
 
--- an expired lease that was never sent upstream (admitted, then queued: its meta ends in
--- ':u' until kvgate says it was dispatched) gives its reservation back to the quotas of the
--- period it was charged in: its holder died with it queued (or cannot renew), and a quota
--- charge lasts the day. Its record keeps 'r' for each quota so refunded: a release that
--- comes after all (a live holder, Redis unreachable past the TTL) charges what it used
+-- an expired lease that was never sent upstream (admitted, then queued or paced by its
+-- shaper: its meta ends in ':u' until kvgate says it went, _SENT) gives its reservation back
+-- to the quotas of the period it was charged in: its holder died with it waiting (or cannot
+-- renew), and a quota charge lasts the day or month. Its record keeps 'r' for each quota
+-- so refunded: a release that comes after all (a live holder, Redis unreachable past the
+-- TTL) charges what it used
 local function unsent_refund(meta)
   if string.sub(meta, -2) ~= ':u' then return meta end
   local f = {}
@@ -1084,8 +1085,9 @@ _IN_FLIGHT = r"""
 return leases_purge(NOW)
 """
 
-# ARGV[4..]: lease ids dispatched from the queue (sent upstream): their meta loses the ':u'
-# that would give their reservation back to the quotas should they expire unreleased.
+# ARGV[4..]: lease ids sent upstream (dispatched from the queue, or routed once their
+# shaper's slot came): their meta loses the ':u' that would give their reservation back to
+# the quotas should they expire unreleased.
 _SENT = r"""
 for i = 4, #ARGV do
   local meta = redis.call('HGET', KLMETA, ARGV[i])
