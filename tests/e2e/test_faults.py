@@ -291,7 +291,8 @@ def test_streams_are_charged_their_reservation_once_the_meter_is_seen_not_to_rep
     from extproc import reports
 
     monkeypatch.setattr(reports, "SILENT_AFTER", 3)
-    cfg = config(f"127.0.0.1:{free_port()}", scrape={"interval_s": 0.05})
+    cfg = config(f"127.0.0.1:{free_port()}", scrape={"interval_s": 0.05},
+                 tiers={"t": {"limits": {"max_concurrency": 1}}})
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(
         update={"report_host": "127.0.0.3"})})  # loopback, but kvgate listens on 127.0.0.1
     with local_stack(cfg, engine_options={"ms_per_token": 1}) as stack:
@@ -303,6 +304,13 @@ def test_streams_are_charged_their_reservation_once_the_meter_is_seen_not_to_rep
             assert answer.status_code == 200 and b"[DONE]" in answer.content
             wait_until(lambda: not director.active)
         assert charges == {("not_started",): 2, ("cut_off",): 3}
+        # nor is a silent meter's report waited for (REPORT_WAIT_S, 0.5 s): the tenant's
+        # one slot is free as soon as Envoy has ended the answer's stream
+        for _ in range(3):
+            answer = httpx.post(stack.url + "/v1/chat/completions", json=chat(8, stream=True),
+                                headers=HEADERS, timeout=10)
+            assert answer.status_code == 200, answer.text
+            wait_until(lambda: not director.active, timeout=0.3)
 
 
 # -- a scrape target that hangs or answers garbage -------------------------------------------
