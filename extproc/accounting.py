@@ -35,7 +35,7 @@ class ResponseRecord:
     def finish(self, usage: Usage | None, events: int, answered: bool) -> None:
         self.done, self.usage, self.events, self.answered = True, usage, events, answered
 
-    def settle(self, cost: Cost) -> tuple[int, int, str]:
+    def settle(self, cost: Cost, *, meter_silent: bool = False) -> tuple[int, int, str]:
         """(tokens used, of which output, on what basis) to charge on release; the basis
         is ``kvgate_charges_total``'s label.
 
@@ -50,8 +50,12 @@ class ResponseRecord:
         prefilled: the engine aborts it) is charged its prompt. A response cut off after
         that (the client left mid-answer, or the meter could not report) is charged what
         was reserved: kvgate never saw how far it got, and a reservation is never less than
-        what was used. (A request whose routing reply never left kvgate is not settled
-        here: ``RequestStream.close`` charges it nothing, as ``not_sent``.)
+        what was used. ``meter_silent``: the meter reports nothing at all (its reports
+        cannot reach kvgate: ``ReportDesk.silent``), so a stream with no first token seen
+        may have been answered whole, and is charged what was reserved too (as its prompt
+        only, every streamed answer was free of its output while the meter was down). (A
+        request whose routing reply never left kvgate is not settled here:
+        ``RequestStream.close`` charges it nothing, as ``not_sent``.)
         """
         if self.usage is not None:
             return _bounded(self.usage, cost)
@@ -60,7 +64,7 @@ class ResponseRecord:
         if self.done:  # no more events than the output cap kvgate sent could make
             events = min(self.events, cost.max_output_tokens)
             return cost.prompt_tokens + events, events, "engine_error"
-        if self.stream and not self.started:
+        if self.stream and not self.started and not meter_silent:
             return cost.prompt_tokens, 0, "not_started"
         return cost.tokens, cost.max_output_tokens, "cut_off"
 

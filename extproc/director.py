@@ -392,8 +392,10 @@ class Director:
         if placed is not None:
             self._reserve(tenant, klass, route, lease_id)
         try:
+            # a request that queues is not sent upstream until the dispatcher places it:
+            # should this process die meanwhile, a shared store gives its quota charge back
             decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), cost,
-                                              lease_id)
+                                              lease_id, unsent=placed is None)
         except BaseException:
             if placed is not None:
                 scheduler.release(lease_id, self.clock(), completed=False)
@@ -402,7 +404,8 @@ class Director:
             if placed is not None:
                 scheduler.release(lease_id, self.clock(), completed=False)
             return decision
-        return await self._settle(tenant, klass, route, lease_id, decision, watch)
+        return await self._settle(tenant, klass, route, lease_id, decision, watch,
+                                  unsent=placed is None)
 
     def _reserve(self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str) -> None:
         """Hold the placed endpoint's KV for the request (released if it never runs)."""
@@ -413,8 +416,10 @@ class Director:
                                 streamed=route.streamed)
 
     async def _settle(self, tenant: Tenant, klass: RequestClass, route: Route, lease_id: str,
-                      decision: Admit, watch: Watch) -> Admission | Reject:
-        """Admitted by the limits: wait in the queue if not placed yet, then the admission."""
+                      decision: Admit, watch: Watch, *, unsent: bool = False
+                      ) -> Admission | Reject:
+        """Admitted by the limits: wait in the queue if not placed yet, then the admission.
+        ``unsent``: it was admitted as one that waits, and the store is told once it goes."""
         scheduler, placed, charged, band0 = route.scheduler, route.placed, None, False
         weight = self.tenants.weight(tenant)  # what the queue charges it at
         # renewed in the shared store from now on, also while it waits in the queue: a lease
@@ -431,6 +436,8 @@ class Director:
                 self.leases.closed(lease_id)
                 return waited
             placed, charged, band0 = waited
+            if unsent:
+                self.store.mark_sent(tenant.name, lease_id)
         admission = Admission(
             tenant=tenant, lease_id=lease_id, cost=route.cost, scheduler=scheduler,
             endpoints=placed.endpoints,
@@ -453,8 +460,10 @@ class Director:
         usual, so no KV is held while it waits. Anything later that says no gives the
         limits back."""
         lease_id = self.leases.new_id()
+        # not sent upstream until its slot comes and it is routed (maybe through the queue):
+        # should this process die meanwhile, a shared store gives its quota charge back
         decision = await self.store.admit(tenant.name, self.tenants.policy(tenant), cost,
-                                          lease_id)
+                                          lease_id, unsent=True)
         if isinstance(decision, Reject):
             return decision
         self.leases.opened(lease_id, tenant.name)  # renewed in the shared store while held
@@ -474,7 +483,9 @@ class Director:
                 route.streamed = streamed
                 if route.placed is not None:
                     self._reserve(tenant, klass, route, lease_id)
-                outcome = await self._settle(tenant, klass, route, lease_id, decision, watch)
+                    self.store.mark_sent(tenant.name, lease_id)
+                outcome = await self._settle(tenant, klass, route, lease_id, decision, watch,
+                                             unsent=route.placed is None)
         except BaseException:
             self.leases.closed(lease_id)
             self._give_back(tenant, lease_id)

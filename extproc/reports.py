@@ -48,6 +48,10 @@ MAX_HEAD_BYTES = 8192
 PARTIAL_TIMEOUT_S = 10.0  # a report begun and not finished within this is dropped
 MAX_REPORT_BYTES = 65536
 IDLE_TIMEOUT_S = 300.0  # a connection quiet this long is closed (Envoy's close at 60 s)
+SILENT_AFTER = 20
+"""Metered responses in a row that ended with no report of theirs, with no report of any
+other arriving meanwhile, after which the meter is taken as unable to report
+(``ReportDesk.silent``)."""
 MAX_CONNECTIONS = 4096  # open at once; one more closes the one quiet longest
 DESCRIPTOR_SHARE = 4  # ... and never more than 1/4 of the process's open-files limit
 KEY_HEADER = b"x-kvgate-report-key"
@@ -81,6 +85,21 @@ class ReportDesk:
         self._server: asyncio.Server | None = None
         self._connections = Connections()
         self._sweeper: asyncio.TimerHandle | None = None
+        self._unreported = 0  # responses ended without a report since the last report
+
+    @property
+    def silent(self) -> bool:
+        """Whether the meter seems unable to report (a wrong ``server.report_host``, the
+        report port unreachable, an Envoy config without the meter): the last
+        :data:`SILENT_AFTER` metered responses ended without a report, and none came for
+        any other. A stream that ends with no report is then not taken for one whose client
+        left before its first token (charged its prompt only): it may have been answered
+        whole. While the meter reports, a report of any response ends this."""
+        return self._unreported >= SILENT_AFTER
+
+    def unreported(self) -> None:
+        """A metered response ended (and the wait for its report passed) with no report."""
+        self._unreported += 1
 
     def expect(self, lease: str, stream: Reported) -> None:
         self._open[lease] = stream
@@ -120,6 +139,7 @@ class ReportDesk:
             self._count("refused")
             return _BAD
         self._count(kind.decode())
+        self._unreported = 0  # the meter reaches this process
         stream = self._open.get(lease.decode("ascii", "replace"))
         if stream is None:  # released already (a late report), or never ours
             return _NO_CONTENT

@@ -164,7 +164,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         ``releasing`` so a shutdown can wait for it before closing the stores. A response
         whose meter report has not come yet is released by a task that waits for it first
         (the RPC ends now)."""
-        if ending != "shutdown" and stream.report_pending:
+        if ending != "shutdown" and stream.report_pending and not self.desk.silent:
+            # (a meter seen not to report at all sends none: its slot is not held for one)
             self._track(self._release_after_report(stream, ending))
             return
         admission = stream.admission

@@ -408,7 +408,11 @@ class RequestStream:
         elif record is None:
             used, output, basis = 0, 0, "no_response"
         else:
-            used, output, basis = record.settle(admission.cost)
+            silent = False
+            if self.METERED_BY_LUA and not record.started and not record.done:
+                self.desk.unreported()  # no report of it at all: is the meter reporting?
+                silent = self.desk.silent
+            used, output, basis = record.settle(admission.cost, meter_silent=silent)
         metrics.finished(admission.tenant.name, self._model(), admission.cost.tokens, used,
                          output, basis)
         if log.isEnabledFor(DEBUG):

@@ -43,11 +43,20 @@ class LimiterStore(Protocol):
         ...
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0,
+        unsent: bool = False,
     ) -> Admit | Reject:
         """All-or-nothing admission across every dimension. ``held``: leases of ``tenant``
         the caller holds in this store; a shared store that has fewer raises
-        :class:`LeasesLost` and charges nothing."""
+        :class:`LeasesLost` and charges nothing. ``unsent``: the request waits (in a pool's
+        queue) before it goes upstream, until :meth:`mark_sent`; a shared store gives its
+        reservation back to the quotas should its lease expire unreleased before then (its
+        holder died with it queued, or held for its shaper's slot)."""
+        ...
+
+    def mark_sent(self, tenant: str, lease_id: str) -> None:
+        """An ``unsent`` admission was dispatched: from now on an expiry of its lease keeps
+        its quota charge, as for any request that ran. Not awaited, not retried."""
         ...
 
     async def release(

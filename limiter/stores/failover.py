@@ -234,12 +234,14 @@ class FailoverStore:
         return result
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0,
+        unsent: bool = False,
     ) -> Admit | Reject:
         """``held`` is ignored: this store counts its own leases for Redis."""
 
         def call() -> Awaitable[Admit | Reject]:
-            return self.primary.admit(tenant, policy, cost, lease_id, held=self._counts[tenant])
+            return self.primary.admit(tenant, policy, cost, lease_id, held=self._counts[tenant],
+                                      unsent=unsent)
 
         try:
             ok, result, error = await self._try(tenant, call)
@@ -353,6 +355,14 @@ class FailoverStore:
         elif held.reasserted and held.place != "primary":  # (see _unanswered)
             self._owe(lease_id, _Owed(tenant, policy, cancel=False))
         return held
+
+    def mark_sent(self, tenant: str, lease_id: str) -> None:
+        """Tell Redis, if it admitted the lease and answers now (the breaker closed), that
+        the request was dispatched; else nothing (see ``RedisStore.mark_sent``)."""
+        held = self._held.get(lease_id)
+        if (held is not None and held.place == "primary" and not held.unsure
+                and self._breaker(tenant).state == BreakerState.CLOSED):
+            self.primary.mark_sent(tenant, lease_id)
 
     async def renew(self, tenant: str, lease_ids: list[str], *, reassert: bool = False) -> None:
         """Renew this store's leases in Redis, putting back any Redis lost (also where no

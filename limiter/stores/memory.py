@@ -108,11 +108,16 @@ class MemoryStore:
         return self.limiter(tenant, policy, now_ms).check_requests(now_ms)
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0,
+        unsent: bool = False,
     ) -> Admit | Reject:
-        """``held`` is for shared stores: this one cannot lose leases."""
+        """``held`` and ``unsent`` are for shared stores: this one cannot lose leases, and
+        its leases die with the process that holds them."""
         now_ms = self._clock()
         return self.limiter(tenant, policy, now_ms).admit(cost, lease_id, now_ms)
+
+    def mark_sent(self, tenant: str, lease_id: str) -> None:
+        """Nothing to mark (see ``admit``)."""
 
     async def release(
         self, tenant: str, policy: TenantPolicy, lease_id: str, used_tokens: int | None, *,

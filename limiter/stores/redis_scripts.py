@@ -88,6 +88,32 @@ else
   NOW = tonumber(ARGV[1])
 end
 
+-- an expired lease that was never sent upstream (admitted, then queued or paced by its
+-- shaper: its meta ends in ':u' until kvgate says it went, _SENT) gives its reservation back
+-- to the quotas of the period it was charged in: its holder died with it waiting (or cannot
+-- renew), and a quota charge lasts the day or month. Its record keeps 'r' for each quota
+-- so refunded: a release that comes after all (a live holder, Redis unreachable past the
+-- TTL) charges what it used
+local function unsent_refund(meta)
+  if string.sub(meta, -2) ~= ':u' then return meta end
+  local f = {}
+  for field in string.gmatch(meta, '[^:]+') do table.insert(f, field) end
+  local tokens, start = tonumber(f[1]), tonumber(f[13])
+  for i, key in ipairs({KEYS[7], KEYS[8]}) do
+    if f[i + 2] == '1' then
+      local h = redis.call('HMGET', key, 's', 'u')
+      if h[1] and start and tonumber(h[1]) <= start then
+        local left = math.max(0, tonumber(h[2]) - tokens)
+        if left > 0 then redis.call('HSET', key, 'u', str(left))
+        else redis.call('DEL', key) end
+      end
+      f[i + 2] = 'r'
+    end
+  end
+  table.remove(f)
+  return table.concat(f, ':')
+end
+
 -- leases: expired means expiry <= now (TenantLimiter.expire_leases)
 local function leases_purge(t)
   local cutoff = str(t)
@@ -103,7 +129,7 @@ local function leases_purge(t)
       for j, id in ipairs(ids) do
         if metas[j] then
           redis.call('ZADD', KGONE, str(t + LEASE_TTL), id)
-          redis.call('HSET', KGMETA, id, metas[j])
+          redis.call('HSET', KGMETA, id, unsent_refund(metas[j]))
         end
       end
       redis.call('HDEL', KLMETA, unpack(ids))
@@ -759,14 +785,14 @@ end
 -- Opening applies a changed policy (TenantLimiter.update_policy) and expires leases, as
 -- MemoryStore does on every call that carries a policy.
 local function open_all(t)
+  local in_flight = leases_purge(t)  -- first: it may give quotas back (unsent_refund)
   herd_policy()
   local st = {req = tb_open(REQ, t), tok = tb_open(TOK, t), win = win_open(t), quotas = {},
-              sh = sh_open(t)}
+              sh = sh_open(t), in_flight = in_flight}
   for _, spec in ipairs(QUOTAS) do
     if spec.limit > 0 then st.quotas[spec.kind] = q_open(spec, t) end
   end
   if #DROP > 0 then redis.call('DEL', unpack(DROP)) end
-  st.in_flight = leases_purge(t)
   return st
 end
 
@@ -838,14 +864,16 @@ local function shaping_wait(st, requests, t, waits)
 end
 """
 
-# ARGV[5..10]: tokens, requests, lease id, '1' if the request can never fit (Python knows),
-# leases this replica holds for the tenant, '1' if this is a resend after a broken connection.
+# ARGV[5..11]: tokens, requests, lease id, '1' if the request can never fit (Python knows),
+# leases this replica holds for the tenant, '1' if it may wait before it is sent upstream
+# (queued, or paced by its shaper: its meta then ends in ':u' until _SENT, see
+# unsent_refund), '1' if this is a resend after a broken connection.
 _ADMIT = r"""
 local tokens, requests, lease = arg(OP), arg(OP + 1), ARGV[OP + 2]
 local st = open_all(NOW)
 if cancelled(lease, NOW) then return finish(st, NOW, 'cancelled', {}) end
 if redis.call('ZSCORE', KLEASES, lease) then
-  if ARGV[OP + 5] == '1' then  -- the first try ran: the same answer again
+  if ARGV[OP + 6] == '1' then  -- the first try ran: the same answer again
     local slot = lease_slot(redis.call('HGET', KLMETA, lease))
     return finish(st, NOW, 'ok', {slot and sh_delay(slot, NOW) or 0})
   end
@@ -896,7 +924,8 @@ if st.sh and requests > 0 then
 end
 redis.call('ZADD', KLEASES, str(NOW + LEASE_TTL), lease)
 redis.call('HSET', KLMETA, lease, str(tokens) .. ':' .. table.concat(flags, ':') .. ':'
-           .. table.concat(charged, ':') .. ':' .. shaped .. ':' .. str(NOW))
+           .. table.concat(charged, ':') .. ':' .. shaped .. ':' .. str(NOW)
+           .. (ARGV[OP + 5] == '1' and ':u' or ''))
 leases_save(NOW)
 st.in_flight = st.in_flight + 1
 return finish(st, NOW, 'ok', {hold})
@@ -995,6 +1024,9 @@ for i = OP + 1, last, 2 do
       if charged == '1' and q then
         q.used = math.max(0, q.used - (reserved - used))
         q.dirty = true
+      elseif charged == 'r' and q and used > 0 then  -- refunded at its expiry: the usage
+        q.used = q.used + used
+        q.dirty = true
       end
     end
   end
@@ -1053,6 +1085,19 @@ _IN_FLIGHT = r"""
 return leases_purge(NOW)
 """
 
+# ARGV[4..]: lease ids sent upstream (dispatched from the queue, or routed once their
+# shaper's slot came): their meta loses the ':u' that would give their reservation back to
+# the quotas should they expire unreleased.
+_SENT = r"""
+for i = 4, #ARGV do
+  local meta = redis.call('HGET', KLMETA, ARGV[i])
+  if meta and string.sub(meta, -2) == ':u' then
+    redis.call('HSET', KLMETA, ARGV[i], string.sub(meta, 1, -3))
+  end
+end
+return 1
+"""
+
 SCRIPTS: dict[str, str] = {
     "admit": _CORE + _POLICY + _ADMIT,
     "release": _CORE + _POLICY + _RELEASE,
@@ -1060,4 +1105,5 @@ SCRIPTS: dict[str, str] = {
     "usage": _CORE + _POLICY + _USAGE,
     "renew": _CORE + _RENEW,
     "in_flight": _CORE + _IN_FLIGHT,
+    "sent": _CORE + _SENT,
 }

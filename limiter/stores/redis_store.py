@@ -27,6 +27,7 @@ next write (see :meth:`RedisStore.queue_release`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
@@ -241,11 +242,13 @@ class RedisStore:
         return wait_reject(waits(extra), snap.remaining()) if code == "wait" else None
 
     async def admit(
-        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0
+        self, tenant: str, policy: TenantPolicy, cost: Cost, lease_id: str, *, held: int = 0,
+        unsent: bool = False,
     ) -> Admit | Reject:
         problem = never_fits(policy, cost)
         extra: list[int | str | bytes] = [
             small("tokens", cost.tokens), cost.requests, lease_id, int(problem is not None), held,
+            int(unsent),
         ]
         code, snap, rest = await self._run_policy("admit", tenant, policy, extra)
         if code == "dup":
@@ -372,6 +375,22 @@ class RedisStore:
             if self._releases.get(key) is waiting:
                 del self._releases[key]
             _fail(waiting, StoreUnavailable("redis release was cancelled"))  # never sent
+
+    def mark_sent(self, tenant: str, lease_id: str) -> None:
+        """Tell Redis an ``unsent`` admission was dispatched (its expiry then keeps its quota
+        charge): through the pipe behind the admission, else in a task of its own; a failure
+        is dropped (the lease is released as usual; only if its holder then died would its
+        quota charge be given back)."""
+        args = [*self._head(), lease_id]
+        sent = self._scripts.send("sent", self._tenant_keys(tenant), args)
+        if sent is not None:
+            sent.add_done_callback(ignore_failure)
+            return
+        self._spawn(tenant, self._mark_sent(tenant, args))
+
+    async def _mark_sent(self, tenant: str, args: list[int | str | bytes]) -> None:
+        with contextlib.suppress(StoreUnavailable):  # (see mark_sent)
+            await self._run("sent", tenant, args)
 
     async def charge_usage(self, tenant: str, policy: TenantPolicy, usage_id: str,
                            used_tokens: int) -> None:

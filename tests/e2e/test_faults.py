@@ -99,6 +99,61 @@ def test_a_killed_kvgate_means_json_503s_and_a_restarted_one_serves_at_once(
             assert served.status_code == 200, served.text
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("held", ["queued", "shaped"])
+def test_a_killed_kvgate_gives_back_the_quota_of_requests_it_never_sent(
+        tmp_path: Path, redis_server, held: str) -> None:
+    """kvgate SIGKILLed with requests it admitted (their reservations charged to the daily
+    quota in Redis) but never sent upstream: waiting in its queue (the engine's small cache
+    runs one at a time), or held for their shaper's departure slot (one a second). Once
+    their leases expire, only the requests that were running stay charged (their
+    reservations: nobody knows how far their answers got), one of the shaped ones sent
+    after a hold among them; those never sent are charged nothing."""
+    redis_server.flushall()
+    small_cache = {"kv_blocks": 8, "block_size": 16} if held == "queued" else {}
+    with EngineProcess(ms_per_token=30, **small_cache) as engine:
+        endpoint = f"127.0.0.1:{engine.port}"
+        limits: dict[str, object] = {"daily_token_quota": 10**6}
+        pool: dict[str, object] = {"name": "one", "models": [{"name": "tiny-llama"}],
+                                   "endpoints": [endpoint]}
+        if held == "queued":
+            pool["watermarks"] = {"high": 0.45, "critical": 0.45}
+            running = 1
+        else:
+            limits["shaping"] = {"requests_per_second": 1, "backlog": 5}
+            running = 2
+        cfg = config(endpoint, scrape={"interval_s": 0.05},
+                     redis={"url": redis_server.url, "lease_ttl_s": 1},
+                     tiers={"t": {"limits": limits}}, pools=[pool])
+        admin = f"http://127.0.0.1:{cfg.server.admin_port}"
+
+        def used() -> int:
+            usage = httpx.get(admin + "/admin/tenants/acme/usage", timeout=5).json()
+            return usage["quotas"]["daily"]["used"]
+
+        def waiting() -> int:
+            return httpx.get(admin + "/debug/queues").json()["pools"][0]["queued"]
+
+        with KvgateProcess(cfg, tmp_path) as kvgate, EnvoyProcess(cfg) as envoy:
+            url = envoy.url + "/v1/chat/completions"
+            load = []
+            for _ in range(4):
+                load.append(in_background(lambda: httpx.post(
+                    url, json=chat(100, stream=True), headers=HEADERS, timeout=30)))
+                time.sleep(0.05)  # in this order
+            wait_until(lambda: len(engine.requests()) == running
+                       and (held == "shaped" or waiting() == 3))
+            reserved = used()
+            assert reserved % 4 == 0  # four alike
+            kvgate.kill()
+            for thread, _outcome in load:
+                thread.join(15)
+            time.sleep(1.5)  # past the lease TTL
+            kvgate.start()
+            assert len(engine.requests()) == running
+            assert used() == reserved // 4 * running
+
+
 # -- engine killed ---------------------------------------------------------------------------
 
 
@@ -220,6 +275,42 @@ def test_a_request_admitted_as_envoys_message_timeout_fires_is_charged_nothing()
         assert after["in_flight"] == 0
         assert stack.kvgate.server.metrics.charges.values[("not_sent",)] == 1
         assert engine.requests() == []
+
+
+# -- the Lua meter cannot report -----------------------------------------------------------
+
+
+def test_streams_are_charged_their_reservation_once_the_meter_is_seen_not_to_report(
+        monkeypatch) -> None:
+    """``server.report_host`` names an address where nothing listens: Envoy's Lua meter
+    reports nothing, so kvgate sees no first token of any stream. While it cannot tell that
+    from clients that left before their first token, a streamed answer is charged its prompt
+    (``not_started``); from the ``SILENT_AFTER``-th response in a row with no report on, each
+    is charged its reservation, as the README promises: before, every streamed answer was
+    charged its prompt only, its output free, for as long as the meter could not report."""
+    from extproc import reports
+
+    monkeypatch.setattr(reports, "SILENT_AFTER", 3)
+    cfg = config(f"127.0.0.1:{free_port()}", scrape={"interval_s": 0.05},
+                 tiers={"t": {"limits": {"max_concurrency": 1}}})
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(
+        update={"report_host": "127.0.0.3"})})  # loopback, but kvgate listens on 127.0.0.1
+    with local_stack(cfg, engine_options={"ms_per_token": 1}) as stack:
+        director = stack.kvgate.server.director
+        charges = stack.kvgate.server.metrics.charges.values
+        for _ in range(5):
+            answer = httpx.post(stack.url + "/v1/chat/completions", json=chat(8, stream=True),
+                                headers=HEADERS, timeout=10)
+            assert answer.status_code == 200 and b"[DONE]" in answer.content
+            wait_until(lambda: not director.active)
+        assert charges == {("not_started",): 2, ("cut_off",): 3}
+        # nor is a silent meter's report waited for (REPORT_WAIT_S, 0.5 s): the tenant's
+        # one slot is free as soon as Envoy has ended the answer's stream
+        for _ in range(3):
+            answer = httpx.post(stack.url + "/v1/chat/completions", json=chat(8, stream=True),
+                                headers=HEADERS, timeout=10)
+            assert answer.status_code == 200, answer.text
+            wait_until(lambda: not director.active, timeout=0.3)
 
 
 # -- a scrape target that hangs or answers garbage -------------------------------------------

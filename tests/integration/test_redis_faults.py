@@ -9,6 +9,7 @@ again within 1 s of Redis answering.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -621,3 +622,88 @@ async def test_an_outage_longer_than_the_lease_ttl_still_charges_the_usage_once(
     assert await quota_used(raw, store) == 100
     assert not await raw.zcard(store.primary.keys("acme")[4])
     await store.close()
+
+
+def short_lived(server: RedisServer) -> FailoverStore:
+    """A store whose leases expire 1 s after their last renewal."""
+    settings = RedisSettings(url=server.url, timeout_ms=50, failure_policy="local")
+    return FailoverStore(RedisStore(redis_client(settings), lease_ttl_ms=1000),
+                         policy=FailurePolicy.LOCAL, timeout_s=0.05,
+                         breaker=CircuitBreaker(3, 200))
+
+
+QUOTA_ONLY = TenantPolicy(daily_token_quota=10**9, token_rate=Rate(1, HOUR_MS),
+                          token_burst=10**6)
+
+
+async def test_a_queued_admission_whose_holder_died_gives_its_quota_back(server, raw):
+    """A kvgate process killed with requests waiting in its queue: they were admitted (their
+    reservation charged to the daily quota) and never sent upstream, and nobody releases
+    them. Once their leases expire, their quota charge comes back; a request that was sent
+    (dispatched, or never queued) keeps its reservation charged, as one cut mid-answer."""
+    dead = short_lived(server)
+    queued, dispatched, direct = lease(), lease(), lease()
+    for lease_id, unsent in ((queued, True), (dispatched, True), (direct, False)):
+        assert isinstance(await dead.admit("acme", QUOTA_ONLY, Cost(500, 500), lease_id,
+                                           unsent=unsent), Admit)
+    dead.mark_sent("acme", dispatched)
+    await dead.primary.settle_releases()  # (the mark rides the pipe: it has been sent)
+    assert await quota_used(raw, dead) == 3000
+    await dead.close()  # dies: nothing released, nothing renewed
+    survivor = short_lived(server)
+    await asyncio.sleep(1.2)  # past the lease TTL
+    assert await survivor.in_flight("acme") == 0  # (the expiry runs in a tenant's call)
+    assert await quota_used(raw, survivor) == 2000
+    assert await survivor.in_flight("acme") == 0
+    assert await quota_used(raw, survivor) == 2000  # given back once
+    await survivor.close()
+
+
+async def test_a_queued_admission_outliving_an_outage_is_charged_its_usage_once(server, raw):
+    """The holder is alive but Redis was unreachable past the lease TTL while the request
+    queued: the expiry gave its quota charge back. Re-asserted, dispatched and released,
+    it is charged what it used: once, not nothing and not its reservation."""
+    store = short_lived(server)
+    held = lease()
+    assert isinstance(await store.admit("acme", QUOTA_ONLY, Cost(500, 500), held,
+                                        unsent=True), Admit)
+    server.pause()
+    try:
+        await store.renew("acme", [held])  # fails: re-asserted once Redis answers
+        await asyncio.sleep(1.5)  # past the lease TTL
+    finally:
+        server.resume()
+    deadline = time.monotonic() + 2  # the lease put back by the re-assert (it expired)
+    while store.debug()["reassert"]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert await raw.zcard(store.primary.keys("acme")[4]) == 1
+    assert await quota_used(raw, store) == 0
+    store.mark_sent("acme", held)
+    store.release_soon("acme", QUOTA_ONLY, held, 100)
+    await store.primary.settle_releases()
+    await settle(store)
+    assert await quota_used(raw, store) == 100
+    await store.close()
+
+
+async def test_a_request_its_shaper_held_gives_its_quota_back_if_its_holder_died(server, raw):
+    """The same for a shaped tenant's request held for its departure slot when kvgate died
+    (kvgate admits every paced request as unsent, and marks it sent as it routes it): the
+    one that had left stays charged, the one still held does not."""
+    dead = short_lived(server)
+    paced = dataclasses.replace(QUOTA_ONLY, shaping_rate=Rate(1, 60_000), shaping_backlog=5)
+    gone, held = lease(), lease()
+    first = await dead.admit("acme", paced, Cost(500, 500), gone, unsent=True)
+    second = await dead.admit("acme", paced, Cost(500, 500), held, unsent=True)
+    assert isinstance(first, Admit) and not first.hold_ms
+    assert isinstance(second, Admit) and second.hold_ms
+    dead.mark_sent("acme", gone)
+    await dead.primary.settle_releases()  # (the mark rides the pipe: it has been sent)
+    assert await quota_used(raw, dead) == 2000
+    await dead.close()  # dies: nothing released, nothing renewed
+    survivor = short_lived(server)
+    await asyncio.sleep(1.2)  # past the lease TTL
+    assert await survivor.in_flight("acme") == 0
+    assert await quota_used(raw, survivor) == 1000
+    await survivor.close()

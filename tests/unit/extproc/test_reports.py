@@ -226,3 +226,32 @@ async def test_the_connection_cap_leaves_most_descriptors_to_the_other_ports(mon
             writer.close()
     finally:
         await desk.stop()
+
+
+def test_the_meter_is_taken_as_silent_only_after_many_responses_without_any_report():
+    """A response that ends with no report is one whose client left before its first token
+    while the meter reports; a run of them with no report of any other response means the
+    meter cannot reach this process, and any report ends that."""
+    desk = ReportDesk()
+    for _ in range(reports.SILENT_AFTER - 1):
+        desk.unreported()
+    assert not desk.silent
+    desk.unreported()
+    assert desk.silent
+    assert desk.receive(b"/done/someone-else", desk.key.encode(), b"{}") == reports._NO_CONTENT
+    assert not desk.silent
+    desk.unreported()
+    assert not desk.silent
+    desk.receive(b"/done/x", b"not the key", b"{}")  # a stranger's call says nothing
+    for _ in range(reports.SILENT_AFTER):
+        desk.unreported()
+    assert desk.silent
+
+
+def test_a_stream_without_its_first_token_is_charged_its_reservation_while_the_meter_is_silent():
+    from extproc.accounting import ResponseRecord
+    from limiter import Cost
+
+    record = ResponseRecord(stream=True)
+    assert record.settle(Cost(10, 90)) == (10, 0, "not_started")
+    assert record.settle(Cost(10, 90), meter_silent=True) == (100, 90, "cut_off")
