@@ -114,6 +114,15 @@ local function unsent_refund(meta)
   return table.concat(f, ':')
 end
 
+-- a lease admitted unsent was sent upstream (RedisStore.mark_sent): its expiry keeps its
+-- quota charge from now on, as any request's that ran
+local function mark_sent(lease)
+  local meta = redis.call('HGET', KLMETA, lease)
+  if meta and string.sub(meta, -2) == ':u' then
+    redis.call('HSET', KLMETA, lease, string.sub(meta, 1, -3))
+  end
+end
+
 -- leases: expired means expiry <= now (TenantLimiter.expire_leases)
 local function leases_purge(t)
   local cutoff = str(t)
@@ -966,67 +975,72 @@ end
 local last = ARGV[OP] == 'u' and 0 or #ARGV  -- usage: charged above, no lease to release
 for i = OP + 1, last, 2 do
   local lease, used_arg = ARGV[i], ARGV[i + 1]
-  if cancel then cancel_mark(lease, NOW) end
-  local held = redis.call('ZREM', KLEASES, lease) == 1
-  -- expired while its holder could not renew it (Redis unreachable longer than the lease
-  -- TTL): no slot to free, but its reservation is still settled against what it used
-  local meta = nil
-  if held then
-    meta = redis.call('HGET', KLMETA, lease)
-    redis.call('HDEL', KLMETA, lease)
+  if used_arg == 's' then  -- not a release: dispatched from the queue (RedisStore.mark_sent)
+    mark_sent(lease)
+    table.insert(out, 1)
   else
-    meta = gone_take(lease, NOW)
-  end
-  if not held and not meta then
-    table.insert(out, 0)
-  else
-    table.insert(out, held and 1 or 0)
-    any = any or held
-    local started = meta and lease_start(meta)
-    local unserved = cancel or used_arg == 'n'
-    -- a cancelled admission's time, or a request that used nothing (it left the queue, or
-    -- it was a GET), says nothing of durations (TenantLimiter.release)
-    if held and started and not unserved and used_arg ~= '0' then
-      H = herd()
-      herd_observe(H, NOW - started)
+    if cancel then cancel_mark(lease, NOW) end
+    local held = redis.call('ZREM', KLEASES, lease) == 1
+    -- expired while its holder could not renew it (Redis unreachable longer than the lease
+    -- TTL): no slot to free, but its reservation is still settled against what it used
+    local meta = nil
+    if held then
+      meta = redis.call('HGET', KLMETA, lease)
+      redis.call('HDEL', KLMETA, lease)
+    else
+      meta = gone_take(lease, NOW)
     end
-    local slot, slot_a, slot_p = lease_slot(meta)
-    if held and slot and st.sh and slot_a == st.sh.a and slot_p == st.sh.p then
-      sh_give_back(st.sh, slot, NOW)  -- not sent yet (its client left): a hole
-    end
-    -- tokens:tb:day:month[:requests:req:win:ts:slot m:f:a:p:start]; a re-asserted lease
-    -- has none
-    local f = {}
-    for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
-    local reserved, tb, day, month = tonumber(f[1]), f[2], f[3], f[4]
-    local used = reserved
-    if unserved then used = 0
-    elseif used_arg ~= '' then used = math.max(0, tonumber(used_arg)) end
-    if unserved and f[5] then
-      local requests = tonumber(f[5])
-      if f[6] == '1' and st.req then
-        local before = tb_level(st.req, NOW)
-        tb_refund(st.req, requests, NOW)
-        req_dirty = true
-        if herd_reconcile('requests', st.req, before, NOW) then H = herd() end
+    if not held and not meta then
+      table.insert(out, 0)
+    else
+      table.insert(out, held and 1 or 0)
+      any = any or held
+      local started = meta and lease_start(meta)
+      local unserved = cancel or used_arg == 'n'
+      -- a cancelled admission's time, or a request that used nothing (it left the queue, or
+      -- it was a GET), says nothing of durations (TenantLimiter.release)
+      if held and started and not unserved and used_arg ~= '0' then
+        H = herd()
+        herd_observe(H, NOW - started)
       end
-      if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
-    end
-    if tb == '1' and st.tok then
-      local before = tb_level(st.tok, NOW)
-      if used < reserved then tb_refund(st.tok, reserved - used, NOW)
-      elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end
-      if herd_reconcile('tokens', st.tok, before, NOW) then H = herd() end
-      tok_dirty = true
-    end
-    for kind, charged in pairs({d = day, m = month}) do
-      local q = st.quotas[kind]
-      if charged == '1' and q then
-        q.used = math.max(0, q.used - (reserved - used))
-        q.dirty = true
-      elseif charged == 'r' and q and used > 0 then  -- refunded at its expiry: the usage
-        q.used = q.used + used
-        q.dirty = true
+      local slot, slot_a, slot_p = lease_slot(meta)
+      if held and slot and st.sh and slot_a == st.sh.a and slot_p == st.sh.p then
+        sh_give_back(st.sh, slot, NOW)  -- not sent yet (its client left): a hole
+      end
+      -- tokens:tb:day:month[:requests:req:win:ts:slot m:f:a:p:start]; a re-asserted lease
+      -- has none
+      local f = {}
+      for field in string.gmatch(meta or '0:0:0:0', '[^:]+') do table.insert(f, field) end
+      local reserved, tb, day, month = tonumber(f[1]), f[2], f[3], f[4]
+      local used = reserved
+      if unserved then used = 0
+      elseif used_arg ~= '' then used = math.max(0, tonumber(used_arg)) end
+      if unserved and f[5] then
+        local requests = tonumber(f[5])
+        if f[6] == '1' and st.req then
+          local before = tb_level(st.req, NOW)
+          tb_refund(st.req, requests, NOW)
+          req_dirty = true
+          if herd_reconcile('requests', st.req, before, NOW) then H = herd() end
+        end
+        if f[7] == '1' and st.win then win_refund(st.win, tonumber(f[8]), requests) end
+      end
+      if tb == '1' and st.tok then
+        local before = tb_level(st.tok, NOW)
+        if used < reserved then tb_refund(st.tok, reserved - used, NOW)
+        elseif used > reserved then tb_take(st.tok, used - reserved, NOW) end
+        if herd_reconcile('tokens', st.tok, before, NOW) then H = herd() end
+        tok_dirty = true
+      end
+      for kind, charged in pairs({d = day, m = month}) do
+        local q = st.quotas[kind]
+        if charged == '1' and q then
+          q.used = math.max(0, q.used - (reserved - used))
+          q.dirty = true
+        elseif charged == 'r' and q and used > 0 then  -- refunded at its expiry: the usage
+          q.used = q.used + used
+          q.dirty = true
+        end
       end
     end
   end
@@ -1089,12 +1103,7 @@ return leases_purge(NOW)
 # shaper's slot came): their meta loses the ':u' that would give their reservation back to
 # the quotas should they expire unreleased.
 _SENT = r"""
-for i = 4, #ARGV do
-  local meta = redis.call('HGET', KLMETA, ARGV[i])
-  if meta and string.sub(meta, -2) == ':u' then
-    redis.call('HSET', KLMETA, ARGV[i], string.sub(meta, 1, -3))
-  end
-end
+for i = 4, #ARGV do mark_sent(ARGV[i]) end
 return 1
 """
 

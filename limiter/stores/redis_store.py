@@ -58,6 +58,7 @@ _KEY_SUFFIXES = (
 )
 _PERIOD_CODES = {"d": Period.DAY, "m": Period.MONTH}
 RELEASE_BATCH = 256
+SENT_MARK = "s"  # in a batch of releases: this lease was dispatched, not released (mark_sent)
 """Most releases sent in one script call."""
 SLOT_MAP_TRIES = 3
 """Cluster nodes asked at most, one after the other, for one slot map (see ``slot_map``)."""
@@ -378,9 +379,17 @@ class RedisStore:
 
     def mark_sent(self, tenant: str, lease_id: str) -> None:
         """Tell Redis an ``unsent`` admission was dispatched (its expiry then keeps its quota
-        charge): through the pipe behind the admission, else in a task of its own; a failure
-        is dropped (the lease is released as usual; only if its holder then died would its
-        quota charge be given back)."""
+        charge): in the tenant's batch of releases when one waits for the next write (a
+        request leaves the queue as another's release frees its room, so the mark usually
+        costs no call of its own), else through the pipe behind the admission, else in a
+        task of its own; a failure is dropped (the lease is released as usual; only if its
+        holder then died would its quota charge be given back)."""
+        for (name, _policy), waiting in self._releases.items():
+            if name == tenant:  # a release of the tenant's waits for the next write: ride it
+                marked: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                marked.add_done_callback(ignore_failure)
+                waiting.append((lease_id, SENT_MARK, marked))
+                return
         args = [*self._head(), lease_id]
         sent = self._scripts.send("sent", self._tenant_keys(tenant), args)
         if sent is not None:

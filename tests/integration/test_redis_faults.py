@@ -659,6 +659,36 @@ async def test_a_queued_admission_whose_holder_died_gives_its_quota_back(server,
     await survivor.close()
 
 
+async def evalsha_calls(raw: aioredis.Redis) -> int:
+    return (await raw.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+
+
+async def test_a_dispatch_is_marked_in_the_release_that_freed_its_room(server, raw):
+    """A request leaves the queue as another's release frees its room: its mark goes to
+    Redis in that release's script call (one call for both), and still counts: once its
+    holder dies, the dispatched request keeps its reservation charged."""
+    dead = short_lived(server)
+    warm, ran, dispatched = lease(), lease(), lease()
+    for lease_id, unsent in ((warm, False), (ran, False), (dispatched, True)):
+        assert isinstance(await dead.admit("acme", QUOTA_ONLY, Cost(500, 500), lease_id,
+                                           unsent=unsent), Admit)
+    dead.release_soon("acme", QUOTA_ONLY, warm, 0)  # (Redis has the release script now)
+    await dead.primary.settle_releases()
+    calls = await evalsha_calls(raw)
+    dead.release_soon("acme", QUOTA_ONLY, ran, 600)
+    dead.mark_sent("acme", dispatched)
+    await dead.primary.settle_releases()
+    assert await evalsha_calls(raw) == calls + 1
+    meta = await raw.hget(dead.primary.keys("acme")[5], dispatched)
+    assert meta is not None and not meta.endswith(b":u")
+    await dead.close()  # dies holding the dispatched request
+    survivor = short_lived(server)
+    await asyncio.sleep(1.2)  # past the lease TTL
+    assert await survivor.in_flight("acme") == 0
+    assert await quota_used(raw, survivor) == 1600  # 600 used, 1000 reserved and sent
+    await survivor.close()
+
+
 async def test_a_queued_admission_outliving_an_outage_is_charged_its_usage_once(server, raw):
     """The holder is alive but Redis was unreachable past the lease TTL while the request
     queued: the expiry gave its quota charge back. Re-asserted, dispatched and released,
