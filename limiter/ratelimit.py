@@ -170,12 +170,19 @@ def match(root: Node, entries: Entries) -> Rule | None:
     return None
 
 
+def _escape(text: str) -> str:
+    return text.replace("%", "%25").replace("|", "%7C")
+
+
 def counter_key(domain: str, entries: Entries, override: Limit | None = None) -> str:
     """One counter per domain and descriptor, whatever rule node matched it; a limit Envoy
     sends with the descriptor counts apart (``%limit=…``: no escaped part holds a bare
-    ``%``), so a call carrying one never resets — or spends — the rule's own counter."""
-    parts = [domain, *(f"{k}={v}" for k, v in entries)]
-    key = "|".join(p.replace("%", "%25").replace("|", "%7C") for p in parts)
+    ``%``), so a call carrying one never resets — or spends — the rule's own counter. An
+    entry's key has its ``=`` escaped too: ``a=b`` → ``c`` and ``a`` → ``b=c`` were one
+    counter, so two rules' clients spent each other's limit."""
+    parts = [_escape(domain),
+             *(f"{_escape(k).replace('=', '%3D')}={_escape(v)}" for k, v in entries)]
+    key = "|".join(parts)
     if override is None:
         return key
     return f"{key}|%limit={override.requests_per_unit}/{override.unit}/{override.algorithm.value}"

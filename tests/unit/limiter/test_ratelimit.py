@@ -81,6 +81,9 @@ def test_a_key_only_dead_end_does_not_fall_back():
 
 def test_counter_keys_cannot_collide_through_separators():
     assert counter_key("d", [("a", "x|b=y")]) != counter_key("d", [("a", "x"), ("b", "y")])
+    # an '=' in an entry's key: ("a=b", "c") and ("a", "b=c") were one counter
+    assert counter_key("d", [("a=b", "c")]) != counter_key("d", [("a", "b=c")])
+    assert counter_key("d", [("a", "b=c")]) == "d|a=b=c"  # keys Redis holds stay as they were
 
 
 def test_fixed_window_resets_on_epoch_boundaries_and_may_overshoot():
