@@ -120,6 +120,17 @@ def _cost(descriptor: ratelimit_pb2.RateLimitDescriptor, request_hits: int) -> i
     return request_hits
 
 
+def _only_look(entries: list[_Entry]) -> None:
+    """The call is refused already (a ``requests_per_unit: 0`` limit, which never reaches
+    the store): its other hits become shadow checks, so the store reports their state and
+    charges nothing — a refused call costs nothing. Sent as they were, the store saw every
+    one of them fit and charged them all: a client refused outright spent its other limits.
+    ``debt`` hits stay as they are (always charged)."""
+    for entry in entries:
+        if entry.hit is not None and not entry.hit.limit.debt:
+            entry.hit = dataclasses.replace(entry.hit, cost=0, shadow=True)
+
+
 def _override(descriptor: ratelimit_pb2.RateLimitDescriptor) -> Rule | None:
     """A limit sent by Envoy with the descriptor (route ``limit`` override): counted in a
     token bucket of its own (a fixed window when it is too slow for one)."""
@@ -237,6 +248,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):
                 entry.rule = entry.hit = None
             elif entry.hit is not None and entry.hit.limit.requests_per_unit == 0:
                 entry.verdict, entry.hit = Verdict(False, 0, entry.hit.limit.unit_ms, None), None
+        if any(e.verdict is not None and e.rule is not None and not e.rule.shadow_mode
+               for e in entries):
+            _only_look(entries)
         return entries
 
     async def _charge(

@@ -200,6 +200,28 @@ async def test_redis_counters_decide_as_memory_does(shared, request):
     assert {a[0] for a in runs[0]} == {OK, OVER_LIMIT}
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_call_refused_by_a_zero_limit_charges_nothing_else(kind, redis):
+    """A ``requests_per_unit: 0`` limit refuses without asking the store; the store was
+    asked for the call's other descriptors as if it passed, and charged them."""
+    settings = RateLimitSettings.model_validate({"domains": [{"domain": "d", "descriptors": [
+        *ALGORITHMS["domains"][0]["descriptors"],
+        {"key": "zero", "rate_limit": {"unit": "second", "requests_per_unit": 0}}]}]})
+    clock = Clock()
+    service = RateLimitService(settings, counters(kind, redis, clock), timeout_s=1)
+    for _ in range(3):
+        response = await ask(service, descriptor(("zero", "v")), descriptor(("tb", "v")),
+                             descriptor(("sw", "v")), descriptor(("fw", "v")),
+                             descriptor(("debt", "v"), hits=3), domain="d")
+        assert response.overall_code == OVER_LIMIT
+        assert [s.code for s in response.statuses] == [OVER_LIMIT, OK, OK, OK, OK]
+    left = await ask(service, *(descriptor((key, "v"), hits=0) for key in ("tb", "sw", "fw",
+                                                                            "debt")), domain="d")
+    # nothing spent but the debt rule, which is always charged
+    assert [s.limit_remaining for s in left.statuses] == [3, 2, 2, 10 - 3 * 3]
+    await service.close()
+
+
 @pytest.mark.parametrize("hits", [2**32, 2**53 + 1, 2**64 - 1])
 async def test_absurd_hits_are_answered_alike_in_redis_and_memory(hits, redis):
     """A descriptor's hits_addend is a uint64: past the request's uint32 range it is capped,

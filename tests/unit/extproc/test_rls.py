@@ -137,6 +137,27 @@ def test_zero_per_unit_refuses_everything_and_retry_cannot_help(service):
     assert headers(response)["x-should-retry"] == "false"
 
 
+def test_a_call_refused_by_a_zero_limit_charges_its_other_descriptors_nothing(service):
+    # the zero limit refuses without asking the counters; they were asked for the rest
+    # as if the call passed, and charged it: three refused calls spent a 5/min user's limit
+    for _ in range(3):
+        response = ask(service, descriptor(("banned", "x")), descriptor(("user", "zed")))
+        assert response.overall_code == OVER_LIMIT
+        assert response.statuses[1].code == OK and response.statuses[1].limit_remaining == 5
+    assert ask(service, descriptor(("user", "zed"))).statuses[0].limit_remaining == 4
+    # a debt rule is charged whatever the answer, as on any refused call
+    ask(service, descriptor(("banned", "x")), descriptor(("tokens", "zed"), hits=30))
+    assert ask(service, descriptor(("tokens", "zed"), hits=0)).statuses[0].limit_remaining == 70
+
+
+def test_keys_with_an_equals_sign_count_apart(service):
+    settings = RateLimitSettings.model_validate({"domains": [{"domain": "edge", "descriptors": [
+        {"key": "a", "rate_limit": rl(1)}, {"key": "a=b", "rate_limit": rl(1)}]}]})
+    service = RateLimitService(settings, service.counters, timeout_s=None)
+    assert ask(service, descriptor(("a", "b=c"))).overall_code == OK
+    assert ask(service, descriptor(("a=b", "c"))).overall_code == OK  # was OVER_LIMIT
+
+
 def test_unknown_domain_answers_ok(service):
     response = ask(service, descriptor(("user", "vip")), domain="elsewhere")
     assert response.overall_code == OK and len(response.statuses) == 1
@@ -328,9 +349,12 @@ def test_every_descriptor_is_counted_by_domain_and_code(clock):
     for _ in range(2):
         ask(service, descriptor(("shadow", "m")), descriptor(("user", "free")),
             descriptor(("banned", "m")), descriptor(("nothing", "m")))
+    # the banned calls were refused: they charged the shadow limit (1/min) nothing
+    for _ in range(2):
+        ask(service, descriptor(("shadow", "m")))
     ask(service, descriptor(("user", "vip")), domain="elsewhere")
     assert metrics.ratelimit.values == {
-        ("edge", "ok"): 1, ("edge", "shadow_over_limit"): 1, ("edge", "unlimited"): 2,
+        ("edge", "ok"): 3, ("edge", "shadow_over_limit"): 1, ("edge", "unlimited"): 2,
         ("edge", "over_limit"): 2, ("edge", "no_rule"): 2, ("other", "no_rule"): 1}
 
 
