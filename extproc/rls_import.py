@@ -23,14 +23,16 @@ DROPPED = ("detailed_metric", "value_to_metric", "metadata")
 UNSUPPORTED = ("quota_mode", "share_threshold")
 DESCRIPTOR_KEYS = ("key", "value", "rate_limit", "descriptors", "shadow_mode")
 LIMIT_KEYS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
-STRING_KEYS = ("domain", "key", "value")  # kept as written (see _Loader)
+STRING_KEYS = ("domain", "key", "value", "name")  # kept as written (see _Loader)
 BOOL_KEYS = ("shadow_mode", "unlimited")  # Go bools: anything else is an error
 
 
 class _Loader(BoundedLoader):
-    """envoyproxy/ratelimit reads ``domain``, ``key`` and ``value`` into Go strings, which
-    keep a scalar's text as written (``true``, ``010``): so does this loader, where PyYAML
-    would make them ``True`` and ``8`` and an Envoy descriptor value would never match."""
+    """envoyproxy/ratelimit reads ``domain``, ``key``, ``value`` and a limit's ``name`` (its
+    own and those in ``replaces``) into Go strings, which keep a scalar's text as written
+    (``true``, ``010``): so does this loader, where PyYAML would make them ``True`` and ``8``
+    and an Envoy descriptor value would never match (and ``name: 2024``, valid there, an
+    int that kvgate's config refused)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         mapping = super().construct_mapping(node, deep)

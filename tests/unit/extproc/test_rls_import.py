@@ -153,6 +153,21 @@ def test_keys_and_values_keep_their_text_as_go_reads_it(tmp_path: Path, capsys):
         ("flag", "true", False), ("7", "010", False), ("e", None, True)]
 
 
+def test_limit_names_keep_their_text_as_go_reads_it(tmp_path: Path, capsys):
+    # `name: 2024` is a Go string there; here it was an int, and the import refused a valid
+    # file with "rate_limit.name: Input should be a valid string"
+    path = tmp_path / "rl.yaml"
+    path.write_text("domain: d\ndescriptors:\n  - key: a\n"
+                    "    rate_limit: {unit: second, requests_per_unit: 1, name: 2024}\n"
+                    "  - key: b\n    rate_limit: {unit: second, requests_per_unit: 2,"
+                    " name: 010, replaces: [{name: 2024}]}\n")
+    assert main(["import-ratelimit", str(path)]) == 0
+    [domain] = RateLimitSettings.model_validate(
+        yaml.safe_load(capsys.readouterr().out)["ratelimit"]).domains
+    a, b = (d.rate_limit for d in domain.descriptors)
+    assert (a.name, b.name, [r.name for r in b.replaces]) == ("2024", "010", ["2024"])
+
+
 @pytest.mark.parametrize(("text", "problem"), [
     ("    shadow_mode: 'yes'\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
      "descriptors[0].shadow_mode: expected true or false, got 'yes'"),
