@@ -389,9 +389,27 @@ def decide(
     passed = admitted(hits, fits)
     if not passed:
         waits = schedule(hits, held, waits, now_ms)
-    out = []
-    for c, hit, ok, wait in zip(counters, hits, fits, waits, strict=True):
+    debt_wait = 0  # a refused call's debt rules: the longest wait after their charge
+    for c, hit, ok in zip(counters, hits, fits, strict=True):
         if charged(hit, ok, passed):
             take(c, hit.cost, ok, now_ms)
-        out.append(Verdict(ok, *view_of(c, now_ms), wait))
-    return out
+            if not passed and hit.cost and not hit.shadow:
+                debt_wait = max(debt_wait, wait_of(c, hit.need, now_ms) or 0)
+    if debt_wait:
+        _after_debt(hits, fits, waits, debt_wait)
+    return [Verdict(ok, *view_of(c, now_ms), wait)
+            for c, ok, wait in zip(counters, fits, waits, strict=True)]
+
+
+def _after_debt(hits: Sequence[Hit], fits: Sequence[bool], waits: list[int | None],
+                debt_wait: int) -> None:
+    """A refused call charges its ``debt`` rules all the same, after its slots were taken:
+    its ``retry-after`` (the longest refusing wait) must also cover that charge, or a
+    client that honoured it found its own call's debt and was refused again, at every
+    retry. The herd's promises stay as scheduled (a stream-done charge, which Envoy never
+    retries, must not push the next client back)."""
+    refusing = [i for i, hit in enumerate(hits) if not fits[i] and not hit.shadow]
+    if any(waits[i] is None for i in refusing):
+        return  # it never fits: no retry-after
+    top = max(refusing, key=lambda i: waits[i] or 0)
+    waits[top] = max(waits[top] or 0, debt_wait)

@@ -343,12 +343,29 @@ for i = 1, N do
 end
 if not passed then schedule(cs, waits, NOW) end
 local out, charged = {}, {}
+local debt_wait = 0  -- limiter.ratelimit.decide: a refused call's debt, waited for after
 for i = 1, N do
   local c = cs[i]
   if charge_ok and (string.find(c.flags, 'd', 1, true) or (fits[i] and passed)) then
     local rec = take(c, fits[i], NOW)
     if rec then table.insert(charged, str(i) .. '=' .. rec) end
+    if not passed and c.cost > 0 and not string.find(c.flags, 's', 1, true) then
+      debt_wait = math.max(debt_wait, wait(c, NOW))
+    end
   end
+end
+if debt_wait > 0 then  -- limiter.ratelimit._after_debt
+  local top, never = nil, false
+  for i = 1, N do
+    if not fits[i] and not string.find(cs[i].flags, 's', 1, true) then
+      if waits[i] < 0 then never = true end
+      if not top or waits[i] > waits[top] then top = i end
+    end
+  end
+  if not never then waits[top] = math.max(waits[top], debt_wait) end
+end
+for i = 1, N do
+  local c = cs[i]
   if c.algo == 's' then point(c); win_save(c.w, NOW) end
   local remaining, reset = view(c, NOW)
   table.insert(out, (fits[i] and '1' or '0') .. ',' .. str(remaining) .. ',' .. str(reset)

@@ -222,6 +222,37 @@ async def test_a_call_refused_by_a_zero_limit_charges_nothing_else(kind, redis):
     await service.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+@pytest.mark.parametrize("debt", ["debt", "fwdebt"])
+async def test_a_client_refused_with_a_debt_charge_is_admitted_at_its_retry_after(
+        kind, debt, redis):
+    """A refused call charges its debt rules all the same; its wait was taken before that
+    charge, so a client that came back when told found its own call's debt, and was
+    refused again at every retry."""
+    settings = RateLimitSettings.model_validate(ALGORITHMS)
+    clock = Clock()
+    service = RateLimitService(settings, counters(kind, redis, clock), timeout_s=1)
+    call = (descriptor(("fw", "v"), hits=2), descriptor((debt, "v"), hits=10))
+    assert (await ask(service, *call, domain="d")).overall_code == OK
+    for _ in range(3):
+        refused = await ask(service, *call, domain="d")
+        assert refused.overall_code == OVER_LIMIT
+        told = {h.key: h.value for h in refused.response_headers_to_add}
+        clock.now += int(told["retry-after-ms"])
+        assert (await ask(service, *call, domain="d")).overall_code == OK
+    # a debt rule that fits, charged by a call another rule refuses: the retry-after is
+    # the longer of the two (tb: 500 ms, the debt's 10 tokens back: 1 s)
+    clock.now += 10_000
+    await ask(service, descriptor(("tb", "w"), hits=3), domain="d")
+    call = (descriptor(("tb", "w")), descriptor((debt, "w"), hits=10))
+    refused = await ask(service, *call, domain="d")
+    assert [s.code for s in refused.statuses] == [OVER_LIMIT, OK]
+    clock.now += int({h.key: h.value for h in refused.response_headers_to_add}[
+        "retry-after-ms"])
+    assert (await ask(service, *call, domain="d")).overall_code == OK
+    await service.close()
+
+
 @pytest.mark.parametrize("hits", [2**32, 2**53 + 1, 2**64 - 1])
 async def test_absurd_hits_are_answered_alike_in_redis_and_memory(hits, redis):
     """A descriptor's hits_addend is a uint64: past the request's uint32 range it is capped,
