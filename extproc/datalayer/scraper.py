@@ -258,6 +258,8 @@ class Scraper:
             metrics, gpu_readings = await _gather(scrapes), {}
         for gone in self.errors.keys() - engines.keys():  # an address DNS dropped
             del self.errors[gone]
+        for gone in self.pages.keys() - engines.keys():  # (given again, maybe to another
+            del self.pages[gone]  # server: its page is chosen afresh)
         results = []
         for address, (at, parsed, error, reached) in zip(addresses, metrics, strict=True):
             if error is not None:

@@ -276,6 +276,33 @@ async def test_a_filter_that_stops_answering_metrics_is_chosen_again(status: int
     assert scraper.pages[where] == f"http://{where}/metrics"  # none filters any more
 
 
+async def test_an_address_discovery_dropped_and_gave_again_is_read_afresh() -> None:
+    """The page chosen for an address was kept after discovery dropped it (every rollout's
+    old pod addresses stayed in the table), and used as it was when the address came back,
+    maybe for another server: one whose filter loses a figure (here the KV capacity) was
+    read through it unchecked."""
+    servers = MetricsServers(1, filtered=keep_series)
+    async with servers as [where]:
+        store = EndpointStore()
+        await store.set_endpoints("p", [where])
+        scraper = Scraper(store)
+        try:
+            await scraper.scrape_once()
+            assert "?name%5B%5D=" in scraper.pages[where]
+            await store.set_endpoints("p", [])
+            await scraper.scrape_once()
+            assert scraper.pages == {}
+            servers.filtered = lambda body, names: keep_series(
+                body, [n for n in names if n != "vllm:cache_config_info"])
+            await store.set_endpoints("p", [where])
+            state = (await scraper.scrape_once()).get("p", where)
+        finally:
+            await scraper.stop()
+    assert state.metrics == parse_metrics(SAMPLE)
+    assert state.kv_capacity_tokens is not None
+    assert scraper.pages == {where: f"http://{where}/metrics"}
+
+
 # -- failures, health and staleness --------------------------------------------------------
 
 
