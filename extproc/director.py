@@ -315,13 +315,16 @@ class Director:
         )
         scheduler = self.schedulers[self.config.pools[0].name]
 
-        def route_now() -> Route:
+        def route_now() -> Route | Reject:
             placed = scheduler.place_light(self.endpoints.snapshot(), self.clock(), self.rng)
-            return Route(scheduler, Cost(0, 0), placed)
+            return placed if isinstance(placed, Reject) else Route(scheduler, Cost(0, 0), placed)
 
         if self.tenants.policy(tenant).shaping_rate is not None:
             return await self._paced(tenant, klass, Cost(0, 0), route_now, watch=watch)
-        return await self._take(tenant, klass, route_now())
+        route = route_now()
+        if isinstance(route, Reject):
+            return route
+        return await self._take(tenant, klass, route)
 
     async def list_models(
         self, tenant: Tenant, *, watch: Watch = contextlib.nullcontext,

@@ -390,12 +390,18 @@ class PoolScheduler:
                 return True
         return False
 
-    def place_light(self, snapshot: StoreSnapshot, now: float, rng: random.Random) -> Placement:
-        """For requests that take no KV (``GET /v1/models``, …): any live endpoint, the
-        least busy first, even when the pool is saturated — they never queue."""
+    def place_light(self, snapshot: StoreSnapshot, now: float, rng: random.Random
+                    ) -> Placement | Reject:
+        """For requests that take no KV (``GET /health``, …): any live endpoint, the least
+        busy first, even when the pool is saturated — they never queue. A pool with no
+        endpoint at all (its DNS name resolved to none, or not yet) refuses them as it
+        refuses inference requests: an empty placement had nowhere to send them."""
         states = snapshot.endpoints(self.config.name)
         live = [s.address for s in states if s.is_usable(now, self.staleness_s)]
         addresses = live or [s.address for s in states] or list(self.config.endpoints)
+        if not addresses:
+            return refuse(Reason.NO_ENDPOINT,
+                          f"pool '{self.config.name}' has no endpoints", MIN_RETRY_MS)
         rng.shuffle(addresses)
         addresses.sort(key=lambda a: self.in_flight.get(a, 0))
         return Placement(addresses[: 1 + FALLBACKS])

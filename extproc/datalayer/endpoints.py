@@ -125,8 +125,8 @@ def advance(state: EndpointState, result: ScrapeResult, unhealthy_after: int,
     """The state after one scrape result: the health rules, as a pure function."""
     if result.gpus is not None:
         state = replace(state, gpus=result.gpus, gpus_read_at=result.at)
-    if result.metrics is None and result.reached:
-        return replace(state, last_error=result.error)
+    if result.metrics is None and result.reached:  # there, so the unreachable run ends
+        return replace(state, consecutive_failures=0, last_error=result.error)
     if result.metrics is None:
         failures = state.consecutive_failures + 1
         return replace(state, consecutive_failures=failures, last_error=result.error,

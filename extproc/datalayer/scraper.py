@@ -18,8 +18,9 @@ Python client answers with those families alone): a vLLM page is ~450 lines of h
 and rendering it costs the engine's API server milliseconds of CPU on every scrape from
 every kvgate process. vLLM puts another handler, which ignores the query, on ``/metrics``
 itself and the client library's behind it (``/metrics/``), so both are tried. Nothing is
-assumed: the first scrape of an endpoint (and the first after it could not be reached: it
-may have been replaced) fetches the whole page, and a filtered one is used only if it is
+assumed: the first scrape of an endpoint (and the first after it could not be reached, or
+its filtered page answered something other than metrics: it may have been replaced) fetches
+the whole page, and a filtered one is used only if it is
 at most half its size and reads every figure the whole one has; else the whole page is
 read, as from a server without the filter (TGI, Triton) or with a multiprocess registry
 (SGLang, vLLM with several API server processes), which answers a filter with nothing.
@@ -257,6 +258,8 @@ class Scraper:
             metrics, gpu_readings = await _gather(scrapes), {}
         for gone in self.errors.keys() - engines.keys():  # an address DNS dropped
             del self.errors[gone]
+        for gone in self.pages.keys() - engines.keys():  # (given again, maybe to another
+            del self.pages[gone]  # server: its page is chosen afresh)
         results = []
         for address, (at, parsed, error, reached) in zip(addresses, metrics, strict=True):
             if error is not None:
@@ -297,10 +300,14 @@ class Scraper:
             unreachable = _unreachable(exc)
             if unreachable:
                 self.pages.pop(address, None)  # what answers next may be another server
+            elif page not in (None, url) and not isinstance(exc, TimeoutError):
+                self._forget_filter(address)
             return self.clock(), None, _describe(exc, self.timeout_s), not unreachable
         metrics = parse_metrics(body, names)
         if not metrics.has_data:
-            return at, None, f"no {names.engine} metrics at {url}", True
+            if page not in (None, url):
+                self._forget_filter(address)
+            return at, None, f"no {names.engine} metrics at {page or url}", True
         if page is None:
             page = self.pages[address] = await self._smallest_page(url, names, metrics,
                                                                    len(body))
@@ -308,6 +315,17 @@ class Scraper:
                      "its whole page (no smaller page gave every figure)" if page == url
                      else page.partition("?")[0] + "?name[]=… (the series kvgate reads)")
         return at, metrics, None, True
+
+    def _forget_filter(self, address: str) -> None:
+        """A filtered page answered something other than metrics: read the whole page next
+        time, and choose again from it. The server may not be the one the filter was chosen
+        on, yet never have been unreachable (a proxy in front of the engine, a service
+        mesh's sidecar, answers while it restarts), and the new one may answer the filter
+        with nothing (run now with several API server processes, whose multiprocess
+        registry does) or not serve the filtered path at all: kept, the filter would leave
+        the endpoint stale for good (healthy, as something answers) while its whole page
+        reads fine. A timeout keeps it: a busy engine, which a whole page costs more."""
+        self.pages.pop(address, None)
 
     async def _smallest_page(self, url: str, names: EngineNames, whole: EngineMetrics,
                              size: int) -> str:

@@ -313,6 +313,34 @@ def test_streams_are_charged_their_reservation_once_the_meter_is_seen_not_to_rep
             wait_until(lambda: not director.active, timeout=0.3)
 
 
+# -- discovery that finds no endpoint -------------------------------------------------------
+
+
+@pytest.mark.parametrize("shaped", [False, True])
+def test_a_pool_discovery_left_empty_refuses_health_checks_as_inference(shaped: bool) -> None:
+    """The first pool's DNS name resolves to nothing: ``GET /health`` (sent to any endpoint
+    of it) gets the 503 an inference request gets, with its retry-after; an empty placement
+    failed admission (``internal_error``, an exception logged per request). A shaped tenant
+    routes after its slot, the same way."""
+    limits = {"limits": {"shaping": {"requests_per_second": 100, "backlog": 10}}} if shaped \
+        else {}
+    cfg = config(f"127.0.0.1:{free_port()}",
+                 tiers={"t": limits},
+                 pools=[{"name": "one", "models": [{"name": "tiny-llama"}],
+                         "dns": {"hostname": "no-such-engine.invalid", "port": free_port()}}])
+    with local_stack(cfg) as stack:
+        for path in ("/health", "/v1/chat/completions"):
+            answer = httpx.request("GET" if path == "/health" else "POST", stack.url + path,
+                                   json=None if path == "/health" else chat(),
+                                   headers=HEADERS, timeout=10)
+            assert answer.status_code == 503, (path, answer.text)
+            assert answer.json()["error"]["code"] == "no_ready_endpoint", (path, answer.text)
+            assert answer.headers["retry-after"] == "1"
+        director = stack.kvgate.server.director
+        assert not director.active
+        assert stack.kvgate.call(director.store.in_flight("acme")) == 0
+
+
 # -- a scrape target that hangs or answers garbage -------------------------------------------
 
 

@@ -448,6 +448,17 @@ def test_requests_without_kv_go_to_a_live_endpoint_even_when_saturated():
     assert scheduler().place_light(snap, NOW, random.Random(0)).endpoints == ["full"]
 
 
+def test_requests_without_kv_are_refused_by_a_pool_with_no_endpoint():
+    """A DNS pool whose name resolves to nothing (or not yet): an empty placement sent
+    ``GET /health`` nowhere, and admission failed on it (an internal error)."""
+    config = Pool.model_validate({"name": "p", "models": ["m"],
+                                  "dns": {"hostname": "engines.invalid", "port": 8000}})
+    refused = PoolScheduler(config, {}).place_light(StoreSnapshot(), NOW, random.Random(0))
+    assert isinstance(refused, Reject)
+    assert (refused.status, refused.reason) == (503, "no_ready_endpoint")
+    assert refused.retry_after_ms == MIN_RETRY_MS
+
+
 def test_an_engine_already_queueing_takes_nothing_when_max_waiting_is_set():
     snap = snapshot(state("queueing", 0.1, waiting=3), state("calm", 0.5, waiting=0))
     assert place(scheduler(), snap).endpoints[0] == "queueing"  # off by default

@@ -67,6 +67,23 @@ def test_unhealthy_after_n_consecutive_failures_and_healthy_on_the_next_success(
     assert state.healthy and state.consecutive_failures == 0 and state.last_error is None
 
 
+def test_an_answer_that_is_not_metrics_ends_a_run_of_unreachable_scrapes() -> None:
+    """Unreachable, then late (an engine that was there), then unreachable again: never
+    ``unhealthy_after`` in a row. Counted as a run, an overloaded engine whose scrapes were
+    now refused, now timed out turned unhealthy, and its requests got 503s at once instead
+    of waiting for a fresh scrape."""
+    state = advance(EndpointState(A, "p"), ok(A, 1.0), unhealthy_after=3)
+    for at in (2.0, 3.0, 4.0, 5.0, 6.0, 7.0):
+        result = failed(A, at) if at % 2 == 0 else ScrapeResult(A, at, error="timed out",
+                                                                   reached=True)
+        state = advance(state, result, unhealthy_after=3)
+        assert state.healthy
+    assert state.consecutive_failures == 0 and state.last_error == "timed out"
+    for at in (8.0, 9.0, 10.0):
+        state = advance(state, failed(A, at), unhealthy_after=3)
+    assert not state.healthy and state.consecutive_failures == 3
+
+
 def test_capacity_falls_back_to_the_configured_value() -> None:
     state = advance(EndpointState(A, "p"), ok(A, 1.0, NO_CAPACITY), 3, kv_capacity_fallback=999)
     assert state.kv_capacity_tokens == 999

@@ -246,6 +246,63 @@ async def test_an_unreachable_endpoint_is_checked_again_when_it_answers(engine: 
         await scraper.stop()
 
 
+def _not_found() -> str:
+    raise web.HTTPNotFound()
+
+
+@pytest.mark.parametrize("status", [200, 404])
+async def test_a_filter_that_stops_answering_metrics_is_chosen_again(status: int) -> None:
+    """The server behind the address changed without ever being unreachable (a sidecar
+    proxy answered while the engine restarted): its filter now gives an empty page, or its
+    filtered path is gone. The whole page is read, and the endpoint stays fresh; a filter
+    kept left it healthy but stale for good."""
+    servers = MetricsServers(1, filtered=keep_series)
+    async with servers as [where]:
+        store = EndpointStore()
+        await store.set_endpoints("p", [where])
+        scraper = Scraper(store)
+        try:
+            await scraper.scrape_once()
+            assert "?name%5B%5D=" in scraper.pages[where]
+            servers.filtered = lambda body, names: "" if status == 200 else _not_found()
+            first = await scraper.scrape_once()
+            assert first.get("p", where).last_error is not None
+            state = (await scraper.scrape_once()).get("p", where)
+        finally:
+            await scraper.stop()
+    assert state.last_error is None and state.healthy
+    assert state.scraped_at is not None and state.scraped_at > first.get("p", where).scraped_at
+    assert state.metrics == parse_metrics(SAMPLE)
+    assert scraper.pages[where] == f"http://{where}/metrics"  # none filters any more
+
+
+async def test_an_address_discovery_dropped_and_gave_again_is_read_afresh() -> None:
+    """The page chosen for an address was kept after discovery dropped it (every rollout's
+    old pod addresses stayed in the table), and used as it was when the address came back,
+    maybe for another server: one whose filter loses a figure (here the KV capacity) was
+    read through it unchecked."""
+    servers = MetricsServers(1, filtered=keep_series)
+    async with servers as [where]:
+        store = EndpointStore()
+        await store.set_endpoints("p", [where])
+        scraper = Scraper(store)
+        try:
+            await scraper.scrape_once()
+            assert "?name%5B%5D=" in scraper.pages[where]
+            await store.set_endpoints("p", [])
+            await scraper.scrape_once()
+            assert scraper.pages == {}
+            servers.filtered = lambda body, names: keep_series(
+                body, [n for n in names if n != "vllm:cache_config_info"])
+            await store.set_endpoints("p", [where])
+            state = (await scraper.scrape_once()).get("p", where)
+        finally:
+            await scraper.stop()
+    assert state.metrics == parse_metrics(SAMPLE)
+    assert state.kv_capacity_tokens is not None
+    assert scraper.pages == {where: f"http://{where}/metrics"}
+
+
 # -- failures, health and staleness --------------------------------------------------------
 
 
