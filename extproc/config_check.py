@@ -57,7 +57,8 @@ def _duplicate_pools(data: Any) -> list[str]:
         if name in names:
             found.append(f"pools[{p}].name: duplicate pool {name!r}")
         names.add(name)
-        for m, model in enumerate(pool.get("models") or []):
+        models = pool.get("models")  # not a list (a bare name, a number): a field error
+        for m, model in enumerate(models if isinstance(models, list) else []):
             model = model.get("name") if isinstance(model, dict) else model
             if not isinstance(model, str) or not model:
                 continue

@@ -537,6 +537,16 @@ def test_a_pool_named_twice_is_reported_while_one_of_the_two_is_broken():
         "pools[2].models[0]: 'm2' already served by 'p'"]
 
 
+def test_a_pools_models_that_are_not_a_list_are_one_field_error():
+    """``models: 5`` ended ``kvgate check`` (and ``serve``, and a reload) in a TypeError
+    traceback, exit 1, and ``models: tiny-llama`` (a bare name, not a list) was read letter
+    by letter: "pools[0].models[6]: 'l' already served by 'tiny'" beside the real problem."""
+    pool = GOOD["pools"][0]
+    for models in (5, True, 2.5, "tiny-llama", {"name": "m"}):
+        assert problems({**GOOD, "pools": [{**pool, "models": models}]}) == [
+            "pools[0].models: Input should be a valid list"], models
+
+
 def test_every_duration_is_at_most_ten_years():
     """The README says so, but only Envoy's timeouts and the DNS interval were bounded: a
     `redis.lease_ttl_s` of 1e300 passed `kvgate check`, and then every Redis admission
