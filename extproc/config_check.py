@@ -345,11 +345,15 @@ def _items(value: Any) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _unreadable(path: Path) -> str | None:
-    if not path.exists():
-        return "no such file"
-    if not path.is_file():
-        return "not a file"
+    """Why ``path`` cannot be read, or None. Every OSError is this file's problem, the
+    ``stat`` behind ``exists()`` included: a name too long (ENAMETOOLONG) or a path through
+    a file (ENOTDIR) raised there, and ended ``kvgate check`` on one line naming neither the
+    config file nor the key, with every other problem unreported."""
     try:
+        if not path.exists():
+            return "no such file"
+        if not path.is_file():
+            return "not a file"
         with path.open("rb") as handle:
             handle.read(1)
     except OSError as exc:

@@ -167,6 +167,18 @@ def test_files_the_config_names_are_checked(tmp_path, capsys):
     assert main(["check", str(write(tmp_path, data))]) == 0
 
 
+def test_a_file_name_too_long_is_that_keys_problem(tmp_path, capsys):
+    """A path the kernel refuses to look up (ENAMETOOLONG) raised from ``exists()``: check
+    printed `kvgate check: File name too long: aaa…`, naming neither the file nor the key,
+    and stopped there (the unknown tier beside it went unreported)."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["models"] = [{"name": "m", "tokenizer": "a" * 300}]
+    data["tenants"][0]["tier"] = "nope"
+    found = check_problems(write(tmp_path, data), capsys)
+    assert f"pools[0].models[0].tokenizer: cannot read {'a' * 300}: File name too long" in found
+    assert any(p.startswith("tenants[0].tier: unknown tier") for p in found)
+
+
 def test_a_duplicate_rls_descriptor_is_reported_beside_a_broken_sibling(tmp_path, capsys):
     # pydantic checks a list for duplicates only once every entry is valid: fixing the
     # unit uncovered the duplicate, one deploy cycle later
