@@ -831,6 +831,29 @@ def _answers(port: int) -> bool:
         return False
 
 
+def test_sigint_while_the_kvgate_command_imports_is_status_130_without_a_traceback(
+        tmp_path):
+    """Ctrl-C in the first ~0.2 s of `kvgate serve` (the imports, before main() catches
+    KeyboardInterrupt) printed a traceback from whichever module it landed in."""
+    script = Path(sys.executable).with_name("kvgate")
+    if not script.exists():
+        pytest.skip("no installed `kvgate` script beside this interpreter")
+    config = write(tmp_path, GOOD)
+    ready, signal_fd = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT_HARNESS, str(signal_fd), str(script), "serve", "-c",
+         str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, pass_fds=(signal_fd,),
+        env={**os.environ, "KVGATE_NATIVE": "0"})
+    os.close(signal_fd)
+    assert os.read(ready, 1) == b"r"
+    time.sleep(0.05)  # past the harness's last lines, well within the imports (~0.2 s)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sighup_every_5_ms_from_the_start_of_kvgate_serve_does_not_end_it(tmp_path, workers):
     """A config-management tool that reloads right after it starts `kvgate serve`: SIGHUP
