@@ -772,6 +772,10 @@ class GrpcTls(_Strict):
     )
 
 
+_ANY_ADDRESS = {"0.0.0.0", "::", ""}
+"""Listening addresses that take a port on every address (``server.host``/``admin_host``)."""
+
+
 class Server(_Strict):
     REMOVED: ClassVar[dict[str, str]] = {
         "max_stream_seconds": "it did nothing (kvgate never extends a message's timeout: "
@@ -839,6 +843,24 @@ class Server(_Strict):
         "batch", description="Linux scheduling of the server process: 'batch' (SCHED_BATCH) "
         "keeps gRPC's poller thread from preempting the event loop on every completion"
     )
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> Server:
+        """Two of kvgate's own listeners on one port passed `kvgate check`, and `kvgate
+        serve` then refused the file ("--workers 1: … both take port", though no --workers
+        was given). The gRPC and report ports share ``host``; the admin port clashes with
+        them unless ``admin_host`` and ``host`` are two distinct specific addresses."""
+        ports = [("grpc_port", self.host, self.grpc_port),
+                 ("report_port", self.host, self.report_port)]
+        if self.admin_port is not None:
+            ports.append(("admin_port", self.admin_host, self.admin_port))
+        for i, (name, host, port) in enumerate(ports):
+            for other, other_host, other_port in ports[:i]:
+                if port and port == other_port and (
+                        host == other_host or {host, other_host} & _ANY_ADDRESS):
+                    raise ValueError(f"{name} {port} is {other} too: kvgate listens on each "
+                                     "of them, so it could not start; give each its own port")
+        return self
 
 
 class ExtProcTls(_Strict):

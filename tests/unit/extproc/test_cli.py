@@ -748,8 +748,28 @@ def test_a_worker_port_that_meets_the_grpc_port_is_refused(setting):
         "worker i listens on admin_port + i and report_port + i); move one of them further "
         "apart")
     assert _port_overlap(config, 1) is None  # one worker: 9000 is its own
-    data["server"][setting] = 9001  # one process, the same port twice
-    assert "both take port 9001" in (_port_overlap(parse_config(data), 1) or "")
+
+
+@pytest.mark.parametrize("setting", ["admin_port", "report_port"])
+def test_one_port_for_two_of_kvgates_listeners_is_a_config_problem(tmp_path, capsys, setting):
+    """The same port for the gRPC and admin (or report) port passed `kvgate check`, then
+    `kvgate serve` refused the file with "--workers 1: … both take port", though no
+    --workers was given. Two distinct specific addresses may share a port number."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["server"] = {"grpc_port": 9001, setting: 9001}
+    path = write(tmp_path, data)
+    assert check_problems(path, capsys) == [
+        f"server: {setting} 9001 is grpc_port too: kvgate listens on each of them, so it "
+        "could not start; give each its own port"]
+    assert main(["serve", "-c", str(path)]) == 2
+    assert f"server: {setting} 9001 is grpc_port too" in capsys.readouterr().err
+    data["server"] = {"grpc_port": 9001, "admin_port": 9001, "host": "0.0.0.0"}
+    assert len(check_problems(write(tmp_path, data), capsys)) == 1
+    data["server"] = {"grpc_port": 9001, "admin_port": 9001, "host": "10.0.0.1",
+                      "admin_host": "127.0.0.1"}
+    parse_config(data)  # apart: two addresses
+    data["server"] = {"grpc_port": 0, "admin_port": 0, "report_port": 0}
+    parse_config(data)  # any free ports
 
 
 def test_workers_need_redis_replicas_to_count_them(tmp_path, capsys):
