@@ -360,11 +360,36 @@ class Model(_Strict):
         return self
 
 
+_DNS_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def ip_or_dns_name(value: str, port_from: str) -> str:
+    """``value`` if it is an IP address or a DNS name, as Envoy's clusters and kvgate's
+    resolver take a host; else a ValueError that says why. A host written with its port
+    (``kvgate:9001``), in brackets (``[::1]``) or as a URL passed `kvgate check` and
+    `envoy --mode validate` both, and resolved to nothing: a cluster of no hosts."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    labels = value.removesuffix(".").split(".")
+    if len(value) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return value
+    raise ValueError(f"{value!r} is not an IP address or a DNS name (no port: that is "
+                     f"{port_from}; no brackets, no scheme)")
+
+
 class Dns(_Strict):
     """Endpoints from DNS, e.g. a Kubernetes headless service (one A record per pod)."""
 
     hostname: str = Field(min_length=1)
     port: int = Field(gt=0, lt=65536)
+
+    @field_validator("hostname")
+    @classmethod
+    def _a_name(cls, value: str) -> str:
+        return ip_or_dns_name(value, "dns.port")
     interval_s: PositiveFloat = Field(5.0, le=MAX_DURATION_S,
                                       description="how often to re-resolve")
 
@@ -901,7 +926,13 @@ class EnvoySettings(_Strict):
         return value
 
     admin_port: int = Field(9901, ge=0, lt=65536)
-    ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate")
+    ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate: an IP "
+                               "address or a DNS name, without the port (server.grpc_port)")
+
+    @field_validator("ext_proc_host")
+    @classmethod
+    def _reachable_host(cls, value: str) -> str:
+        return ip_or_dns_name(value, "server.grpc_port")
     ext_proc_tls: ExtProcTls | None = Field(
         None, description="TLS to kvgate (set when server.tls is); null = plaintext"
     )

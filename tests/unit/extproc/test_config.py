@@ -547,6 +547,26 @@ def test_a_pools_models_that_are_not_a_list_are_one_field_error():
             "pools[0].models: Input should be a valid list"], models
 
 
+def test_a_host_envoy_or_kvgate_resolves_is_an_ip_or_a_dns_name():
+    """`envoy.ext_proc_host: kvgate:9001` (or `[::1]`, or "") passed `kvgate check` and
+    `envoy --mode validate`, then Envoy's ext_proc cluster resolved it to no host at all
+    (membership_total 0, update_failure 1): every request failed. A DNS pool's hostname
+    likewise."""
+    pool = {**GOOD["pools"][0], "dns": {"hostname": "vllm:8000", "port": 8000}}
+    del pool["endpoints"]
+    assert problems({**GOOD, "pools": [pool]}) == [
+        "pools[0].dns.hostname: 'vllm:8000' is not an IP address or a DNS name (no port: "
+        "that is dns.port; no brackets, no scheme)"]
+    for host in ("kvgate:9001", "[::1]", "", "kv gate", "http://kvgate", "a" * 64 + ".svc"):
+        assert problems({**GOOD, "envoy": {"ext_proc_host": host}}) == [
+            f"envoy.ext_proc_host: {host!r} is not an IP address or a DNS name (no port: "
+            "that is server.grpc_port; no brackets, no scheme)"], host
+    for host in ("127.0.0.1", "::1", "kvgate", "kvgate-headless.ns.svc.cluster.local.",
+                 "kvgate_0.internal"):
+        assert parse_config({**GOOD, "envoy": {"ext_proc_host": host}}).envoy.ext_proc_host \
+            == host
+
+
 def test_every_duration_is_at_most_ten_years():
     """The README says so, but only Envoy's timeouts and the DNS interval were bounded: a
     `redis.lease_ttl_s` of 1e300 passed `kvgate check`, and then every Redis admission
