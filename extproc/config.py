@@ -824,7 +824,7 @@ class Server(_Strict):
     report_host: str | None = Field(
         None, description="the address Envoy reaches this process's report port at (an IP: "
         "the pod IP with several replicas; 'auto' = this host's own address, the pod IP in "
-        "Kubernetes); null = server.host, 127.0.0.1 if that is 0.0.0.0"
+        "Kubernetes); null = server.host, 127.0.0.1 if that is 0.0.0.0 (::1 if ::)"
     )
     max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
     chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")

@@ -284,8 +284,7 @@ def _sibling_admins(settings: ServerSettings, workers: int) -> list[tuple[int, s
     if workers < 2 or not settings.admin_port:
         return []
     host = settings.admin_host
-    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    host = f"[{host}]" if ":" in host else host
+    host = _bracketed({"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host))
     return [(i, f"http://{host}:{settings.admin_port + i}/readyz") for i in range(1, workers)]
 
 
@@ -301,12 +300,21 @@ async def _sibling_waiting(session: aiohttp.ClientSession, index: int, url: str)
     return [f"worker {index}: {reason}" for reason in waiting]
 
 
+def _bracketed(host: str) -> str:
+    """``host`` as the host part of ``host:port``: an IPv6 address in brackets (gRPC read
+    ``:::9001``, for ``server.host: "::"``, as a misformatted name and kvgate did not start;
+    Envoy reads a report address ``::1:9010`` as no address at all)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _report_host(settings: ServerSettings) -> str:
     if settings.report_host == "auto":  # the pod IP: Kubernetes maps the pod's name to it
         return socket.gethostbyname(socket.gethostname())
     if settings.report_host is not None:
         return settings.report_host
-    return "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    # "::" listens on IPv6 alone (asyncio sets IPV6_V6ONLY): 127.0.0.1 was refused there
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(settings.host,
+                                                                     settings.host)
 
 
 def _server_credentials(tls: GrpcTls) -> grpc.ServerCredentials:
@@ -404,7 +412,7 @@ class KvgateServer:
         self._health = health_servicer = health.aio.HealthServicer()
         self.ratelimit.attach(self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
-        address = f"{settings.host}:{settings.grpc_port}"
+        address = f"{_bracketed(settings.host)}:{settings.grpc_port}"
         if credentials is None:
             self.grpc_port = self._grpc.add_insecure_port(address)
         else:
