@@ -430,9 +430,11 @@ class KvgateServer:
         self.started = True
         self.metrics.last_reload.set(time.time())
         self._note_scraped(self.endpoints.snapshot())
-        log.info("kvgate ext_proc on %s:%d (%s), admin on %s:%d; hot path: %s", settings.host,
-                 self.grpc_port, "plaintext" if settings.tls is None else "TLS",
-                 settings.admin_host, self.admin_port, kvgate_native.status())
+        admin = ("off (server.admin_port: null)" if settings.admin_port is None  # not :0
+                 else f"on {settings.admin_host}:{self.admin_port}")
+        log.info("kvgate ext_proc on %s:%d (%s), admin %s; hot path: %s", settings.host,
+                 self.grpc_port, "plaintext" if settings.tls is None else "TLS", admin,
+                 kvgate_native.status())
 
     def _on_scraped(self, snapshot: StoreSnapshot) -> None:
         if any(p.kv_aware and p.name not in self._scraped_pools for p in self.config.pools):
