@@ -422,9 +422,9 @@ def _serve_worker(
     try:
         server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path,
                               worker=index, workers=workers)
-    except ConfigError as error:  # a secret read at start-up: name the file, not <config>
+        asyncio.run(_serve_beating(server, heartbeat))
+    except ConfigError as error:  # a secret or TLS file read at start-up: name the file
         raise ConfigError(str(config_path), error.problems) from None
-    asyncio.run(_serve_beating(server, heartbeat))
 
 
 async def _serve_beating(server: Any, heartbeat: Any) -> None:

@@ -318,18 +318,27 @@ def _report_host(settings: ServerSettings) -> str:
 
 
 def _server_credentials(tls: GrpcTls) -> grpc.ServerCredentials:
-    """The listener's certificate; with a client CA, clients must present one it signed."""
-    chain, key = _read("cert_file", tls.cert_file), _read("key_file", tls.key_file)
-    ca = None if tls.client_ca_file is None else _read("client_ca_file", tls.client_ca_file)
+    """The listener's certificate; with a client CA, clients must present one it signed.
+    Files that cannot be read are config problems (exit 2, not a traceback), every one of
+    them at once, each by its full path (``server.tls.key_file``): the caller names the
+    config file (it was "server.tls: 1 problem(s) / cert_file: …", the key file unsaid)."""
+    problems: list[str] = []
+    chain, key = _read("cert_file", tls.cert_file, problems), _read("key_file", tls.key_file,
+                                                                    problems)
+    ca = (None if tls.client_ca_file is None
+          else _read("client_ca_file", tls.client_ca_file, problems))
+    if problems:
+        raise ConfigError("<config>", problems)
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
                                        require_client_auth=ca is not None)
 
 
-def _read(field: str, path: str) -> bytes:
+def _read(field: str, path: str, problems: list[str]) -> bytes:
     try:
         return Path(path).read_bytes()
-    except OSError as exc:  # a config problem, reported like one (exit 2), not a traceback
-        raise ConfigError("server.tls", [f"{field}: cannot read {path}: {exc.strerror}"]) from None
+    except OSError as exc:
+        problems.append(f"server.tls.{field}: cannot read {path}: {exc.strerror}")
+        return b""
 
 
 class KvgateServer:

@@ -179,6 +179,22 @@ def test_a_file_name_too_long_is_that_keys_problem(tmp_path, capsys):
     assert any(p.startswith("tenants[0].tier: unknown tier") for p in found)
 
 
+def test_serve_names_the_file_and_every_unreadable_tls_file(tmp_path, capsys):
+    """`kvgate serve` with server.tls files missing printed "server.tls: 1 problem(s)" and
+    "cert_file: cannot read …": the config file unnamed, the key file's problem unsaid."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["server"] = {"grpc_port": free_port(), "admin_port": free_port(),
+                      "tls": {"cert_file": str(tmp_path / "no.pem"),
+                              "key_file": str(tmp_path / "no.key")}}
+    path = write(tmp_path, data)
+    assert main(["serve", "-c", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"{path}: 2 problem(s)", err
+    assert [line.strip() for line in err[1:]] == [
+        f"server.tls.cert_file: cannot read {tmp_path}/no.pem: No such file or directory",
+        f"server.tls.key_file: cannot read {tmp_path}/no.key: No such file or directory"]
+
+
 def test_a_duplicate_rls_descriptor_is_reported_beside_a_broken_sibling(tmp_path, capsys):
     # pydantic checks a list for duplicates only once every entry is valid: fixing the
     # unit uncovered the duplicate, one deploy cycle later
