@@ -195,6 +195,28 @@ def test_serve_names_the_file_and_every_unreadable_tls_file(tmp_path, capsys):
         f"server.tls.key_file: cannot read {tmp_path}/no.key: No such file or directory"]
 
 
+def test_serve_with_workers_reports_start_up_secrets_and_tls_once(tmp_path, capsys,
+                                                                 monkeypatch):
+    """`serve --workers 2` with an unset upstream_api_key variable or a missing TLS file:
+    each worker raised its own ConfigError traceback, and the parent exited 1."""
+    monkeypatch.delenv("KVGATE_TEST_NO_SUCH_KEY", raising=False)
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["upstream_api_key"] = {"env": "KVGATE_TEST_NO_SUCH_KEY"}
+    data["redis"] = {"url": "redis://127.0.0.1:1", "replicas": 2}
+    data["server"] = {"grpc_port": free_port(), "admin_port": consecutive_free_ports(2),
+                      "tls": {"cert_file": str(tmp_path / "no.pem"),
+                              "key_file": str(tmp_path / "no.key")}}
+    path = write(tmp_path, data)
+    assert main(["serve", "-c", str(path), "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"{path}: 3 problem(s)",
+        "  pools[0].upstream_api_key: environment variable KVGATE_TEST_NO_SUCH_KEY is empty "
+        "or not set",
+        f"  server.tls.cert_file: cannot read {tmp_path}/no.pem: No such file or directory",
+        f"  server.tls.key_file: cannot read {tmp_path}/no.key: No such file or directory"]
+
+
 def test_a_duplicate_rls_descriptor_is_reported_beside_a_broken_sibling(tmp_path, capsys):
     # pydantic checks a list for duplicates only once every entry is valid: fixing the
     # unit uncovered the duplicate, one deploy cycle later
