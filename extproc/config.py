@@ -826,6 +826,23 @@ class Server(_Strict):
         "the pod IP with several replicas; 'auto' = this host's own address, the pod IP in "
         "Kubernetes); null = server.host, 127.0.0.1 if that is 0.0.0.0 (::1 if ::)"
     )
+
+    @field_validator("report_host")
+    @classmethod
+    def _report_ip(cls, value: str | None) -> str | None:
+        """Envoy's meter reaches the report port through an original-destination cluster,
+        whose address header takes an IP: a name (``localhost``, a Service) passed `kvgate
+        check`, and every report then went nowhere (each answer charged its reservation,
+        ``cut_off``, never the engine's usage)."""
+        if value is None or value == "auto":
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address: Envoy's meter reaches this "
+                             "port by IP (the pod IP), not by name; or 'auto'") from None
+        return value
+
     max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
     chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")
     shutdown_grace_s: float = Field(
@@ -885,6 +902,12 @@ class Server(_Strict):
                         host == other_host or {host, other_host} & _ANY_ADDRESS):
                     raise ValueError(f"{name} {port} is {other} too: kvgate listens on each "
                                      "of them, so it could not start; give each its own port")
+        if self.report_host is None and self.host not in _ANY_ADDRESS:
+            try:  # report_host defaults to host: the meter's reports need an IP (_report_ip)
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ValueError(f"host {self.host!r} is a name, and the meter reaches the "
+                                 "report port by IP: set report_host (an IP, or auto)") from None
         return self
 
 

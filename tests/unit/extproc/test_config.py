@@ -567,6 +567,22 @@ def test_a_host_envoy_or_kvgate_resolves_is_an_ip_or_a_dns_name():
             == host
 
 
+def test_the_report_address_is_an_ip():
+    """Envoy's meter reports through an original-destination cluster, which takes an IP:
+    `report_host: localhost` (or a `host` that is a name, with no report_host) passed
+    `kvgate check`, and no report ever arrived (each answer charged `cut_off`)."""
+    assert problems({**GOOD, "server": {"report_host": "localhost"}}) == [
+        "server.report_host: 'localhost' is not an IP address: Envoy's meter reaches this "
+        "port by IP (the pod IP), not by name; or 'auto'"]
+    assert problems({**GOOD, "server": {"host": "localhost"}}) == [
+        "server: host 'localhost' is a name, and the meter reaches the report port by IP: "
+        "set report_host (an IP, or auto)"]
+    for server in ({"report_host": "10.0.0.5"}, {"report_host": "fd00::5"},
+                   {"report_host": "auto"}, {"host": "localhost", "report_host": "auto"},
+                   {"host": "0.0.0.0"}, {"host": "::"}, {"host": "10.0.0.5"}):
+        parse_config({**GOOD, "server": server})
+
+
 def test_every_duration_is_at_most_ten_years():
     """The README says so, but only Envoy's timeouts and the DNS interval were bounded: a
     `redis.lease_ttl_s` of 1e300 passed `kvgate check`, and then every Redis admission
