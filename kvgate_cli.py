@@ -13,6 +13,10 @@ does the same as soon as that package is imported.
 SIGTERM likewise, where its default action does nothing (a container's PID 1): it ends the
 process from here until ``serve`` or ``agent`` takes it over
 (:func:`extproc.processes.exit_on_sigterm_while_starting`).
+
+SIGINT (Ctrl-C) during those imports ends the command with status 130, as it does from
+:func:`extproc.cli.main` on; it printed a KeyboardInterrupt traceback from whichever
+import it landed in.
 """
 
 import signal
@@ -21,11 +25,14 @@ signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 import sys  # noqa: E402
 
-from extproc.processes import exit_on_sigterm_while_starting  # noqa: E402
+try:
+    from extproc.processes import exit_on_sigterm_while_starting
 
-exit_on_sigterm_while_starting()
+    exit_on_sigterm_while_starting()
 
-from extproc.cli import main  # noqa: E402
+    from extproc.cli import main
+except KeyboardInterrupt:  # Ctrl-C during the imports: exit 130 as main() does, no traceback
+    sys.exit(130)
 
 __all__ = ["main"]
 

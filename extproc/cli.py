@@ -387,6 +387,9 @@ def _serve(args: argparse.Namespace) -> int:
     if too_few is not None:
         print(too_few, file=sys.stderr)
         return 2
+    problems = _start_up_problems(config)
+    if problems:
+        raise ConfigError(str(args.config), problems)
     overlap = _port_overlap(config, args.workers) or _port_past_range(config, args.workers)
     if overlap is not None:
         print(overlap, file=sys.stderr)
@@ -398,6 +401,26 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     return _run_workers(args.config, args.workers, args.log_level, args.log_format,
                         config.server.worker_stall_s, config.server.worker_start_s)
+
+
+def _start_up_problems(config: Config) -> list[str]:
+    """What a serving process reads from outside the file as it starts (the upstream API
+    keys, the gRPC port's TLS files) that cannot be read, read here first: all of it in one
+    report before anything starts. With ``--workers`` each worker found it on its own, in a
+    ConfigError traceback apiece, and the parent exited 1."""
+    from extproc.server import _server_credentials
+
+    problems: list[str] = []
+    try:
+        upstream_authorizations(config)
+    except ConfigError as error:
+        problems += error.problems
+    if config.server.tls is not None:
+        try:
+            _server_credentials(config.server.tls)
+        except ConfigError as error:
+            problems += error.problems
+    return problems
 
 
 def _serve_worker(
@@ -422,9 +445,9 @@ def _serve_worker(
     try:
         server = KvgateServer(config, reuse_port=reuse_port, config_path=config_path,
                               worker=index, workers=workers)
-    except ConfigError as error:  # a secret read at start-up: name the file, not <config>
+        asyncio.run(_serve_beating(server, heartbeat))
+    except ConfigError as error:  # a secret or TLS file read at start-up: name the file
         raise ConfigError(str(config_path), error.problems) from None
-    asyncio.run(_serve_beating(server, heartbeat))
 
 
 async def _serve_beating(server: Any, heartbeat: Any) -> None:

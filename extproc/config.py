@@ -360,11 +360,36 @@ class Model(_Strict):
         return self
 
 
+_DNS_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def ip_or_dns_name(value: str, port_from: str) -> str:
+    """``value`` if it is an IP address or a DNS name, as Envoy's clusters and kvgate's
+    resolver take a host; else a ValueError that says why. A host written with its port
+    (``kvgate:9001``), in brackets (``[::1]``) or as a URL passed `kvgate check` and
+    `envoy --mode validate` both, and resolved to nothing: a cluster of no hosts."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    labels = value.removesuffix(".").split(".")
+    if len(value) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return value
+    raise ValueError(f"{value!r} is not an IP address or a DNS name (no port: that is "
+                     f"{port_from}; no brackets, no scheme)")
+
+
 class Dns(_Strict):
     """Endpoints from DNS, e.g. a Kubernetes headless service (one A record per pod)."""
 
     hostname: str = Field(min_length=1)
     port: int = Field(gt=0, lt=65536)
+
+    @field_validator("hostname")
+    @classmethod
+    def _a_name(cls, value: str) -> str:
+        return ip_or_dns_name(value, "dns.port")
     interval_s: PositiveFloat = Field(5.0, le=MAX_DURATION_S,
                                       description="how often to re-resolve")
 
@@ -772,6 +797,10 @@ class GrpcTls(_Strict):
     )
 
 
+_ANY_ADDRESS = {"0.0.0.0", "::", ""}
+"""Listening addresses that take a port on every address (``server.host``/``admin_host``)."""
+
+
 class Server(_Strict):
     REMOVED: ClassVar[dict[str, str]] = {
         "max_stream_seconds": "it did nothing (kvgate never extends a message's timeout: "
@@ -795,8 +824,25 @@ class Server(_Strict):
     report_host: str | None = Field(
         None, description="the address Envoy reaches this process's report port at (an IP: "
         "the pod IP with several replicas; 'auto' = this host's own address, the pod IP in "
-        "Kubernetes); null = server.host, 127.0.0.1 if that is 0.0.0.0"
+        "Kubernetes); null = server.host, 127.0.0.1 if that is 0.0.0.0 (::1 if ::)"
     )
+
+    @field_validator("report_host")
+    @classmethod
+    def _report_ip(cls, value: str | None) -> str | None:
+        """Envoy's meter reaches the report port through an original-destination cluster,
+        whose address header takes an IP: a name (``localhost``, a Service) passed `kvgate
+        check`, and every report then went nowhere (each answer charged its reservation,
+        ``cut_off``, never the engine's usage)."""
+        if value is None or value == "auto":
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address: Envoy's meter reaches this "
+                             "port by IP (the pod IP), not by name; or 'auto'") from None
+        return value
+
     max_body_bytes: PositiveInt = Field(1_048_576, description="larger request bodies get 413")
     chars_per_token: PositiveFloat = Field(4.0, description="prompt estimate without tokenizer")
     shutdown_grace_s: float = Field(
@@ -840,6 +886,30 @@ class Server(_Strict):
         "keeps gRPC's poller thread from preempting the event loop on every completion"
     )
 
+    @model_validator(mode="after")
+    def _ports_apart(self) -> Server:
+        """Two of kvgate's own listeners on one port passed `kvgate check`, and `kvgate
+        serve` then refused the file ("--workers 1: … both take port", though no --workers
+        was given). The gRPC and report ports share ``host``; the admin port clashes with
+        them unless ``admin_host`` and ``host`` are two distinct specific addresses."""
+        ports = [("grpc_port", self.host, self.grpc_port),
+                 ("report_port", self.host, self.report_port)]
+        if self.admin_port is not None:
+            ports.append(("admin_port", self.admin_host, self.admin_port))
+        for i, (name, host, port) in enumerate(ports):
+            for other, other_host, other_port in ports[:i]:
+                if port and port == other_port and (
+                        host == other_host or {host, other_host} & _ANY_ADDRESS):
+                    raise ValueError(f"{name} {port} is {other} too: kvgate listens on each "
+                                     "of them, so it could not start; give each its own port")
+        if self.report_host is None and self.host not in _ANY_ADDRESS:
+            try:  # report_host defaults to host: the meter's reports need an IP (_report_ip)
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ValueError(f"host {self.host!r} is a name, and the meter reaches the "
+                                 "report port by IP: set report_host (an IP, or auto)") from None
+        return self
+
 
 class ExtProcTls(_Strict):
     """How Envoy talks TLS to kvgate's gRPC port (``server.tls``); paths as Envoy sees them."""
@@ -879,7 +949,13 @@ class EnvoySettings(_Strict):
         return value
 
     admin_port: int = Field(9901, ge=0, lt=65536)
-    ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate")
+    ext_proc_host: str = Field("127.0.0.1", description="where Envoy reaches kvgate: an IP "
+                               "address or a DNS name, without the port (server.grpc_port)")
+
+    @field_validator("ext_proc_host")
+    @classmethod
+    def _reachable_host(cls, value: str) -> str:
+        return ip_or_dns_name(value, "server.grpc_port")
     ext_proc_tls: ExtProcTls | None = Field(
         None, description="TLS to kvgate (set when server.tls is); null = plaintext"
     )

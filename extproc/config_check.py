@@ -57,7 +57,8 @@ def _duplicate_pools(data: Any) -> list[str]:
         if name in names:
             found.append(f"pools[{p}].name: duplicate pool {name!r}")
         names.add(name)
-        for m, model in enumerate(pool.get("models") or []):
+        models = pool.get("models")  # not a list (a bare name, a number): a field error
+        for m, model in enumerate(models if isinstance(models, list) else []):
             model = model.get("name") if isinstance(model, dict) else model
             if not isinstance(model, str) or not model:
                 continue
@@ -344,11 +345,15 @@ def _items(value: Any) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _unreadable(path: Path) -> str | None:
-    if not path.exists():
-        return "no such file"
-    if not path.is_file():
-        return "not a file"
+    """Why ``path`` cannot be read, or None. Every OSError is this file's problem, the
+    ``stat`` behind ``exists()`` included: a name too long (ENAMETOOLONG) or a path through
+    a file (ENOTDIR) raised there, and ended ``kvgate check`` on one line naming neither the
+    config file nor the key, with every other problem unreported."""
     try:
+        if not path.exists():
+            return "no such file"
+        if not path.is_file():
+            return "not a file"
         with path.open("rb") as handle:
             handle.read(1)
     except OSError as exc:

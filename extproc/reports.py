@@ -114,7 +114,8 @@ class ReportDesk:
         self._server = await loop.create_server(
             lambda: _ReportProtocol(self.receive, connections), host, port)
         bound = self._server.sockets[0].getsockname()[1]
-        self.address = f"{advertise_host}:{bound}"
+        host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host  # IPv6
+        self.address = f"{host}:{bound}"
         self._sweep()
 
     def _sweep(self) -> None:

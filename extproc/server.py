@@ -284,8 +284,7 @@ def _sibling_admins(settings: ServerSettings, workers: int) -> list[tuple[int, s
     if workers < 2 or not settings.admin_port:
         return []
     host = settings.admin_host
-    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    host = f"[{host}]" if ":" in host else host
+    host = _bracketed({"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host))
     return [(i, f"http://{host}:{settings.admin_port + i}/readyz") for i in range(1, workers)]
 
 
@@ -301,27 +300,45 @@ async def _sibling_waiting(session: aiohttp.ClientSession, index: int, url: str)
     return [f"worker {index}: {reason}" for reason in waiting]
 
 
+def _bracketed(host: str) -> str:
+    """``host`` as the host part of ``host:port``: an IPv6 address in brackets (gRPC read
+    ``:::9001``, for ``server.host: "::"``, as a misformatted name and kvgate did not start;
+    Envoy reads a report address ``::1:9010`` as no address at all)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _report_host(settings: ServerSettings) -> str:
     if settings.report_host == "auto":  # the pod IP: Kubernetes maps the pod's name to it
         return socket.gethostbyname(socket.gethostname())
     if settings.report_host is not None:
         return settings.report_host
-    return "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    # "::" listens on IPv6 alone (asyncio sets IPV6_V6ONLY): 127.0.0.1 was refused there
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(settings.host,
+                                                                     settings.host)
 
 
 def _server_credentials(tls: GrpcTls) -> grpc.ServerCredentials:
-    """The listener's certificate; with a client CA, clients must present one it signed."""
-    chain, key = _read("cert_file", tls.cert_file), _read("key_file", tls.key_file)
-    ca = None if tls.client_ca_file is None else _read("client_ca_file", tls.client_ca_file)
+    """The listener's certificate; with a client CA, clients must present one it signed.
+    Files that cannot be read are config problems (exit 2, not a traceback), every one of
+    them at once, each by its full path (``server.tls.key_file``): the caller names the
+    config file (it was "server.tls: 1 problem(s) / cert_file: …", the key file unsaid)."""
+    problems: list[str] = []
+    chain, key = _read("cert_file", tls.cert_file, problems), _read("key_file", tls.key_file,
+                                                                    problems)
+    ca = (None if tls.client_ca_file is None
+          else _read("client_ca_file", tls.client_ca_file, problems))
+    if problems:
+        raise ConfigError("<config>", problems)
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
                                        require_client_auth=ca is not None)
 
 
-def _read(field: str, path: str) -> bytes:
+def _read(field: str, path: str, problems: list[str]) -> bytes:
     try:
         return Path(path).read_bytes()
-    except OSError as exc:  # a config problem, reported like one (exit 2), not a traceback
-        raise ConfigError("server.tls", [f"{field}: cannot read {path}: {exc.strerror}"]) from None
+    except OSError as exc:
+        problems.append(f"server.tls.{field}: cannot read {path}: {exc.strerror}")
+        return b""
 
 
 class KvgateServer:
@@ -404,7 +421,7 @@ class KvgateServer:
         self._health = health_servicer = health.aio.HealthServicer()
         self.ratelimit.attach(self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._grpc)
-        address = f"{settings.host}:{settings.grpc_port}"
+        address = f"{_bracketed(settings.host)}:{settings.grpc_port}"
         if credentials is None:
             self.grpc_port = self._grpc.add_insecure_port(address)
         else:
@@ -422,9 +439,11 @@ class KvgateServer:
         self.started = True
         self.metrics.last_reload.set(time.time())
         self._note_scraped(self.endpoints.snapshot())
-        log.info("kvgate ext_proc on %s:%d (%s), admin on %s:%d; hot path: %s", settings.host,
-                 self.grpc_port, "plaintext" if settings.tls is None else "TLS",
-                 settings.admin_host, self.admin_port, kvgate_native.status())
+        admin = ("off (server.admin_port: null)" if settings.admin_port is None  # not :0
+                 else f"on {settings.admin_host}:{self.admin_port}")
+        log.info("kvgate ext_proc on %s:%d (%s), admin %s; hot path: %s", settings.host,
+                 self.grpc_port, "plaintext" if settings.tls is None else "TLS", admin,
+                 kvgate_native.status())
 
     def _on_scraped(self, snapshot: StoreSnapshot) -> None:
         if any(p.kv_aware and p.name not in self._scraped_pools for p in self.config.pools):

@@ -428,3 +428,31 @@ def test_queued_requests_ride_through_a_reload(tmp_path: Path) -> None:
             thread.join(30)
         assert statuses == [200, 200]
 
+
+
+def test_kvgate_listening_on_ipv6_any_serves_and_hears_the_meter() -> None:
+    """``server.host: "::"`` (an IPv6 cluster's pods): gRPC was handed ``:::9001``, a
+    misformatted name, and `kvgate serve` died in a traceback; and the meter was told to
+    report to 127.0.0.1, where the report port on ``::`` (IPv6 alone) refused it, so no
+    response was ever charged the engine's usage."""
+    cfg = parse_config(config_data(f"127.0.0.1:{free_port()}", server={
+        "host": "::", "grpc_port": free_port(), "admin_port": free_port()}))
+    with local_stack(cfg) as running:
+        admin = f"http://127.0.0.1:{running.kvgate.server.admin_port}"
+        assert running.kvgate.server.desk.address.startswith("[::1]:")
+        assert post(running.url, "acme", chat(4)).status_code == 200
+        assert post(running.url, "acme", chat(4, stream=True)).status_code == 200
+        assert wait_until_charged(admin, 2)
+        reports = {s["kind"]: s["value"] for s in samples(admin, "kvgate_meter_reports_total")}
+        assert reports.get("done") == 2 and not reports.get("refused"), reports
+
+
+def wait_until_charged(admin: str, n: int) -> bool:
+    """Whether ``n`` requests were charged the engine's own usage within 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        charges = {s["basis"]: s["value"] for s in samples(admin, "kvgate_charges_total")}
+        if charges.get("usage", 0) >= n:
+            return True
+        time.sleep(0.1)
+    return False

@@ -167,6 +167,56 @@ def test_files_the_config_names_are_checked(tmp_path, capsys):
     assert main(["check", str(write(tmp_path, data))]) == 0
 
 
+def test_a_file_name_too_long_is_that_keys_problem(tmp_path, capsys):
+    """A path the kernel refuses to look up (ENAMETOOLONG) raised from ``exists()``: check
+    printed `kvgate check: File name too long: aaa…`, naming neither the file nor the key,
+    and stopped there (the unknown tier beside it went unreported)."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["models"] = [{"name": "m", "tokenizer": "a" * 300}]
+    data["tenants"][0]["tier"] = "nope"
+    found = check_problems(write(tmp_path, data), capsys)
+    assert f"pools[0].models[0].tokenizer: cannot read {'a' * 300}: File name too long" in found
+    assert any(p.startswith("tenants[0].tier: unknown tier") for p in found)
+
+
+def test_serve_names_the_file_and_every_unreadable_tls_file(tmp_path, capsys):
+    """`kvgate serve` with server.tls files missing printed "server.tls: 1 problem(s)" and
+    "cert_file: cannot read …": the config file unnamed, the key file's problem unsaid."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["server"] = {"grpc_port": free_port(), "admin_port": free_port(),
+                      "tls": {"cert_file": str(tmp_path / "no.pem"),
+                              "key_file": str(tmp_path / "no.key")}}
+    path = write(tmp_path, data)
+    assert main(["serve", "-c", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"{path}: 2 problem(s)", err
+    assert [line.strip() for line in err[1:]] == [
+        f"server.tls.cert_file: cannot read {tmp_path}/no.pem: No such file or directory",
+        f"server.tls.key_file: cannot read {tmp_path}/no.key: No such file or directory"]
+
+
+def test_serve_with_workers_reports_start_up_secrets_and_tls_once(tmp_path, capsys,
+                                                                 monkeypatch):
+    """`serve --workers 2` with an unset upstream_api_key variable or a missing TLS file:
+    each worker raised its own ConfigError traceback, and the parent exited 1."""
+    monkeypatch.delenv("KVGATE_TEST_NO_SUCH_KEY", raising=False)
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["pools"][0]["upstream_api_key"] = {"env": "KVGATE_TEST_NO_SUCH_KEY"}
+    data["redis"] = {"url": "redis://127.0.0.1:1", "replicas": 2}
+    data["server"] = {"grpc_port": free_port(), "admin_port": consecutive_free_ports(2),
+                      "tls": {"cert_file": str(tmp_path / "no.pem"),
+                              "key_file": str(tmp_path / "no.key")}}
+    path = write(tmp_path, data)
+    assert main(["serve", "-c", str(path), "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"{path}: 3 problem(s)",
+        "  pools[0].upstream_api_key: environment variable KVGATE_TEST_NO_SUCH_KEY is empty "
+        "or not set",
+        f"  server.tls.cert_file: cannot read {tmp_path}/no.pem: No such file or directory",
+        f"  server.tls.key_file: cannot read {tmp_path}/no.key: No such file or directory"]
+
+
 def test_a_duplicate_rls_descriptor_is_reported_beside_a_broken_sibling(tmp_path, capsys):
     # pydantic checks a list for duplicates only once every entry is valid: fixing the
     # unit uncovered the duplicate, one deploy cycle later
@@ -736,8 +786,28 @@ def test_a_worker_port_that_meets_the_grpc_port_is_refused(setting):
         "worker i listens on admin_port + i and report_port + i); move one of them further "
         "apart")
     assert _port_overlap(config, 1) is None  # one worker: 9000 is its own
-    data["server"][setting] = 9001  # one process, the same port twice
-    assert "both take port 9001" in (_port_overlap(parse_config(data), 1) or "")
+
+
+@pytest.mark.parametrize("setting", ["admin_port", "report_port"])
+def test_one_port_for_two_of_kvgates_listeners_is_a_config_problem(tmp_path, capsys, setting):
+    """The same port for the gRPC and admin (or report) port passed `kvgate check`, then
+    `kvgate serve` refused the file with "--workers 1: … both take port", though no
+    --workers was given. Two distinct specific addresses may share a port number."""
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["server"] = {"grpc_port": 9001, setting: 9001}
+    path = write(tmp_path, data)
+    assert check_problems(path, capsys) == [
+        f"server: {setting} 9001 is grpc_port too: kvgate listens on each of them, so it "
+        "could not start; give each its own port"]
+    assert main(["serve", "-c", str(path)]) == 2
+    assert f"server: {setting} 9001 is grpc_port too" in capsys.readouterr().err
+    data["server"] = {"grpc_port": 9001, "admin_port": 9001, "host": "0.0.0.0"}
+    assert len(check_problems(write(tmp_path, data), capsys)) == 1
+    data["server"] = {"grpc_port": 9001, "admin_port": 9001, "host": "10.0.0.1",
+                      "admin_host": "127.0.0.1"}
+    parse_config(data)  # apart: two addresses
+    data["server"] = {"grpc_port": 0, "admin_port": 0, "report_port": 0}
+    parse_config(data)  # any free ports
 
 
 def test_workers_need_redis_replicas_to_count_them(tmp_path, capsys):
@@ -817,6 +887,29 @@ def _answers(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.05).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_sigint_while_the_kvgate_command_imports_is_status_130_without_a_traceback(
+        tmp_path):
+    """Ctrl-C in the first ~0.2 s of `kvgate serve` (the imports, before main() catches
+    KeyboardInterrupt) printed a traceback from whichever module it landed in."""
+    script = Path(sys.executable).with_name("kvgate")
+    if not script.exists():
+        pytest.skip("no installed `kvgate` script beside this interpreter")
+    config = write(tmp_path, GOOD)
+    ready, signal_fd = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT_HARNESS, str(signal_fd), str(script), "serve", "-c",
+         str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, pass_fds=(signal_fd,),
+        env={**os.environ, "KVGATE_NATIVE": "0"})
+    os.close(signal_fd)
+    assert os.read(ready, 1) == b"r"
+    time.sleep(0.05)  # past the harness's last lines, well within the imports (~0.2 s)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -537,6 +537,52 @@ def test_a_pool_named_twice_is_reported_while_one_of_the_two_is_broken():
         "pools[2].models[0]: 'm2' already served by 'p'"]
 
 
+def test_a_pools_models_that_are_not_a_list_are_one_field_error():
+    """``models: 5`` ended ``kvgate check`` (and ``serve``, and a reload) in a TypeError
+    traceback, exit 1, and ``models: tiny-llama`` (a bare name, not a list) was read letter
+    by letter: "pools[0].models[6]: 'l' already served by 'tiny'" beside the real problem."""
+    pool = GOOD["pools"][0]
+    for models in (5, True, 2.5, "tiny-llama", {"name": "m"}):
+        assert problems({**GOOD, "pools": [{**pool, "models": models}]}) == [
+            "pools[0].models: Input should be a valid list"], models
+
+
+def test_a_host_envoy_or_kvgate_resolves_is_an_ip_or_a_dns_name():
+    """`envoy.ext_proc_host: kvgate:9001` (or `[::1]`, or "") passed `kvgate check` and
+    `envoy --mode validate`, then Envoy's ext_proc cluster resolved it to no host at all
+    (membership_total 0, update_failure 1): every request failed. A DNS pool's hostname
+    likewise."""
+    pool = {**GOOD["pools"][0], "dns": {"hostname": "vllm:8000", "port": 8000}}
+    del pool["endpoints"]
+    assert problems({**GOOD, "pools": [pool]}) == [
+        "pools[0].dns.hostname: 'vllm:8000' is not an IP address or a DNS name (no port: "
+        "that is dns.port; no brackets, no scheme)"]
+    for host in ("kvgate:9001", "[::1]", "", "kv gate", "http://kvgate", "a" * 64 + ".svc"):
+        assert problems({**GOOD, "envoy": {"ext_proc_host": host}}) == [
+            f"envoy.ext_proc_host: {host!r} is not an IP address or a DNS name (no port: "
+            "that is server.grpc_port; no brackets, no scheme)"], host
+    for host in ("127.0.0.1", "::1", "kvgate", "kvgate-headless.ns.svc.cluster.local.",
+                 "kvgate_0.internal"):
+        assert parse_config({**GOOD, "envoy": {"ext_proc_host": host}}).envoy.ext_proc_host \
+            == host
+
+
+def test_the_report_address_is_an_ip():
+    """Envoy's meter reports through an original-destination cluster, which takes an IP:
+    `report_host: localhost` (or a `host` that is a name, with no report_host) passed
+    `kvgate check`, and no report ever arrived (each answer charged `cut_off`)."""
+    assert problems({**GOOD, "server": {"report_host": "localhost"}}) == [
+        "server.report_host: 'localhost' is not an IP address: Envoy's meter reaches this "
+        "port by IP (the pod IP), not by name; or 'auto'"]
+    assert problems({**GOOD, "server": {"host": "localhost"}}) == [
+        "server: host 'localhost' is a name, and the meter reaches the report port by IP: "
+        "set report_host (an IP, or auto)"]
+    for server in ({"report_host": "10.0.0.5"}, {"report_host": "fd00::5"},
+                   {"report_host": "auto"}, {"host": "localhost", "report_host": "auto"},
+                   {"host": "0.0.0.0"}, {"host": "::"}, {"host": "10.0.0.5"}):
+        parse_config({**GOOD, "server": server})
+
+
 def test_every_duration_is_at_most_ten_years():
     """The README says so, but only Envoy's timeouts and the DNS interval were bounded: a
     `redis.lease_ttl_s` of 1e300 passed `kvgate check`, and then every Redis admission

@@ -549,3 +549,14 @@ async def test_metrics_are_formatted_off_the_event_loop(monkeypatch) -> None:
             reply = await client.get(f"http://{admin_host(server)}:{server.admin_port}/metrics")
         assert reply.status_code == 200 and b"kvgate_" in reply.content
     assert threads and threading.main_thread() not in threads
+
+
+async def test_the_start_line_says_the_admin_port_is_off(caplog) -> None:
+    """``admin_port: null`` logged "admin on 127.0.0.1:0", as though it listened on a
+    port, which an operator then looked for."""
+    caplog.set_level(logging.INFO, "extproc.server")
+    async for _server in started(config(admin_port=None)):
+        assert "admin off (server.admin_port: null)" in caplog.text
+    caplog.clear()
+    async for server in started(config()):
+        assert f"admin on 127.0.0.1:{server.admin_port};" in caplog.text
