@@ -69,6 +69,10 @@ ACCEPT = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # vLLM's classic text form
 # of 7 MIG slots: ~30 KB), and parsing runs on the event loop every admission shares (an
 # 18 MB page of 100,000 readings held it 1.3 s a round, and every placement then read them all)
 MAX_GPU_PAGE_BYTES = 256 * 1024
+# An engine page past this is refused unread (not metrics: the endpoint goes stale and the
+# error is logged): vLLM 0.32's whole page is ~56 KB, and a page is parsed on the event loop
+# every admission shares at every round (a 40 MB one stalled it up to 0.34 s a round)
+MAX_ENGINE_PAGE_BYTES = 8 * 1024 * 1024
 
 UpdateHook = Callable[[StoreSnapshot], Awaitable[None] | None]
 Scraped = tuple[float, EngineMetrics | None, str | None, bool]  # when, metrics, error, reached
@@ -342,16 +346,13 @@ class Scraper:
                 return candidate
         return url
 
-    async def _fetch(self, url: str, limit: int | None = None) -> str:
+    async def _fetch(self, url: str, limit: int = MAX_ENGINE_PAGE_BYTES) -> str:
         """GET ``url``'s body, bounded by the semaphore (waiting) and the timeout (not);
         a body over ``limit`` bytes is a ``ScrapeError``, found before it is all read."""
         async with self._semaphore:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
             async with self._client().get(url, timeout=timeout) as response:
-                if limit is None:
-                    body = await response.read()
-                else:
-                    body = await _read_at_most(response, limit, url)
+                body = await _read_at_most(response, limit, url)
                 if response.status != 200:
                     raise ScrapeError(f"HTTP {response.status} from {url}")
         return body.decode("utf-8", errors="replace")

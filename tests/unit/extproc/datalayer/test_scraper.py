@@ -27,6 +27,7 @@ from extproc.datalayer.endpoints import EndpointState, EndpointStore, StoreSnaps
 from extproc.datalayer.metrics import VLLM, parse_metrics
 from extproc.datalayer.nvml import NOT_AVAILABLE_BYTES, GpuReading, NvmlReader
 from extproc.datalayer.scraper import (
+    MAX_ENGINE_PAGE_BYTES,
     MAX_GPU_PAGE_BYTES,
     GpuSource,
     Scraper,
@@ -657,6 +658,23 @@ async def test_an_oversized_gpu_page_is_refused_unread(engine: EngineHandle,
         await runner.cleanup()
     assert state.healthy and state.gpus == () and state.gpus_read_at is None
     assert agent_url in scraper._failing_gpu_targets
+
+
+async def test_an_oversized_engine_page_is_refused_unread() -> None:
+    """A broken or hostile engine's huge metrics page is no reading: the endpoint is not
+    read from it (parsed, it would hold the event loop every admission shares, every
+    round), and the error names the size."""
+    padding = "# padding\n" * (MAX_ENGINE_PAGE_BYTES // 10)
+    async with MetricsServers(1, body=SAMPLE + padding) as [where]:
+        store = EndpointStore()
+        await store.set_endpoints("p", [where])
+        scraper = Scraper(store)
+        try:
+            state = (await scraper.scrape_once()).get("p", where)
+        finally:
+            await scraper.stop()
+    assert state.metrics is None and state.scraped_at is None
+    assert state.last_error is not None and f"over {MAX_ENGINE_PAGE_BYTES}" in state.last_error
 
 
 def test_gpu_source_specs() -> None:
