@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 _handed_out: set[int] = set()  # ports this process already gave to something it starts
+_share = (0, 1)  # (this process's index, processes sharing the machine's ports): share_ports
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -16,8 +17,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     the kernel's ephemeral range when it can be: a port picked from that range can be taken
     by any outgoing connection before its server binds it (CI runs failed both ways)."""
     low = _ephemeral_low()
+    index, count = _share
+    span = (low - PRIVATE_PORTS_FROM) // count
+    first = PRIVATE_PORTS_FROM + index * span
     for _ in range(200):
-        wanted = random.randrange(PRIVATE_PORTS_FROM, low) if low > PRIVATE_PORTS_FROM else 0
+        wanted = random.randrange(first, first + span) if span > 0 else 0
         port = _bindable(host, wanted)
         if port and port not in _handed_out:
             _handed_out.add(port)
@@ -26,6 +30,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 PRIVATE_PORTS_FROM = 20000  # below the ephemeral range, above most well-known services
+
+
+def share_ports(index: int, count: int) -> None:
+    """This process is the ``index``-th of ``count`` that pick free ports on one machine at
+    once (parallel test workers): it picks from its own ``1/count`` of the range. Each
+    remembers only what it handed out itself, and a port one picked and had not bound yet
+    was picked by another (a CI run's Envoy failed to bind)."""
+    global _share
+    if not 0 <= index < count:
+        raise ValueError(f"process {index} of {count}")
+    _share = (index, count)
 
 
 def _ephemeral_low() -> int:

@@ -14,7 +14,7 @@ import pytest
 
 import kvgate_native
 from bench.redis_server import REDIS_SERVER, RedisCluster, RedisServer
-from extproc.ports import free_port
+from extproc.ports import free_port, share_ports
 
 __all__ = ["consecutive_free_ports", "free_port"]
 
@@ -40,6 +40,15 @@ def consecutive_free_ports(count: int) -> int:
 
 def pytest_report_header() -> str:
     return f"kvgate hot path: {kvgate_native.status()}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker picks free ports from its own part of the range: two
+    workers picked one port (each before the other's Envoy bound it) in a CI run."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
+        share_ports(int(worker[2:]), int(count))
 
 
 @pytest.fixture(autouse=True)
