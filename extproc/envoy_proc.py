@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from extproc.ports import connect_host
 from extproc.processes import stop_process
 
 if TYPE_CHECKING:
@@ -165,11 +166,6 @@ def _port_accepts(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def _connect_host(host: str) -> str:
-    """Where to connect to reach a listener bound to ``host`` (wildcards → loopback)."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
 class EnvoyProcess:
     """A running Envoy for the demo and end-to-end tests; a (sync) context manager.
 
@@ -231,7 +227,7 @@ class EnvoyProcess:
     @property
     def url(self) -> str:
         """Base URL of the gateway listener, e.g. ``http://127.0.0.1:10000``."""
-        host = _connect_host(self.listen_host or "127.0.0.1")
+        host = connect_host(self.listen_host or "127.0.0.1")
         return f"http://{f'[{host}]' if ':' in host else host}:{self.listen_port}"
 
     def log_tail(self, lines: int = 40) -> str:
@@ -319,7 +315,7 @@ class EnvoyProcess:
             if not port:
                 return False
         self.listen_host, self.listen_port = host, port
-        return _port_accepts(_connect_host(host), port)
+        return _port_accepts(connect_host(host), port)
 
     def _bound_listener_port(self) -> int | None:
         text = self._admin_get("/listeners?format=json")

@@ -32,6 +32,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 PRIVATE_PORTS_FROM = 20000  # below the ephemeral range, above most well-known services
 
 
+def connect_host(host: str) -> str:
+    """Where to connect to reach a listener bound to ``host``: a wildcard's loopback (``::``
+    listens on IPv6 alone: asyncio sets IPV6_V6ONLY, so 127.0.0.1 is refused there)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
 def share_ports(index: int, count: int) -> None:
     """This process is the ``index``-th of ``count`` that pick free ports on one machine at
     once (parallel test workers): it picks from its own ``1/count`` of the range. Each

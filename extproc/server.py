@@ -38,6 +38,7 @@ from extproc.duplex import DuplexStream
 from extproc.http_port import serve_http
 from extproc.logs import quiet_grpc_write_failures
 from extproc.metrics import Collected, Metrics
+from extproc.ports import connect_host
 from extproc.reload import ConfigFile, Reload, plan
 from extproc.reports import ReportDesk
 from extproc.rls import SERVICE as RLS_SERVICE
@@ -284,7 +285,7 @@ def _sibling_admins(settings: ServerSettings, workers: int) -> list[tuple[int, s
     if workers < 2 or not settings.admin_port:
         return []
     host = settings.admin_host
-    host = _bracketed({"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host))
+    host = _bracketed(connect_host(host))
     return [(i, f"http://{host}:{settings.admin_port + i}/readyz") for i in range(1, workers)]
 
 
@@ -312,9 +313,7 @@ def _report_host(settings: ServerSettings) -> str:
         return socket.gethostbyname(socket.gethostname())
     if settings.report_host is not None:
         return settings.report_host
-    # "::" listens on IPv6 alone (asyncio sets IPV6_V6ONLY): 127.0.0.1 was refused there
-    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(settings.host,
-                                                                     settings.host)
+    return connect_host(settings.host)
 
 
 def _server_credentials(tls: GrpcTls) -> grpc.ServerCredentials:
