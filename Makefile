@@ -38,8 +38,8 @@ PLAIN_TESTS := tests/unit tests/e2e/test_gateway.py \
 	--ignore=tests/unit/extproc/test_startup_sigterm.py
 # Both passes run on TEST_WORKERS processes (pytest-xdist): most end-to-end tests wait on
 # Envoy, Redis and the clock more than they compute, so two workers on two cores halve the
-# run. Every test brings up its own Envoy, kvgate, engines and Redis on free ports: the
-# workers share no process.
+# run. Every test brings up its own Envoy, kvgate, engines and Redis on free ports, each
+# worker from its own part of the port range (tests/conftest.py): the workers share no process.
 # `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 test: $(BIN)/kvgate $(NATIVE)
